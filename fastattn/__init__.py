@@ -1,0 +1,41 @@
+"""fastattn: softmax and linear attention kernels, and what they cost as n grows.
+
+Public names:
+
+* :func:`softmax_attention`, :func:`linear_attention` -- the kernels, with
+  ``backend="reference" | "numba" | "cython" | "auto"``;
+* :func:`attention_weights` -- the explicit weight matrix of either;
+* :func:`compare`, :func:`compare_attention`, :func:`quality` -- how far
+  linear attention lands from softmax attention;
+* :func:`available_backends`, :func:`set_num_threads`,
+  :func:`get_num_threads`, :func:`num_threads` -- what runs here, on how many
+  threads.
+"""
+
+from ._api import (
+    attention_weights,
+    available_backends,
+    linear_attention,
+    softmax_attention,
+    unavailable_backends,
+)
+from ._threads import get_num_threads, num_threads, set_num_threads
+from .compare import Comparison, Quality, compare, compare_attention, quality
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "softmax_attention",
+    "linear_attention",
+    "attention_weights",
+    "available_backends",
+    "unavailable_backends",
+    "set_num_threads",
+    "get_num_threads",
+    "num_threads",
+    "compare",
+    "compare_attention",
+    "quality",
+    "Comparison",
+    "Quality",
+]

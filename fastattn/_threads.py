@@ -1,0 +1,91 @@
+"""One place that fixes the thread counts of every backend and of BLAS.
+
+A backend module may expose ``set_num_threads(n)`` and ``get_num_threads()``
+(Numba's threading layer, the OpenMP runtime of the Cython extension); BLAS
+(OpenBLAS/MKL of NumPy and SciPy) is limited through threadpoolctl.
+"""
+
+import contextlib
+import os
+
+from threadpoolctl import threadpool_info, threadpool_limits
+
+from . import _api
+
+_requested = None
+
+
+def _check_threads(n):
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"n_threads must be a positive int, got {n!r}")
+    return n
+
+
+def set_num_threads(n_threads):
+    """Use ``n_threads`` threads in every available backend and in BLAS.
+
+    Parameters
+    ----------
+    n_threads : int
+        At least 1.  Numba cannot use more threads than it started with
+        (``NUMBA_NUM_THREADS``, default the core count); larger values are
+        clipped there.
+
+    Raises
+    ------
+    ValueError
+        If ``n_threads`` is not a positive int.
+    """
+    global _requested
+    n_threads = _check_threads(n_threads)
+    for name in _api.available_backends():
+        setter = getattr(_api.get_backend(name), "set_num_threads", None)
+        if setter is not None:
+            setter(n_threads)
+    threadpool_limits(n_threads)
+    _requested = n_threads
+
+
+def get_num_threads():
+    """Thread counts in force, by component.
+
+    Returns
+    -------
+    dict of str to int
+        ``{"requested": ..., "blas": ..., "<backend>": ...}``; ``requested``
+        is None until :func:`set_num_threads` is called.
+    """
+    counts = {"requested": _requested}
+    for name in _api.available_backends():
+        getter = getattr(_api.get_backend(name), "get_num_threads", None)
+        if getter is not None:
+            counts[name] = getter()
+    blas = [info["num_threads"] for info in threadpool_info() if info["user_api"] == "blas"]
+    counts["blas"] = max(blas) if blas else None
+    return counts
+
+
+@contextlib.contextmanager
+def num_threads(n_threads):
+    """Context manager: :func:`set_num_threads` inside, the previous counts restored after."""
+    before = get_num_threads()
+    set_num_threads(n_threads)
+    try:
+        yield
+    finally:
+        for name in _api.available_backends():
+            setter = getattr(_api.get_backend(name), "set_num_threads", None)
+            if setter is not None and before.get(name):
+                setter(before[name])
+        if before["blas"]:
+            threadpool_limits(before["blas"])
+        global _requested
+        _requested = before["requested"]
+
+
+def default_num_threads():
+    """Threads a run uses when none is asked for: the cores this process may use."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1

@@ -1,0 +1,1 @@
+"""Measurement: sweeps, timers, the memory probe and the roof probe."""

@@ -1,0 +1,80 @@
+"""The ``fastattn`` command: ``report``, ``bench`` and ``compare``.
+
+Each subcommand lives beside the code it drives and contributes
+``add_parser(subparsers)``, which registers its options and sets ``func``.
+"""
+
+import argparse
+import sys
+
+from . import __version__
+
+
+def _add_compare(subparsers):
+    parser = subparsers.add_parser(
+        "compare",
+        help="softmax against linear attention on seeded Gaussian inputs",
+        description=(
+            "The seed experiment: np.random.seed(SEED); q, k = 0.5 * randn(n, d), "
+            "v = randn(n, d) (float32); softmax attention (scale 1/sqrt(d)) against "
+            "elu+1 linear attention (eps 1e-6). Prints the mean cosine similarity, "
+            "the MSE and the magnitude ratio of the outputs."
+        ),
+    )
+    parser.add_argument("--n", type=_positive_int, default=64, help="sequence length (default 64)")
+    parser.add_argument("--d", type=_positive_int, default=32, help="head dimension (default 32)")
+    parser.add_argument("--seed", type=int, default=42, help="NumPy seed (default 42)")
+    parser.set_defaults(func=_run_compare)
+
+
+def _run_compare(args):
+    from .compare import compare
+
+    result = compare(args.n, args.d, seed=args.seed)
+    q = result.quality
+    print(f"softmax vs linear (elu+1) attention, n={args.n}, d={args.d}, seed={args.seed}")
+    print(f"  cosine similarity  {q.cosine_similarity:.4g}")
+    print(f"  MSE                {q.mse:.6g}")
+    print(f"  magnitude ratio    {q.magnitude_ratio:.4g}")
+    return 0
+
+
+def _positive_int(text):
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(
+        prog="fastattn",
+        description="Softmax and linear attention: kernels, benchmarks and scaling reports.",
+    )
+    parser.add_argument("--version", action="version", version=f"fastattn {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="{report,bench,compare}")
+    subparsers.required = True
+    from .bench.cli import add_parser as add_bench
+    from .report.cli import add_parser as add_report
+
+    add_report(subparsers)
+    add_bench(subparsers)
+    _add_compare(subparsers)
+    return parser
+
+
+def main(argv=None):
+    """Entry point of the ``fastattn`` command; returns the exit code."""
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args) or 0
+    except KeyboardInterrupt:
+        print("interrupted; measured points are kept in the results file", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,186 @@
+"""How far linear attention's output lands from softmax attention's.
+
+Metrics on two outputs of shape ``(..., n, d_v)``, taken over the rows (one
+row per query):
+
+* cosine similarity, the mean over rows of ``cos(out_softmax_i, out_linear_i)``;
+* mean squared error, the mean over all elements of ``(out_linear - out_softmax)²``;
+* magnitude ratio, ``‖out_linear‖_F / ‖out_softmax‖_F``.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ._api import attention_weights, linear_attention, softmax_attention
+
+
+@dataclass(frozen=True)
+class Quality:
+    """Output quality of an approximation against a reference output.
+
+    Attributes
+    ----------
+    cosine_similarity : float
+        Mean over rows of the cosine similarity (1 is identical direction).
+        A row where either output is all zeros counts as 0.
+    mse : float
+        Mean squared error over all elements.
+    magnitude_ratio : float
+        Frobenius norm of the approximation over that of the reference.
+    """
+
+    cosine_similarity: float
+    mse: float
+    magnitude_ratio: float
+
+    def format(self):
+        """One line: cosine similarity and magnitude ratio to 4, MSE to 6 significant places."""
+        return (
+            f"cosine similarity {self.cosine_similarity:.4g}  "
+            f"MSE {self.mse:.6g}  "
+            f"magnitude ratio {self.magnitude_ratio:.4g}"
+        )
+
+
+def quality(reference_out, approx_out):
+    """Cosine similarity, MSE and magnitude ratio of ``approx_out`` against ``reference_out``.
+
+    Parameters
+    ----------
+    reference_out : ndarray of shape (..., n, d_v)
+        Usually softmax attention's output.
+    approx_out : ndarray of the same shape
+        Usually linear attention's output.
+
+    Returns
+    -------
+    Quality
+        Computed in float64.
+
+    Raises
+    ------
+    ValueError
+        If the shapes differ.
+    """
+    a = np.asarray(reference_out, dtype=np.float64)
+    b = np.asarray(approx_out, dtype=np.float64)
+    if a.shape != b.shape:
+        raise ValueError(
+            f"reference_out and approx_out must have the same shape, got {a.shape} and {b.shape}"
+        )
+    if a.size == 0:
+        return Quality(float("nan"), float("nan"), float("nan"))
+    norms = np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1)
+    dots = np.sum(a * b, axis=-1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        cos = np.where(norms > 0, dots / norms, 0.0)
+    ref_norm = np.linalg.norm(a)
+    return Quality(
+        cosine_similarity=float(np.mean(cos)),
+        mse=float(np.mean((b - a) ** 2)),
+        magnitude_ratio=float(np.linalg.norm(b) / ref_norm) if ref_norm > 0 else float("inf"),
+    )
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Softmax against linear attention on one set of q, k, v.
+
+    Attributes
+    ----------
+    quality : Quality
+        Linear attention's output measured against softmax attention's.
+    softmax_output, linear_output : ndarray of shape (..., n_q, d_v)
+    softmax_weights, linear_weights : ndarray of shape (..., n_q, n_k)
+        The weight matrices each mechanism applies to ``v``.
+    """
+
+    quality: Quality
+    softmax_output: np.ndarray
+    linear_output: np.ndarray
+    softmax_weights: np.ndarray
+    linear_weights: np.ndarray
+
+
+def compare_attention(q, k, v, *, causal=False, scale=None, feature_map="elu", eps=1e-6,
+                      backend="auto"):
+    """Compare linear attention with softmax attention on the given q, k, v.
+
+    Parameters
+    ----------
+    q, k, v : ndarray
+        As for :func:`fastattn.softmax_attention` (any leading dims).
+    causal, scale, feature_map, eps, backend
+        Passed to :func:`fastattn.softmax_attention` (``scale``) and
+        :func:`fastattn.linear_attention` (``feature_map``, ``eps``).
+
+    Returns
+    -------
+    Comparison
+        The weights come from :func:`fastattn.attention_weights` and take
+        ``O(n_q · n_k)`` memory.
+
+    Raises
+    ------
+    TypeError, ValueError, MemoryError
+        As the attention functions.
+    """
+    soft = softmax_attention(q, k, v, causal=causal, scale=scale, backend=backend)
+    lin = linear_attention(q, k, v, feature_map=feature_map, causal=causal, eps=eps,
+                           backend=backend)
+    return Comparison(
+        quality=quality(soft, lin),
+        softmax_output=soft,
+        linear_output=lin,
+        softmax_weights=attention_weights(q, k, kind="softmax", causal=causal, scale=scale),
+        linear_weights=attention_weights(q, k, kind="linear", causal=causal,
+                                         feature_map=feature_map, eps=eps),
+    )
+
+
+def seed_inputs(n, d, seed=42):
+    """The seed experiment's inputs: ``(q, k, v)``, each float32 of shape ``(n, d)``.
+
+    ``np.random.seed(seed)``, then ``q = randn(n, d) * 0.5``, ``k`` the same,
+    ``v = randn(n, d)``, each cast to float32 before any scaling.  Uses (and
+    reseeds) NumPy's global random state, exactly as the original experiment.
+    """
+    for value, name in ((n, "n"), (d, "d")):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    np.random.seed(seed)
+    q = np.random.randn(n, d).astype(np.float32) * 0.5
+    k = np.random.randn(n, d).astype(np.float32) * 0.5
+    v = np.random.randn(n, d).astype(np.float32)
+    return q, k, v
+
+
+def compare(n=64, d=32, seed=42):
+    """The seed experiment: softmax against elu+1 linear attention on Gaussian inputs.
+
+    Inputs from :func:`seed_inputs`; softmax attention with scale
+    ``1/sqrt(d)``; linear attention with ``φ = elu + 1``, unscaled, ``eps = 1e-6``;
+    both non-causal, computed by the NumPy reference.
+
+    Parameters
+    ----------
+    n : int, default 64
+        Sequence length.
+    d : int, default 32
+        Head dimension (``d_k = d_v = d``).
+    seed : int, default 42
+
+    Returns
+    -------
+    Comparison
+        ``.quality`` holds the mean cosine similarity, MSE and magnitude
+        ratio; ``.softmax_weights`` and ``.linear_weights`` are ``(n, n)``.
+
+    Raises
+    ------
+    ValueError
+        If ``n`` or ``d`` is not a positive int.
+    """
+    q, k, v = seed_inputs(n, d, seed)
+    return compare_attention(q, k, v, backend="reference")

@@ -1,0 +1,203 @@
+"""NumPy reference kernels: the specification every fast backend is held to.
+
+These functions take already validated arrays (see :mod:`fastattn._api`):
+``q (B, n_q, d_k)``, ``k (B, n_k, d_k)``, ``v (B, n_k, d_v)`` of one float
+dtype, C-contiguous, with every size at least 1.  They favour being obviously
+right over being fast: softmax attention materialises the ``n_q x n_k`` score
+matrix, and causal linear attention its masked ``n_q x n_k`` kernel matrix.
+
+The causal mask is aligned at the bottom right: query ``i`` sees key ``j``
+when ``j <= i + (n_k - n_q)``.  A product with a masked entry never touches
+the value behind it, so a NaN or inf in a key or value only reaches the rows
+that see it.
+"""
+
+import math
+
+import numpy as np
+import psutil
+
+#: Feature maps of linear attention, by name.  ``elu`` is ``elu(x) + 1``
+#: (Katharopoulos et al. 2020), which is positive for every finite input;
+#: ``relu`` is ``max(x, 0)``.
+FEATURE_MAPS = ("elu", "relu")
+
+#: Backends that compute attention without any n_q x n_k array.
+TILED_BACKENDS = ("numba", "cython")
+
+
+def feature_map(x, name):
+    """Apply the linear-attention feature map ``name`` to ``x`` elementwise.
+
+    Parameters
+    ----------
+    x : ndarray of float32 or float64
+    name : {"elu", "relu"}
+        ``"elu"`` is ``elu(x) + 1`` (``x + 1`` for ``x > 0``, ``exp(x)``
+        otherwise; strictly positive unless ``exp`` underflows), ``"relu"`` is
+        ``max(x, 0)``.
+
+    Returns
+    -------
+    ndarray of the same shape and dtype as ``x``.
+    """
+    if name == "elu":
+        # exp is only evaluated where it is used, so large x raises no warning.
+        return np.where(x > 0, x + 1, np.exp(np.minimum(x, 0)))
+    if name == "relu":
+        return np.maximum(x, 0)
+    raise ValueError(f"feature_map must be one of {FEATURE_MAPS}, got {name!r}")
+
+
+def causal_mask(n_q, n_k):
+    """Boolean ``(n_q, n_k)`` mask, True where query ``i`` sees key ``j``.
+
+    Bottom-right aligned: ``j <= i + (n_k - n_q)``.
+    """
+    return np.arange(n_k)[None, :] <= np.arange(n_q)[:, None] + (n_k - n_q)
+
+
+def quadratic_bytes(batch, n_q, n_k, itemsize, arrays=3):
+    """Bytes of the ``arrays`` n_q x n_k intermediates a reference call holds."""
+    return int(batch) * int(n_q) * int(n_k) * int(itemsize) * int(arrays)
+
+
+def check_fits_in_memory(nbytes, what):
+    """Raise MemoryError, before allocating, when ``nbytes`` exceed available RAM."""
+    available = psutil.virtual_memory().available
+    if nbytes > available:
+        raise MemoryError(
+            f"the reference {what} needs {nbytes:,} bytes ({nbytes / 2**30:.1f} GiB) "
+            f"for its n_q x n_k intermediates but only {available:,} bytes are "
+            f"available; use a tiled backend ({', '.join(repr(b) for b in TILED_BACKENDS)}), "
+            f"which needs O(n d) memory"
+        )
+
+
+def _masked_matmul(w, v, visible):
+    """``w @ v`` where terms with ``visible[i, j]`` False are left out entirely.
+
+    A plain matmul would form ``0 * v[j]`` for a masked term, which is NaN when
+    ``v[j]`` is inf or NaN; the masked terms must not be formed at all.
+    ``w`` is ``(B, n_q, n_k)`` and already zero where not visible, ``v`` is
+    ``(B, n_k, d_v)``, ``visible`` is ``(n_q, n_k)`` or None (all visible).
+    """
+    finite = np.isfinite(v)
+    if visible is None or finite.all():
+        return w @ v
+    out = w @ np.where(finite, v, 0)
+    # Add back the non-finite values, each only into the rows that see it.
+    for b, j in zip(*np.nonzero(~finite.all(axis=-1))):
+        rows = np.flatnonzero(visible[:, j])
+        cols = np.flatnonzero(~finite[b, j])
+        out[b][np.ix_(rows, cols)] += w[b, rows, j][:, None] * v[b, j, cols][None, :]
+    return out
+
+
+def softmax_weights(q, k, causal, scale):
+    """Softmax attention weights ``(B, n_q, n_k)``, with their visibility mask.
+
+    ``softmax(q kᵀ · scale)`` row by row, the row maximum subtracted first so
+    no finite input overflows.  Masked entries and rows that see no key are 0.
+    """
+    batch, n_q, _ = q.shape
+    n_k = k.shape[1]
+    check_fits_in_memory(quadratic_bytes(batch, n_q, n_k, q.itemsize), "softmax attention")
+    scores = q @ k.transpose(0, 2, 1)
+    scores *= scale
+    visible = causal_mask(n_q, n_k) if causal else None
+    if visible is not None:
+        scores[:, ~visible] = -np.inf
+    row_max = scores.max(axis=-1, keepdims=True)
+    # A row that sees no key has max -inf; shift it by 0 so it stays all zeros.
+    row_max[np.isneginf(row_max)] = 0
+    weights = np.exp(scores - row_max, out=scores)
+    row_sum = weights.sum(axis=-1, keepdims=True)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        weights = np.where(row_sum > 0, weights / row_sum, weights * 0)
+    return weights, visible
+
+
+def softmax_forward(q, k, v, causal, scale):
+    """Softmax attention ``softmax(q kᵀ · scale) v`` as an explicit n_q x n_k product.
+
+    Time ``O(B n_q n_k (d_k + d_v))``, memory ``O(B n_q n_k)``.
+    """
+    weights, visible = softmax_weights(q, k, causal, scale)
+    return _masked_matmul(weights, v, visible)
+
+
+def linear_kernel_matrix(q, k, feature_map_name, causal):
+    """``φ(q) φ(k)ᵀ`` ``(B, n_q, n_k)``, zero where masked, with the mask."""
+    batch, n_q, _ = q.shape
+    n_k = k.shape[1]
+    check_fits_in_memory(
+        quadratic_bytes(batch, n_q, n_k, q.itemsize, arrays=2), "causal linear attention"
+    )
+    kernel = feature_map(q, feature_map_name) @ feature_map(k, feature_map_name).transpose(0, 2, 1)
+    visible = causal_mask(n_q, n_k) if causal else None
+    if visible is not None:
+        kernel[:, ~visible] = 0
+    return kernel, visible
+
+
+def _normalise(numerator, denominator):
+    """``numerator / denominator``, 0 where the denominator is exactly 0."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(denominator != 0, numerator / denominator, numerator * 0)
+
+
+def linear_forward(q, k, v, feature_map_name, causal, eps, S0=None, z0=None):
+    """Linear attention ``φ(q) (S0 + φ(k)ᵀ v) / (φ(q)·(z0 + φ(k)ᵀ 1) + eps)``.
+
+    Katharopoulos et al., "Transformers are RNNs" (ICML 2020).  Non-causal:
+    two ``O(B n d_k d_v)`` products.  Causal: the masked quadratic form
+    ``(φ(q) φ(k)ᵀ ⊙ M) v``, ``O(B n_q n_k d)`` time and ``O(B n_q n_k)``
+    memory, kept quadratic on purpose so it is independent of the recurrent
+    and chunked forms the fast kernels use.
+
+    ``S0 (B, d_k, d_v)`` and ``z0 (B, d_k)`` are the state of keys that came
+    before (seen by every query), or None for none.  Where the denominator is
+    exactly 0 (``relu`` with no positive overlap and ``eps = 0``) the row is 0.
+
+    Returns
+    -------
+    out : ndarray (B, n_q, d_v)
+    S : ndarray (B, d_k, d_v)
+        ``S0 + φ(k)ᵀ v`` over all keys: the state to pass to the next piece.
+    z : ndarray (B, d_k)
+        ``z0 + Σ_j φ(k_j)``.
+    """
+    phi_q = feature_map(q, feature_map_name)
+    phi_k = feature_map(k, feature_map_name)
+    dtype = q.dtype
+    batch, _, d_k = q.shape
+    d_v = v.shape[-1]
+    S0 = np.zeros((batch, d_k, d_v), dtype) if S0 is None else S0
+    z0 = np.zeros((batch, d_k), dtype) if z0 is None else z0
+    S = S0 + phi_k.transpose(0, 2, 1) @ v
+    z = z0 + phi_k.sum(axis=1)
+    if causal:
+        kernel, visible = linear_kernel_matrix(q, k, feature_map_name, causal)
+        numerator = _masked_matmul(kernel, v, visible) + phi_q @ S0
+        denominator = kernel.sum(axis=-1) + (phi_q @ z0[:, :, None])[..., 0]
+    else:
+        numerator = phi_q @ S
+        denominator = (phi_q @ z[:, :, None])[..., 0]
+    out = _normalise(numerator, denominator[..., None] + eps)
+    return out, S, z
+
+
+def linear_weights(q, k, feature_map_name, causal, eps):
+    """Linear attention weights ``(B, n_q, n_k)``: ``φ(q_i)·φ(k_j) / (Σ_j φ(q_i)·φ(k_j) + eps)``.
+
+    Each row is what linear attention applies to ``v``; it sums to just under
+    1 (because of ``eps``), and is 0 where masked.
+    """
+    kernel, _ = linear_kernel_matrix(q, k, feature_map_name, causal)
+    return _normalise(kernel, kernel.sum(axis=-1, keepdims=True) + eps)
+
+
+def default_scale(d_k):
+    """``1 / sqrt(d_k)``, the scale of Vaswani et al. (2017)."""
+    return 1.0 / math.sqrt(d_k)

@@ -1,0 +1,1 @@
+"""HTML scaling reports built from results files."""

@@ -1,0 +1,78 @@
+"""Build the Cython kernels of fastattn.
+
+Every ``fastattn/_cython/*.pyx`` becomes an extension module; a new kernel only
+adds its ``.pyx`` file.  Cython directives are set here, once.  Set
+``FASTATTN_CYTHON_DEBUG=1`` to build with bounds and wrap-around checks on.
+OpenMP is used when the compiler accepts ``-fopenmp``; otherwise the
+extensions build serially (``prange`` runs as a plain loop).
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+from setuptools import Extension, setup
+
+HERE = Path(__file__).parent
+DEBUG = os.environ.get("FASTATTN_CYTHON_DEBUG", "") not in ("", "0")
+
+
+def _compiler_accepts(flags):
+    """Whether the C compiler builds and links a tiny OpenMP program with ``flags``."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None or sys.platform == "win32":
+        return False
+    source = "#include <omp.h>\nint main(void){return omp_get_max_threads() > 0 ? 0 : 1;}\n"
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp, "probe.c")
+        src.write_text(source)
+        cmd = [cc, *flags, str(src), "-o", str(Path(tmp, "probe"))]
+        return subprocess.run(cmd, capture_output=True).returncode == 0
+
+
+def cython_extensions():
+    """One Extension per .pyx under fastattn/_cython, with the shared flags."""
+    openmp = ["-fopenmp"] if _compiler_accepts(["-fopenmp"]) else []
+    compile_args = ["-O3", "-ffp-contract=fast", "-fno-math-errno"] + openmp
+    if DEBUG:
+        compile_args = ["-O0", "-g"] + openmp
+    macros = [("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")]
+    extensions = []
+    for pyx in sorted((HERE / "fastattn" / "_cython").glob("*.pyx")):
+        name = "fastattn._cython." + pyx.stem
+        extensions.append(
+            Extension(
+                name,
+                [str(pyx.relative_to(HERE))],
+                include_dirs=[np.get_include()],
+                define_macros=macros,
+                extra_compile_args=compile_args,
+                extra_link_args=openmp,
+            )
+        )
+    return extensions
+
+
+def cythonize_all():
+    from Cython.Build import cythonize
+
+    directives = {
+        "language_level": 3,
+        "boundscheck": DEBUG,
+        "wraparound": DEBUG,
+        "initializedcheck": DEBUG,
+        "cdivision": not DEBUG,
+        "embedsignature": True,
+    }
+    return cythonize(
+        cython_extensions(),
+        compiler_directives=directives,
+        compile_time_env={"FASTATTN_DEBUG": DEBUG},
+    )
+
+
+setup(ext_modules=cythonize_all())

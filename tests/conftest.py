@@ -1,0 +1,79 @@
+"""Shared test fixtures: the backends under test, tolerances, input factories.
+
+Every parity test compares a kernel with the NumPy reference evaluated in
+float64, within the tolerance of the kernel's dtype from :data:`TOLERANCES`.
+"""
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import fastattn
+
+#: One tolerance table per dtype (computation dtype of the kernel under test).
+TOLERANCES = {
+    np.dtype(np.float64): {"rtol": 1e-9, "atol": 1e-10},
+    np.dtype(np.float32): {"rtol": 2e-4, "atol": 2e-5},
+    np.dtype(np.float16): {"rtol": 2e-2, "atol": 2e-3},
+}
+
+#: Every backend that can run here; a new backend is tested by being available.
+BACKENDS = fastattn.available_backends()
+FAST_BACKENDS = tuple(b for b in BACKENDS if b != "reference")
+
+
+def assert_close(actual, desired, dtype=None, err_msg="", scale=1.0):
+    """``actual`` equals ``desired`` within the tolerance of ``dtype`` (default: actual's).
+
+    ``scale`` widens the tolerance for sums that are long by construction.
+    """
+    dtype = np.dtype(dtype or actual.dtype)
+    tol = TOLERANCES[dtype]
+    assert actual.shape == desired.shape, f"shape {actual.shape} != {desired.shape} {err_msg}"
+    np.testing.assert_allclose(
+        actual, desired, rtol=tol["rtol"] * scale, atol=tol["atol"] * scale, err_msg=err_msg
+    )
+
+
+def make_qkv(shape_q, n_k=None, d_v=None, dtype=np.float64, seed=0, scale=1.0):
+    """Seeded Gaussian q, k, v: q of ``shape_q = (..., n_q, d_k)``."""
+    rng = np.random.default_rng(seed)
+    *lead, n_q, d_k = shape_q
+    n_k = n_q if n_k is None else n_k
+    d_v = d_k if d_v is None else d_v
+    q = rng.standard_normal((*lead, n_q, d_k)) * scale
+    k = rng.standard_normal((*lead, n_k, d_k)) * scale
+    v = rng.standard_normal((*lead, n_k, d_v))
+    return q.astype(dtype), k.astype(dtype), v.astype(dtype)
+
+
+def reference64(fn, q, k, v, **kwargs):
+    """``fn`` (softmax_attention or linear_attention) by the reference, in float64."""
+    return fn(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64),
+              backend="reference", **kwargs)
+
+
+def minilm_dir():
+    """The full MiniLM activations shipped in ../shared, or None.
+
+    ``FASTATTN_MINILM_DIR`` overrides the location.
+    """
+    candidates = [os.environ.get("FASTATTN_MINILM_DIR")]
+    here = Path(__file__).resolve().parent
+    candidates += [str(p / "shared" / "data" / "minilm") for p in here.parents[:3]]
+    for candidate in candidates:
+        if candidate and Path(candidate, "minilm_l6_qkv_n128.npz").is_file():
+            return Path(candidate)
+    return None
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request):
+    return request.param
+
+
+@pytest.fixture(params=FAST_BACKENDS or [pytest.param(None, marks=pytest.mark.skip("no fast backend built"))])
+def fast_backend(request):
+    return request.param
