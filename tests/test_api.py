@@ -1,0 +1,104 @@
+"""The public contract: dtypes, dispatch, thread control, the command line."""
+
+import numpy as np
+import pytest
+
+import fastattn
+from conftest import BACKENDS, assert_close, make_qkv, reference64
+
+
+@pytest.mark.parametrize("fn", [fastattn.softmax_attention, fastattn.linear_attention],
+                         ids=["softmax", "linear"])
+@pytest.mark.parametrize(
+    "dtypes, result",
+    [
+        ((np.float32,) * 3, np.float32),
+        ((np.float64,) * 3, np.float64),
+        ((np.float16,) * 3, np.float16),
+        ((np.float32, np.float32, np.float64), np.float64),
+        ((np.float16, np.float32, np.float32), np.float32),
+    ],
+    ids=["f32", "f64", "f16", "f32+f64", "f16+f32"],
+)
+def test_result_dtype_follows_the_inputs(fn, dtypes, result, backend):
+    q, k, v = make_qkv((2, 9, 4), seed=7)
+    q, k, v = (x.astype(dt) for x, dt in zip((q, k, v), dtypes))
+    out = fn(q, k, v, backend=backend)
+    assert out.dtype == result
+    compute = np.float64 if result == np.float64 else np.float32
+    expected = reference64(fn, q, k, v)
+    # float16 results are rounded once at the end: half-precision tolerance.
+    assert_close(out, expected.astype(out.dtype), dtype=result if result == np.float16 else compute)
+
+
+def test_float16_is_computed_in_float32():
+    # exp(12) overflows float16 (max 65504) but not float32: the result must be finite.
+    q = np.full((4, 2), 8.0, np.float16)
+    k = np.full((4, 2), 8.0, np.float16)
+    v = np.arange(8, dtype=np.float16).reshape(4, 2)
+    out = fastattn.softmax_attention(q, k, v, scale=1.0, backend="reference")
+    assert out.dtype == np.float16
+    np.testing.assert_allclose(out.astype(np.float64), np.tile(v.mean(axis=0), (4, 1)), rtol=1e-3)
+
+
+def test_unknown_backend_lists_the_available_ones():
+    q, k, v = make_qkv((3, 2))
+    with pytest.raises(ValueError, match="backend must be") as info:
+        fastattn.softmax_attention(q, k, v, backend="cuda")
+    for name in BACKENDS:
+        assert repr(name) in str(info.value)
+
+
+def test_unavailable_backend_says_why(monkeypatch):
+    from fastattn import _api
+
+    monkeypatch.setitem(_api.BACKEND_MODULES, "numba", "fastattn._no_such_module")
+    monkeypatch.setattr(_api, "_loaded", {})
+    monkeypatch.setattr(_api, "_unavailable", {})
+    q, k, v = make_qkv((3, 2))
+    with pytest.raises(ValueError, match="'numba' is not available here"):
+        fastattn.linear_attention(q, k, v, backend="numba")
+    assert "numba" not in fastattn.available_backends()
+    assert "No module named" in fastattn.unavailable_backends()["numba"]
+
+
+def test_auto_picks_the_first_available_in_order():
+    from fastattn import _api
+
+    assert fastattn.available_backends()[0] in _api.AUTO_ORDER
+    assert _api.get_backend("auto") is _api.get_backend(fastattn.available_backends()[0])
+    assert fastattn.available_backends()[-1] == "reference"
+
+
+def test_thread_control_sets_blas_and_restores():
+    from threadpoolctl import threadpool_info
+
+    before = fastattn.get_num_threads()
+    with fastattn.num_threads(1):
+        counts = fastattn.get_num_threads()
+        assert counts["requested"] == 1
+        assert counts["blas"] == 1
+        assert all(info["num_threads"] == 1 for info in threadpool_info() if info["user_api"] == "blas")
+    assert fastattn.get_num_threads() == before
+    with pytest.raises(ValueError, match="n_threads"):
+        fastattn.set_num_threads(0)
+
+
+def test_cli_compare_prints_the_seed_experiment(capsys):
+    from fastattn.cli import main
+
+    assert main(["compare", "--n", "16", "--d", "8", "--seed", "3"]) == 0
+    text = capsys.readouterr().out
+    expected = fastattn.compare(16, 8, seed=3).quality
+    assert f"{expected.cosine_similarity:.4g}" in text
+    assert f"{expected.mse:.6g}" in text
+    assert f"{expected.magnitude_ratio:.4g}" in text
+
+
+def test_cli_refuses_a_bad_size(capsys):
+    from fastattn.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["compare", "--n", "0"])
+    assert info.value.code == 2
+    assert "positive integer" in capsys.readouterr().err

@@ -1,0 +1,63 @@
+"""The seed experiment and the quality metrics, against a from-scratch computation."""
+
+import numpy as np
+import pytest
+from scipy.special import softmax as scipy_softmax
+
+import fastattn
+
+
+def _seed_inputs(n, d, seed):
+    np.random.seed(seed)
+    q = np.random.randn(n, d).astype(np.float32) * 0.5
+    k = np.random.randn(n, d).astype(np.float32) * 0.5
+    v = np.random.randn(n, d).astype(np.float32)
+    return q, k, v
+
+
+@pytest.mark.parametrize("n, d, seed", [(64, 32, 42), (17, 5, 0)])
+def test_seed_experiment_matches_a_direct_computation(n, d, seed):
+    q, k, v = (x.astype(np.float64) for x in _seed_inputs(n, d, seed))
+    soft = scipy_softmax(q @ k.T / np.sqrt(d), axis=1) @ v
+    fq = np.where(q > 0, q + 1, np.exp(q))
+    fk = np.where(k > 0, k + 1, np.exp(k))
+    lin = (fq @ (fk.T @ v)) / (fq @ fk.sum(axis=0) + 1e-6)[:, None]
+    cos = np.mean(np.sum(soft * lin, 1) / np.linalg.norm(soft, axis=1) / np.linalg.norm(lin, axis=1))
+
+    result = fastattn.compare(n, d, seed=seed)
+    np.testing.assert_allclose(result.quality.cosine_similarity, cos, rtol=1e-5)
+    np.testing.assert_allclose(result.quality.mse, np.mean((lin - soft) ** 2), rtol=1e-4)
+    np.testing.assert_allclose(
+        result.quality.magnitude_ratio, np.linalg.norm(lin) / np.linalg.norm(soft), rtol=1e-5
+    )
+    assert result.softmax_weights.shape == result.linear_weights.shape == (n, n)
+    np.testing.assert_allclose(result.softmax_weights, scipy_softmax(q @ k.T / np.sqrt(d), axis=1),
+                               rtol=1e-4, atol=1e-7)
+
+
+def test_quality_of_identical_outputs_is_perfect():
+    x = np.random.default_rng(0).standard_normal((5, 7, 3))
+    q = fastattn.quality(x, x)
+    assert q.cosine_similarity == pytest.approx(1.0)
+    assert q.mse == 0.0
+    assert q.magnitude_ratio == pytest.approx(1.0)
+
+
+def test_quality_of_scaled_and_flipped_outputs():
+    x = np.random.default_rng(1).standard_normal((6, 4))
+    q = fastattn.quality(x, -2 * x)
+    assert q.cosine_similarity == pytest.approx(-1.0)
+    assert q.magnitude_ratio == pytest.approx(2.0)
+    assert q.mse == pytest.approx(9 * np.mean(x ** 2))
+
+
+def test_quality_refuses_mismatched_shapes():
+    with pytest.raises(ValueError, match=r"same shape.*\(2, 3\).*\(3, 2\)"):
+        fastattn.quality(np.zeros((2, 3)), np.zeros((3, 2)))
+
+
+def test_compare_refuses_bad_sizes():
+    with pytest.raises(ValueError, match="n must be a positive int"):
+        fastattn.compare(0, 4)
+    with pytest.raises(ValueError, match="d must be a positive int"):
+        fastattn.compare(4, 2.5)

@@ -1,0 +1,46 @@
+"""Real activations: every backend reproduces all-MiniLM-L6-v2's own attention output."""
+
+import numpy as np
+import pytest
+
+import fastattn
+from fastattn.data import load_minilm, minilm_provenance
+from conftest import minilm_dir
+
+SHARED = minilm_dir()
+
+
+def _datasets():
+    yield pytest.param(None, id="shipped-n128")
+    for n in (128, 512):
+        yield pytest.param(
+            None if SHARED is None else SHARED / f"minilm_l6_qkv_n{n}.npz",
+            id=f"shared-n{n}",
+            marks=pytest.mark.skipif(SHARED is None, reason="../shared/data/minilm not found"),
+        )
+
+
+@pytest.mark.parametrize("path", list(_datasets()))
+def test_softmax_reproduces_the_model_context(path, backend):
+    data = load_minilm(path)
+    out = fastattn.softmax_attention(data["q"], data["k"], data["v"], backend=backend)
+    # Every layer and head within 1e-5 of the model's own output.
+    err = np.abs(out - data["context"]).max(axis=(-2, -1))
+    assert err.shape == data["q"].shape[:2]
+    assert err.max() < 1e-5, f"max abs error per (layer, head):\n{err}"
+
+
+def test_shipped_slice_has_provenance():
+    meta = minilm_provenance()
+    assert "all-MiniLM-L6-v2" in meta["model"]
+    assert "Apache-2.0" in meta["model_license"]
+    data = load_minilm()
+    assert list(meta["arrays"]["q"]) == list(data["q"].shape) == [6, 2, 128, 32]
+
+
+def test_load_minilm_refuses_a_missing_or_foreign_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no MiniLM activations file"):
+        load_minilm(tmp_path / "nope.npz")
+    np.savez(tmp_path / "other.npz", q=np.zeros((1, 1, 2, 2)))
+    with pytest.raises(ValueError, match=r"lacks the arrays \['k', 'v', 'context'\]"):
+        load_minilm(tmp_path / "other.npz")
