@@ -6,6 +6,7 @@ plain dicts that become fields of the point record.
 """
 
 import math
+import os
 import time
 import traceback
 
@@ -188,7 +189,8 @@ def measure_point(spec, repeats=5, memory=True, check=True, seed=DEFAULT_SEED,
     if reason:
         return {"status": "skipped", "reason": reason}
     references = references or ReferenceCache()
-    fields = {"status": "ok", "reason": None, "seed": seed}
+    fields = {"status": "ok", "reason": None, "seed": seed,
+              "load_avg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
     try:
         q, k, v = make_inputs(spec["n"], spec["d_k"], spec["d_v"],
                               spec["batch"] * spec["heads"], spec["dtype"], seed)

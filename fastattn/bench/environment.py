@@ -1,6 +1,6 @@
 """What a measurement ran on: CPU, cores, threads, BLAS, library versions."""
 
-import importlib
+import importlib.metadata
 import os
 import platform
 import socket
@@ -34,12 +34,12 @@ def _cpu_flags():
     return None
 
 
-def _version(module_name):
+def _version(distribution):
+    """Installed version of ``distribution`` from its metadata (nothing is imported)."""
     try:
-        module = importlib.import_module(module_name)
-    except Exception:  # absent or broken: report as absent
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
         return None
-    return getattr(module, "__version__", None)
 
 
 def _git_commit():
@@ -129,7 +129,7 @@ def collect(threads=None):
             "numba": _version("numba"),
             "cython": _version("Cython"),
             "threadpoolctl": _version("threadpoolctl"),
-            "torch": _version("torch") if "torch" in available_peers() else None,
+            "torch": _version("torch"),
         },
         "backends": list(fastattn.available_backends()),
         "unavailable_backends": fastattn.unavailable_backends(),

@@ -63,7 +63,9 @@ def hwm_available():
 
 
 def _settle():
-    gc.collect()
+    # The young generations hold any cyclic garbage of the warm-up; a full
+    # collection would walk every object of the interpreter (slow, pointless).
+    gc.collect(1)
     _malloc_trim()
 
 

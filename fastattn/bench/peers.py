@@ -12,7 +12,9 @@ PyTorch on CPU, when importable (an optional extra, never a dependency):
 A peer is checked against the float64 reference like any backend.
 """
 
+import importlib.metadata
 import importlib.util
+import sys
 
 #: Peer names known to the sweep.
 PEERS = ("torch",)
@@ -23,9 +25,16 @@ INSTALL_HINT = {
 }
 
 
+#: Thread count the peers get when first imported (set by :func:`set_peer_threads`).
+_threads = None
+
+
 def _torch():
+    first = "torch" not in sys.modules
     import torch
 
+    if first and _threads is not None:
+        torch.set_num_threads(_threads)
     return torch
 
 
@@ -51,27 +60,31 @@ def absent_peers():
 
 
 def peer_version(name):
-    """Version string of peer ``name``, or None if it cannot be imported."""
-    if name not in available_peers():
-        return None
+    """Installed version of peer ``name`` (from its metadata, without importing it), or None."""
     try:
-        module = importlib.import_module(name)
-    except Exception:  # a broken install is as good as absent
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
         return None
-    return getattr(module, "__version__", None)
 
 
 def set_peer_threads(n_threads):
-    """Fix the intra-op thread count of every importable peer."""
-    if "torch" in available_peers():
-        _torch().set_num_threads(int(n_threads))
+    """Fix the intra-op thread count of every peer, now if imported, else on import.
+
+    Importing PyTorch takes seconds, so it is only imported when a torch point
+    is measured; :func:`_torch` applies the count then.
+    """
+    global _threads
+    _threads = int(n_threads)
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(_threads)
 
 
 def peer_threads():
-    """Thread counts of the importable peers, by name."""
+    """Thread counts of the peers, by name: as in force if imported, else as they will be set."""
     counts = {}
     if "torch" in available_peers():
-        counts["torch"] = _torch().get_num_threads()
+        torch = sys.modules.get("torch")
+        counts["torch"] = torch.get_num_threads() if torch is not None else _threads
     return counts
 
 

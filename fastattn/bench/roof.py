@@ -6,6 +6,7 @@ sweep's thread count is the natural ceiling of a kernel's GFLOP/s.  The exp
 throughput bounds the softmax's elementwise part.
 """
 
+import math
 import time
 
 import numpy as np
@@ -15,7 +16,7 @@ import numpy as np
 MAX_PROBE_N = 4096
 
 
-def _best_rate(fn, work, budget_s, min_repeats=3):
+def _best_rate(fn, work, budget_s, min_repeats=5):
     """Best ``work / seconds`` of ``fn()`` over repeats within ``budget_s``."""
     fn()  # warm-up: first touch of the output, thread pool start
     best = 0.0
@@ -74,6 +75,11 @@ def exp_throughput(dtype, size=1 << 22, budget_s=0.1, seed=0):
             "gelem_s": rate / 1e9, "repeats": repeats}
 
 
+def _probe_n(n):
+    """The n a shape is probed at: the nearest power of 2, at most :data:`MAX_PROBE_N`."""
+    return min(2 ** max(0, round(math.log2(max(int(n), 1)))), MAX_PROBE_N)
+
+
 def probe(shapes=((4096, 64),), dtypes=("float32", "float64"), threads=None, budget_s=0.1):
     """Measure the roof: GEMM GFLOP/s at each attention shape and dtype, and exp throughput.
 
@@ -82,8 +88,8 @@ def probe(shapes=((4096, 64),), dtypes=("float32", "float64"), threads=None, bud
     Parameters
     ----------
     shapes : iterable of (n, d)
-        Attention shapes ``n x d @ d x n``; n above :data:`MAX_PROBE_N` is
-        probed at :data:`MAX_PROBE_N`.
+        Attention shapes ``n x d @ d x n``; n is rounded to a power of 2
+        (so a fine grid costs a few probes) and capped at :data:`MAX_PROBE_N`.
     dtypes : iterable of str
     threads : int, optional
         Fix the thread count (:func:`fastattn.set_num_threads`) first;
@@ -101,7 +107,7 @@ def probe(shapes=((4096, 64),), dtypes=("float32", "float64"), threads=None, bud
         from .._threads import set_num_threads
 
         set_num_threads(threads)
-    probed = sorted({(min(int(n), MAX_PROBE_N), int(d)) for n, d in shapes})
+    probed = sorted({(_probe_n(n), int(d)) for n, d in shapes})
     gemm = [gemm_gflops(n, d, dtype, budget_s) for dtype in dtypes for n, d in probed]
     exp = [exp_throughput(dtype, budget_s=budget_s) for dtype in dtypes]
     return {"threads": threads, "gemm": gemm, "exp": exp}
@@ -123,7 +129,7 @@ def roof_for(gemm_records, dtype, n, d):
     candidates = [r for r in gemm_records if r.get("dtype") == dtype and r.get("gflops")]
     if not candidates:
         return None
-    target = (min(int(n), MAX_PROBE_N), int(d))
+    target = (_probe_n(n), int(d))
 
     def distance(record):
         rn, rd = record["shape"][0], record["shape"][1]
