@@ -319,7 +319,7 @@ def _progress(total, enabled):
 
 def run_sweep(points, results_path, *, threads=None, repeats=5, memory=True, check=True,
               resume=True, progress=True, isolate=True, roof_budget_s=0.1,
-              memory_method="auto", max_point_s=None, point_timeout_s=None):
+              memory_method="auto", max_point_s=None, point_timeout_s=None, roof=True):
     """Measure ``points``, appending one record per point to ``results_path`` as each finishes.
 
     Parameters
@@ -357,6 +357,9 @@ def run_sweep(points, results_path, *, threads=None, repeats=5, memory=True, che
     point_timeout_s : float, optional
         A point still running after this many seconds is recorded as an
         error and its worker replaced (``isolate=True`` only).
+    roof : bool, default True
+        Probe the roof before the sweep (False: no roof records, and points
+        carry no ``roof_fraction``).
 
     Returns
     -------
@@ -401,11 +404,13 @@ def run_sweep(points, results_path, *, threads=None, repeats=5, memory=True, che
             writer.write("environment", run_id=run_id, **env)
             shapes = sorted({(p.n, p.d_k) for p in todo})
             dtypes = sorted({p.dtype for p in todo} | {"float32", "float64"})
-            roof = worker.request("roof", {"shapes": shapes, "dtypes": dtypes,
-                                           "threads": threads, "budget_s": roof_budget_s})
+            probed = {"gemm": [], "exp": []}
+            if roof:
+                probed = worker.request("roof", {"shapes": shapes, "dtypes": dtypes,
+                                                 "threads": threads, "budget_s": roof_budget_s})
             roof_records = []
             load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-            for entry in roof["gemm"] + roof["exp"]:
+            for entry in probed["gemm"] + probed["exp"]:
                 roof_records.append(writer.write("roof", run_id=run_id, threads=threads,
                                                  load_avg_1m=load, **entry))
             gemm = [r for r in roof_records if r.get("probe") == "gemm"]
