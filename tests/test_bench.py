@@ -4,7 +4,6 @@ No test here asserts a timing: speed lives in the benchmarks and reports.
 """
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -124,6 +123,7 @@ def test_sweep_writes_environment_roof_then_points(tmp_path):
         assert (record["attention"], record["causal"], record["n_q"]) == \
             (point.attention, point.causal, point.n)
         assert record["threads"] == 1
+        assert record["thread_counts"]["blas"] == 1 and record["thread_counts"]["requested"] == 1
         assert len(record["times_s"]) == 2
         assert record["min_s"] <= record["median_s"] <= record["max_s"]
         assert record["flops"] == attention_flops(point.attention, point.n, point.n, 8, 4,

@@ -180,8 +180,14 @@ def _serve(task, state):
     if kind == "point":
         if "references" not in state:
             state["references"] = _measure.ReferenceCache()
-        return _measure.measure_point(payload["spec"], references=state["references"],
-                                      **payload["options"])
+        outcome = _measure.measure_point(payload["spec"], references=state["references"],
+                                         **payload["options"])
+        if outcome.get("status") == "ok":
+            from .._threads import get_num_threads
+
+            # The counts in force right after the call, by component.
+            outcome["thread_counts"] = {**get_num_threads(), **peers.peer_threads()}
+        return outcome
     raise ValueError(f"unknown request {kind!r}")
 
 
@@ -246,6 +252,7 @@ class _Worker:
         try:
             parent.recv()  # started and set up: time limits count from here
         except (EOFError, OSError):
+            self.process.join(timeout=5)
             code = self.process.exitcode
             self.process = None
             raise WorkerDied(f"the measuring process failed to start (exit code {code})")
