@@ -200,7 +200,10 @@ def _run(args):
     if loads and max(loads) > cores:
         print(f"\nnote: the machine was busy while measuring (1-minute load average up to "
               f"{max(loads):.1f} on {cores} usable cores): times are noisy; compare the "
-              "ratios measured side by side in one run, and repeat.")
+              "ratios measured side by side in one run, and repeat."
+              + (" With more threads than idle cores, multi-threaded BLAS and OpenMP wait "
+                 "for descheduled threads: --threads 1 gives steadier numbers."
+                 if (args.threads or cores) > 1 else ""))
     mismatched = [r for r in records if r.get("check_ok") is False]
     if mismatched:
         print(f"\n{len(mismatched)} point(s) disagree with the float64 reference (MISMATCH).")
