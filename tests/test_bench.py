@@ -337,12 +337,14 @@ def test_memory_probe_sees_linear_attention_stay_linear():
 
 
 def test_fresh_process_probe_agrees_on_the_quadratic_reference():
-    n = 2048
+    # The reference holds one n x n float32 array at its peak; the fresh-process
+    # probe is a lower bound (start-up pages it reuses are not counted).
+    n = 4096
     spec = {"attention": "softmax", "backend": "reference", "causal": False, "n": n,
             "d_k": 64, "d_v": 64, "batch": 1, "heads": 1, "dtype": "float32",
             "feature_map": None}
     peak = _measure.peak_extra_fresh_process(spec, threads=1)
-    assert n * n * 4 <= peak <= 6 * n * n * 4
+    assert 0.5 * n * n * 4 <= peak <= 3 * n * n * 4
 
 
 def test_a_point_past_its_timeout_is_an_error_and_the_sweep_goes_on(tmp_path):
