@@ -52,6 +52,7 @@ def cython_extensions():
                 define_macros=macros,
                 extra_compile_args=compile_args,
                 extra_link_args=openmp,
+                libraries=["m"],
             )
         )
     return extensions
