@@ -1,0 +1,88 @@
+"""Cython backend: compiled online-softmax and linear attention kernels.
+
+Built by ``pip install`` from ``fastattn/_cython/*.pyx``; importing this
+package raises ImportError when the extensions were not built, so the
+dispatch in :mod:`fastattn._api` falls back to another backend.
+
+The kernels parallelise over heads and blocks with OpenMP and call SciPy's
+BLAS (``scipy.linalg.cython_blas``) from inside the parallel region, so each
+call holds BLAS at one thread (through threadpoolctl) to keep the OpenMP
+threads and the BLAS threads from oversubscribing the cores.
+"""
+
+import threading
+
+from threadpoolctl import ThreadpoolController
+
+from . import _blas  # noqa: F401  (the kernels' BLAS wrapper; must import)
+from ._openmp import get_num_threads, openmp_enabled, set_num_threads
+from .linear import CHUNK, linear_attention_forward
+from .softmax import BLOCK_K, BLOCK_Q, online_softmax_forward
+
+__all__ = [
+    "softmax_forward",
+    "linear_forward",
+    "set_num_threads",
+    "get_num_threads",
+    "openmp_enabled",
+    "vector_exp_enabled",
+    "BLOCK_Q",
+    "BLOCK_K",
+    "CHUNK",
+]
+
+_controller = None
+_controller_lock = threading.Lock()
+
+
+def _blas_controller():
+    """threadpoolctl's view of the loaded BLAS libraries, made once (it scans them)."""
+    global _controller
+    with _controller_lock:
+        if _controller is None:
+            _controller = ThreadpoolController().select(user_api="blas")
+        return _controller
+
+
+def vector_exp_enabled():
+    """Whether the softmax inner loop was compiled to call a vector ``exp`` (libmvec).
+
+    Returns
+    -------
+    bool
+    """
+    from .softmax import _vector_exp
+
+    return _vector_exp()
+
+
+def softmax_forward(q, k, v, causal, scale):
+    """Softmax attention by the tiled online softmax (see ``online_softmax_forward``).
+
+    Parameters
+    ----------
+    q : ndarray of shape (B, n_q, d_k), float32 or float64, C-contiguous
+    k : ndarray of shape (B, n_k, d_k)
+    v : ndarray of shape (B, n_k, d_v)
+    causal : bool
+    scale : float
+
+    Returns
+    -------
+    out : ndarray of shape (B, n_q, d_v)
+    """
+    with _blas_controller().limit(limits=1):
+        return online_softmax_forward(q, k, v, causal, scale)
+
+
+def linear_forward(q, k, v, feature_map, causal, eps, S0=None, z0=None):
+    """Linear attention with state (see ``linear_attention_forward``).
+
+    Returns
+    -------
+    out : ndarray of shape (B, n_q, d_v)
+    S : ndarray of shape (B, d_k, d_v)
+    z : ndarray of shape (B, d_k)
+    """
+    with _blas_controller().limit(limits=1):
+        return linear_attention_forward(q, k, v, feature_map, causal, eps, S0, z0)

@@ -1,0 +1,260 @@
+"""Linear attention (Katharopoulos et al. 2020): non-causal and chunked causal.
+
+``out_i = φ(q_i) S_i / (φ(q_i) · z_i + eps)`` with the state
+``S_i = S0 + Σ_j φ(k_j)ᵀ v_j`` and ``z_i = z0 + Σ_j φ(k_j)`` over the keys
+query ``i`` sees.
+
+* Non-causal: the state over all keys is two small products per chunk of
+  :data:`CHUNK` keys (``φ(k)ᵀ v`` by GEMM), then every query chunk is one
+  GEMM ``φ(q) S`` and a dot product with ``z``.  The feature map is applied
+  chunk by chunk into a small buffer, never to the whole sequence.
+* Causal, chunked (the chunk form of flash-linear-attention): queries are
+  taken :data:`CHUNK` at a time; the keys every query of the chunk sees are
+  folded into the running state first, then the few keys only some of them
+  see (the diagonal) are added as a masked quadratic term, row by row over
+  the visible keys only, so a NaN or inf behind the mask is never formed.
+  The state is carried in from ``(S0, z0)`` and returned after the last key.
+
+Heads are shared out by OpenMP; inside a head the non-causal output is
+parallel over query chunks, the causal one is sequential.  BLAS runs
+single-threaded inside (the caller limits it, see :mod:`fastattn._cython`).
+"""
+
+import numpy as np
+
+from cython cimport floating
+from cython.parallel cimport parallel, prange, threadid
+
+from fastattn._cython._blas cimport gemm
+from fastattn._cython._openmp cimport omp_get_max_threads
+from fastattn._cython._vmath cimport fexp
+
+#: Rows per chunk: the width of the causal diagonal term and of the buffers.
+CHUNK = 64
+
+
+cdef inline void _feature_map(const floating *x, Py_ssize_t count, floating *out,
+                              bint relu) noexcept nogil:
+    """``φ`` elementwise: ``max(x, 0)`` (relu) or ``elu(x) + 1``; NaN stays NaN."""
+    cdef Py_ssize_t t
+    cdef floating a
+    if relu:
+        for t in range(count):
+            a = x[t]
+            out[t] = 0 if a <= 0 else a
+    else:
+        for t in range(count):
+            a = x[t]
+            out[t] = a + 1 if a > 0 else fexp(a)
+
+
+cdef inline void _normalise_row(floating *row, int d_v, floating denominator) noexcept nogil:
+    """``row /= denominator``, or ``row * 0`` where the denominator is exactly 0."""
+    cdef int c
+    cdef floating inv
+    if denominator != 0:
+        inv = 1 / denominator
+        for c in range(d_v):
+            row[c] = row[c] * inv
+    else:
+        for c in range(d_v):
+            row[c] = row[c] * 0
+
+
+cdef void _fold_keys(const floating *k, const floating *v, int j0, int j1,
+                     int d_k, int d_v, bint relu, int chunk,
+                     floating *S, floating *z, floating *phi) noexcept nogil:
+    """``S += φ(k[j0:j1])ᵀ v[j0:j1]``, ``z += Σ φ(k[j0:j1])``, ``chunk`` keys at a time."""
+    cdef int t, c0, rows, j, a
+    cdef floating *prow
+    for t in range((j1 - j0 + chunk - 1) // chunk if j1 > j0 else 0):
+        c0 = j0 + t * chunk
+        rows = min(chunk, j1 - c0)
+        _feature_map(k + <Py_ssize_t> c0 * d_k, <Py_ssize_t> rows * d_k, phi, relu)
+        gemm(True, False, d_k, d_v, rows, 1, phi, d_k,
+             v + <Py_ssize_t> c0 * d_v, d_v, 1, S, d_v)
+        for j in range(rows):
+            prow = phi + <Py_ssize_t> j * d_k
+            for a in range(d_k):
+                z[a] = z[a] + prow[a]
+
+
+cdef void _query_chunk(const floating *q, int i0, int i1, int d_k, int d_v,
+                       bint relu, const floating *S, const floating *z,
+                       floating *out, floating *phi, floating *den) noexcept nogil:
+    """``out[i0:i1] = φ(q) S`` (unnormalised) and ``den = φ(q) · z``."""
+    cdef int rows = i1 - i0, r, a
+    cdef floating acc
+    cdef floating *prow
+    _feature_map(q + <Py_ssize_t> i0 * d_k, <Py_ssize_t> rows * d_k, phi, relu)
+    gemm(False, False, rows, d_v, d_k, 1, phi, d_k, S, d_v, 0,
+         out + <Py_ssize_t> i0 * d_v, d_v)
+    for r in range(rows):
+        prow = phi + <Py_ssize_t> r * d_k
+        acc = 0
+        for a in range(d_k):
+            acc = acc + prow[a] * z[a]
+        den[r] = acc
+
+
+def _noncausal(
+    const floating[:, :, ::1] q,
+    const floating[:, :, ::1] k,
+    const floating[:, :, ::1] v,
+    floating[:, :, ::1] out,
+    floating[:, :, ::1] S,
+    floating[:, ::1] z,
+    floating[::1] workspace,
+    bint relu,
+    double eps,
+    int chunk,
+    int n_threads,
+):
+    cdef int n_batch = q.shape[0], n_q = q.shape[1], d_k = q.shape[2]
+    cdef int n_k = k.shape[1], d_v = v.shape[2]
+    cdef int n_chunks = (n_q + chunk - 1) // chunk
+    cdef Py_ssize_t per_thread = <Py_ssize_t> chunk * d_k + chunk
+    cdef int b, item, i0, i1, r
+    cdef floating *buf
+
+    with nogil, parallel(num_threads=n_threads):
+        buf = &workspace[0] + threadid() * per_thread
+        for b in prange(n_batch, schedule="static"):
+            _fold_keys(&k[b, 0, 0], &v[b, 0, 0], 0, n_k, d_k, d_v, relu, chunk,
+                       &S[b, 0, 0], &z[b, 0], buf)
+    with nogil, parallel(num_threads=n_threads):
+        buf = &workspace[0] + threadid() * per_thread
+        for item in prange(n_batch * n_chunks, schedule="static"):
+            b = item // n_chunks
+            i0 = (item % n_chunks) * chunk
+            i1 = min(i0 + chunk, n_q)
+            _query_chunk(&q[b, 0, 0], i0, i1, d_k, d_v, relu, &S[b, 0, 0], &z[b, 0],
+                         &out[b, 0, 0], buf, buf + chunk * d_k)
+            for r in range(i1 - i0):
+                _normalise_row(&out[b, i0 + r, 0], d_v, buf[chunk * d_k + r] + <floating> eps)
+
+
+cdef void _causal_head(const floating *q, const floating *k, const floating *v,
+                       floating *out, floating *S, floating *z,
+                       int n_q, int n_k, int d_k, int d_v, bint relu, floating eps,
+                       int chunk, floating *phi_q, floating *phi_k, floating *a_buf,
+                       floating *den) noexcept nogil:
+    """One head, causal: query chunks in order, the state folded in as they go."""
+    cdef int off = n_k - n_q
+    cdef int i0, i1, rows, p0, p1, width, r, j, c, seen
+    cdef int folded = 0, t
+    cdef floating a, total
+    cdef floating *arow
+    cdef floating *orow
+    cdef const floating *vrow
+    for t in range((n_q + chunk - 1) // chunk):
+        i0 = t * chunk
+        i1 = min(i0 + chunk, n_q)
+        rows = i1 - i0
+        # Keys [0, p0) are seen by every query of the chunk, [p0, p1) by some.
+        p0 = min(max(i0 + off + 1, 0), n_k)
+        p1 = min(max(i1 + off, 0), n_k)
+        _fold_keys(k, v, folded, p0, d_k, d_v, relu, chunk, S, z, phi_k)
+        folded = p0
+        _query_chunk(q, i0, i1, d_k, d_v, relu, S, z, out, phi_q, den)
+        width = p1 - p0
+        if width > 0:
+            _feature_map(k + <Py_ssize_t> p0 * d_k, <Py_ssize_t> width * d_k, phi_k, relu)
+            gemm(False, True, rows, width, d_k, 1, phi_q, d_k, phi_k, d_k, 0, a_buf, width)
+            for r in range(rows):
+                seen = min(max(i0 + r + off + 1, 0), n_k) - p0
+                arow = a_buf + <Py_ssize_t> r * width
+                orow = out + <Py_ssize_t> (i0 + r) * d_v
+                total = 0
+                for j in range(seen):
+                    a = arow[j]
+                    total = total + a
+                    vrow = v + <Py_ssize_t> (p0 + j) * d_v
+                    for c in range(d_v):
+                        orow[c] = orow[c] + a * vrow[c]
+                den[r] = den[r] + total
+        for r in range(rows):
+            _normalise_row(out + <Py_ssize_t> (i0 + r) * d_v, d_v, den[r] + eps)
+    _fold_keys(k, v, folded, n_k, d_k, d_v, relu, chunk, S, z, phi_k)
+
+
+def _causal(
+    const floating[:, :, ::1] q,
+    const floating[:, :, ::1] k,
+    const floating[:, :, ::1] v,
+    floating[:, :, ::1] out,
+    floating[:, :, ::1] S,
+    floating[:, ::1] z,
+    floating[::1] workspace,
+    bint relu,
+    double eps,
+    int chunk,
+    int n_threads,
+):
+    cdef int n_batch = q.shape[0], n_q = q.shape[1], d_k = q.shape[2]
+    cdef int n_k = k.shape[1], d_v = v.shape[2]
+    cdef Py_ssize_t per_thread = 2 * <Py_ssize_t> chunk * d_k + chunk * chunk + chunk
+    cdef int b
+    cdef floating *buf
+    cdef floating e = <floating> eps
+
+    with nogil, parallel(num_threads=n_threads):
+        buf = &workspace[0] + threadid() * per_thread
+        for b in prange(n_batch, schedule="dynamic"):
+            _causal_head(&q[b, 0, 0], &k[b, 0, 0], &v[b, 0, 0], &out[b, 0, 0],
+                         &S[b, 0, 0], &z[b, 0], n_q, n_k, d_k, d_v, relu, e, chunk,
+                         buf, buf + chunk * d_k, buf + 2 * chunk * d_k,
+                         buf + 2 * chunk * d_k + chunk * chunk)
+
+
+def linear_attention_forward(q, k, v, feature_map, bint causal, double eps, S0=None, z0=None):
+    """Linear attention with state: non-causal by two products, causal by chunks.
+
+    Parameters
+    ----------
+    q : ndarray of shape (B, n_q, d_k), float32 or float64, C-contiguous
+    k : ndarray of shape (B, n_k, d_k), same dtype
+    v : ndarray of shape (B, n_k, d_v), same dtype
+    feature_map : {"elu", "relu"}
+        ``elu(x) + 1`` or ``max(x, 0)``.
+    causal : bool
+        Bottom-right aligned mask (query ``i`` sees key ``j <= i + n_k - n_q``).
+    eps : float
+        Added to the denominator; a row whose denominator is exactly 0 is 0.
+    S0 : ndarray of shape (B, d_k, d_v), optional
+        State of earlier keys (default zeros); read, never written.
+    z0 : ndarray of shape (B, d_k), optional
+
+    Returns
+    -------
+    out : ndarray of shape (B, n_q, d_v)
+    S : ndarray of shape (B, d_k, d_v)
+        ``S0 + φ(k)ᵀ v`` over all keys.
+    z : ndarray of shape (B, d_k)
+        ``z0 + Σ_j φ(k_j)``.
+
+    Notes
+    -----
+    Non-causal ``4 · B · n · d_k · d_v`` flops; causal adds the diagonal
+    term, ``O(B · n · CHUNK · (d_k + d_v))``.  Extra memory besides the
+    outputs: ``T · (2 CHUNK d_k + CHUNK² + CHUNK)`` elements for ``T``
+    threads.  Katharopoulos et al., "Transformers are RNNs" (ICML 2020).
+    """
+    if feature_map not in ("elu", "relu"):
+        raise ValueError(f"feature_map must be 'elu' or 'relu', got {feature_map!r}")
+    n_threads = omp_get_max_threads()
+    n_batch, n_q, d_k = q.shape
+    d_v = v.shape[2]
+    dtype = q.dtype
+    S = np.zeros((n_batch, d_k, d_v), dtype) if S0 is None else np.array(S0, dtype=dtype, order="C")
+    z = np.zeros((n_batch, d_k), dtype) if z0 is None else np.array(z0, dtype=dtype, order="C")
+    out = np.empty((n_batch, n_q, d_v), dtype)
+    chunk = CHUNK
+    per_thread = 2 * chunk * d_k + chunk * chunk + chunk
+    workspace = np.empty(n_threads * per_thread, dtype)
+    relu = feature_map == "relu"
+    if causal:
+        _causal(q, k, v, out, S, z, workspace, relu, eps, chunk, n_threads)
+    else:
+        _noncausal(q, k, v, out, S, z, workspace, relu, eps, chunk, n_threads)
+    return out, S, z
