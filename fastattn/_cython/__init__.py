@@ -17,7 +17,7 @@ from threadpoolctl import ThreadpoolController
 from . import _blas  # noqa: F401  (the kernels' BLAS wrapper; must import)
 from ._openmp import get_num_threads, openmp_enabled, set_num_threads
 from .linear import CHUNK, linear_attention_forward
-from .softmax import BLOCK_K, BLOCK_Q, online_softmax_forward
+from .softmax import BLOCK_K, BLOCK_Q, _build_features, online_softmax_forward
 
 __all__ = [
     "softmax_forward",
@@ -51,9 +51,7 @@ def vector_exp_enabled():
     -------
     bool
     """
-    from .softmax import _vector_exp
-
-    return _vector_exp()
+    return _build_features()["vector_exp"]
 
 
 def softmax_forward(q, k, v, causal, scale):

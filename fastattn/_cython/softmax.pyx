@@ -24,7 +24,7 @@ from cython.parallel cimport parallel, prange, threadid
 
 from fastattn._cython._blas cimport gemm
 from fastattn._cython._openmp cimport omp_get_max_threads
-from fastattn._cython._vmath cimport FASTATTN_VECTOR_EXP, fexp
+from fastattn._cython._vmath cimport FASTATTN_CLONES, FASTATTN_VECTOR_EXP, exp_sum, fexp, row_max
 
 #: Query rows per block (one work item).
 BLOCK_Q = 128
@@ -98,19 +98,12 @@ cdef void _query_block(
                     srow[j] = 0          # masked: p = 0, whatever the score was
             if w == 0:
                 continue
-            mx = NEG_INF
-            for j in range(w):
-                if srow[j] > mx:
-                    mx = srow[j]
+            mx = row_max(srow, w)
             m_new = mx if mx > m[r] else m[r]
             # All scores -inf so far: shift by 0 so exp gives 0, not NaN.
             shift = m_new if m_new != NEG_INF else 0
             alpha = fexp(m[r] - shift)
-            total = 0
-            for j in range(w):
-                p = fexp(srow[j] - shift)
-                srow[j] = p
-                total = total + p
+            total = exp_sum(srow, w, shift)
             l[r] = l[r] * alpha + total
             m[r] = m_new
             if alpha != 1:
@@ -216,6 +209,6 @@ def online_softmax_forward(q, k, v, bint causal, double scale):
     return out
 
 
-def _vector_exp():
-    """Whether ``fexp`` was declared with a SIMD variant (libmvec) in this build."""
-    return bool(FASTATTN_VECTOR_EXP)
+def _build_features():
+    """How the row kernels were compiled: vector exp (libmvec), AVX2 clones."""
+    return {"vector_exp": bool(FASTATTN_VECTOR_EXP), "avx2_clones": bool(FASTATTN_CLONES)}
