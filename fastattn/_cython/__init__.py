@@ -10,6 +10,7 @@ call holds BLAS at one thread (through threadpoolctl) to keep the OpenMP
 threads and the BLAS threads from oversubscribing the cores.
 """
 
+import contextlib
 import threading
 
 from threadpoolctl import ThreadpoolController
@@ -31,17 +32,34 @@ __all__ = [
     "CHUNK",
 ]
 
-_controller = None
-_controller_lock = threading.Lock()
+_lock = threading.Lock()
+_controller = None   # threadpoolctl's view of the BLAS libraries, made once (it scans them)
+_limiter = None      # the single-thread limit in force while kernel calls run
+_active_calls = 0
 
 
-def _blas_controller():
-    """threadpoolctl's view of the loaded BLAS libraries, made once (it scans them)."""
-    global _controller
-    with _controller_lock:
-        if _controller is None:
-            _controller = ThreadpoolController().select(user_api="blas")
-        return _controller
+@contextlib.contextmanager
+def _single_threaded_blas():
+    """BLAS held at one thread while any kernel call of this package runs.
+
+    Calls from several Python threads overlap: the first to start sets the
+    limit and the last to finish restores the previous thread counts.
+    """
+    global _controller, _limiter, _active_calls
+    with _lock:
+        if _active_calls == 0:
+            if _controller is None:
+                _controller = ThreadpoolController().select(user_api="blas")
+            _limiter = _controller.limit(limits=1)
+        _active_calls += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _active_calls -= 1
+            if _active_calls == 0:
+                _limiter.restore_original_limits()
+                _limiter = None
 
 
 def vector_exp_enabled():
@@ -69,7 +87,7 @@ def softmax_forward(q, k, v, causal, scale):
     -------
     out : ndarray of shape (B, n_q, d_v)
     """
-    with _blas_controller().limit(limits=1):
+    with _single_threaded_blas():
         return online_softmax_forward(q, k, v, causal, scale)
 
 
@@ -82,5 +100,5 @@ def linear_forward(q, k, v, feature_map, causal, eps, S0=None, z0=None):
     S : ndarray of shape (B, d_k, d_v)
     z : ndarray of shape (B, d_k)
     """
-    with _blas_controller().limit(limits=1):
+    with _single_threaded_blas():
         return linear_attention_forward(q, k, v, feature_map, causal, eps, S0, z0)
