@@ -27,9 +27,11 @@ from fastattn._cython._openmp cimport omp_get_max_threads
 from fastattn._cython._vmath cimport FASTATTN_CLONES, FASTATTN_VECTOR_EXP, exp_sum, fexp, row_max
 
 #: Query rows per block (one work item).
-BLOCK_Q = 128
+BLOCK_Q = 256
 #: Keys per block (one scores GEMM).
 BLOCK_K = 256
+#: Rows per tile where the causal diagonal crosses a key block.
+cdef int DIAGONAL_ROWS = 64
 
 cdef double NEG_INF = -float("inf")
 
@@ -56,19 +58,83 @@ cdef inline bint _rows_finite(const floating *x, Py_ssize_t count) noexcept nogi
     return acc == 0
 
 
+cdef void _tile(
+    const floating *q, const floating *k, const floating *v, floating *out,
+    int n_q, int n_k, int d_k, int d_v, int i0, int r0, int r1, int j0, int width,
+    bint full, bint causal, floating scale, floating *s_buf, floating *m, floating *l,
+) noexcept nogil:
+    """Fold keys ``[j0, j0 + width)`` into rows ``i0 + [r0, r1)`` (online softmax step).
+
+    ``full``: every row sees every key of the tile; otherwise each row sees a
+    prefix of it (the causal diagonal) and the rest is never formed.
+    """
+    cdef int rows = r1 - r0
+    cdef int r, ri, j, c, w, w_min
+    cdef floating mx, m_new, shift, alpha, p
+    cdef floating *srow
+    cdef floating *orow
+    cdef const floating *vrow
+
+    gemm(False, True, rows, width, d_k, scale, q + <Py_ssize_t> (i0 + r0) * d_k, d_k,
+         k + <Py_ssize_t> j0 * d_k, d_k, 0, s_buf, width)
+    w_min = width
+    for r in range(rows):
+        ri = r0 + r
+        srow = s_buf + <Py_ssize_t> r * width
+        if full:
+            w = width
+        else:
+            w = min(max(_visible_end(i0 + ri, n_q, n_k, causal) - j0, 0), width)
+            w_min = min(w_min, w)
+            for j in range(w, width):
+                srow[j] = 0              # masked: p = 0, whatever the score was
+        if w == 0:
+            continue
+        mx = row_max(srow, w)
+        m_new = mx if mx > m[ri] else m[ri]
+        # All scores -inf so far: shift by 0 so exp gives 0, not NaN.
+        shift = m_new if m_new != NEG_INF else 0
+        alpha = fexp(m[ri] - shift)
+        l[ri] = l[ri] * alpha + exp_sum(srow, w, shift)
+        m[ri] = m_new
+        if alpha != 1:
+            orow = out + <Py_ssize_t> (i0 + ri) * d_v
+            for c in range(d_v):
+                orow[c] = orow[c] * alpha
+
+    # p v: one GEMM, unless a masked value row is not finite (0 * inf is NaN).
+    if full or _rows_finite(v + <Py_ssize_t> (j0 + w_min) * d_v,
+                            <Py_ssize_t> (width - w_min) * d_v):
+        gemm(False, False, rows, d_v, width, 1, s_buf, width,
+             v + <Py_ssize_t> j0 * d_v, d_v, 1, out + <Py_ssize_t> (i0 + r0) * d_v, d_v)
+    else:
+        for r in range(rows):
+            ri = r0 + r
+            w = min(max(_visible_end(i0 + ri, n_q, n_k, causal) - j0, 0), width)
+            srow = s_buf + <Py_ssize_t> r * width
+            orow = out + <Py_ssize_t> (i0 + ri) * d_v
+            for j in range(w):
+                p = srow[j]
+                vrow = v + <Py_ssize_t> (j0 + j) * d_v
+                for c in range(d_v):
+                    orow[c] = orow[c] + p * vrow[c]
+
+
 cdef void _query_block(
     const floating *q, const floating *k, const floating *v, floating *out,
     int n_q, int n_k, int d_k, int d_v, int i0, int i1, bint causal,
     floating scale, int block_k, floating *s_buf, floating *m, floating *l,
 ) noexcept nogil:
-    """Rows ``[i0, i1)`` of one head's output.  ``q, k, v, out`` point at that head."""
+    """Rows ``[i0, i1)`` of one head's output.  ``q, k, v, out`` point at that head.
+
+    A key block wholly visible to the query block is one tile; a block the
+    causal diagonal crosses is cut into tiles of :data:`DIAGONAL_ROWS` rows,
+    each only as wide as its last row sees, so little masked work is done.
+    """
     cdef int nr = i1 - i0
-    cdef int r, j, c, j0, bk, w, w_min, hi, lo
-    cdef floating mx, m_new, shift, alpha, total, p, inv
-    cdef floating *srow
+    cdef int r, c, kb, j0, bk, hi, lo, t, r0, r1, width
+    cdef floating inv
     cdef floating *orow
-    cdef const floating *vrow
-    cdef bint full, use_gemm
 
     hi = _visible_end(i1 - 1, n_q, n_k, causal)   # keys seen by the last row
     lo = _visible_end(i0, n_q, n_k, causal)       # keys seen by every row
@@ -79,54 +145,20 @@ cdef void _query_block(
         for c in range(d_v):
             orow[c] = 0
 
-    cdef int kb
     for kb in range((hi + block_k - 1) // block_k):
         j0 = kb * block_k
         bk = min(block_k, hi - j0)
-        full = j0 + bk <= lo
-        gemm(False, True, nr, bk, d_k, scale, q + <Py_ssize_t> i0 * d_k, d_k,
-             k + <Py_ssize_t> j0 * d_k, d_k, 0, s_buf, bk)
-        w_min = bk
-        for r in range(nr):
-            srow = s_buf + <Py_ssize_t> r * bk
-            if full:
-                w = bk
-            else:
-                w = min(max(_visible_end(i0 + r, n_q, n_k, causal) - j0, 0), bk)
-                w_min = min(w_min, w)
-                for j in range(w, bk):
-                    srow[j] = 0          # masked: p = 0, whatever the score was
-            if w == 0:
-                continue
-            mx = row_max(srow, w)
-            m_new = mx if mx > m[r] else m[r]
-            # All scores -inf so far: shift by 0 so exp gives 0, not NaN.
-            shift = m_new if m_new != NEG_INF else 0
-            alpha = fexp(m[r] - shift)
-            total = exp_sum(srow, w, shift)
-            l[r] = l[r] * alpha + total
-            m[r] = m_new
-            if alpha != 1:
-                orow = out + <Py_ssize_t> (i0 + r) * d_v
-                for c in range(d_v):
-                    orow[c] = orow[c] * alpha
-
-        # p v: one GEMM, unless a masked value row is not finite.
-        use_gemm = full or _rows_finite(v + <Py_ssize_t> (j0 + w_min) * d_v,
-                                        <Py_ssize_t> (bk - w_min) * d_v)
-        if use_gemm:
-            gemm(False, False, nr, d_v, bk, 1, s_buf, bk,
-                 v + <Py_ssize_t> j0 * d_v, d_v, 1, out + <Py_ssize_t> i0 * d_v, d_v)
-        else:
-            for r in range(nr):
-                w = min(max(_visible_end(i0 + r, n_q, n_k, causal) - j0, 0), bk)
-                srow = s_buf + <Py_ssize_t> r * bk
-                orow = out + <Py_ssize_t> (i0 + r) * d_v
-                for j in range(w):
-                    p = srow[j]
-                    vrow = v + <Py_ssize_t> (j0 + j) * d_v
-                    for c in range(d_v):
-                        orow[c] = orow[c] + p * vrow[c]
+        if j0 + bk <= lo:
+            _tile(q, k, v, out, n_q, n_k, d_k, d_v, i0, 0, nr, j0, bk, True, causal,
+                  scale, s_buf, m, l)
+            continue
+        for t in range((nr + DIAGONAL_ROWS - 1) // DIAGONAL_ROWS):
+            r0 = t * DIAGONAL_ROWS
+            r1 = min(r0 + DIAGONAL_ROWS, nr)
+            width = min(_visible_end(i0 + r1 - 1, n_q, n_k, causal) - j0, bk)
+            if width > 0:
+                _tile(q, k, v, out, n_q, n_k, d_k, d_v, i0, r0, r1, j0, width, False,
+                      causal, scale, s_buf, m, l)
 
     for r in range(nr):
         orow = out + <Py_ssize_t> (i0 + r) * d_v
