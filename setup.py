@@ -42,9 +42,12 @@ def cython_extensions():
     openmp = ["-fopenmp"] if _compiler_accepts(["-fopenmp"]) else []
     # '#pragma omp simd' in the softmax row kernels, also in a serial build.
     simd = ["-fopenmp-simd"] if not openmp and _compiler_accepts(["-fopenmp-simd"], PLAIN_PROBE) else []
-    # -fno-math-errno lets gcc vectorise exp (libmvec); no -ffast-math, which
-    # would assume there is no inf or NaN and break masks and NaN propagation.
-    compile_args = ["-O3", "-ffp-contract=fast", "-fno-math-errno"] + openmp + simd
+    # -fno-math-errno lets gcc vectorise exp (libmvec), -fno-trapping-math lets
+    # it if-convert the branch of the elu feature map; neither changes inf/NaN
+    # arithmetic.  No -ffast-math: it would assume there is no inf or NaN and
+    # break the causal masks and the propagation of non-finite inputs.
+    compile_args = ["-O3", "-ffp-contract=fast", "-fno-math-errno", "-fno-trapping-math"]
+    compile_args += openmp + simd
     if DEBUG:
         compile_args = ["-O0", "-g"] + openmp
     macros = [("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")]
