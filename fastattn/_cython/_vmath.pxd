@@ -61,6 +61,33 @@ cdef extern from *:
         for (int j = 0; j < n; j++) { double p = exp(s[j] - shift); s[j] = p; total += p; }
         return total;
     }
+    /* Linear attention's feature map: relu max(x, 0) or elu(x) + 1, NaN kept.
+       Branch-free so that the loop vectorises (exp of min(x, 0) is always
+       computed, then selected). */
+    FASTATTN_TARGETS static void fastattn_feature_map_f(const float *x, long n, float *out, int relu) {
+        if (relu) {
+            #pragma omp simd
+            for (long t = 0; t < n; t++) out[t] = x[t] <= 0 ? 0.0f : x[t];
+        } else {
+            #pragma omp simd
+            for (long t = 0; t < n; t++) {
+                float a = x[t], e = expf(a > 0 ? 0.0f : a);
+                out[t] = a > 0 ? a + 1.0f : e;
+            }
+        }
+    }
+    FASTATTN_TARGETS static void fastattn_feature_map_d(const double *x, long n, double *out, int relu) {
+        if (relu) {
+            #pragma omp simd
+            for (long t = 0; t < n; t++) out[t] = x[t] <= 0 ? 0.0 : x[t];
+        } else {
+            #pragma omp simd
+            for (long t = 0; t < n; t++) {
+                double a = x[t], e = exp(a > 0 ? 0.0 : a);
+                out[t] = a > 0 ? a + 1.0 : e;
+            }
+        }
+    }
     """
     float expf(float) nogil
     double exp(double) nogil
@@ -70,6 +97,8 @@ cdef extern from *:
     double fastattn_row_max_d(const double *s, int n) nogil
     float fastattn_exp_sum_f(float *s, int n, float shift) nogil
     double fastattn_exp_sum_d(double *s, int n, double shift) nogil
+    void fastattn_feature_map_f(const float *x, long n, float *out, int relu) nogil
+    void fastattn_feature_map_d(const double *x, long n, double *out, int relu) nogil
 
 
 cdef inline floating fexp(floating x) noexcept nogil:
@@ -94,3 +123,12 @@ cdef inline floating exp_sum(floating *s, int n, floating shift) noexcept nogil:
         return fastattn_exp_sum_f(s, n, shift)
     else:
         return fastattn_exp_sum_d(s, n, shift)
+
+
+cdef inline void feature_map(const floating *x, Py_ssize_t n, floating *out,
+                             bint relu) noexcept nogil:
+    """``out = φ(x)``: ``max(x, 0)`` (relu) or ``elu(x) + 1`` (vector exp); NaN stays NaN."""
+    if floating is float:
+        fastattn_feature_map_f(x, n, out, relu)
+    else:
+        fastattn_feature_map_d(x, n, out, relu)

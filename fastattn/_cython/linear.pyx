@@ -27,25 +27,10 @@ from cython.parallel cimport parallel, prange, threadid
 
 from fastattn._cython._blas cimport gemm
 from fastattn._cython._openmp cimport omp_get_max_threads
-from fastattn._cython._vmath cimport fexp
+from fastattn._cython._vmath cimport feature_map as _feature_map
 
 #: Rows per chunk: the width of the causal diagonal term and of the buffers.
 CHUNK = 64
-
-
-cdef inline void _feature_map(const floating *x, Py_ssize_t count, floating *out,
-                              bint relu) noexcept nogil:
-    """``φ`` elementwise: ``max(x, 0)`` (relu) or ``elu(x) + 1``; NaN stays NaN."""
-    cdef Py_ssize_t t
-    cdef floating a
-    if relu:
-        for t in range(count):
-            a = x[t]
-            out[t] = 0 if a <= 0 else a
-    else:
-        for t in range(count):
-            a = x[t]
-            out[t] = a + 1 if a > 0 else fexp(a)
 
 
 cdef inline void _normalise_row(floating *row, int d_v, floating denominator) noexcept nogil:
