@@ -15,9 +15,12 @@ query ``i`` sees.
   the visible keys only, so a NaN or inf behind the mask is never formed.
   The state is carried in from ``(S0, z0)`` and returned after the last key.
 
-Heads are shared out by OpenMP; inside a head the non-causal output is
-parallel over query chunks, the causal one is sequential.  BLAS runs
-single-threaded inside (the caller limits it, see :mod:`fastattn._cython`).
+Heads are shared out by OpenMP.  With fewer heads than threads each head is
+cut into segments: the segments' keys are folded into partial states in
+parallel, a prefix sum gives each segment its starting state, and the
+segments then run in parallel (the causal chunks inside one segment run in
+order).  BLAS runs single-threaded inside (the caller limits it, see
+:mod:`fastattn._cython`).
 """
 
 import numpy as np
@@ -87,26 +90,40 @@ def _noncausal(
     const floating[:, :, ::1] k,
     const floating[:, :, ::1] v,
     floating[:, :, ::1] out,
-    floating[:, :, ::1] S,
-    floating[:, ::1] z,
+    floating[:, :, :, ::1] S_seg,
+    floating[:, :, ::1] z_seg,
     floating[::1] workspace,
     bint relu,
     double eps,
     int chunk,
     int n_threads,
 ):
+    """Non-causal linear attention; returns the state ``(S, z)`` over all keys.
+
+    The keys of each head are cut into ``S_seg.shape[1]`` segments folded in
+    parallel into ``S_seg[b, s]`` (``S_seg[b, 0]`` holds the initial state),
+    summed, then every query chunk is one GEMM with the summed state.
+    """
     cdef int n_batch = q.shape[0], n_q = q.shape[1], d_k = q.shape[2]
     cdef int n_k = k.shape[1], d_v = v.shape[2]
+    cdef int n_seg = S_seg.shape[1]
     cdef int n_chunks = (n_q + chunk - 1) // chunk
     cdef Py_ssize_t per_thread = <Py_ssize_t> chunk * d_k + chunk
-    cdef int b, item, i0, i1, r
+    cdef int b, s, item, i0, i1, r
     cdef floating *buf
+    cdef floating[:, :, ::1] S
+    cdef floating[:, ::1] z
 
     with nogil, parallel(num_threads=n_threads):
         buf = &workspace[0] + threadid() * per_thread
-        for b in prange(n_batch, schedule="static"):
-            _fold_keys(&k[b, 0, 0], &v[b, 0, 0], 0, n_k, d_k, d_v, relu, chunk,
-                       &S[b, 0, 0], &z[b, 0], buf)
+        for item in prange(n_batch * n_seg, schedule="static"):
+            b = item // n_seg
+            s = item % n_seg
+            _fold_keys(&k[b, 0, 0], &v[b, 0, 0], s * n_k // n_seg, (s + 1) * n_k // n_seg,
+                       d_k, d_v, relu, chunk, &S_seg[b, s, 0, 0], &z_seg[b, s, 0], buf)
+    S_arr = np.asarray(S_seg).sum(axis=1)
+    z_arr = np.asarray(z_seg).sum(axis=1)
+    S, z = S_arr, z_arr
     with nogil, parallel(num_threads=n_threads):
         buf = &workspace[0] + threadid() * per_thread
         for item in prange(n_batch * n_chunks, schedule="static"):
@@ -117,22 +134,37 @@ def _noncausal(
                          &out[b, 0, 0], buf, buf + chunk * d_k)
             for r in range(i1 - i0):
                 _normalise_row(&out[b, i0 + r, 0], d_v, buf[chunk * d_k + r] + <floating> eps)
+    return S_arr, z_arr
 
 
-cdef void _causal_head(const floating *q, const floating *k, const floating *v,
-                       floating *out, floating *S, floating *z,
-                       int n_q, int n_k, int d_k, int d_v, bint relu, floating eps,
-                       int chunk, floating *phi_q, floating *phi_k, floating *a_buf,
-                       floating *den) noexcept nogil:
-    """One head, causal: query chunks in order, the state folded in as they go."""
+cdef inline int _segment_start(int s, int n_segments, int n_chunks, int chunk,
+                               int n_q, int n_k) noexcept nogil:
+    """Keys already in the state when segment ``s`` (of query chunks) starts."""
+    cdef int i0
+    if s == 0:
+        return 0
+    i0 = (s * n_chunks // n_segments) * chunk
+    return min(max(i0 + n_k - n_q + 1, 0), n_k)
+
+
+cdef void _causal_segment(const floating *q, const floating *k, const floating *v,
+                          floating *out, floating *S, floating *z,
+                          int n_q, int n_k, int d_k, int d_v, bint relu, floating eps,
+                          int chunk, int c_begin, int c_end, int folded, bint last,
+                          floating *phi_q, floating *phi_k, floating *a_buf,
+                          floating *den) noexcept nogil:
+    """Query chunks ``[c_begin, c_end)`` of one head, in order, from the state ``(S, z)``.
+
+    ``(S, z)`` holds the keys ``[0, folded)`` on entry; keys are folded in as
+    the chunks advance (to ``n_k`` at the end when ``last``).
+    """
     cdef int off = n_k - n_q
-    cdef int i0, i1, rows, p0, p1, width, r, j, c, seen
-    cdef int folded = 0, t
+    cdef int i0, i1, rows, p0, p1, width, r, j, c, seen, t
     cdef floating a, total
     cdef floating *arow
     cdef floating *orow
     cdef const floating *vrow
-    for t in range((n_q + chunk - 1) // chunk):
+    for t in range(c_begin, c_end):
         i0 = t * chunk
         i1 = min(i0 + chunk, n_q)
         rows = i1 - i0
@@ -160,7 +192,8 @@ cdef void _causal_head(const floating *q, const floating *k, const floating *v,
                 den[r] = den[r] + total
         for r in range(rows):
             _normalise_row(out + <Py_ssize_t> (i0 + r) * d_v, d_v, den[r] + eps)
-    _fold_keys(k, v, folded, n_k, d_k, d_v, relu, chunk, S, z, phi_k)
+    if last:
+        _fold_keys(k, v, folded, n_k, d_k, d_v, relu, chunk, S, z, phi_k)
 
 
 def _causal(
@@ -168,28 +201,55 @@ def _causal(
     const floating[:, :, ::1] k,
     const floating[:, :, ::1] v,
     floating[:, :, ::1] out,
-    floating[:, :, ::1] S,
-    floating[:, ::1] z,
+    floating[:, :, :, ::1] S_seg,
+    floating[:, :, ::1] z_seg,
     floating[::1] workspace,
     bint relu,
     double eps,
     int chunk,
     int n_threads,
 ):
+    """Chunked causal linear attention, each head cut into ``S_seg.shape[1]`` segments.
+
+    ``S_seg[b, 0], z_seg[b, 0]`` hold the initial state and the other
+    segments' entries zeros on entry.  Pass 1 (parallel) sums each segment's
+    keys into the next segment's entry, a prefix sum makes them the state
+    each segment starts from, and pass 2 (parallel) runs the segments; on
+    return the last segment's entry holds the state after the last key.
+    """
     cdef int n_batch = q.shape[0], n_q = q.shape[1], d_k = q.shape[2]
     cdef int n_k = k.shape[1], d_v = v.shape[2]
+    cdef int n_seg = S_seg.shape[1]
+    cdef int n_chunks = (n_q + chunk - 1) // chunk
     cdef Py_ssize_t per_thread = 2 * <Py_ssize_t> chunk * d_k + chunk * chunk + chunk
-    cdef int b
+    cdef int item, b, s
     cdef floating *buf
     cdef floating e = <floating> eps
 
+    if n_seg > 1:
+        with nogil, parallel(num_threads=n_threads):
+            buf = &workspace[0] + threadid() * per_thread
+            for item in prange(n_batch * (n_seg - 1), schedule="dynamic"):
+                b = item // (n_seg - 1)
+                s = item % (n_seg - 1)
+                _fold_keys(&k[b, 0, 0], &v[b, 0, 0],
+                           _segment_start(s, n_seg, n_chunks, chunk, n_q, n_k),
+                           _segment_start(s + 1, n_seg, n_chunks, chunk, n_q, n_k),
+                           d_k, d_v, relu, chunk, &S_seg[b, s + 1, 0, 0], &z_seg[b, s + 1, 0], buf)
+        np.cumsum(S_seg, axis=1, out=np.asarray(S_seg))
+        np.cumsum(z_seg, axis=1, out=np.asarray(z_seg))
+
     with nogil, parallel(num_threads=n_threads):
         buf = &workspace[0] + threadid() * per_thread
-        for b in prange(n_batch, schedule="dynamic"):
-            _causal_head(&q[b, 0, 0], &k[b, 0, 0], &v[b, 0, 0], &out[b, 0, 0],
-                         &S[b, 0, 0], &z[b, 0], n_q, n_k, d_k, d_v, relu, e, chunk,
-                         buf, buf + chunk * d_k, buf + 2 * chunk * d_k,
-                         buf + 2 * chunk * d_k + chunk * chunk)
+        for item in prange(n_batch * n_seg, schedule="dynamic"):
+            b = item // n_seg
+            s = item % n_seg
+            _causal_segment(&q[b, 0, 0], &k[b, 0, 0], &v[b, 0, 0], &out[b, 0, 0],
+                            &S_seg[b, s, 0, 0], &z_seg[b, s, 0], n_q, n_k, d_k, d_v, relu, e,
+                            chunk, s * n_chunks // n_seg, (s + 1) * n_chunks // n_seg,
+                            _segment_start(s, n_seg, n_chunks, chunk, n_q, n_k), s == n_seg - 1,
+                            buf, buf + chunk * d_k, buf + 2 * chunk * d_k,
+                            buf + 2 * chunk * d_k + chunk * chunk)
 
 
 def linear_attention_forward(q, k, v, feature_map, bint causal, double eps, S0=None, z0=None):
@@ -231,15 +291,22 @@ def linear_attention_forward(q, k, v, feature_map, bint causal, double eps, S0=N
     n_batch, n_q, d_k = q.shape
     d_v = v.shape[2]
     dtype = q.dtype
-    S = np.zeros((n_batch, d_k, d_v), dtype) if S0 is None else np.array(S0, dtype=dtype, order="C")
-    z = np.zeros((n_batch, d_k), dtype) if z0 is None else np.array(z0, dtype=dtype, order="C")
     out = np.empty((n_batch, n_q, d_v), dtype)
     chunk = CHUNK
     per_thread = 2 * chunk * d_k + chunk * chunk + chunk
     workspace = np.empty(n_threads * per_thread, dtype)
     relu = feature_map == "relu"
+    # Fewer heads than threads: cut each head into segments run in parallel.
+    n_chunks = -(-(n_q if causal else k.shape[1]) // chunk)
+    n_seg = max(1, min(-(-n_threads // n_batch), n_chunks)) if n_batch < n_threads else 1
+    S_seg = np.zeros((n_batch, n_seg, d_k, d_v), dtype)
+    z_seg = np.zeros((n_batch, n_seg, d_k), dtype)
+    if S0 is not None:
+        S_seg[:, 0] = S0
+    if z0 is not None:
+        z_seg[:, 0] = z0
     if causal:
-        _causal(q, k, v, out, S, z, workspace, relu, eps, chunk, n_threads)
-    else:
-        _noncausal(q, k, v, out, S, z, workspace, relu, eps, chunk, n_threads)
+        _causal(q, k, v, out, S_seg, z_seg, workspace, relu, eps, chunk, n_threads)
+        return out, S_seg[:, -1].copy(), z_seg[:, -1].copy()
+    S, z = _noncausal(q, k, v, out, S_seg, z_seg, workspace, relu, eps, chunk, n_threads)
     return out, S, z
