@@ -110,7 +110,7 @@ def _noncausal(
     cdef int n_chunks = (n_q + chunk - 1) // chunk
     cdef Py_ssize_t per_thread = <Py_ssize_t> chunk * d_k + chunk
     cdef int b, s, item, i0, i1, r
-    cdef floating *buf
+    cdef floating *buf = NULL   # per-thread workspace, set in each parallel block
     cdef floating[:, :, ::1] S
     cdef floating[:, ::1] z
 
@@ -223,7 +223,7 @@ def _causal(
     cdef int n_chunks = (n_q + chunk - 1) // chunk
     cdef Py_ssize_t per_thread = 2 * <Py_ssize_t> chunk * d_k + chunk * chunk + chunk
     cdef int item, b, s
-    cdef floating *buf
+    cdef floating *buf = NULL   # per-thread workspace, set in each parallel block
     cdef floating e = <floating> eps
 
     if n_seg > 1:

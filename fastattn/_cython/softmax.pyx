@@ -189,7 +189,7 @@ def _online_softmax(
     cdef int n_items = n_batch * n_blocks
     cdef Py_ssize_t per_thread = <Py_ssize_t> block_q * block_k + 2 * block_q
     cdef int item, b, blk, i0, i1
-    cdef floating *buf
+    cdef floating *buf = NULL   # per-thread workspace, set in each parallel block
     cdef floating s = <floating> scale
 
     with nogil, parallel(num_threads=n_threads):
