@@ -114,7 +114,8 @@ def _noncausal(
     cdef floating[:, :, ::1] S
     cdef floating[:, ::1] z
 
-    with nogil, parallel(num_threads=n_threads):
+    # No more threads than work items: an idle thread only spins at the barrier.
+    with nogil, parallel(num_threads=min(n_threads, n_batch * n_seg)):
         buf = &workspace[0] + threadid() * per_thread
         for item in prange(n_batch * n_seg, schedule="static"):
             b = item // n_seg
@@ -124,7 +125,7 @@ def _noncausal(
     S_arr = np.asarray(S_seg).sum(axis=1)
     z_arr = np.asarray(z_seg).sum(axis=1)
     S, z = S_arr, z_arr
-    with nogil, parallel(num_threads=n_threads):
+    with nogil, parallel(num_threads=min(n_threads, n_batch * n_chunks)):
         buf = &workspace[0] + threadid() * per_thread
         for item in prange(n_batch * n_chunks, schedule="static"):
             b = item // n_chunks
@@ -227,7 +228,7 @@ def _causal(
     cdef floating e = <floating> eps
 
     if n_seg > 1:
-        with nogil, parallel(num_threads=n_threads):
+        with nogil, parallel(num_threads=min(n_threads, n_batch * (n_seg - 1))):
             buf = &workspace[0] + threadid() * per_thread
             for item in prange(n_batch * (n_seg - 1), schedule="dynamic"):
                 b = item // (n_seg - 1)
@@ -239,7 +240,7 @@ def _causal(
         np.cumsum(S_seg, axis=1, out=np.asarray(S_seg))
         np.cumsum(z_seg, axis=1, out=np.asarray(z_seg))
 
-    with nogil, parallel(num_threads=n_threads):
+    with nogil, parallel(num_threads=min(n_threads, n_batch * n_seg)):
         buf = &workspace[0] + threadid() * per_thread
         for item in prange(n_batch * n_seg, schedule="dynamic"):
             b = item // n_seg

@@ -192,7 +192,8 @@ def _online_softmax(
     cdef floating *buf = NULL   # per-thread workspace, set in each parallel block
     cdef floating s = <floating> scale
 
-    with nogil, parallel(num_threads=n_threads):
+    # No more threads than work items: an idle thread only spins at the barrier.
+    with nogil, parallel(num_threads=min(n_threads, n_items)):
         buf = &workspace[0] + threadid() * per_thread
         for item in prange(n_items, schedule="dynamic"):
             b = item // n_blocks
