@@ -258,6 +258,16 @@ def test_thread_count_is_settable_and_does_not_change_results():
         cy.set_num_threads(0)
 
 
+def test_thread_count_holds_in_every_python_thread():
+    before = cy.get_num_threads()
+    try:
+        cy.set_num_threads(1)
+        with ThreadPoolExecutor(1) as pool:
+            assert pool.submit(cy.get_num_threads).result() == 1
+    finally:
+        cy.set_num_threads(before)
+
+
 def test_calls_from_python_threads_match_serial_calls():
     inputs = [make_qkv((2, 150 + 13 * i, 8), dtype=np.float32, seed=20 + i) for i in range(4)]
 

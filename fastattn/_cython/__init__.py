@@ -88,7 +88,7 @@ def softmax_forward(q, k, v, causal, scale):
     out : ndarray of shape (B, n_q, d_v)
     """
     with _single_threaded_blas():
-        return online_softmax_forward(q, k, v, causal, scale)
+        return online_softmax_forward(q, k, v, causal, scale, get_num_threads())
 
 
 def linear_forward(q, k, v, feature_map, causal, eps, S0=None, z0=None):
@@ -101,4 +101,6 @@ def linear_forward(q, k, v, feature_map, causal, eps, S0=None, z0=None):
     z : ndarray of shape (B, d_k)
     """
     with _single_threaded_blas():
-        return linear_attention_forward(q, k, v, feature_map, causal, eps, S0, z0)
+        return linear_attention_forward(
+            q, k, v, feature_map, causal, eps, S0, z0, get_num_threads()
+        )

@@ -4,6 +4,12 @@ Built with ``-fopenmp`` when the compiler supports it; otherwise the kernels'
 ``prange`` loops run serially and the thread count is fixed at 1.
 """
 
+# The thread count of every kernel call, whichever Python thread makes it:
+# omp_set_num_threads only sets the calling thread's default, so the count is
+# kept here and handed to each parallel region explicitly.
+_n_threads = omp_get_max_threads()
+
+
 def openmp_enabled():
     """Whether the extensions were compiled with OpenMP (parallel ``prange``).
 
@@ -28,16 +34,18 @@ def set_num_threads(n_threads):
     ValueError
         If ``n_threads`` is not a positive int.
     """
+    global _n_threads
     if isinstance(n_threads, bool) or not isinstance(n_threads, int) or n_threads < 1:
         raise ValueError(f"n_threads must be a positive int, got {n_threads!r}")
     omp_set_num_threads(n_threads)
+    _n_threads = n_threads if FASTATTN_OPENMP else 1
 
 
 def get_num_threads():
-    """Threads the next parallel kernel call uses (1 without OpenMP).
+    """Threads the next kernel call uses, from any Python thread (1 without OpenMP).
 
     Returns
     -------
     int
     """
-    return omp_get_max_threads()
+    return _n_threads

@@ -29,7 +29,6 @@ from cython cimport floating
 from cython.parallel cimport parallel, prange, threadid
 
 from fastattn._cython._blas cimport gemm
-from fastattn._cython._openmp cimport omp_get_max_threads
 from fastattn._cython._vmath cimport feature_map as _feature_map
 
 #: Rows per chunk: the width of the causal diagonal term and of the buffers.
@@ -253,7 +252,8 @@ def _causal(
                             buf + 2 * chunk * d_k + chunk * chunk)
 
 
-def linear_attention_forward(q, k, v, feature_map, bint causal, double eps, S0=None, z0=None):
+def linear_attention_forward(q, k, v, feature_map, bint causal, double eps, S0=None, z0=None,
+                             int n_threads=1):
     """Linear attention with state: non-causal by two products, causal by chunks.
 
     Parameters
@@ -270,6 +270,9 @@ def linear_attention_forward(q, k, v, feature_map, bint causal, double eps, S0=N
     S0 : ndarray of shape (B, d_k, d_v), optional
         State of earlier keys (default zeros); read, never written.
     z0 : ndarray of shape (B, d_k), optional
+    n_threads : int, default 1
+        OpenMP threads (the package's ``get_num_threads()`` when called
+        through the backend); ignored in a build without OpenMP.
 
     Returns
     -------
@@ -288,7 +291,7 @@ def linear_attention_forward(q, k, v, feature_map, bint causal, double eps, S0=N
     """
     if feature_map not in ("elu", "relu"):
         raise ValueError(f"feature_map must be 'elu' or 'relu', got {feature_map!r}")
-    n_threads = omp_get_max_threads()
+    n_threads = max(1, n_threads)
     n_batch, n_q, d_k = q.shape
     d_v = v.shape[2]
     dtype = q.dtype

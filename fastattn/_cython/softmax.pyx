@@ -23,7 +23,6 @@ from cython cimport floating
 from cython.parallel cimport parallel, prange, threadid
 
 from fastattn._cython._blas cimport gemm
-from fastattn._cython._openmp cimport omp_get_max_threads
 from fastattn._cython._vmath cimport FASTATTN_CLONES, FASTATTN_VECTOR_EXP, exp_sum, fexp, row_max
 
 #: Query rows per block (one work item).
@@ -206,7 +205,7 @@ def _online_softmax(
                          buf, buf + block_q * block_k, buf + block_q * block_k + block_q)
 
 
-def online_softmax_forward(q, k, v, bint causal, double scale):
+def online_softmax_forward(q, k, v, bint causal, double scale, int n_threads=1):
     """Softmax attention ``softmax(q kᵀ · scale) v`` by the tiled online softmax.
 
     Parameters
@@ -219,6 +218,9 @@ def online_softmax_forward(q, k, v, bint causal, double scale):
         ``j <= i + n_k - n_q``; a row that sees no key is 0.
     scale : float
         Multiplies the logits.
+    n_threads : int, default 1
+        OpenMP threads (the package's ``get_num_threads()`` when called
+        through the backend); ignored in a build without OpenMP.
 
     Returns
     -------
@@ -232,7 +234,7 @@ def online_softmax_forward(q, k, v, bint causal, double scale):
     "Online normalizer calculation for softmax" (2018); Dao et al.,
     "FlashAttention" (2022).
     """
-    n_threads = omp_get_max_threads()
+    n_threads = max(1, n_threads)
     n_batch, n_q, _ = q.shape
     block_q = min(BLOCK_Q, n_q)
     block_k = min(BLOCK_K, k.shape[1])
