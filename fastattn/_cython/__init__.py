@@ -15,7 +15,13 @@ import threading
 
 from threadpoolctl import ThreadpoolController
 
-from . import _blas  # noqa: F401  (the kernels' BLAS wrapper; must import)
+try:
+    from . import _blas, _openmp, linear, softmax  # noqa: F401  (compiled extensions)
+except ImportError as exc:
+    raise ImportError(
+        "the Cython kernels of fastattn are not built here (install the package "
+        f"with `pip install .`, which compiles them): {exc}"
+    ) from exc
 from ._openmp import get_num_threads, openmp_enabled, set_num_threads
 from .linear import CHUNK, linear_attention_forward
 from .softmax import BLOCK_K, BLOCK_Q, _build_features, online_softmax_forward
