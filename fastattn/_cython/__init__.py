@@ -1,0 +1,112 @@
+"""Cython backend: compiled online-softmax and linear attention kernels.
+
+Built by ``pip install`` from ``fastattn/_cython/*.pyx``; importing this
+package raises ImportError when the extensions were not built, so the
+dispatch in :mod:`fastattn._api` falls back to another backend.
+
+The kernels parallelise over heads and blocks with OpenMP and call SciPy's
+BLAS (``scipy.linalg.cython_blas``) from inside the parallel region, so each
+call holds BLAS at one thread (through threadpoolctl) to keep the OpenMP
+threads and the BLAS threads from oversubscribing the cores.
+"""
+
+import contextlib
+import threading
+
+from threadpoolctl import ThreadpoolController
+
+try:
+    from . import _blas, _openmp, linear, softmax  # noqa: F401  (compiled extensions)
+except ImportError as exc:
+    raise ImportError(
+        "the Cython kernels of fastattn are not built here (install the package "
+        f"with `pip install .`, which compiles them): {exc}"
+    ) from exc
+from ._openmp import get_num_threads, openmp_enabled, set_num_threads
+from .linear import CHUNK, linear_attention_forward
+from .softmax import BLOCK_K, BLOCK_Q, _build_features, online_softmax_forward
+
+__all__ = [
+    "softmax_forward",
+    "linear_forward",
+    "set_num_threads",
+    "get_num_threads",
+    "openmp_enabled",
+    "vector_exp_enabled",
+    "BLOCK_Q",
+    "BLOCK_K",
+    "CHUNK",
+]
+
+_lock = threading.Lock()
+_controller = None   # threadpoolctl's view of the BLAS libraries, made once (it scans them)
+_limiter = None      # the single-thread limit in force while kernel calls run
+_active_calls = 0
+
+
+@contextlib.contextmanager
+def _single_threaded_blas():
+    """BLAS held at one thread while any kernel call of this package runs.
+
+    Calls from several Python threads overlap: the first to start sets the
+    limit and the last to finish restores the previous thread counts.
+    """
+    global _controller, _limiter, _active_calls
+    with _lock:
+        if _active_calls == 0:
+            if _controller is None:
+                _controller = ThreadpoolController().select(user_api="blas")
+            _limiter = _controller.limit(limits=1)
+        _active_calls += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _active_calls -= 1
+            if _active_calls == 0:
+                _limiter.restore_original_limits()
+                _limiter = None
+
+
+def vector_exp_enabled():
+    """Whether the softmax inner loop was compiled to call a vector ``exp`` (libmvec).
+
+    Returns
+    -------
+    bool
+    """
+    return _build_features()["vector_exp"]
+
+
+def softmax_forward(q, k, v, causal, scale):
+    """Softmax attention by the tiled online softmax (see ``online_softmax_forward``).
+
+    Parameters
+    ----------
+    q : ndarray of shape (B, n_q, d_k), float32 or float64, C-contiguous
+    k : ndarray of shape (B, n_k, d_k)
+    v : ndarray of shape (B, n_k, d_v)
+    causal : bool
+    scale : float
+
+    Returns
+    -------
+    out : ndarray of shape (B, n_q, d_v)
+    """
+    with _single_threaded_blas():
+        return online_softmax_forward(q, k, v, causal, scale, get_num_threads())
+
+
+def linear_forward(q, k, v, feature_map, causal, eps, S0=None, z0=None):
+    """Linear attention with state (see ``linear_attention_forward``).
+
+    Returns
+    -------
+    out : ndarray of shape (B, n_q, d_v)
+    S : ndarray of shape (B, d_k, d_v)
+    z : ndarray of shape (B, d_k)
+    """
+    with _single_threaded_blas():
+        return linear_attention_forward(
+            q, k, v, feature_map, causal, eps, S0, z0, get_num_threads()
+        )

@@ -1,0 +1,134 @@
+# Row kernels of the online softmax, in C so that gcc vectorises them.
+#
+# * exp: glibc only declares the SIMD variants of exp/expf (libmvec) under
+#   -ffast-math, which would also assume there is no inf or NaN and break the
+#   causal mask and the propagation of non-finite inputs.  Declaring the
+#   variants here instead keeps IEEE semantics (-O3 -fno-math-errno) and still
+#   gets _ZGV?N?v_expf calls from the loops below.  Defining the macro
+#   FASTATTN_SCALAR_EXP turns this off, to measure the gain.
+# * max and sum: '#pragma omp simd reduction' (needs -fopenmp-simd, which
+#   -fopenmp implies) lets gcc vectorise the reductions without -ffast-math.
+#   A NaN score makes the row NaN whichever operand maxps keeps: exp(NaN - m)
+#   is NaN, or every exp(s - NaN) is.
+# * target_clones: an AVX2 copy of each row kernel beside the baseline
+#   SSE2 one, picked at load time (glibc ifunc), so the build stays portable.
+#   FASTATTN_NO_CLONES turns it off.
+from cython cimport floating
+
+cdef extern from *:
+    """
+    #include <math.h>
+    #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) \
+        && defined(__linux__) && !defined(FASTATTN_SCALAR_EXP)
+    #define FASTATTN_VECTOR_EXP 1
+    float expf(float) __attribute__((__simd__("notinbranch")));
+    double exp(double) __attribute__((__simd__("notinbranch")));
+    #else
+    #define FASTATTN_VECTOR_EXP 0
+    #endif
+    #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) \
+        && defined(__linux__) && !defined(FASTATTN_NO_CLONES)
+    #define FASTATTN_CLONES 1
+    #define FASTATTN_TARGETS __attribute__((target_clones("avx2", "default")))
+    #else
+    #define FASTATTN_CLONES 0
+    #define FASTATTN_TARGETS
+    #endif
+
+    /* max(s[0:n]), -inf for n == 0 */
+    FASTATTN_TARGETS static float fastattn_row_max_f(const float *s, int n) {
+        float mx = -INFINITY;
+        #pragma omp simd reduction(max:mx)
+        for (int j = 0; j < n; j++) mx = s[j] > mx ? s[j] : mx;
+        return mx;
+    }
+    FASTATTN_TARGETS static double fastattn_row_max_d(const double *s, int n) {
+        double mx = -INFINITY;
+        #pragma omp simd reduction(max:mx)
+        for (int j = 0; j < n; j++) mx = s[j] > mx ? s[j] : mx;
+        return mx;
+    }
+    /* s[j] = exp(s[j] - shift) in place; returns the sum */
+    FASTATTN_TARGETS static float fastattn_exp_sum_f(float *s, int n, float shift) {
+        float total = 0;
+        #pragma omp simd reduction(+:total)
+        for (int j = 0; j < n; j++) { float p = expf(s[j] - shift); s[j] = p; total += p; }
+        return total;
+    }
+    FASTATTN_TARGETS static double fastattn_exp_sum_d(double *s, int n, double shift) {
+        double total = 0;
+        #pragma omp simd reduction(+:total)
+        for (int j = 0; j < n; j++) { double p = exp(s[j] - shift); s[j] = p; total += p; }
+        return total;
+    }
+    /* Linear attention's feature map: relu max(x, 0) or elu(x) + 1, NaN kept.
+       Branch-free so that the loop vectorises (exp of min(x, 0) is always
+       computed, then selected). */
+    FASTATTN_TARGETS static void fastattn_feature_map_f(const float *x, long n, float *out, int relu) {
+        if (relu) {
+            #pragma omp simd
+            for (long t = 0; t < n; t++) out[t] = x[t] <= 0 ? 0.0f : x[t];
+        } else {
+            #pragma omp simd
+            for (long t = 0; t < n; t++) {
+                float a = x[t], e = expf(a > 0 ? 0.0f : a);
+                out[t] = a > 0 ? a + 1.0f : e;
+            }
+        }
+    }
+    FASTATTN_TARGETS static void fastattn_feature_map_d(const double *x, long n, double *out, int relu) {
+        if (relu) {
+            #pragma omp simd
+            for (long t = 0; t < n; t++) out[t] = x[t] <= 0 ? 0.0 : x[t];
+        } else {
+            #pragma omp simd
+            for (long t = 0; t < n; t++) {
+                double a = x[t], e = exp(a > 0 ? 0.0 : a);
+                out[t] = a > 0 ? a + 1.0 : e;
+            }
+        }
+    }
+    """
+    float expf(float) nogil
+    double exp(double) nogil
+    const int FASTATTN_VECTOR_EXP
+    const int FASTATTN_CLONES
+    float fastattn_row_max_f(const float *s, int n) nogil
+    double fastattn_row_max_d(const double *s, int n) nogil
+    float fastattn_exp_sum_f(float *s, int n, float shift) nogil
+    double fastattn_exp_sum_d(double *s, int n, double shift) nogil
+    void fastattn_feature_map_f(const float *x, long n, float *out, int relu) nogil
+    void fastattn_feature_map_d(const double *x, long n, double *out, int relu) nogil
+
+
+cdef inline floating fexp(floating x) noexcept nogil:
+    """``exp`` in the precision of ``x`` (expf for float32)."""
+    if floating is float:
+        return expf(x)
+    else:
+        return exp(x)
+
+
+cdef inline floating row_max(const floating *s, int n) noexcept nogil:
+    """``max(s[0:n])`` (vectorised), ``-inf`` when ``n == 0``."""
+    if floating is float:
+        return fastattn_row_max_f(s, n)
+    else:
+        return fastattn_row_max_d(s, n)
+
+
+cdef inline floating exp_sum(floating *s, int n, floating shift) noexcept nogil:
+    """``s[j] = exp(s[j] - shift)`` in place (vector exp); returns ``Σ s[j]``."""
+    if floating is float:
+        return fastattn_exp_sum_f(s, n, shift)
+    else:
+        return fastattn_exp_sum_d(s, n, shift)
+
+
+cdef inline void feature_map(const floating *x, Py_ssize_t n, floating *out,
+                             bint relu) noexcept nogil:
+    """``out = φ(x)``: ``max(x, 0)`` (relu) or ``elu(x) + 1`` (vector exp); NaN stays NaN."""
+    if floating is float:
+        fastattn_feature_map_f(x, n, out, relu)
+    else:
+        fastattn_feature_map_d(x, n, out, relu)

@@ -1,0 +1,316 @@
+"""Linear attention (Katharopoulos et al. 2020): non-causal and chunked causal.
+
+``out_i = φ(q_i) S_i / (φ(q_i) · z_i + eps)`` with the state
+``S_i = S0 + Σ_j φ(k_j)ᵀ v_j`` and ``z_i = z0 + Σ_j φ(k_j)`` over the keys
+query ``i`` sees.
+
+* Non-causal: the state over all keys is two small products per chunk of
+  :data:`CHUNK` keys (``φ(k)ᵀ v`` by GEMM), then every query chunk is one
+  GEMM ``φ(q) S`` and a dot product with ``z``.  The feature map is applied
+  chunk by chunk into a small buffer, never to the whole sequence.
+* Causal, chunked (the chunk form of flash-linear-attention): queries are
+  taken :data:`CHUNK` at a time; the keys every query of the chunk sees are
+  folded into the running state first, then the few keys only some of them
+  see (the diagonal) are added as a masked quadratic term, row by row over
+  the visible keys only, so a NaN or inf behind the mask is never formed.
+  The state is carried in from ``(S0, z0)`` and returned after the last key.
+
+Heads are shared out by OpenMP.  With fewer heads than threads each head is
+cut into segments: the segments' keys are folded into partial states in
+parallel, a prefix sum gives each segment its starting state, and the
+segments then run in parallel (the causal chunks inside one segment run in
+order).  BLAS runs single-threaded inside (the caller limits it, see
+:mod:`fastattn._cython`).
+"""
+
+import numpy as np
+
+from cython cimport floating
+from cython.parallel cimport parallel, prange, threadid
+
+from fastattn._cython._blas cimport gemm
+from fastattn._cython._vmath cimport feature_map as _feature_map
+
+#: Rows per chunk: the width of the causal diagonal term and of the buffers.
+CHUNK = 64
+
+
+cdef inline void _normalise_row(floating *row, int d_v, floating denominator) noexcept nogil:
+    """``row /= denominator``, or ``row * 0`` where the denominator is exactly 0."""
+    cdef int c
+    cdef floating inv
+    if denominator != 0:
+        inv = 1 / denominator
+        for c in range(d_v):
+            row[c] = row[c] * inv
+    else:
+        for c in range(d_v):
+            row[c] = row[c] * 0
+
+
+cdef void _fold_keys(const floating *k, const floating *v, int j0, int j1,
+                     int d_k, int d_v, bint relu, int chunk,
+                     floating *S, floating *z, floating *phi) noexcept nogil:
+    """``S += φ(k[j0:j1])ᵀ v[j0:j1]``, ``z += Σ φ(k[j0:j1])``, ``chunk`` keys at a time."""
+    cdef int t, c0, rows, j, a
+    cdef floating *prow
+    for t in range((j1 - j0 + chunk - 1) // chunk if j1 > j0 else 0):
+        c0 = j0 + t * chunk
+        rows = min(chunk, j1 - c0)
+        _feature_map(k + <Py_ssize_t> c0 * d_k, <Py_ssize_t> rows * d_k, phi, relu)
+        gemm(True, False, d_k, d_v, rows, 1, phi, d_k,
+             v + <Py_ssize_t> c0 * d_v, d_v, 1, S, d_v)
+        for j in range(rows):
+            prow = phi + <Py_ssize_t> j * d_k
+            for a in range(d_k):
+                z[a] = z[a] + prow[a]
+
+
+cdef void _query_chunk(const floating *q, int i0, int i1, int d_k, int d_v,
+                       bint relu, const floating *S, const floating *z,
+                       floating *out, floating *phi, floating *den) noexcept nogil:
+    """``out[i0:i1] = φ(q) S`` (unnormalised) and ``den = φ(q) · z``."""
+    cdef int rows = i1 - i0, r, a
+    cdef floating acc
+    cdef floating *prow
+    _feature_map(q + <Py_ssize_t> i0 * d_k, <Py_ssize_t> rows * d_k, phi, relu)
+    gemm(False, False, rows, d_v, d_k, 1, phi, d_k, S, d_v, 0,
+         out + <Py_ssize_t> i0 * d_v, d_v)
+    for r in range(rows):
+        prow = phi + <Py_ssize_t> r * d_k
+        acc = 0
+        for a in range(d_k):
+            acc = acc + prow[a] * z[a]
+        den[r] = acc
+
+
+def _noncausal(
+    const floating[:, :, ::1] q,
+    const floating[:, :, ::1] k,
+    const floating[:, :, ::1] v,
+    floating[:, :, ::1] out,
+    floating[:, :, :, ::1] S_seg,
+    floating[:, :, ::1] z_seg,
+    floating[::1] workspace,
+    bint relu,
+    double eps,
+    int chunk,
+    int n_threads,
+):
+    """Non-causal linear attention; returns the state ``(S, z)`` over all keys.
+
+    The keys of each head are cut into ``S_seg.shape[1]`` segments folded in
+    parallel into ``S_seg[b, s]`` (``S_seg[b, 0]`` holds the initial state),
+    summed, then every query chunk is one GEMM with the summed state.
+    """
+    cdef int n_batch = q.shape[0], n_q = q.shape[1], d_k = q.shape[2]
+    cdef int n_k = k.shape[1], d_v = v.shape[2]
+    cdef int n_seg = S_seg.shape[1]
+    cdef int n_chunks = (n_q + chunk - 1) // chunk
+    cdef Py_ssize_t per_thread = <Py_ssize_t> chunk * d_k + chunk
+    cdef int b, s, item, i0, i1, r
+    cdef floating *buf = NULL   # per-thread workspace, set in each parallel block
+    cdef floating[:, :, ::1] S
+    cdef floating[:, ::1] z
+
+    # No more threads than work items: an idle thread only spins at the barrier.
+    with nogil, parallel(num_threads=min(n_threads, n_batch * n_seg)):
+        buf = &workspace[0] + threadid() * per_thread
+        for item in prange(n_batch * n_seg, schedule="static"):
+            b = item // n_seg
+            s = item % n_seg
+            _fold_keys(&k[b, 0, 0], &v[b, 0, 0], s * n_k // n_seg, (s + 1) * n_k // n_seg,
+                       d_k, d_v, relu, chunk, &S_seg[b, s, 0, 0], &z_seg[b, s, 0], buf)
+    S_arr = np.asarray(S_seg).sum(axis=1)
+    z_arr = np.asarray(z_seg).sum(axis=1)
+    S, z = S_arr, z_arr
+    with nogil, parallel(num_threads=min(n_threads, n_batch * n_chunks)):
+        buf = &workspace[0] + threadid() * per_thread
+        for item in prange(n_batch * n_chunks, schedule="static"):
+            b = item // n_chunks
+            i0 = (item % n_chunks) * chunk
+            i1 = min(i0 + chunk, n_q)
+            _query_chunk(&q[b, 0, 0], i0, i1, d_k, d_v, relu, &S[b, 0, 0], &z[b, 0],
+                         &out[b, 0, 0], buf, buf + chunk * d_k)
+            for r in range(i1 - i0):
+                _normalise_row(&out[b, i0 + r, 0], d_v, buf[chunk * d_k + r] + <floating> eps)
+    return S_arr, z_arr
+
+
+cdef inline int _segment_start(int s, int n_segments, int n_chunks, int chunk,
+                               int n_q, int n_k) noexcept nogil:
+    """Keys already in the state when segment ``s`` (of query chunks) starts."""
+    cdef int i0
+    if s == 0:
+        return 0
+    i0 = (s * n_chunks // n_segments) * chunk
+    return min(max(i0 + n_k - n_q + 1, 0), n_k)
+
+
+cdef void _causal_segment(const floating *q, const floating *k, const floating *v,
+                          floating *out, floating *S, floating *z,
+                          int n_q, int n_k, int d_k, int d_v, bint relu, floating eps,
+                          int chunk, int c_begin, int c_end, int folded, bint last,
+                          floating *phi_q, floating *phi_k, floating *a_buf,
+                          floating *den) noexcept nogil:
+    """Query chunks ``[c_begin, c_end)`` of one head, in order, from the state ``(S, z)``.
+
+    ``(S, z)`` holds the keys ``[0, folded)`` on entry; keys are folded in as
+    the chunks advance (to ``n_k`` at the end when ``last``).
+    """
+    cdef int off = n_k - n_q
+    cdef int i0, i1, rows, p0, p1, width, r, j, c, seen, t
+    cdef floating a, total
+    cdef floating *arow
+    cdef floating *orow
+    cdef const floating *vrow
+    for t in range(c_begin, c_end):
+        i0 = t * chunk
+        i1 = min(i0 + chunk, n_q)
+        rows = i1 - i0
+        # Keys [0, p0) are seen by every query of the chunk, [p0, p1) by some.
+        p0 = min(max(i0 + off + 1, 0), n_k)
+        p1 = min(max(i1 + off, 0), n_k)
+        _fold_keys(k, v, folded, p0, d_k, d_v, relu, chunk, S, z, phi_k)
+        folded = p0
+        _query_chunk(q, i0, i1, d_k, d_v, relu, S, z, out, phi_q, den)
+        width = p1 - p0
+        if width > 0:
+            _feature_map(k + <Py_ssize_t> p0 * d_k, <Py_ssize_t> width * d_k, phi_k, relu)
+            gemm(False, True, rows, width, d_k, 1, phi_q, d_k, phi_k, d_k, 0, a_buf, width)
+            for r in range(rows):
+                seen = min(max(i0 + r + off + 1, 0), n_k) - p0
+                arow = a_buf + <Py_ssize_t> r * width
+                orow = out + <Py_ssize_t> (i0 + r) * d_v
+                total = 0
+                for j in range(seen):
+                    a = arow[j]
+                    total = total + a
+                    vrow = v + <Py_ssize_t> (p0 + j) * d_v
+                    for c in range(d_v):
+                        orow[c] = orow[c] + a * vrow[c]
+                den[r] = den[r] + total
+        for r in range(rows):
+            _normalise_row(out + <Py_ssize_t> (i0 + r) * d_v, d_v, den[r] + eps)
+    if last:
+        _fold_keys(k, v, folded, n_k, d_k, d_v, relu, chunk, S, z, phi_k)
+
+
+def _causal(
+    const floating[:, :, ::1] q,
+    const floating[:, :, ::1] k,
+    const floating[:, :, ::1] v,
+    floating[:, :, ::1] out,
+    floating[:, :, :, ::1] S_seg,
+    floating[:, :, ::1] z_seg,
+    floating[::1] workspace,
+    bint relu,
+    double eps,
+    int chunk,
+    int n_threads,
+):
+    """Chunked causal linear attention, each head cut into ``S_seg.shape[1]`` segments.
+
+    ``S_seg[b, 0], z_seg[b, 0]`` hold the initial state and the other
+    segments' entries zeros on entry.  Pass 1 (parallel) sums each segment's
+    keys into the next segment's entry, a prefix sum makes them the state
+    each segment starts from, and pass 2 (parallel) runs the segments; on
+    return the last segment's entry holds the state after the last key.
+    """
+    cdef int n_batch = q.shape[0], n_q = q.shape[1], d_k = q.shape[2]
+    cdef int n_k = k.shape[1], d_v = v.shape[2]
+    cdef int n_seg = S_seg.shape[1]
+    cdef int n_chunks = (n_q + chunk - 1) // chunk
+    cdef Py_ssize_t per_thread = 2 * <Py_ssize_t> chunk * d_k + chunk * chunk + chunk
+    cdef int item, b, s
+    cdef floating *buf = NULL   # per-thread workspace, set in each parallel block
+    cdef floating e = <floating> eps
+
+    if n_seg > 1:
+        with nogil, parallel(num_threads=min(n_threads, n_batch * (n_seg - 1))):
+            buf = &workspace[0] + threadid() * per_thread
+            for item in prange(n_batch * (n_seg - 1), schedule="dynamic"):
+                b = item // (n_seg - 1)
+                s = item % (n_seg - 1)
+                _fold_keys(&k[b, 0, 0], &v[b, 0, 0],
+                           _segment_start(s, n_seg, n_chunks, chunk, n_q, n_k),
+                           _segment_start(s + 1, n_seg, n_chunks, chunk, n_q, n_k),
+                           d_k, d_v, relu, chunk, &S_seg[b, s + 1, 0, 0], &z_seg[b, s + 1, 0], buf)
+        np.cumsum(S_seg, axis=1, out=np.asarray(S_seg))
+        np.cumsum(z_seg, axis=1, out=np.asarray(z_seg))
+
+    with nogil, parallel(num_threads=min(n_threads, n_batch * n_seg)):
+        buf = &workspace[0] + threadid() * per_thread
+        for item in prange(n_batch * n_seg, schedule="dynamic"):
+            b = item // n_seg
+            s = item % n_seg
+            _causal_segment(&q[b, 0, 0], &k[b, 0, 0], &v[b, 0, 0], &out[b, 0, 0],
+                            &S_seg[b, s, 0, 0], &z_seg[b, s, 0], n_q, n_k, d_k, d_v, relu, e,
+                            chunk, s * n_chunks // n_seg, (s + 1) * n_chunks // n_seg,
+                            _segment_start(s, n_seg, n_chunks, chunk, n_q, n_k), s == n_seg - 1,
+                            buf, buf + chunk * d_k, buf + 2 * chunk * d_k,
+                            buf + 2 * chunk * d_k + chunk * chunk)
+
+
+def linear_attention_forward(q, k, v, feature_map, bint causal, double eps, S0=None, z0=None,
+                             int n_threads=1):
+    """Linear attention with state: non-causal by two products, causal by chunks.
+
+    Parameters
+    ----------
+    q : ndarray of shape (B, n_q, d_k), float32 or float64, C-contiguous
+    k : ndarray of shape (B, n_k, d_k), same dtype
+    v : ndarray of shape (B, n_k, d_v), same dtype
+    feature_map : {"elu", "relu"}
+        ``elu(x) + 1`` or ``max(x, 0)``.
+    causal : bool
+        Bottom-right aligned mask (query ``i`` sees key ``j <= i + n_k - n_q``).
+    eps : float
+        Added to the denominator; a row whose denominator is exactly 0 is 0.
+    S0 : ndarray of shape (B, d_k, d_v), optional
+        State of earlier keys (default zeros); read, never written.
+    z0 : ndarray of shape (B, d_k), optional
+    n_threads : int, default 1
+        OpenMP threads (the package's ``get_num_threads()`` when called
+        through the backend); ignored in a build without OpenMP.
+
+    Returns
+    -------
+    out : ndarray of shape (B, n_q, d_v)
+    S : ndarray of shape (B, d_k, d_v)
+        ``S0 + φ(k)ᵀ v`` over all keys.
+    z : ndarray of shape (B, d_k)
+        ``z0 + Σ_j φ(k_j)``.
+
+    Notes
+    -----
+    Non-causal ``4 · B · n · d_k · d_v`` flops; causal adds the diagonal
+    term, ``O(B · n · CHUNK · (d_k + d_v))``.  Extra memory besides the
+    outputs: ``T · (2 CHUNK d_k + CHUNK² + CHUNK)`` elements for ``T``
+    threads.  Katharopoulos et al., "Transformers are RNNs" (ICML 2020).
+    """
+    if feature_map not in ("elu", "relu"):
+        raise ValueError(f"feature_map must be 'elu' or 'relu', got {feature_map!r}")
+    n_threads = max(1, n_threads)
+    n_batch, n_q, d_k = q.shape
+    d_v = v.shape[2]
+    dtype = q.dtype
+    out = np.empty((n_batch, n_q, d_v), dtype)
+    chunk = CHUNK
+    per_thread = 2 * chunk * d_k + chunk * chunk + chunk
+    workspace = np.empty(n_threads * per_thread, dtype)
+    relu = feature_map == "relu"
+    # Fewer heads than threads: cut each head into segments run in parallel.
+    n_chunks = -(-(n_q if causal else k.shape[1]) // chunk)
+    n_seg = max(1, min(-(-n_threads // n_batch), n_chunks)) if n_batch < n_threads else 1
+    S_seg = np.zeros((n_batch, n_seg, d_k, d_v), dtype)
+    z_seg = np.zeros((n_batch, n_seg, d_k), dtype)
+    if S0 is not None:
+        S_seg[:, 0] = S0
+    if z0 is not None:
+        z_seg[:, 0] = z0
+    if causal:
+        _causal(q, k, v, out, S_seg, z_seg, workspace, relu, eps, chunk, n_threads)
+        return out, S_seg[:, -1].copy(), z_seg[:, -1].copy()
+    S, z = _noncausal(q, k, v, out, S_seg, z_seg, workspace, relu, eps, chunk, n_threads)
+    return out, S, z

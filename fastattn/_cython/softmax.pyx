@@ -1,0 +1,249 @@
+"""Tiled online-softmax forward: softmax attention without an n_q x n_k array.
+
+Queries are cut into blocks of :data:`BLOCK_Q` rows and keys into blocks of
+:data:`BLOCK_K`.  For a query block, each key block's scores
+``s = scale · q_blk k_blkᵀ`` come from one GEMM; every row keeps a running
+maximum ``m`` and sum ``l`` of ``exp(s - m)`` (online softmax, Milakov &
+Gimelshein 2018) and its output is rescaled by ``exp(m_old - m_new)`` before
+the next block's ``p v_blk`` GEMM adds to it, as in FlashAttention (Dao et al.
+2022).  Causal: key blocks wholly above the diagonal are never visited; a key
+block the diagonal crosses ("partial" block) has its masked scores replaced by
+0 and, when a masked value row is not finite, its ``p v`` product formed row
+by row over the visible keys only, so a NaN or inf behind the mask never
+reaches a row (a GEMM would form ``0 · NaN``).
+
+Work items are (batch, query block) pairs shared out by OpenMP with dynamic
+scheduling, the longest causal blocks first; BLAS runs single-threaded inside
+(the caller limits it, see :mod:`fastattn._cython`).
+"""
+
+import numpy as np
+
+from cython cimport floating
+from cython.parallel cimport parallel, prange, threadid
+
+from fastattn._cython._blas cimport gemm
+from fastattn._cython._vmath cimport FASTATTN_CLONES, FASTATTN_VECTOR_EXP, exp_sum, fexp, row_max
+
+#: Query rows per block (one work item).
+BLOCK_Q = 256
+#: Keys per block (one scores GEMM).
+BLOCK_K = 256
+#: Rows per tile where the causal diagonal crosses a key block.
+cdef int DIAGONAL_ROWS = 64
+
+cdef double NEG_INF = -float("inf")
+
+
+cdef inline int _visible_end(int i, int n_q, int n_k, bint causal) noexcept nogil:
+    """Keys ``[0, end)`` seen by query ``i``: all, or ``j <= i + n_k - n_q`` (clipped)."""
+    cdef int end
+    if not causal:
+        return n_k
+    end = i + n_k - n_q + 1
+    if end < 0:
+        return 0
+    if end > n_k:
+        return n_k
+    return end
+
+
+cdef inline bint _rows_finite(const floating *x, Py_ssize_t count) noexcept nogil:
+    """Whether ``count`` consecutive values are all finite (no NaN, no inf)."""
+    cdef Py_ssize_t t
+    cdef floating acc = 0
+    for t in range(count):
+        acc = acc + x[t] * 0      # inf * 0 and NaN * 0 are NaN
+    return acc == 0
+
+
+cdef void _tile(
+    const floating *q, const floating *k, const floating *v, floating *out,
+    int n_q, int n_k, int d_k, int d_v, int i0, int r0, int r1, int j0, int width,
+    bint full, bint causal, floating scale, floating *s_buf, floating *m, floating *l,
+) noexcept nogil:
+    """Fold keys ``[j0, j0 + width)`` into rows ``i0 + [r0, r1)`` (online softmax step).
+
+    ``full``: every row sees every key of the tile; otherwise each row sees a
+    prefix of it (the causal diagonal) and the rest is never formed.
+    """
+    cdef int rows = r1 - r0
+    cdef int r, ri, j, c, w, w_min
+    cdef floating mx, m_new, shift, alpha, p
+    cdef floating *srow
+    cdef floating *orow
+    cdef const floating *vrow
+
+    gemm(False, True, rows, width, d_k, scale, q + <Py_ssize_t> (i0 + r0) * d_k, d_k,
+         k + <Py_ssize_t> j0 * d_k, d_k, 0, s_buf, width)
+    w_min = width
+    for r in range(rows):
+        ri = r0 + r
+        srow = s_buf + <Py_ssize_t> r * width
+        if full:
+            w = width
+        else:
+            w = min(max(_visible_end(i0 + ri, n_q, n_k, causal) - j0, 0), width)
+            w_min = min(w_min, w)
+            for j in range(w, width):
+                srow[j] = 0              # masked: p = 0, whatever the score was
+        if w == 0:
+            continue
+        mx = row_max(srow, w)
+        m_new = mx if mx > m[ri] else m[ri]
+        # All scores -inf so far: shift by 0 so exp gives 0, not NaN.
+        shift = m_new if m_new != NEG_INF else 0
+        alpha = fexp(m[ri] - shift)
+        l[ri] = l[ri] * alpha + exp_sum(srow, w, shift)
+        m[ri] = m_new
+        if alpha != 1:
+            orow = out + <Py_ssize_t> (i0 + ri) * d_v
+            for c in range(d_v):
+                orow[c] = orow[c] * alpha
+
+    # p v: one GEMM, unless a masked value row is not finite (0 * inf is NaN).
+    if full or _rows_finite(v + <Py_ssize_t> (j0 + w_min) * d_v,
+                            <Py_ssize_t> (width - w_min) * d_v):
+        gemm(False, False, rows, d_v, width, 1, s_buf, width,
+             v + <Py_ssize_t> j0 * d_v, d_v, 1, out + <Py_ssize_t> (i0 + r0) * d_v, d_v)
+    else:
+        for r in range(rows):
+            ri = r0 + r
+            w = min(max(_visible_end(i0 + ri, n_q, n_k, causal) - j0, 0), width)
+            srow = s_buf + <Py_ssize_t> r * width
+            orow = out + <Py_ssize_t> (i0 + ri) * d_v
+            for j in range(w):
+                p = srow[j]
+                vrow = v + <Py_ssize_t> (j0 + j) * d_v
+                for c in range(d_v):
+                    orow[c] = orow[c] + p * vrow[c]
+
+
+cdef void _query_block(
+    const floating *q, const floating *k, const floating *v, floating *out,
+    int n_q, int n_k, int d_k, int d_v, int i0, int i1, bint causal,
+    floating scale, int block_k, floating *s_buf, floating *m, floating *l,
+) noexcept nogil:
+    """Rows ``[i0, i1)`` of one head's output.  ``q, k, v, out`` point at that head.
+
+    A key block wholly visible to the query block is one tile; a block the
+    causal diagonal crosses is cut into tiles of :data:`DIAGONAL_ROWS` rows,
+    each only as wide as its last row sees, so little masked work is done.
+    """
+    cdef int nr = i1 - i0
+    cdef int r, c, kb, j0, bk, hi, lo, t, r0, r1, width
+    cdef floating inv
+    cdef floating *orow
+
+    hi = _visible_end(i1 - 1, n_q, n_k, causal)   # keys seen by the last row
+    lo = _visible_end(i0, n_q, n_k, causal)       # keys seen by every row
+    for r in range(nr):
+        m[r] = NEG_INF
+        l[r] = 0
+        orow = out + <Py_ssize_t> (i0 + r) * d_v
+        for c in range(d_v):
+            orow[c] = 0
+
+    for kb in range((hi + block_k - 1) // block_k):
+        j0 = kb * block_k
+        bk = min(block_k, hi - j0)
+        if j0 + bk <= lo:
+            _tile(q, k, v, out, n_q, n_k, d_k, d_v, i0, 0, nr, j0, bk, True, causal,
+                  scale, s_buf, m, l)
+            continue
+        for t in range((nr + DIAGONAL_ROWS - 1) // DIAGONAL_ROWS):
+            r0 = t * DIAGONAL_ROWS
+            r1 = min(r0 + DIAGONAL_ROWS, nr)
+            width = min(_visible_end(i0 + r1 - 1, n_q, n_k, causal) - j0, bk)
+            if width > 0:
+                _tile(q, k, v, out, n_q, n_k, d_k, d_v, i0, r0, r1, j0, width, False,
+                      causal, scale, s_buf, m, l)
+
+    for r in range(nr):
+        orow = out + <Py_ssize_t> (i0 + r) * d_v
+        if _visible_end(i0 + r, n_q, n_k, causal) == 0:
+            for c in range(d_v):
+                orow[c] = 0              # a row that sees no key is 0
+        elif l[r] != 0:
+            inv = 1 / l[r]
+            for c in range(d_v):
+                orow[c] = orow[c] * inv
+
+
+def _online_softmax(
+    const floating[:, :, ::1] q,
+    const floating[:, :, ::1] k,
+    const floating[:, :, ::1] v,
+    floating[:, :, ::1] out,
+    floating[::1] workspace,
+    bint causal,
+    double scale,
+    int block_q,
+    int block_k,
+    int n_threads,
+):
+    cdef int n_batch = q.shape[0], n_q = q.shape[1], d_k = q.shape[2]
+    cdef int n_k = k.shape[1], d_v = v.shape[2]
+    cdef int n_blocks = (n_q + block_q - 1) // block_q
+    cdef int n_items = n_batch * n_blocks
+    cdef Py_ssize_t per_thread = <Py_ssize_t> block_q * block_k + 2 * block_q
+    cdef int item, b, blk, i0, i1
+    cdef floating *buf = NULL   # per-thread workspace, set in each parallel block
+    cdef floating s = <floating> scale
+
+    # No more threads than work items: an idle thread only spins at the barrier.
+    with nogil, parallel(num_threads=min(n_threads, n_items)):
+        buf = &workspace[0] + threadid() * per_thread
+        for item in prange(n_items, schedule="dynamic"):
+            b = item // n_blocks
+            # Last query blocks first: under the causal mask they see the most keys.
+            blk = n_blocks - 1 - item % n_blocks
+            i0 = blk * block_q
+            i1 = min(i0 + block_q, n_q)
+            _query_block(&q[b, 0, 0], &k[b, 0, 0], &v[b, 0, 0], &out[b, 0, 0],
+                         n_q, n_k, d_k, d_v, i0, i1, causal, s, block_k,
+                         buf, buf + block_q * block_k, buf + block_q * block_k + block_q)
+
+
+def online_softmax_forward(q, k, v, bint causal, double scale, int n_threads=1):
+    """Softmax attention ``softmax(q kᵀ · scale) v`` by the tiled online softmax.
+
+    Parameters
+    ----------
+    q : ndarray of shape (B, n_q, d_k), float32 or float64, C-contiguous
+    k : ndarray of shape (B, n_k, d_k), same dtype
+    v : ndarray of shape (B, n_k, d_v), same dtype
+    causal : bool
+        Bottom-right aligned mask: query ``i`` sees key ``j`` when
+        ``j <= i + n_k - n_q``; a row that sees no key is 0.
+    scale : float
+        Multiplies the logits.
+    n_threads : int, default 1
+        OpenMP threads (the package's ``get_num_threads()`` when called
+        through the backend); ignored in a build without OpenMP.
+
+    Returns
+    -------
+    out : ndarray of shape (B, n_q, d_v), the dtype of ``q``
+
+    Notes
+    -----
+    ``4 · B · n_q · n_k · d`` flops (about half when causal with
+    ``n_q = n_k``); extra memory ``T · (BLOCK_Q · BLOCK_K + 2 BLOCK_Q)``
+    elements for ``T`` threads, besides the output.  Milakov & Gimelshein,
+    "Online normalizer calculation for softmax" (2018); Dao et al.,
+    "FlashAttention" (2022).
+    """
+    n_threads = max(1, n_threads)
+    n_batch, n_q, _ = q.shape
+    block_q = min(BLOCK_Q, n_q)
+    block_k = min(BLOCK_K, k.shape[1])
+    out = np.empty((n_batch, n_q, v.shape[2]), dtype=q.dtype)
+    workspace = np.empty(n_threads * (block_q * block_k + 2 * block_q), dtype=q.dtype)
+    _online_softmax(q, k, v, out, workspace, causal, scale, block_q, block_k, n_threads)
+    return out
+
+
+def _build_features():
+    """How the row kernels were compiled: vector exp (libmvec), AVX2 clones."""
+    return {"vector_exp": bool(FASTATTN_VECTOR_EXP), "avx2_clones": bool(FASTATTN_CLONES)}

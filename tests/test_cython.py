@@ -1,0 +1,317 @@
+"""The Cython backend against the float64 reference, and the build it comes from.
+
+Every case compares ``backend="cython"`` with the NumPy reference evaluated in
+float64, within the tolerance of the kernel's dtype (``conftest.TOLERANCES``).
+Sizes are chosen odd and around the block and chunk edges of the kernels, so a
+block boundary, a causal diagonal block or a last partial block that is wrong
+shows up.
+"""
+
+import importlib.machinery
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+from threadpoolctl import threadpool_info
+
+import fastattn
+import fastattn._api
+import fastattn.data
+from conftest import assert_close, make_qkv, minilm_dir, reference64
+
+try:
+    import fastattn._cython as cy
+except ImportError as exc:   # not built: the build test fails, the others skip
+    cy, BUILD_ERROR = None, exc
+else:
+    BUILD_ERROR = None
+
+BQ, BK, CH = (cy.BLOCK_Q, cy.BLOCK_K, cy.CHUNK) if cy is not None else (256, 256, 64)
+DTYPES = (np.float32, np.float64)
+
+# (leading dims, n_q, n_k, d_k, d_v)
+CASES = [
+    ((), 1, 1, 4, 4),
+    ((), 2, 2, 3, 5),
+    ((2,), 7, 7, 5, 3),
+    ((2,), 63, 63, 8, 8),
+    ((), CH - 1, CH + 1, 8, 12),
+    ((), CH + 1, CH - 1, 12, 8),
+    ((), BQ - 1, BQ - 1, 16, 16),
+    ((), BQ + 1, BK + 1, 16, 9),
+    ((2, 3), BK - 1, BK + 1, 4, 6),
+    ((), BK + 1, BQ - 1, 6, 4),
+    ((), 1000, 1000, 32, 24),
+    ((), 3, 700, 8, 8),        # n_q << n_k: the queries see a long prefix
+    ((), 700, 3, 8, 8),        # n_q >> n_k: most causal rows see no key
+]
+
+
+def case_id(case):
+    lead, n_q, n_k, d_k, d_v = case
+    batch = "x".join(map(str, lead)) or "none"
+    return f"B{batch}-nq{n_q}-nk{n_k}-dk{d_k}-dv{d_v}"
+
+
+def _inputs(case, dtype, seed=0):
+    lead, n_q, n_k, d_k, d_v = case
+    return make_qkv((*lead, n_q, d_k), n_k=n_k, d_v=d_v, dtype=dtype, seed=seed)
+
+
+@pytest.fixture(autouse=True)
+def _needs_the_extension(request):
+    if cy is None and request.node.originalname != "test_imported_module_is_the_compiled_extension":
+        pytest.skip(f"Cython extensions not built: {BUILD_ERROR}")
+
+
+def test_imported_module_is_the_compiled_extension():
+    assert cy is not None, f"fastattn._cython cannot be imported: {BUILD_ERROR}"
+    suffixes = tuple(importlib.machinery.EXTENSION_SUFFIXES)
+    for name in ("softmax", "linear", "_blas", "_openmp"):
+        module = getattr(cy, name)
+        assert module.__file__.endswith(suffixes), f"{name} is not compiled: {module.__file__}"
+        assert module.__file__.endswith(".so") or module.__file__.endswith(".pyd")
+    assert fastattn._api.get_backend("cython") is cy
+    assert "cython" in fastattn.available_backends()
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f64"])
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_softmax_matches_reference(case, dtype, causal):
+    q, k, v = _inputs(case, dtype)
+    got = fastattn.softmax_attention(q, k, v, causal=causal, backend="cython")
+    want = reference64(fastattn.softmax_attention, q, k, v, causal=causal)
+    assert got.dtype == dtype
+    assert_close(got, want, dtype, err_msg=case_id(case))
+
+
+@pytest.mark.parametrize("feature_map", ["elu", "relu"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f64"])
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_linear_matches_reference(case, dtype, causal, feature_map):
+    q, k, v = _inputs(case, dtype)
+    got, (S, z) = fastattn.linear_attention(
+        q, k, v, causal=causal, feature_map=feature_map, return_state=True, backend="cython"
+    )
+    want, (S_want, z_want) = reference64(
+        fastattn.linear_attention, q, k, v, causal=causal, feature_map=feature_map,
+        return_state=True,
+    )
+    assert_close(got, want, dtype, err_msg=case_id(case))
+    # The state is a sum over n_k keys: its error grows with n_k.
+    n_k = case[2]
+    assert_close(S, S_want, dtype, scale=max(1.0, n_k / 100), err_msg="S " + case_id(case))
+    assert_close(z, z_want, dtype, scale=max(1.0, n_k / 100), err_msg="z " + case_id(case))
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f64"])
+def test_linear_initial_state_matches_reference(dtype, causal):
+    q, k, v = make_qkv((2, 150, 8), n_k=170, d_v=6, dtype=dtype, seed=3)
+    rng = np.random.default_rng(4)
+    S0 = rng.standard_normal((2, 8, 6)).astype(dtype)
+    z0 = rng.uniform(1, 5, (2, 8)).astype(dtype)
+    S0_before, z0_before = S0.copy(), z0.copy()
+    got, (S, z) = fastattn.linear_attention(
+        q, k, v, causal=causal, initial_state=(S0, z0), return_state=True, backend="cython"
+    )
+    want, (S_want, z_want) = fastattn.linear_attention(
+        q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), causal=causal,
+        initial_state=(S0.astype(np.float64), z0.astype(np.float64)), return_state=True,
+        backend="reference",
+    )
+    assert_close(got, want, dtype)
+    assert_close(S, S_want, dtype, scale=2)
+    assert_close(z, z_want, dtype, scale=2)
+    np.testing.assert_array_equal(S0, S0_before, err_msg="the initial state was written to")
+    np.testing.assert_array_equal(z0, z0_before, err_msg="the initial state was written to")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f64"])
+def test_causal_linear_in_pieces_equals_one_pass(dtype):
+    q, k, v = make_qkv((2, 3 * CH + 17, 8), d_v=5, dtype=dtype, seed=5)
+    whole, (S_whole, z_whole) = fastattn.linear_attention(
+        q, k, v, causal=True, return_state=True, backend="cython"
+    )
+    state, outs = None, []
+    for start, stop in ((0, 1), (1, CH + 2), (CH + 2, 2 * CH + 9), (2 * CH + 9, q.shape[1])):
+        out, state = fastattn.linear_attention(
+            q[:, start:stop], k[:, start:stop], v[:, start:stop], causal=True,
+            initial_state=state, return_state=True, backend="cython",
+        )
+        outs.append(out)
+    assert_close(np.concatenate(outs, axis=1), whole, dtype)
+    assert_close(state[0], S_whole, dtype, scale=2)
+    assert_close(state[1], z_whole, dtype, scale=2)
+
+
+def _layouts(x):
+    """The same values as ``x`` in other memory layouts."""
+    yield "fortran", np.asfortranarray(x)
+    yield "transposed", np.ascontiguousarray(np.swapaxes(x, -1, -2)).swapaxes(-1, -2)
+    yield "strided", np.repeat(x, 2, axis=-2)[..., ::2, :]
+    yield "negative", np.ascontiguousarray(x[..., ::-1, :])[..., ::-1, :]
+    read_only = x.copy()
+    read_only.flags.writeable = False
+    yield "read-only", read_only
+
+
+@pytest.mark.parametrize("kind", ["softmax", "linear"])
+def test_non_contiguous_inputs_give_the_contiguous_answer(kind):
+    q, k, v = make_qkv((2, 37, 6), n_k=41, d_v=5, dtype=np.float32, seed=6)
+    fn = fastattn.softmax_attention if kind == "softmax" else fastattn.linear_attention
+    want = fn(q, k, v, causal=True, backend="cython")
+    for (name, qq), (_, kk), (_, vv) in zip(_layouts(q), _layouts(k), _layouts(v)):
+        assert name == "read-only" or not qq.flags.c_contiguous, name
+        got = fn(qq, kk, vv, causal=True, backend="cython")
+        np.testing.assert_array_equal(got, want, err_msg=name)
+
+
+def test_minilm_shipped_slice_reproduces_the_model_context():
+    data = fastattn.data.load_minilm()
+    got = fastattn.softmax_attention(data["q"], data["k"], data["v"], backend="cython")
+    assert_close(got, data["context"], np.float32)
+
+
+def test_minilm_full_activations_reproduce_the_model_context():
+    directory = minilm_dir()
+    if directory is None:
+        pytest.skip("full MiniLM activations not found (set FASTATTN_MINILM_DIR)")
+    data = fastattn.data.load_minilm(directory / "minilm_l6_qkv_n512.npz")
+    got = fastattn.softmax_attention(data["q"], data["k"], data["v"], backend="cython")
+    assert_close(got, data["context"], np.float32)
+
+
+# --- edge semantics (the reference's) ---------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f64"])
+@pytest.mark.parametrize("what", ["k-nan", "v-nan", "v-inf", "k-inf"])
+@pytest.mark.parametrize("position", [5, BQ + 3, BK + BQ // 2])
+def test_causal_nonfinite_reaches_only_the_rows_that_see_it(dtype, what, position):
+    n = 2 * BK + 7
+    q, k, v = make_qkv((n, 8), dtype=dtype, seed=7)
+    target, value = (k if what.startswith("k") else v), (np.nan if "nan" in what else np.inf)
+    target[position, 1] = value
+    for kind in ("softmax", "linear"):
+        fn = fastattn.softmax_attention if kind == "softmax" else fastattn.linear_attention
+        got = fn(q, k, v, causal=True, backend="cython")
+        want = reference64(fn, q, k, v, causal=True)
+        assert np.isfinite(got[:position]).all(), f"{kind}: a row before the key was poisoned"
+        assert not np.isfinite(got[position:]).all(axis=-1).all()
+        assert_close(got, want, dtype, err_msg=kind)
+
+
+def test_causal_rows_that_see_no_key_are_zero():
+    q, k, v = make_qkv((2, 300, 8), n_k=40, dtype=np.float32, seed=8)
+    for fn in (fastattn.softmax_attention, fastattn.linear_attention):
+        got = fn(q, k, v, causal=True, backend="cython")
+        np.testing.assert_array_equal(got[:, : 300 - 40], 0)
+        assert np.abs(got[:, 300 - 40:]).sum(axis=-1).min() > 0
+
+
+def test_softmax_large_logits_stay_finite_and_correct():
+    # Integer q and k make every float32 logit exact (|q.k| up to ~4e4 < 2**24),
+    # so the float32 kernel can be held to the float64 answer at |logits| ~ 1e4.
+    rng = np.random.default_rng(9)
+    q, k = (rng.integers(-50, 51, (2, 300, 16)).astype(np.float32) for _ in range(2))
+    v = rng.standard_normal((2, 300, 16)).astype(np.float32)
+    assert np.abs(q[0] @ k[0].T * 2.0).max() > 1e4
+    for causal in (False, True):
+        got = fastattn.softmax_attention(q, k, v, causal=causal, scale=2.0, backend="cython")
+        want = reference64(fastattn.softmax_attention, q, k, v, causal=causal, scale=2.0)
+        assert np.isfinite(got).all()
+        assert_close(got, want, np.float32)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_relu_zero_denominator_gives_zero_rows(causal):
+    q, k, v = make_qkv((100, 6), dtype=np.float64, seed=10)
+    k = -np.abs(k) - 0.1
+    got = fastattn.linear_attention(q, k, v, feature_map="relu", eps=0.0, causal=causal,
+                                    backend="cython")
+    np.testing.assert_array_equal(got, 0)
+
+
+def test_elu_at_very_negative_inputs():
+    q, k, v = make_qkv((80, 6), dtype=np.float32, seed=11)
+    q, k = q - 30, k - 30          # φ = exp(x) ~ 1e-13: tiny but positive
+    got = fastattn.linear_attention(q, k, v, causal=True, eps=0.0, backend="cython")
+    want = reference64(fastattn.linear_attention, q, k, v, causal=True, eps=0.0)
+    assert np.isfinite(got).all() and np.abs(got).sum(axis=-1).min() > 0
+    assert_close(got, want, np.float32)
+
+
+# --- threads -------------------------------------------------------------------
+
+def test_thread_count_is_settable_and_does_not_change_results():
+    # One head: the linear kernels cut it into one segment per thread.
+    q, k, v = make_qkv((1, 2 * BQ + 5, 8), dtype=np.float32, seed=12)
+    before = cy.get_num_threads()
+    try:
+        results = []
+        for n_threads in (1, 2, 3):
+            cy.set_num_threads(n_threads)
+            expected = n_threads if cy.openmp_enabled() else 1
+            assert cy.get_num_threads() == expected
+            results.append([
+                fastattn.softmax_attention(q, k, v, causal=True, backend="cython"),
+                fastattn.linear_attention(q, k, v, causal=True, backend="cython"),
+                fastattn.linear_attention(q, k, v, causal=False, backend="cython"),
+            ])
+        for other in results[1:]:
+            for a, b in zip(results[0], other):
+                assert_close(a, b.astype(np.float64), np.float32)
+    finally:
+        cy.set_num_threads(before)
+    with pytest.raises(ValueError, match="n_threads"):
+        cy.set_num_threads(0)
+
+
+def test_thread_count_holds_in_every_python_thread():
+    before = cy.get_num_threads()
+    try:
+        cy.set_num_threads(1)
+        with ThreadPoolExecutor(1) as pool:
+            assert pool.submit(cy.get_num_threads).result() == 1
+    finally:
+        cy.set_num_threads(before)
+
+
+def test_calls_from_python_threads_match_serial_calls():
+    inputs = [make_qkv((2, 150 + 13 * i, 8), dtype=np.float32, seed=20 + i) for i in range(4)]
+
+    def run(qkv):
+        q, k, v = qkv
+        return (fastattn.softmax_attention(q, k, v, causal=True, backend="cython"),
+                fastattn.linear_attention(q, k, v, causal=True, backend="cython"))
+
+    serial = [run(x) for x in inputs]
+    barrier = threading.Barrier(4)
+
+    def run_together(qkv):
+        barrier.wait()
+        return run(qkv)
+
+    blas_before = _blas_threads()
+    with ThreadPoolExecutor(4) as pool:
+        parallel = list(pool.map(run_together, inputs))
+    assert _blas_threads() == blas_before, "overlapping calls left BLAS at another thread count"
+    for (a1, b1), (a2, b2) in zip(serial, parallel):
+        np.testing.assert_array_equal(a1, a2)
+        np.testing.assert_array_equal(b1, b2)
+
+
+def _blas_threads():
+    return sorted((i["filepath"], i["num_threads"]) for i in threadpool_info()
+                  if i["user_api"] == "blas")
+
+
+def test_blas_thread_count_is_restored_after_a_call():
+    before = _blas_threads()
+    q, k, v = make_qkv((1, 64, 8), dtype=np.float32)
+    cy.softmax_forward(q, k, v, False, 0.5)
+    cy.linear_forward(q, k, v, "elu", True, 1e-6)
+    assert _blas_threads() == before
