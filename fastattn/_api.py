@@ -271,16 +271,16 @@ def _check_state(initial_state, batch_shape, d_k, d_v, dtype):
             f"got {type(initial_state).__name__}"
         )
     S, z = initial_state
-    for x, name, shape in (
-        (S, "initial_state[0] (S)", batch_shape + (d_k, d_v)),
-        (z, "initial_state[1] (z)", batch_shape + (d_k,)),
+    for x, name, shape, dims in (
+        (S, "initial_state[0] (S)", batch_shape + (d_k, d_v), "(..., d_k, d_v)"),
+        (z, "initial_state[1] (z)", batch_shape + (d_k,), "(..., d_k)"),
     ):
         if not isinstance(x, np.ndarray):
             raise TypeError(f"{name} must be a numpy.ndarray, got {type(x).__name__}")
         if x.dtype not in _COMPUTE_DTYPES:
             raise TypeError(f"{name} must have a float dtype, got {x.dtype}")
         if x.shape != shape:
-            raise ValueError(f"{name} must have shape {shape} (..., d_k, d_v), got {x.shape}")
+            raise ValueError(f"{name} must have shape {shape} {dims}, got {x.shape}")
     B = math.prod(batch_shape)
     S = np.require(S.reshape(B, d_k, d_v), dtype=dtype, requirements=["C", "A", "W"])
     z = np.require(z.reshape(B, d_k), dtype=dtype, requirements=["C", "A", "W"])
