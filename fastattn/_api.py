@@ -119,10 +119,15 @@ def get_backend(backend):
     return module
 
 
+def _native(dtype):
+    """``dtype`` in this machine's byte order (``>f4`` -> ``float32``)."""
+    return dtype.newbyteorder("=")
+
+
 def _check_array(x, name):
     if not isinstance(x, np.ndarray):
         raise TypeError(f"{name} must be a numpy.ndarray, got {type(x).__name__}")
-    if x.dtype not in _COMPUTE_DTYPES:
+    if _native(x.dtype) not in _COMPUTE_DTYPES:
         raise TypeError(
             f"{name} must have dtype float16, float32 or float64, got {x.dtype} "
             f"(cast it explicitly, e.g. {name}.astype(np.float32))"
@@ -154,7 +159,7 @@ def _check_qkv(q, k, v):
         )
     if q.shape[-1] == 0:
         raise ValueError(f"d_k must be at least 1; got q {q.shape} and k {k.shape}")
-    result = np.result_type(q.dtype, k.dtype, v.dtype)
+    result = np.result_type(_native(q.dtype), _native(k.dtype), _native(v.dtype))
     return q.shape[:-2], _COMPUTE_DTYPES[result], result
 
 
@@ -277,7 +282,7 @@ def _check_state(initial_state, batch_shape, d_k, d_v, dtype):
     ):
         if not isinstance(x, np.ndarray):
             raise TypeError(f"{name} must be a numpy.ndarray, got {type(x).__name__}")
-        if x.dtype not in _COMPUTE_DTYPES:
+        if _native(x.dtype) not in _COMPUTE_DTYPES:
             raise TypeError(f"{name} must have a float dtype, got {x.dtype}")
         if x.shape != shape:
             raise ValueError(f"{name} must have shape {shape} {dims}, got {x.shape}")
