@@ -448,21 +448,23 @@ def attention_weights(
     v = np.broadcast_to(np.zeros((), q.dtype), k.shape[:-1] + (1,))
     batch_shape, dtype, _ = _check_qkv(q, k, v)
     causal = _check_bool(causal, "causal")
-    n_q, n_k = q.shape[-2], k.shape[-2]
-    out_shape = batch_shape + (n_q, n_k)
-    if 0 in out_shape:
-        return np.zeros(out_shape, dtype)
-    qq, kk = _as_kernel_input(q, dtype), _as_kernel_input(k, dtype)
     if kind == "softmax":
         scale = reference.default_scale(q.shape[-1]) if scale is None else _check_positive_scalar(
             scale, "scale", allow_zero=False
         )
-        weights, _ = reference.softmax_weights(qq, kk, causal, scale)
     else:
         if feature_map not in reference.FEATURE_MAPS:
             raise ValueError(
                 f"feature_map must be one of {list(reference.FEATURE_MAPS)}, got {feature_map!r}"
             )
         eps = _check_positive_scalar(eps, "eps", allow_zero=True)
+    n_q, n_k = q.shape[-2], k.shape[-2]
+    out_shape = batch_shape + (n_q, n_k)
+    if 0 in out_shape:
+        return np.zeros(out_shape, dtype)
+    qq, kk = _as_kernel_input(q, dtype), _as_kernel_input(k, dtype)
+    if kind == "softmax":
+        weights, _ = reference.softmax_weights(qq, kk, causal, scale)
+    else:
         weights = reference.linear_weights(qq, kk, feature_map, causal, eps)
     return weights.reshape(out_shape)
