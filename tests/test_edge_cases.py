@@ -163,6 +163,11 @@ def _broadcast(x):
     return np.broadcast_to(x[:1], x.shape)
 
 
+def _byteswapped(x):
+    """The same values stored in the other byte order (``>f4`` on a little-endian machine)."""
+    return x.astype(x.dtype.newbyteorder("S"))
+
+
 LAYOUTS = {
     "fortran": _fortran,
     "transposed": _transposed,
@@ -172,6 +177,7 @@ LAYOUTS = {
     "read-only": _readonly,
     "unaligned": _unaligned,
     "broadcast": _broadcast,
+    "byte-swapped": _byteswapped,
 }
 
 
@@ -182,11 +188,12 @@ def test_layout_gives_the_contiguous_answer(backend, layout, dtype, causal):
     q, k, v = make_qkv((3, 9, 5), n_k=11, d_v=4, dtype=dtype, seed=21)
     make = LAYOUTS[layout]
     qv, kv, vv = make(q), make(k), make(v)
-    qc, kc, vc = (np.ascontiguousarray(x) for x in (qv, kv, vv))
+    qc, kc, vc = (np.ascontiguousarray(x, dtype=dtype) for x in (qv, kv, vv))
     np.testing.assert_array_equal(qc, qv)
     before = [x.copy() for x in (qv, kv, vv)]
 
     out = fastattn.softmax_attention(qv, kv, vv, causal=causal, scale=0.6, backend=backend)
+    assert out.dtype == dtype   # native byte order
     assert_close(out, fastattn.softmax_attention(qc, kc, vc, causal=causal, scale=0.6, backend=backend))
     assert_close(out, softmax_oracle(qc, kc, vc, causal, 0.6), dtype=dtype)
 
