@@ -49,10 +49,11 @@ def point_key(record):
 
 def _json_default(value):
     # NumPy scalars and arrays that slip into a record.
+    # _clean again: a NumPy NaN is not a Python float when _clean first sees it.
     if hasattr(value, "item") and getattr(value, "ndim", 1) == 0:
-        return value.item()
+        return _clean(value.item())
     if hasattr(value, "tolist"):
-        return value.tolist()
+        return _clean(value.tolist())
     raise TypeError(f"cannot store {type(value).__name__} in a results record")
 
 
