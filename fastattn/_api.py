@@ -127,6 +127,11 @@ def _native(dtype):
 def _check_array(x, name):
     if not isinstance(x, np.ndarray):
         raise TypeError(f"{name} must be a numpy.ndarray, got {type(x).__name__}")
+    if isinstance(x, np.ma.MaskedArray):
+        raise TypeError(
+            f"{name} must be a plain numpy.ndarray, got a numpy.ma.MaskedArray whose "
+            f"mask would be ignored; pass e.g. {name}.filled(0.0)"
+        )
     if _native(x.dtype) not in _COMPUTE_DTYPES:
         raise TypeError(
             f"{name} must have dtype float16, float32 or float64, got {x.dtype} "
@@ -165,6 +170,7 @@ def _check_qkv(q, k, v):
 
 def _as_kernel_input(x, dtype):
     """``x`` as a C-contiguous, aligned, writeable array of ``dtype`` with one batch dim."""
+    x = np.asarray(x)  # a subclass (np.matrix, np.memmap) computes as the plain array
     if x.ndim != 3:
         x = x.reshape((math.prod(x.shape[:-2]),) + x.shape[-2:])
     return np.require(x, dtype=dtype, requirements=["C", "A", "W"])
@@ -287,8 +293,8 @@ def _check_state(initial_state, batch_shape, d_k, d_v, dtype):
         if x.shape != shape:
             raise ValueError(f"{name} must have shape {shape} {dims}, got {x.shape}")
     B = math.prod(batch_shape)
-    S = np.require(S.reshape(B, d_k, d_v), dtype=dtype, requirements=["C", "A", "W"])
-    z = np.require(z.reshape(B, d_k), dtype=dtype, requirements=["C", "A", "W"])
+    S = np.require(np.asarray(S).reshape(B, d_k, d_v), dtype=dtype, requirements=["C", "A", "W"])
+    z = np.require(np.asarray(z).reshape(B, d_k), dtype=dtype, requirements=["C", "A", "W"])
     return S, z
 
 
