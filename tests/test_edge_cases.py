@@ -214,6 +214,31 @@ def test_layout_gives_the_contiguous_answer(backend, layout, dtype, causal):
         np.testing.assert_array_equal(x, saved)
 
 
+@pytest.mark.filterwarnings("ignore::PendingDeprecationWarning")   # np.matrix
+def test_array_subclasses_compute_as_plain_arrays(backend, tmp_path):
+    """np.matrix (2-D only) and np.memmap give the answer of their plain data."""
+    q, k, v = make_qkv((9, 4), n_k=11, d_v=3, seed=25)
+    mats = [np.matrix(x) for x in (q, k, v)]
+    maps = []
+    for name, x in zip("qkv", (q, k, v)):
+        m = np.memmap(tmp_path / f"{name}.dat", dtype=x.dtype, mode="w+", shape=x.shape)
+        m[...] = x
+        maps.append(m)
+    for causal in (False, True):
+        expected = softmax_oracle(q, k, v, causal)
+        for args in (mats, maps):
+            out = fastattn.softmax_attention(*args, causal=causal, backend=backend)
+            assert type(out) is np.ndarray
+            assert_close(out, expected)
+        expected, S_exp, z_exp = linear_oracle(q, k, v, "elu", causal)
+        state = (np.matrix(np.zeros((4, 3))), np.zeros(4))
+        for args in (mats, maps):
+            out, (S, z) = fastattn.linear_attention(*args, causal=causal, initial_state=state,
+                                                    return_state=True, backend=backend)
+            assert_close(np.asarray(out), expected)
+            assert_close(np.asarray(S), S_exp)
+
+
 @pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: np.dtype(d).name)
 def test_inputs_are_never_written(backend, dtype):
     """C-contiguous inputs of the compute dtype reach the kernel uncopied: it must not write them."""
@@ -396,6 +421,7 @@ def _without_key(oracle, q, k, v, j, causal):
 NAN_SHAPES = [(12, 12, 5), (6, 12, 8), (12, 6, 2)]   # (n_q, n_k, poisoned key j)
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")   # NaN/inf arithmetic
 @pytest.mark.parametrize("where", ["k", "v"])
 @pytest.mark.parametrize("poison", POISONS)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -438,6 +464,7 @@ def test_nonfinite_key_or_value_reaches_only_rows_that_see_it(
             assert not np.any(np.isfinite(out[:, sees])), f"{name}: an inf was lost"
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")   # NaN/inf arithmetic
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: np.dtype(d).name)
 def test_nan_query_poisons_only_its_own_row(backend, dtype, causal):
@@ -453,6 +480,7 @@ def test_nan_query_poisons_only_its_own_row(backend, dtype, causal):
         assert_close(out[:, others], linear_oracle(q, k, v, fm, causal)[0][:, others], dtype=dtype)
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")   # NaN/inf arithmetic
 def test_nan_in_a_causal_chunk_does_not_reach_earlier_rows(backend):
     """A NaN key late in a long sequence: a chunked kernel must not form 0 · NaN.
 

@@ -53,6 +53,8 @@ BAD_ARRAYS = {
     "complex": ("q", Q.astype(np.complex128), TypeError, ["q must have dtype", "complex128"]),
     "object": ("k", K.astype(object), TypeError, ["k must have dtype", "object"]),
     "longdouble": ("q", Q.astype(np.longdouble), TypeError, ["q must have dtype", "float16, float32 or float64"]),
+    "masked": ("q", np.ma.masked_array(Q, mask=Q > 1), TypeError,
+               ["q must be a plain numpy.ndarray", "MaskedArray", "mask would be ignored"]),
     "rank0": ("q", np.array(1.0), ValueError, ["q must have at least 2 dimensions", "(..., n, d)", "()"]),
     "rank1": ("k", K[0, 0], ValueError, ["k must have at least 2 dimensions", "(..., n, d)", "(3,)"]),
 }
