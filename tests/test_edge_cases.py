@@ -55,6 +55,10 @@ SHAPES = [
     ((2, 0), 3, 3, 2, 2),   # no heads
     ((2,), 131, 67, 8, 5),  # past a 64-row block, partial blocks, blind rows
     ((), 67, 131, 5, 8),    # past a 64-key block, causal offset 64
+    ((), 1, 200, 8, 8),     # one decoding step over a long cache
+    ((), 5, 7, 200, 130),   # head dims past any fixed register tile
+    ((), 6, 6, 1, 300),
+    ((2, 1, 3), 4, 5, 3, 2),  # three leading dims
 ]
 
 
@@ -112,6 +116,30 @@ def test_linear_initial_state_reaches_every_row(backend, shape, dtype):
         assert_close(S, S_exp, dtype=dtype)
         assert_close(z, z_exp, dtype=dtype)
         assert np.all(np.abs(out) > 0), "every row sees the state, so none is 0"
+
+
+@pytest.mark.parametrize("feature_map", FEATURE_MAPS)
+@pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: np.dtype(d).name)
+def test_linear_blind_rows_with_eps_zero_are_zero_not_nan(backend, dtype, feature_map):
+    """Causal, n_q > n_k, eps = 0: a row that sees no key has denominator 0 -> 0, not 0/0."""
+    q, k, v = make_qkv((2, 9, 3), n_k=4, d_v=2, dtype=dtype, seed=15)
+    out = fastattn.linear_attention(q, k, v, feature_map=feature_map, causal=True, eps=0.0,
+                                    backend=backend)
+    np.testing.assert_array_equal(out[:, :5], 0)
+    assert_close(out, linear_oracle(q, k, v, feature_map, True, 0.0)[0], dtype=dtype)
+
+
+@pytest.mark.parametrize("shape", [((), 0, 4, 3, 2), ((), 4, 0, 3, 2), ((0, 2), 3, 3, 3, 2)], ids=_sid)
+def test_empty_float16_keeps_its_dtype(backend, shape):
+    lead, n_q, n_k, d_k, d_v = shape
+    q, k, v = make_qkv((*lead, n_q, d_k), n_k=n_k, d_v=d_v, dtype=np.float16)
+    out = fastattn.softmax_attention(q, k, v, causal=True, backend=backend)
+    assert out.dtype == np.float16 and out.shape == (*lead, n_q, d_v)
+    np.testing.assert_array_equal(out, 0)
+    out, (S, z) = fastattn.linear_attention(q, k, v, causal=True, return_state=True, backend=backend)
+    assert out.dtype == np.float16 and out.shape == (*lead, n_q, d_v)
+    assert S.dtype == z.dtype == np.float32
+    assert S.shape == (*lead, d_k, d_v) and z.shape == (*lead, d_k)
 
 
 # ---------------------------------------------------------------------------
