@@ -455,12 +455,16 @@ def _without_key(oracle, q, k, v, j, causal):
 NAN_SHAPES = [(12, 12, 5), (6, 12, 8), (12, 6, 2)]   # (n_q, n_k, poisoned key j)
 
 
+#: (dtype, poison): every poison in float32, NaN in float64 too.
+POISON_CASES = [(np.float32, "nan"), (np.float32, "inf"), (np.float32, "-inf"), (np.float64, "nan")]
+
+
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")   # NaN/inf arithmetic
 @pytest.mark.parametrize("where", ["k", "v"])
-@pytest.mark.parametrize("poison", POISONS)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("sizes", NAN_SHAPES, ids=lambda s: f"nq{s[0]}-nk{s[1]}-j{s[2]}")
-@pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("dtype, poison", POISON_CASES,
+                         ids=[f"{np.dtype(d).name}-{p}" for d, p in POISON_CASES])
 def test_nonfinite_key_or_value_reaches_only_rows_that_see_it(
     backend, dtype, sizes, causal, poison, where
 ):
@@ -540,7 +544,7 @@ def test_nan_in_a_causal_chunk_does_not_reach_earlier_rows(backend):
 # The causal linear state carried across pieces equals one pass.
 # ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("pieces", [[16], [5, 0, 7, 4], [1] * 16, [15, 1], [3, 13]], ids=str)
+@pytest.mark.parametrize("pieces", [[5, 0, 7, 4], [1] * 16, [15, 1]], ids=str)
 @pytest.mark.parametrize("feature_map", FEATURE_MAPS)
 @pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: np.dtype(d).name)
 def test_causal_linear_state_across_pieces_equals_one_pass(backend, dtype, feature_map, pieces):
