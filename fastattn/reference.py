@@ -57,7 +57,7 @@ def causal_mask(n_q, n_k):
     return np.arange(n_k)[None, :] <= np.arange(n_q)[:, None] + (n_k - n_q)
 
 
-def quadratic_bytes(batch, n_q, n_k, itemsize, arrays=3):
+def quadratic_bytes(batch, n_q, n_k, itemsize, arrays=1):
     """Bytes of the ``arrays`` n_q x n_k intermediates a reference call holds."""
     return int(batch) * int(n_q) * int(n_k) * int(itemsize) * int(arrays)
 
@@ -102,19 +102,28 @@ def softmax_weights(q, k, causal, scale):
     """
     batch, n_q, _ = q.shape
     n_k = k.shape[1]
-    check_fits_in_memory(quadratic_bytes(batch, n_q, n_k, q.itemsize), "softmax attention")
+    # One float scores array, plus the boolean mask (and its negation) when causal.
+    check_fits_in_memory(
+        quadratic_bytes(batch, n_q, n_k, q.itemsize, arrays=1)
+        + (2 * n_q * n_k if causal else 0),
+        "softmax attention",
+    )
     scores = q @ k.transpose(0, 2, 1)
     scores *= scale
     visible = causal_mask(n_q, n_k) if causal else None
     if visible is not None:
-        scores[:, ~visible] = -np.inf
+        np.copyto(scores, -np.inf, where=~visible)  # no index arrays, unlike scores[:, ~visible]
     row_max = scores.max(axis=-1, keepdims=True)
     # A row that sees no key has max -inf; shift it by 0 so it stays all zeros.
     row_max[np.isneginf(row_max)] = 0
-    weights = np.exp(scores - row_max, out=scores)
+    # In place: the scores array is the only n_q x n_k float array at any time.
+    with np.errstate(invalid="ignore"):  # inf - inf where a logit is inf: NaN, as it should
+        np.subtract(scores, row_max, out=scores)
+    weights = np.exp(scores, out=scores)
     row_sum = weights.sum(axis=-1, keepdims=True)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        weights = np.where(row_sum > 0, weights / row_sum, weights * 0)
+    # A row that sees no key sums to 0 and is all zeros: divide it by 1.
+    row_sum[row_sum == 0] = 1
+    weights /= row_sum
     return weights, visible
 
 
@@ -137,7 +146,7 @@ def linear_kernel_matrix(q, k, feature_map_name, causal):
     kernel = feature_map(q, feature_map_name) @ feature_map(k, feature_map_name).transpose(0, 2, 1)
     visible = causal_mask(n_q, n_k) if causal else None
     if visible is not None:
-        kernel[:, ~visible] = 0
+        np.copyto(kernel, 0, where=~visible)
     return kernel, visible
 
 
