@@ -119,10 +119,20 @@ def get_backend(backend):
     return module
 
 
+def _native(dtype):
+    """``dtype`` in this machine's byte order (``>f4`` -> ``float32``)."""
+    return dtype.newbyteorder("=")
+
+
 def _check_array(x, name):
     if not isinstance(x, np.ndarray):
         raise TypeError(f"{name} must be a numpy.ndarray, got {type(x).__name__}")
-    if x.dtype not in _COMPUTE_DTYPES:
+    if isinstance(x, np.ma.MaskedArray):
+        raise TypeError(
+            f"{name} must be a plain numpy.ndarray, got a numpy.ma.MaskedArray whose "
+            f"mask would be ignored; pass e.g. {name}.filled(0.0)"
+        )
+    if _native(x.dtype) not in _COMPUTE_DTYPES:
         raise TypeError(
             f"{name} must have dtype float16, float32 or float64, got {x.dtype} "
             f"(cast it explicitly, e.g. {name}.astype(np.float32))"
@@ -154,12 +164,13 @@ def _check_qkv(q, k, v):
         )
     if q.shape[-1] == 0:
         raise ValueError(f"d_k must be at least 1; got q {q.shape} and k {k.shape}")
-    result = np.result_type(q.dtype, k.dtype, v.dtype)
+    result = np.result_type(_native(q.dtype), _native(k.dtype), _native(v.dtype))
     return q.shape[:-2], _COMPUTE_DTYPES[result], result
 
 
 def _as_kernel_input(x, dtype):
     """``x`` as a C-contiguous, aligned, writeable array of ``dtype`` with one batch dim."""
+    x = np.asarray(x)  # a subclass (np.matrix, np.memmap) computes as the plain array
     if x.ndim != 3:
         x = x.reshape((math.prod(x.shape[:-2]),) + x.shape[-2:])
     return np.require(x, dtype=dtype, requirements=["C", "A", "W"])
@@ -271,19 +282,19 @@ def _check_state(initial_state, batch_shape, d_k, d_v, dtype):
             f"got {type(initial_state).__name__}"
         )
     S, z = initial_state
-    for x, name, shape in (
-        (S, "initial_state[0] (S)", batch_shape + (d_k, d_v)),
-        (z, "initial_state[1] (z)", batch_shape + (d_k,)),
+    for x, name, shape, dims in (
+        (S, "initial_state[0] (S)", batch_shape + (d_k, d_v), "(..., d_k, d_v)"),
+        (z, "initial_state[1] (z)", batch_shape + (d_k,), "(..., d_k)"),
     ):
         if not isinstance(x, np.ndarray):
             raise TypeError(f"{name} must be a numpy.ndarray, got {type(x).__name__}")
-        if x.dtype not in _COMPUTE_DTYPES:
+        if _native(x.dtype) not in _COMPUTE_DTYPES:
             raise TypeError(f"{name} must have a float dtype, got {x.dtype}")
         if x.shape != shape:
-            raise ValueError(f"{name} must have shape {shape} (..., d_k, d_v), got {x.shape}")
+            raise ValueError(f"{name} must have shape {shape} {dims}, got {x.shape}")
     B = math.prod(batch_shape)
-    S = np.require(S.reshape(B, d_k, d_v), dtype=dtype, requirements=["C", "A", "W"])
-    z = np.require(z.reshape(B, d_k), dtype=dtype, requirements=["C", "A", "W"])
+    S = np.require(np.asarray(S).reshape(B, d_k, d_v), dtype=dtype, requirements=["C", "A", "W"])
+    z = np.require(np.asarray(z).reshape(B, d_k), dtype=dtype, requirements=["C", "A", "W"])
     return S, z
 
 
@@ -443,21 +454,23 @@ def attention_weights(
     v = np.broadcast_to(np.zeros((), q.dtype), k.shape[:-1] + (1,))
     batch_shape, dtype, _ = _check_qkv(q, k, v)
     causal = _check_bool(causal, "causal")
-    n_q, n_k = q.shape[-2], k.shape[-2]
-    out_shape = batch_shape + (n_q, n_k)
-    if 0 in out_shape:
-        return np.zeros(out_shape, dtype)
-    qq, kk = _as_kernel_input(q, dtype), _as_kernel_input(k, dtype)
     if kind == "softmax":
         scale = reference.default_scale(q.shape[-1]) if scale is None else _check_positive_scalar(
             scale, "scale", allow_zero=False
         )
-        weights, _ = reference.softmax_weights(qq, kk, causal, scale)
     else:
         if feature_map not in reference.FEATURE_MAPS:
             raise ValueError(
                 f"feature_map must be one of {list(reference.FEATURE_MAPS)}, got {feature_map!r}"
             )
         eps = _check_positive_scalar(eps, "eps", allow_zero=True)
+    n_q, n_k = q.shape[-2], k.shape[-2]
+    out_shape = batch_shape + (n_q, n_k)
+    if 0 in out_shape:
+        return np.zeros(out_shape, dtype)
+    qq, kk = _as_kernel_input(q, dtype), _as_kernel_input(k, dtype)
+    if kind == "softmax":
+        weights, _ = reference.softmax_weights(qq, kk, causal, scale)
+    else:
         weights = reference.linear_weights(qq, kk, feature_map, causal, eps)
     return weights.reshape(out_shape)

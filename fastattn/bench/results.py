@@ -65,10 +65,11 @@ def point_key(record):
 
 def _json_default(value):
     # NumPy scalars and arrays that slip into a record.
+    # _clean again: a NumPy NaN is not a Python float when _clean first sees it.
     if hasattr(value, "item") and getattr(value, "ndim", 1) == 0:
-        return value.item()
+        return _clean(value.item())
     if hasattr(value, "tolist"):
-        return value.tolist()
+        return _clean(value.tolist())
     raise TypeError(f"cannot store {type(value).__name__} in a results record")
 
 
@@ -106,7 +107,12 @@ def read_records(path):
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no results file at {path}")
-    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    text = path.read_text(encoding="utf-8", errors="replace")
+    lines = text.splitlines()
+    # Every write ends with a newline: only a last line without one can be
+    # the tail of an interrupted write.  A complete line that is not JSON is
+    # corruption, wherever it is.
+    cut_short = not text.endswith("\n")
     records = []
     for number, line in enumerate(lines, 1):
         if not line.strip():
@@ -114,7 +120,7 @@ def read_records(path):
         try:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
-            if number == len(lines) and records:
+            if number == len(lines) and records and cut_short:
                 break  # the tail of a write that was interrupted
             raise ResultsFileError(
                 f"{path}:{number} is not a fastattn results file (not JSON: {exc.msg})"
@@ -169,11 +175,19 @@ class ResultsWriter:
             self._drop_partial_tail()
 
     def _drop_partial_tail(self):
-        """Cut a last line left half-written by an interrupted run."""
+        """Cut a last line left half-written by an interrupted run.
+
+        A last record complete but for its newline (the write stopped just
+        before it) was read as a record, so it is kept and given its newline.
+        """
         data = self.path.read_bytes()
         if data.endswith(b"\n"):
             return
-        keep = data[: data.rfind(b"\n") + 1]
+        try:
+            json.loads(data[data.rfind(b"\n") + 1:])
+            keep = data + b"\n"
+        except ValueError:
+            keep = data[: data.rfind(b"\n") + 1]
         tmp = self.path.with_name(self.path.name + ".tmp")
         tmp.write_bytes(keep)
         os.replace(tmp, self.path)

@@ -1,0 +1,570 @@
+"""One edge-case matrix, run against every backend that can run here.
+
+Every test takes the ``backend`` fixture of ``conftest.py``, so a backend
+that lands later (Numba, Cython) is held to the same cases by being
+available.  Expected values come from :mod:`oracles` (float64, row by row,
+written from the definitions) or from a contiguous copy of the same input,
+never from another path through the code under test.
+"""
+
+import numpy as np
+import pytest
+
+import fastattn
+from conftest import TOLERANCES, assert_close, make_qkv
+from oracles import linear_oracle, softmax_oracle
+
+FLOATS = [np.float32, np.float64]
+FEATURE_MAPS = ["elu", "relu"]
+
+
+def _compute(dtype):
+    return np.dtype(np.float32) if np.dtype(dtype) == np.float16 else np.dtype(dtype)
+
+
+def _sid(shape):
+    lead, n_q, n_k, d_k, d_v = shape
+    return f"B{'x'.join(map(str, lead)) or '-'}-nq{n_q}-nk{n_k}-dk{d_k}-dv{d_v}"
+
+
+def _blind_rows(n_q, n_k, causal):
+    """Number of leading query rows that see no key (causal with n_q > n_k)."""
+    return max(n_q - n_k, 0) if causal else 0
+
+
+# ---------------------------------------------------------------------------
+# Sizes: n = 0, n = 1, n_q != n_k, d = 1, d_v != d_k, leading dims.
+# ---------------------------------------------------------------------------
+
+SHAPES = [
+    # (lead, n_q, n_k, d_k, d_v)
+    ((), 0, 0, 3, 2),
+    ((), 0, 5, 3, 2),
+    ((), 5, 0, 3, 2),
+    ((), 1, 1, 1, 1),
+    ((), 1, 6, 4, 4),       # one query sees every key
+    ((), 6, 1, 4, 4),       # causal: five rows see no key
+    ((), 9, 4, 3, 5),       # causal: five rows see no key, d_v > d_k
+    ((), 4, 9, 3, 5),       # decoder with a cache
+    ((), 7, 7, 1, 1),       # d = 1
+    ((), 7, 7, 2, 9),       # d_v > d_k
+    ((), 7, 7, 9, 2),       # d_v < d_k
+    ((3,), 5, 8, 4, 3),     # (batch,)
+    ((2, 3), 8, 5, 4, 3),   # (batch, heads), rows that see no key
+    ((0,), 4, 4, 3, 3),     # an empty batch
+    ((2, 0), 3, 3, 2, 2),   # no heads
+    ((2,), 131, 67, 8, 5),  # past a 64-row block, partial blocks, blind rows
+    ((), 67, 131, 5, 8),    # past a 64-key block, causal offset 64
+    ((), 1, 200, 8, 8),     # one decoding step over a long cache
+    ((), 5, 7, 200, 130),   # head dims past any fixed register tile
+    ((), 6, 6, 1, 300),
+    ((2, 1, 3), 4, 5, 3, 2),  # three leading dims
+]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("shape", SHAPES, ids=_sid)
+def test_softmax_sizes(backend, shape, dtype, causal):
+    lead, n_q, n_k, d_k, d_v = shape
+    q, k, v = make_qkv((*lead, n_q, d_k), n_k=n_k, d_v=d_v, dtype=dtype, seed=11)
+    out = fastattn.softmax_attention(q, k, v, causal=causal, backend=backend)
+    assert out.shape == (*lead, n_q, d_v)
+    assert out.dtype == dtype
+    assert_close(out, softmax_oracle(q, k, v, causal), dtype=dtype)
+    blind = _blind_rows(n_q, n_k, causal)
+    assert np.all(out[..., :blind, :] == 0), "a row that sees no key must be exactly 0"
+
+
+@pytest.mark.parametrize("feature_map", FEATURE_MAPS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("shape", SHAPES, ids=_sid)
+def test_linear_sizes(backend, shape, dtype, causal, feature_map):
+    lead, n_q, n_k, d_k, d_v = shape
+    q, k, v = make_qkv((*lead, n_q, d_k), n_k=n_k, d_v=d_v, dtype=dtype, seed=12)
+    out, (S, z) = fastattn.linear_attention(
+        q, k, v, feature_map=feature_map, causal=causal, return_state=True, backend=backend
+    )
+    expected, S_exp, z_exp = linear_oracle(q, k, v, feature_map, causal)
+    assert out.shape == (*lead, n_q, d_v)
+    assert S.shape == (*lead, d_k, d_v) and z.shape == (*lead, d_k)
+    assert out.dtype == S.dtype == z.dtype == dtype
+    assert_close(out, expected, dtype=dtype)
+    # The state sums n_k terms; widen the tolerance with the length of the sum.
+    assert_close(S, S_exp, dtype=dtype, scale=max(1, n_k / 16))
+    assert_close(z, z_exp, dtype=dtype, scale=max(1, n_k / 16))
+    blind = _blind_rows(n_q, n_k, causal)
+    assert np.all(out[..., :blind, :] == 0), "a row that sees no key must be exactly 0"
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("shape", [((), 6, 2, 3, 4), ((2,), 5, 9, 3, 2), ((), 4, 0, 3, 2)], ids=_sid)
+def test_linear_initial_state_reaches_every_row(backend, shape, dtype):
+    """Rows that see no key of this call still see the keys before it (the state)."""
+    lead, n_q, n_k, d_k, d_v = shape
+    q, k, v = make_qkv((*lead, n_q, d_k), n_k=n_k, d_v=d_v, dtype=dtype, seed=13)
+    rng = np.random.default_rng(14)
+    S0 = rng.standard_normal((*lead, d_k, d_v)).astype(dtype)
+    z0 = (rng.random((*lead, d_k)) + 0.5).astype(dtype)
+    for causal in (False, True):
+        out, (S, z) = fastattn.linear_attention(
+            q, k, v, causal=causal, initial_state=(S0, z0), return_state=True, backend=backend
+        )
+        expected, S_exp, z_exp = linear_oracle(q, k, v, "elu", causal, 1e-6, S0, z0)
+        assert_close(out, expected, dtype=dtype)
+        assert_close(S, S_exp, dtype=dtype)
+        assert_close(z, z_exp, dtype=dtype)
+        assert np.all(np.abs(out) > 0), "every row sees the state, so none is 0"
+
+
+@pytest.mark.parametrize("feature_map", FEATURE_MAPS)
+@pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: np.dtype(d).name)
+def test_linear_blind_rows_with_eps_zero_are_zero_not_nan(backend, dtype, feature_map):
+    """Causal, n_q > n_k, eps = 0: a row that sees no key has denominator 0 -> 0, not 0/0."""
+    q, k, v = make_qkv((2, 9, 3), n_k=4, d_v=2, dtype=dtype, seed=15)
+    out = fastattn.linear_attention(q, k, v, feature_map=feature_map, causal=True, eps=0.0,
+                                    backend=backend)
+    np.testing.assert_array_equal(out[:, :5], 0)
+    assert_close(out, linear_oracle(q, k, v, feature_map, True, 0.0)[0], dtype=dtype)
+
+
+@pytest.mark.parametrize("shape", [((), 0, 4, 3, 2), ((), 4, 0, 3, 2), ((0, 2), 3, 3, 3, 2)], ids=_sid)
+def test_empty_float16_keeps_its_dtype(backend, shape):
+    lead, n_q, n_k, d_k, d_v = shape
+    q, k, v = make_qkv((*lead, n_q, d_k), n_k=n_k, d_v=d_v, dtype=np.float16)
+    out = fastattn.softmax_attention(q, k, v, causal=True, backend=backend)
+    assert out.dtype == np.float16 and out.shape == (*lead, n_q, d_v)
+    np.testing.assert_array_equal(out, 0)
+    out, (S, z) = fastattn.linear_attention(q, k, v, causal=True, return_state=True, backend=backend)
+    assert out.dtype == np.float16 and out.shape == (*lead, n_q, d_v)
+    assert S.dtype == z.dtype == np.float32
+    assert S.shape == (*lead, d_k, d_v) and z.shape == (*lead, d_k)
+
+
+# ---------------------------------------------------------------------------
+# Memory layouts: the result equals that of a C-contiguous copy.
+# ---------------------------------------------------------------------------
+
+def _fortran(x):
+    return np.asfortranarray(x)
+
+
+def _transposed(x):
+    return np.ascontiguousarray(x.swapaxes(-1, -2)).swapaxes(-1, -2)
+
+
+def _batch_major(x):
+    """(B, n, d) stored as (n, B, d): a transposed view over the leading dims."""
+    return np.ascontiguousarray(x.swapaxes(0, -2)).swapaxes(0, -2)
+
+
+def _strided(x):
+    """A view taking every 2nd row and 3rd column of a NaN-filled buffer."""
+    big = np.full(x.shape[:-2] + (2 * x.shape[-2], 3 * x.shape[-1]), np.nan, x.dtype)
+    big[..., ::2, ::3] = x
+    return big[..., ::2, ::3]
+
+
+def _negative(x):
+    flipped = np.ascontiguousarray(x[..., ::-1, ::-1])
+    return flipped[..., ::-1, ::-1]
+
+
+def _readonly(x):
+    x = x.copy()
+    x.setflags(write=False)
+    return x
+
+
+def _unaligned(x):
+    """The values of ``x`` in a buffer at byte offset 1 of a uint8 array."""
+    buf = np.zeros(x.nbytes + 1, np.uint8)
+    view = buf[1:].view(x.dtype).reshape(x.shape)
+    view[...] = x
+    assert not view.flags.aligned
+    return view
+
+
+def _broadcast(x):
+    """Every batch entry the same: zero stride over the leading dim, read-only."""
+    return np.broadcast_to(x[:1], x.shape)
+
+
+def _byteswapped(x):
+    """The same values stored in the other byte order (``>f4`` on a little-endian machine)."""
+    return x.astype(x.dtype.newbyteorder("S"))
+
+
+LAYOUTS = {
+    "fortran": _fortran,
+    "transposed": _transposed,
+    "batch-major": _batch_major,
+    "strided": _strided,
+    "negative-stride": _negative,
+    "read-only": _readonly,
+    "unaligned": _unaligned,
+    "broadcast": _broadcast,
+    "byte-swapped": _byteswapped,
+}
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_layout_gives_the_contiguous_answer(backend, layout, dtype, causal):
+    q, k, v = make_qkv((3, 9, 5), n_k=11, d_v=4, dtype=dtype, seed=21)
+    make = LAYOUTS[layout]
+    qv, kv, vv = make(q), make(k), make(v)
+    qc, kc, vc = (np.ascontiguousarray(x, dtype=dtype) for x in (qv, kv, vv))
+    np.testing.assert_array_equal(qc, qv)
+    before = [x.copy() for x in (qv, kv, vv)]
+
+    out = fastattn.softmax_attention(qv, kv, vv, causal=causal, scale=0.6, backend=backend)
+    assert out.dtype == dtype   # native byte order
+    assert_close(out, fastattn.softmax_attention(qc, kc, vc, causal=causal, scale=0.6, backend=backend))
+    assert_close(out, softmax_oracle(qc, kc, vc, causal, 0.6), dtype=dtype)
+
+    rng = np.random.default_rng(22)
+    S0 = make(rng.standard_normal((3, 5, 4)).astype(dtype))
+    z0 = rng.random((3, 5)).astype(dtype) + 1
+    z0 = _strided(z0[:, None, :])[:, 0, :] if layout == "strided" else z0
+    for fm in FEATURE_MAPS:
+        out, (S, z) = fastattn.linear_attention(
+            qv, kv, vv, feature_map=fm, causal=causal, initial_state=(S0, z0),
+            return_state=True, backend=backend,
+        )
+        expected, S_exp, z_exp = linear_oracle(qc, kc, vc, fm, causal, 1e-6, S0, z0)
+        assert_close(out, expected, dtype=dtype)
+        assert_close(S, S_exp, dtype=dtype)
+        assert_close(z, z_exp, dtype=dtype)
+    for x, saved in zip((qv, kv, vv), before):
+        np.testing.assert_array_equal(x, saved)
+
+
+@pytest.mark.filterwarnings("ignore::PendingDeprecationWarning")   # np.matrix
+def test_array_subclasses_compute_as_plain_arrays(backend, tmp_path):
+    """np.matrix (2-D only) and np.memmap give the answer of their plain data."""
+    q, k, v = make_qkv((9, 4), n_k=11, d_v=3, seed=25)
+    mats = [np.matrix(x) for x in (q, k, v)]
+    maps = []
+    for name, x in zip("qkv", (q, k, v)):
+        m = np.memmap(tmp_path / f"{name}.dat", dtype=x.dtype, mode="w+", shape=x.shape)
+        m[...] = x
+        maps.append(m)
+    for causal in (False, True):
+        expected = softmax_oracle(q, k, v, causal)
+        for args in (mats, maps):
+            out = fastattn.softmax_attention(*args, causal=causal, backend=backend)
+            assert type(out) is np.ndarray
+            assert_close(out, expected)
+        expected, S_exp, z_exp = linear_oracle(q, k, v, "elu", causal)
+        state = (np.matrix(np.zeros((4, 3))), np.zeros(4))
+        for args in (mats, maps):
+            out, (S, z) = fastattn.linear_attention(*args, causal=causal, initial_state=state,
+                                                    return_state=True, backend=backend)
+            assert_close(np.asarray(out), expected)
+            assert_close(np.asarray(S), S_exp)
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: np.dtype(d).name)
+def test_inputs_are_never_written(backend, dtype):
+    """C-contiguous inputs of the compute dtype reach the kernel uncopied: it must not write them."""
+    q, k, v = make_qkv((2, 70, 6), n_k=75, d_v=5, dtype=dtype, seed=23)
+    rng = np.random.default_rng(24)
+    S0 = rng.standard_normal((2, 6, 5)).astype(dtype)
+    z0 = rng.random((2, 6)).astype(dtype)
+    arrays = (q, k, v, S0, z0)
+    saved = [x.copy() for x in arrays]
+    for causal in (False, True):
+        fastattn.softmax_attention(q, k, v, causal=causal, backend=backend)
+        for fm in FEATURE_MAPS:
+            fastattn.linear_attention(q, k, v, feature_map=fm, causal=causal,
+                                      initial_state=(S0, z0), return_state=True, backend=backend)
+    for name, x, copy in zip(("q", "k", "v", "S0", "z0"), arrays, saved):
+        np.testing.assert_array_equal(x, copy, err_msg=f"{name} was written by the kernel")
+
+
+# ---------------------------------------------------------------------------
+# Large logits: the max is subtracted, nothing overflows.
+# ---------------------------------------------------------------------------
+
+def _large_logit_inputs(dtype, big):
+    """q·k = ±big·k0 + small integer offsets, exactly representable in ``dtype``.
+
+    Each row's logits are all near +big·100 or all near -big·100 (q·k about
+    ±1e4 for big = 100), with offsets -2..2 between keys so the softmax is
+    not one-hot; a few keys far below make weights that underflow to 0.
+    """
+    n_k = 12
+    q = np.array([[big, 1], [big, -1], [-big, 1], [-big, -1], [big, 0.5], [-big, 2]], np.float64)
+    k = np.stack([np.full(n_k, 100.0), (np.arange(n_k) % 5) - 2.0], axis=1)
+    k[[3, 8], 0] = 60.0   # logits far from the row's top: weight exp(-big·40·scale)
+    v = np.arange(n_k * 3, dtype=np.float64).reshape(n_k, 3) % 7 - 3
+    return q.astype(dtype), k.astype(dtype), v.astype(dtype)
+
+
+@pytest.mark.parametrize("scale", [1.0, 2.0, 4.0])
+@pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: np.dtype(d).name)
+def test_softmax_large_logits_are_finite_and_right(backend, dtype, scale):
+    q, k, v = _large_logit_inputs(dtype, big=100.0)          # q·k about ±1e4
+    for causal in (False, True):
+        out = fastattn.softmax_attention(q, k, v, causal=causal, scale=scale, backend=backend)
+        assert np.all(np.isfinite(out))
+        assert_close(out, softmax_oracle(q, k, v, causal, scale), dtype=dtype)
+
+
+def test_float16_large_values_do_not_overflow(backend):
+    """Logits of 8e4 overflow float16 (max 65504): they must be formed in float32."""
+    q, k, v = _large_logit_inputs(np.float16, big=200.0)     # q·k up to 2e4, scale 4 -> 8e4
+    for causal in (False, True):
+        out = fastattn.softmax_attention(q, k, v, causal=causal, scale=4.0, backend=backend)
+        assert out.dtype == np.float16
+        assert np.all(np.isfinite(out))
+        assert_close(out, softmax_oracle(q, k, v, causal, 4.0).astype(np.float16), dtype=np.float16)
+    # Linear attention: φ(q)·φ(k) about 200·100·2 = 4e4 per term, sums past 65504.
+    out = fastattn.linear_attention(q, k, v, feature_map="elu", backend=backend)
+    assert out.dtype == np.float16 and np.all(np.isfinite(out))
+    assert_close(out, linear_oracle(q, k, v, "elu")[0].astype(np.float16), dtype=np.float16)
+
+
+# ---------------------------------------------------------------------------
+# Feature maps at their extremes.
+# ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: np.dtype(d).name)
+def test_elu_at_very_negative_inputs_stays_positive(backend, dtype, causal):
+    """φ(x) = exp(x) for x <= 0, which elu(x) + 1 computed as (exp(x) - 1) + 1 loses.
+
+    In float32, (exp(-20) - 1) + 1 == 0 while exp(-20) = 2e-9; with eps = 0
+    a kernel that loses it returns 0 rows (zero denominator) instead of the
+    weighted mean of v.
+    """
+    far = {np.float32: (-20.0, -30.0), np.float64: (-300.0, -330.0)}[dtype]
+    n = 8
+    q = np.full((n, 1), far[0])
+    k = np.where(np.arange(n) % 2 == 0, far[0], far[1])[:, None]
+    k[5] = far[0] + 3
+    v = np.arange(n * 2, dtype=np.float64).reshape(n, 2) - 5
+    q, k, v = q.astype(dtype), k.astype(dtype), v.astype(dtype)
+    ones = np.ones_like(v)
+    out_ones = fastattn.linear_attention(q, k, ones, causal=causal, eps=0.0, backend=backend)
+    assert_close(out_ones, np.ones((n, 2)), dtype=dtype)
+    out = fastattn.linear_attention(q, k, v, causal=causal, eps=0.0, backend=backend)
+    assert_close(out, linear_oracle(q, k, v, "elu", causal, 0.0)[0], dtype=dtype)
+
+
+@pytest.mark.parametrize("eps", [0.0, 1e-6])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: np.dtype(d).name)
+def test_relu_with_every_key_negative_gives_zero_not_nan(backend, dtype, causal, eps):
+    q, k, v = make_qkv((2, 7, 3), n_k=9, d_v=4, dtype=dtype, seed=31)
+    k = -np.abs(k) - 0.1
+    out, (S, z) = fastattn.linear_attention(
+        q, k, v, feature_map="relu", causal=causal, eps=eps, return_state=True, backend=backend
+    )
+    np.testing.assert_array_equal(out, np.zeros((2, 7, 4), dtype))
+    np.testing.assert_array_equal(S, np.zeros((2, 3, 4), dtype))
+    np.testing.assert_array_equal(z, np.zeros((2, 3), dtype))
+    # Queries with every entry negative: φ(q) = 0, the same zero rows.
+    q_neg = -np.abs(q) - 0.1
+    out = fastattn.linear_attention(q_neg, -k, v, feature_map="relu", causal=causal, eps=eps,
+                                    backend=backend)
+    np.testing.assert_array_equal(out, np.zeros((2, 7, 4), dtype))
+
+
+# ---------------------------------------------------------------------------
+# Long sums: float32 over 2^20 keys.
+# ---------------------------------------------------------------------------
+
+LONG_DATA = ["gaussian", "near-constant"]
+
+
+@pytest.fixture(scope="module", params=LONG_DATA)
+def long_inputs(request):
+    """4 queries, 2^20 keys, d = 4, float32.
+
+    ``near-constant`` keys and values (a positive mean, spread 1e-3) are the
+    worst case for a running float32 sum: each addition rounds the same way,
+    so a sum done key after key drifts by about 4e-3; Gaussian data hides it.
+    """
+    rng = np.random.default_rng(41)
+    n_q, n_k, d = 4, 2**20, 4
+    q = rng.standard_normal((n_q, d)) * 0.5
+    if request.param == "gaussian":
+        k = rng.standard_normal((n_k, d)) * 0.5
+        v = 1.0 + rng.standard_normal((n_k, 3))
+    else:
+        k = 0.3 + 1e-3 * rng.standard_normal((n_k, d))
+        v = 0.1 + 1e-3 * rng.standard_normal((n_k, 3))
+    q, k, v = q.astype(np.float32), k.astype(np.float32), v.astype(np.float32)
+    # The float64 oracles, once per data set rather than once per backend.
+    expected = {
+        causal: (softmax_oracle(q, k, v, causal), linear_oracle(q, k, v, "elu", causal))
+        for causal in (False, True)
+    }
+    return q, k, v, expected
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_float32_sums_over_a_million_keys(backend, long_inputs, causal):
+    q, k, v, oracle = long_inputs
+    soft_exp, (expected, S_exp, z_exp) = oracle[causal]
+    out = fastattn.softmax_attention(q, k, v, causal=causal, backend=backend)
+    assert_close(out, soft_exp, dtype=np.float32)
+    out, (S, z) = fastattn.linear_attention(q, k, v, causal=causal, return_state=True,
+                                            backend=backend)
+    assert_close(out, expected, dtype=np.float32)
+    assert_close(z, z_exp, dtype=np.float32)
+    assert_close(S, S_exp, dtype=np.float32)
+
+
+# ---------------------------------------------------------------------------
+# NaN and inf reach only the rows that see them.
+# ---------------------------------------------------------------------------
+
+POISONS = {"nan": np.nan, "inf": np.inf, "-inf": -np.inf}
+
+
+def _poisoned(x, j, value):
+    x = x.copy()
+    x[..., j, :] = value
+    return x
+
+
+def _seeing(n_q, n_k, j, causal):
+    """Boolean (n_q,): the rows that see key j (j <= i + n_k - n_q when causal)."""
+    if not causal:
+        return np.ones(n_q, bool)
+    return np.arange(n_q) + (n_k - n_q) >= j
+
+
+def _without_key(oracle, q, k, v, j, causal):
+    """``oracle`` row by row over the keys each row sees, key j left out."""
+    n_q, n_k = q.shape[-2], k.shape[-2]
+    out = np.zeros(q.shape[:-1] + v.shape[-1:])
+    for b in np.ndindex(*q.shape[:-2]):
+        for i in range(n_q):
+            keys = [m for m in range(n_k) if m != j and (not causal or m <= i + n_k - n_q)]
+            if keys:
+                out[b][i] = oracle(q[b][i:i + 1], k[b][keys], v[b][keys])[0]
+    return out
+
+
+NAN_SHAPES = [(12, 12, 5), (6, 12, 8), (12, 6, 2)]   # (n_q, n_k, poisoned key j)
+
+
+#: (dtype, poison): every poison in float32, NaN in float64 too.
+POISON_CASES = [(np.float32, "nan"), (np.float32, "inf"), (np.float32, "-inf"), (np.float64, "nan")]
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")   # NaN/inf arithmetic
+@pytest.mark.parametrize("where", ["k", "v"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("sizes", NAN_SHAPES, ids=lambda s: f"nq{s[0]}-nk{s[1]}-j{s[2]}")
+@pytest.mark.parametrize("dtype, poison", POISON_CASES,
+                         ids=[f"{np.dtype(d).name}-{p}" for d, p in POISON_CASES])
+def test_nonfinite_key_or_value_reaches_only_rows_that_see_it(
+    backend, dtype, sizes, causal, poison, where
+):
+    n_q, n_k, j = sizes
+    q, k, v = make_qkv((2, n_q, 3), n_k=n_k, d_v=4, dtype=dtype, seed=51)
+    if where == "k" and poison != "nan":
+        q = np.abs(q) + 0.1      # q > 0: an infinite key gives an infinite logit of one sign
+    bad_k = _poisoned(k, j, POISONS[poison]) if where == "k" else k
+    bad_v = _poisoned(v, j, POISONS[poison]) if where == "v" else v
+    sees = _seeing(n_q, n_k, j, causal)
+
+    oracles = {"softmax": lambda q, k, v, c=False: softmax_oracle(q, k, v, c)}
+    results = {"softmax": fastattn.softmax_attention(q, bad_k, bad_v, causal=causal,
+                                                     backend=backend)}
+    for fm in FEATURE_MAPS:
+        oracles[fm] = lambda q, k, v, c=False, fm=fm: linear_oracle(q, k, v, fm, c)[0]
+        results[fm] = fastattn.linear_attention(q, bad_k, bad_v, feature_map=fm, causal=causal,
+                                                backend=backend)
+    for name, out in results.items():
+        clean = oracles[name](q, k, v, causal)
+        assert out.shape == clean.shape
+        # Rows that cannot see key j: finite and equal to the clean result.
+        assert np.all(np.isfinite(out[:, ~sees])), f"{name}: a row that cannot see key {j} changed"
+        assert_close(out[:, ~sees], clean[:, ~sees], dtype=dtype, err_msg=name)
+        # Rows that see it.
+        if poison == "nan":
+            assert np.all(np.isnan(out[:, sees])), f"{name}: a NaN was lost from a row that sees it"
+        elif where == "k" and poison == "-inf":
+            # A logit of -inf (softmax) or a feature of 0 (φ(-inf) = 0): key j
+            # weighs exactly 0, the result is that of the other keys.
+            without = _without_key(oracles[name], q, k, v, j, causal)
+            assert_close(out[:, sees], without[:, sees], dtype=dtype, err_msg=name)
+        elif where == "v" and name != "relu":
+            # Every weight is positive: the infinite value reaches the output.
+            assert not np.any(np.isfinite(out[:, sees])), f"{name}: an inf was lost"
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")   # NaN/inf arithmetic
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: np.dtype(d).name)
+def test_nan_query_poisons_only_its_own_row(backend, dtype, causal):
+    q, k, v = make_qkv((2, 10, 3), n_k=14, d_v=4, dtype=dtype, seed=52)
+    bad_q = _poisoned(q, 4, np.nan)
+    others = np.arange(10) != 4
+    out = fastattn.softmax_attention(bad_q, k, v, causal=causal, backend=backend)
+    assert np.all(np.isnan(out[:, 4]))
+    assert_close(out[:, others], softmax_oracle(q, k, v, causal)[:, others], dtype=dtype)
+    for fm in FEATURE_MAPS:
+        out = fastattn.linear_attention(bad_q, k, v, feature_map=fm, causal=causal, backend=backend)
+        assert np.all(np.isnan(out[:, 4]))
+        assert_close(out[:, others], linear_oracle(q, k, v, fm, causal)[0][:, others], dtype=dtype)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")   # NaN/inf arithmetic
+def test_nan_in_a_causal_chunk_does_not_reach_earlier_rows(backend):
+    """A NaN key late in a long sequence: a chunked kernel must not form 0 · NaN.
+
+    n = 300 spans several query blocks and chunks; the key at j = 250 sits
+    inside a chunk whose earlier rows must stay clean.
+    """
+    q, k, v = make_qkv((1, 300, 4), dtype=np.float32, seed=53)
+    j = 250
+    for where in ("k", "v"):
+        bad_k = _poisoned(k, j, np.nan) if where == "k" else k
+        bad_v = _poisoned(v, j, np.nan) if where == "v" else v
+        out = fastattn.softmax_attention(q, bad_k, bad_v, causal=True, backend=backend)
+        assert np.all(np.isnan(out[:, j:]))
+        assert_close(out[:, :j], softmax_oracle(q[:, :j], k[:, :j], v[:, :j], True))
+        out, (S, z) = fastattn.linear_attention(q, bad_k, bad_v, causal=True, return_state=True,
+                                                backend=backend)
+        assert np.all(np.isnan(out[:, j:]))
+        assert np.any(np.isnan(S))
+        assert_close(out[:, :j], linear_oracle(q[:, :j], k[:, :j], v[:, :j], "elu", True)[0])
+
+
+# ---------------------------------------------------------------------------
+# The causal linear state carried across pieces equals one pass.
+# ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("pieces", [[5, 0, 7, 4], [1] * 16, [15, 1]], ids=str)
+@pytest.mark.parametrize("feature_map", FEATURE_MAPS)
+@pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: np.dtype(d).name)
+def test_causal_linear_state_across_pieces_equals_one_pass(backend, dtype, feature_map, pieces):
+    q, k, v = make_qkv((2, 3, 16, 4), d_v=5, dtype=dtype, seed=61)
+    expected, S_exp, z_exp = linear_oracle(q, k, v, feature_map, True)
+    whole, (S_whole, z_whole) = fastattn.linear_attention(
+        q, k, v, feature_map=feature_map, causal=True, return_state=True, backend=backend
+    )
+    assert_close(whole, expected, dtype=dtype)
+    outs, state, start = [], None, 0
+    for size in pieces:
+        sl = slice(start, start + size)
+        out, state = fastattn.linear_attention(
+            q[..., sl, :], k[..., sl, :], v[..., sl, :], feature_map=feature_map, causal=True,
+            initial_state=state, return_state=True, backend=backend,
+        )
+        assert state[0].shape == (2, 3, 4, 5) and state[1].shape == (2, 3, 4)
+        outs.append(out)
+        start += size
+    assert_close(np.concatenate(outs, axis=-2), whole, dtype=dtype)
+    assert_close(np.concatenate(outs, axis=-2), expected, dtype=dtype)
+    assert_close(state[0], S_exp, dtype=dtype)
+    assert_close(state[1], z_exp, dtype=dtype)

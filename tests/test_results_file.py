@@ -1,0 +1,275 @@
+"""The results file (fastattn/bench/results.py): nothing lost, nothing foreign overwritten.
+
+A results file is JSON lines written one whole line at a time.  An
+interrupted write can leave only a last line without its newline, which is
+dropped (or completed, if it is a whole record); anything else that is not
+a fastattn record (a corrupt line, a foreign file) is refused with an error
+naming the file and line, and the file is left byte for byte as it was.
+"""
+
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+
+from fastattn.bench import results
+from fastattn.bench.results import SCHEMA, ResultsFileError, ResultsWriter, read_records
+
+
+def _point(n, status="ok", **extra):
+    return dict(attention="softmax", backend="reference", peer=False, causal=False,
+                dtype="float32", batch=1, heads=1, n_q=n, n_k=n, d_k=64, d_v=64,
+                feature_map=None, threads=1, status=status, median_s=1e-3 * n, **extra)
+
+
+def _line(record_type, **fields):
+    return json.dumps({"schema": SCHEMA, "record": record_type, **fields}, sort_keys=True) + "\n"
+
+
+@pytest.fixture
+def good_file(tmp_path):
+    """A results file with an environment, a roof and two points."""
+    path = tmp_path / "results.jsonl"
+    writer = ResultsWriter(path)
+    writer.write("environment", cpu="test cpu", cores=2)
+    writer.write("roof", dtype="float32", threads=1, gflops=50.0)
+    writer.write("point", **_point(128))
+    writer.write("point", **_point(256))
+    return path
+
+
+def _strict_json(line):
+    """json.loads refusing NaN/Infinity, which are not JSON."""
+    def refuse(token):
+        raise ValueError(f"{token} is not valid JSON")
+    return json.loads(line, parse_constant=refuse)
+
+
+# ---------------------------------------------------------------------------
+# Writing: whole lines, valid JSON.
+# ---------------------------------------------------------------------------
+
+def test_records_round_trip_in_order(good_file):
+    records = read_records(good_file)
+    assert [r["record"] for r in records] == ["environment", "roof", "point", "point"]
+    assert all(r["schema"] == SCHEMA for r in records)
+    assert [r["n_q"] for r in records[2:]] == [128, 256]
+    assert records[0]["cpu"] == "test cpu" and records[1]["gflops"] == 50.0
+
+
+def test_each_record_is_one_write_of_one_whole_line(tmp_path, monkeypatch):
+    writes = []
+    real_open = open
+
+    class Spy:
+        def __init__(self, handle):
+            self.handle = handle
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return self.handle.__exit__(*exc)
+
+        def write(self, text):
+            writes.append(text)
+            return self.handle.write(text)
+
+        def __getattr__(self, name):
+            return getattr(self.handle, name)
+
+    def spy_open(*args, **kwargs):
+        return Spy(real_open(*args, **kwargs))
+
+    path = tmp_path / "r.jsonl"
+    writer = ResultsWriter(path)
+    monkeypatch.setattr(results, "open", spy_open, raising=False)
+    for n in (1, 2, 3):
+        writer.write("point", **_point(n), note="a\nmultiline\nnote")
+    assert len(writes) == 3
+    for text in writes:
+        assert text.endswith("\n") and text.count("\n") == 1
+        _strict_json(text)
+    assert path.read_text().count("\n") == 3
+
+
+def test_write_returns_the_record_as_stored(tmp_path):
+    writer = ResultsWriter(tmp_path / "r.jsonl")
+    stored = writer.write("point", **_point(8), times_s=(1.0, 2.0))
+    assert stored == read_records(tmp_path / "r.jsonl")[0]
+    assert stored["times_s"] == [1.0, 2.0]
+
+
+@pytest.mark.parametrize(
+    "value",
+    [math.nan, math.inf, -math.inf, np.float64("nan"), np.float32("nan"), np.float32("inf"),
+     np.array([1.0, np.nan]), [1.0, math.inf], {"x": np.float16("nan")}],
+    ids=["nan", "inf", "-inf", "np.float64-nan", "np.float32-nan", "np.float32-inf",
+         "array-with-nan", "list-with-inf", "dict-with-f16-nan"],
+)
+def test_non_finite_values_are_stored_as_null(tmp_path, value):
+    path = tmp_path / "r.jsonl"
+    ResultsWriter(path).write("point", **_point(8), max_abs_err=value)
+    line = path.read_text()
+    stored = _strict_json(line)["max_abs_err"]
+    flat = stored if isinstance(stored, list) else list(stored.values()) if isinstance(stored, dict) else [stored]
+    assert None in flat
+
+
+def test_numpy_values_are_stored_as_plain_json(tmp_path):
+    path = tmp_path / "r.jsonl"
+    ResultsWriter(path).write("point", **_point(8), peak_bytes=np.int64(12),
+                              times_s=np.array([0.5, 0.25]), gflops=np.float32(1.5))
+    stored = read_records(path)[0]
+    assert stored["peak_bytes"] == 12 and stored["times_s"] == [0.5, 0.25] and stored["gflops"] == 1.5
+
+
+def test_a_record_that_cannot_be_stored_writes_nothing(good_file):
+    before = good_file.read_bytes()
+    with pytest.raises(TypeError, match="cannot store object"):
+        ResultsWriter(good_file).write("point", **_point(512), extra=object())
+    assert good_file.read_bytes() == before
+    with pytest.raises(ValueError, match="record_type"):
+        ResultsWriter(good_file).write("pointless", n=1)
+    assert good_file.read_bytes() == before
+
+
+# ---------------------------------------------------------------------------
+# Refusing corrupt and foreign files, without touching them.
+# ---------------------------------------------------------------------------
+
+FOREIGN = {
+    "text": b"hello world\nthis is my thesis\n",
+    "csv": b"n,time\n128,0.1\n",
+    "other-schema": b'{"schema": "someone.else/2", "record": "point"}\n',
+    "no-schema": b'{"record": "point", "n_q": 4}\n',
+    "json-array": b"[1, 2, 3]\n",
+    "json-null": b"null\n",
+    "unknown-record": _line("measurement", n=1).encode(),
+    "binary": bytes(range(256)) * 4,
+    "png": b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\x00\x00",
+    "one-line-no-newline": b"my notes, not results",
+    "corrupt-first-line": b"{not json\n" + _line("point", **_point(4)).encode(),
+    "corrupt-middle": (_line("environment", cpu="x") + "{broken\n"
+                       + _line("point", **_point(4))).encode(),
+    "foreign-middle": (_line("environment", cpu="x") + '{"schema": "other/1"}\n'
+                       + _line("point", **_point(4))).encode(),
+    "garbage-last-line-complete": (_line("environment", cpu="x") + "#### not json ####\n").encode(),
+}
+
+
+@pytest.mark.parametrize("case", FOREIGN)
+def test_foreign_or_corrupt_file_is_refused(tmp_path, case):
+    path = tmp_path / "results.jsonl"
+    path.write_bytes(FOREIGN[case])
+    with pytest.raises(ResultsFileError) as info:
+        read_records(path)
+    message = str(info.value)
+    assert str(path) in message
+    assert "fastattn" in message or "record type" in message
+    assert f"{path}:" in message    # file:line
+
+
+@pytest.mark.parametrize("resume", [True, False], ids=["resume", "fresh"])
+@pytest.mark.parametrize("case", FOREIGN)
+def test_foreign_or_corrupt_file_is_never_overwritten(tmp_path, case, resume):
+    path = tmp_path / "results.jsonl"
+    path.write_bytes(FOREIGN[case])
+    stat = os.stat(path)
+    with pytest.raises(ResultsFileError):
+        ResultsWriter(path, resume=resume)
+    assert path.read_bytes() == FOREIGN[case]
+    assert os.stat(path).st_mtime_ns == stat.st_mtime_ns
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results.jsonl"], "a temporary file was left"
+
+
+def test_error_gives_the_line_number(tmp_path):
+    path = tmp_path / "results.jsonl"
+    path.write_bytes(FOREIGN["corrupt-middle"])
+    with pytest.raises(ResultsFileError, match=r"results\.jsonl:2 "):
+        read_records(path)
+
+
+def test_missing_file_is_not_found(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no results file"):
+        read_records(tmp_path / "absent.jsonl")
+    assert not (tmp_path / "absent.jsonl").exists()
+
+
+def test_missing_or_empty_file_starts_fresh(tmp_path):
+    path = tmp_path / "sub" / "dir" / "results.jsonl"
+    writer = ResultsWriter(path)
+    assert writer.existing == [] and writer.done_keys() == set()
+    writer.write("point", **_point(4))
+    empty = tmp_path / "empty.jsonl"
+    empty.write_bytes(b"")
+    assert ResultsWriter(empty).existing == []
+    assert len(read_records(path)) == 1
+
+
+# ---------------------------------------------------------------------------
+# Interrupted writes: nothing finished is lost.
+# ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("cut", [1, 10, 40, -2], ids=lambda c: f"cut{c}")
+def test_partial_last_line_is_dropped_and_the_rest_kept(good_file, cut):
+    whole = _line("point", **_point(512))
+    with open(good_file, "a") as handle:
+        handle.write(whole[:cut])        # the write was interrupted: no newline
+    assert [r.get("n_q") for r in read_records(good_file)] == [None, None, 128, 256]
+    writer = ResultsWriter(good_file)
+    assert len(writer.existing) == 4
+    writer.write("point", **_point(512))
+    records = read_records(good_file)
+    assert [r.get("n_q") for r in records] == [None, None, 128, 256, 512]
+    assert good_file.read_text().endswith("}\n")
+    assert sorted(p.name for p in good_file.parent.iterdir()) == [good_file.name]
+
+
+def test_last_record_missing_only_its_newline_is_kept(good_file):
+    """The write stopped just before the newline: the record is whole and was read."""
+    with open(good_file, "a") as handle:
+        handle.write(_line("point", **_point(512)).rstrip("\n"))
+    assert [r.get("n_q") for r in read_records(good_file)][-1] == 512
+    writer = ResultsWriter(good_file)
+    assert (
+        "softmax", "reference", False, "float32", 1, 1, 512, 512, 64, 64, None, 1
+    ) in writer.done_keys()
+    writer.write("point", **_point(1024))
+    assert [r.get("n_q") for r in read_records(good_file)][-2:] == [512, 1024]
+
+
+def test_resume_reports_finished_points(good_file):
+    ResultsWriter(good_file).write("point", **_point(512, status="error", reason="boom"))
+    ResultsWriter(good_file).write("point", **_point(1024, status="skipped", reason="memory"))
+    keys = ResultsWriter(good_file).done_keys()
+    assert {key[6] for key in keys} == {128, 256, 1024}      # n_q; the error is retried
+
+
+def test_fresh_start_replaces_a_results_file_atomically(good_file, monkeypatch):
+    before = good_file.read_bytes()
+
+    def crash(*args):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(results.os, "replace", crash)
+    with pytest.raises(OSError, match="disk full"):
+        ResultsWriter(good_file, resume=False)
+    assert good_file.read_bytes() == before       # the crash left the old file whole
+    monkeypatch.undo()
+    writer = ResultsWriter(good_file, resume=False)
+    assert writer.existing == [] and read_records(good_file) == []
+    assert sorted(p.name for p in good_file.parent.iterdir()) == [good_file.name]
+
+
+def test_dropping_a_partial_tail_is_atomic(good_file, monkeypatch):
+    with open(good_file, "a") as handle:
+        handle.write('{"schema": "fastattn.res')
+    before = good_file.read_bytes()
+    monkeypatch.setattr(results.os, "replace", lambda *a: (_ for _ in ()).throw(OSError("crash")))
+    with pytest.raises(OSError):
+        ResultsWriter(good_file)
+    assert good_file.read_bytes() == before
+    assert len(read_records(good_file)) == 4

@@ -1,0 +1,304 @@
+"""Every refusal, with a clear error: the message names the argument and what was expected.
+
+Validation happens once, in :mod:`fastattn._api`, before any backend runs,
+so each refusal is checked for every available backend (and for an empty
+input, where no kernel is called at all).
+"""
+
+import re
+import tracemalloc
+
+import numpy as np
+import pytest
+
+import fastattn
+from conftest import BACKENDS, FAST_BACKENDS, make_qkv
+
+Q, K, V = make_qkv((2, 4, 3), n_k=5, d_v=6)   # d_k = 3, d_v = 6, n_q = 4, n_k = 5
+
+
+def _call(which, q=Q, k=K, v=V, **kwargs):
+    if which == "softmax":
+        return fastattn.softmax_attention(q, k, v, **kwargs)
+    if which == "linear":
+        return fastattn.linear_attention(q, k, v, **kwargs)
+    return fastattn.attention_weights(q, k, **kwargs)
+
+
+def _raises(exc, fn, *fragments):
+    """``fn()`` raises ``exc`` whose message contains every fragment (literally)."""
+    with pytest.raises(exc) as info:
+        fn()
+    message = str(info.value)
+    for fragment in fragments:
+        assert fragment in message, f"{fragment!r} missing from the message: {message}"
+    return message
+
+
+KINDS = ["softmax", "linear", "weights"]
+
+
+# ---------------------------------------------------------------------------
+# Arrays: type, dtype, rank, shapes.
+# ---------------------------------------------------------------------------
+
+BAD_ARRAYS = {
+    # id: (argument, replacement, exception, fragments)
+    "list": ("q", Q.tolist(), TypeError, ["q must be a numpy.ndarray", "list"]),
+    "none": ("k", None, TypeError, ["k must be a numpy.ndarray", "NoneType"]),
+    "scalar": ("q", 1.0, TypeError, ["q must be a numpy.ndarray", "float"]),
+    "int64": ("q", Q.astype(np.int64), TypeError, ["q must have dtype", "float32", "int64"]),
+    "int8": ("k", K.astype(np.int8), TypeError, ["k must have dtype", "float32", "int8"]),
+    "bool": ("k", K > 0, TypeError, ["k must have dtype", "float64", "bool"]),
+    "complex": ("q", Q.astype(np.complex128), TypeError, ["q must have dtype", "complex128"]),
+    "object": ("k", K.astype(object), TypeError, ["k must have dtype", "object"]),
+    "longdouble": ("q", Q.astype(np.longdouble), TypeError, ["q must have dtype", "float16, float32 or float64"]),
+    "masked": ("q", np.ma.masked_array(Q, mask=Q > 1), TypeError,
+               ["q must be a plain numpy.ndarray", "MaskedArray", "mask would be ignored"]),
+    "rank0": ("q", np.array(1.0), ValueError, ["q must have at least 2 dimensions", "(..., n, d)", "()"]),
+    "rank1": ("k", K[0, 0], ValueError, ["k must have at least 2 dimensions", "(..., n, d)", "(3,)"]),
+}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("case", BAD_ARRAYS)
+def test_bad_array_is_refused(backend, kind, case):
+    name, bad, exc, fragments = BAD_ARRAYS[case]
+    if kind == "weights" and name == "v":
+        pytest.skip("attention_weights takes no v")
+    kwargs = {"backend": backend} if kind != "weights" else {}
+    _raises(exc, lambda: _call(kind, **{name: bad}, **kwargs), *fragments)
+
+
+@pytest.mark.parametrize("kind", ["softmax", "linear"])
+def test_bad_value_array_is_refused(backend, kind):
+    _raises(TypeError, lambda: _call(kind, v=V.astype(np.int32), backend=backend),
+            "v must have dtype", "int32")
+    _raises(TypeError, lambda: _call(kind, v=[[1.0]], backend=backend), "v must be a numpy.ndarray")
+
+
+SHAPE_CASES = {
+    # id: (q, k, v, fragments)
+    "leading-dims": (Q, K[:1], V[:1], ["same leading", "q (2, 4, 3)", "k (1, 5, 3)", "v (1, 5, 6)"]),
+    "rank-mismatch": (Q[0], K, V, ["same leading", "q (4, 3)", "k (2, 5, 3)"]),
+    "extra-head-dim": (Q[None], K, V, ["same leading", "q (1, 2, 4, 3)"]),
+    "d_k": (Q, K[..., :2], V, ["d_k", "q (2, 4, 3)", "d_k=3", "k (2, 5, 2)", "d_k=2"]),
+    "n_k": (Q, K, V[:, :4], ["n_k", "k (2, 5, 3)", "n_k=5", "v (2, 4, 6)", "n_k=4"]),
+    "d_k-zero": (Q[..., :0], K[..., :0], V, ["d_k must be at least 1", "(2, 4, 0)"]),
+}
+
+
+@pytest.mark.parametrize("kind", ["softmax", "linear"])
+@pytest.mark.parametrize("case", SHAPE_CASES)
+def test_shape_mismatch_names_the_shapes(backend, kind, case):
+    q, k, v, fragments = SHAPE_CASES[case]
+    _raises(ValueError, lambda: _call(kind, q, k, v, backend=backend), *fragments)
+
+
+@pytest.mark.parametrize("case", ["leading-dims", "d_k", "d_k-zero"])
+def test_attention_weights_checks_shapes_too(case):
+    q, k, _, fragments = SHAPE_CASES[case]
+    _raises(ValueError, lambda: fastattn.attention_weights(q, k), *fragments[:2])
+
+
+@pytest.mark.parametrize("kind", ["softmax", "linear"])
+def test_shapes_are_checked_when_a_size_is_zero(backend, kind):
+    """An empty call is answered without a kernel, but not without validation."""
+    q, k, v = Q[:, :0], K[:, :0], V[:, :0]
+    _raises(ValueError, lambda: _call(kind, q, k[..., :2], v, backend=backend), "d_k")
+    _raises(ValueError, lambda: _call(kind, q, k, v[:1], backend=backend), "same leading")
+    _raises(TypeError, lambda: _call(kind, q.astype(np.int32), k, v, backend=backend), "int32")
+
+
+# ---------------------------------------------------------------------------
+# Scalars and names.
+# ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("value", [-1.0, 0.0, np.nan, np.inf, -np.inf], ids=str)
+@pytest.mark.parametrize("kind", ["softmax", "weights"])
+def test_scale_must_be_finite_and_positive(backend, kind, value):
+    kwargs = {"backend": backend} if kind != "weights" else {}
+    message = _raises(ValueError, lambda: _call(kind, scale=value, **kwargs), "scale", "> 0")
+    assert repr(float(value)) in message
+    # Also when there is nothing to compute.
+    _raises(ValueError, lambda: _call(kind, Q[:, :0], K[:, :0], V[:, :0], scale=value, **kwargs),
+            "scale")
+
+
+@pytest.mark.parametrize("value", ["0.5", [1.0], True, 1j], ids=repr)
+def test_scale_must_be_a_real_number(backend, value):
+    _raises(TypeError, lambda: _call("softmax", scale=value, backend=backend),
+            "scale must be a real number")
+
+
+@pytest.mark.parametrize("value", [-1e-6, np.nan, np.inf], ids=str)
+@pytest.mark.parametrize("kind", ["linear", "weights"])
+def test_eps_must_be_finite_and_non_negative(backend, kind, value):
+    kwargs = {"backend": backend} if kind == "linear" else {"kind": "linear"}
+    _raises(ValueError, lambda: _call(kind, eps=value, **kwargs), "eps", ">= 0", repr(float(value)))
+
+
+def test_eps_must_be_a_real_number(backend):
+    _raises(TypeError, lambda: _call("linear", eps="1e-6", backend=backend), "eps must be a real number")
+
+
+@pytest.mark.parametrize("kind", ["softmax", "linear", "weights"])
+@pytest.mark.parametrize("value", ["yes", 1, None, np.array([True])], ids=repr)
+def test_causal_must_be_a_bool(backend, kind, value):
+    kwargs = {"backend": backend} if kind != "weights" else {}
+    _raises(TypeError, lambda: _call(kind, causal=value, **kwargs), "causal must be True or False")
+
+
+def test_return_state_must_be_a_bool(backend):
+    _raises(TypeError, lambda: _call("linear", return_state="yes", backend=backend),
+            "return_state must be True or False")
+
+
+@pytest.mark.parametrize("kind", ["linear", "weights"])
+@pytest.mark.parametrize("value", ["gelu", "ELU", None, ""], ids=repr)
+def test_unknown_feature_map_lists_the_known_ones(backend, kind, value):
+    kwargs = {"backend": backend} if kind == "linear" else {"kind": "linear"}
+    _raises(ValueError, lambda: _call(kind, feature_map=value, **kwargs),
+            "feature_map must be one of", "'elu'", "'relu'", repr(value))
+
+
+@pytest.mark.parametrize("kind", ["softmax", "linear"])
+@pytest.mark.parametrize("value", ["cuda", "Numba", None, ""], ids=repr)
+def test_unknown_backend_lists_the_available_ones(kind, value):
+    message = _raises(ValueError, lambda: _call(kind, backend=value), "backend must be", repr(value))
+    for name in BACKENDS:
+        assert repr(name) in message
+    # Also when there is nothing to compute.
+    _raises(ValueError, lambda: _call(kind, Q[:, :0], K[:, :0], V[:, :0], backend=value), "backend")
+
+
+def test_unknown_weights_kind():
+    _raises(ValueError, lambda: fastattn.attention_weights(Q, K, kind="cosine"),
+            "kind must be 'softmax' or 'linear'", "'cosine'")
+
+
+# ---------------------------------------------------------------------------
+# The linear attention state.
+# ---------------------------------------------------------------------------
+
+S_OK = np.zeros((2, 3, 6))
+Z_OK = np.zeros((2, 3))
+
+BAD_STATES = {
+    # id: (initial_state, exception, fragments)
+    "array-not-pair": (S_OK, TypeError, ["initial_state must be a pair (S, z)", "(2, 3, 6)", "(2, 3)"]),
+    "triple": ((S_OK, Z_OK, Z_OK), TypeError, ["initial_state must be a pair"]),
+    "S-shape": ((S_OK[:, :, :5], Z_OK), ValueError,
+                ["initial_state[0] (S)", "(2, 3, 6)", "(..., d_k, d_v)", "(2, 3, 5)"]),
+    "S-no-batch": ((S_OK[0], Z_OK), ValueError, ["initial_state[0] (S)", "(2, 3, 6)", "(3, 6)"]),
+    "S-transposed": ((S_OK.transpose(0, 2, 1), Z_OK), ValueError, ["initial_state[0] (S)", "(2, 6, 3)"]),
+    "z-shape": ((S_OK, np.zeros((2, 6))), ValueError,
+                ["initial_state[1] (z)", "(2, 3)", "(..., d_k)", "(2, 6)"]),
+    "S-int": ((S_OK.astype(np.int64), Z_OK), TypeError, ["initial_state[0] (S)", "int64"]),
+    "z-complex": ((S_OK, Z_OK.astype(complex)), TypeError, ["initial_state[1] (z)", "complex128"]),
+    "S-list": ((S_OK.tolist(), Z_OK), TypeError, ["initial_state[0] (S)", "numpy.ndarray", "list"]),
+    "z-none": ((S_OK, None), TypeError, ["initial_state[1] (z)", "numpy.ndarray"]),
+}
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("case", BAD_STATES)
+def test_bad_state_is_refused_with_the_expected_shape(backend, case, causal):
+    state, exc, fragments = BAD_STATES[case]
+    message = _raises(exc, lambda: _call("linear", initial_state=state, causal=causal,
+                                         backend=backend), *fragments)
+    if case == "z-shape":
+        # z has no d_v axis: the message must not describe it with S's layout.
+        assert "(..., d_k, d_v)" not in message
+
+
+def test_state_shape_follows_the_leading_dims(backend):
+    q, k, v = make_qkv((2, 3, 4, 5), d_v=2)
+    good = (np.zeros((2, 3, 5, 2)), np.zeros((2, 3, 5)))
+    assert fastattn.linear_attention(q, k, v, initial_state=good, backend=backend).shape == (2, 3, 4, 2)
+    flat = (np.zeros((6, 5, 2)), np.zeros((6, 5)))
+    _raises(ValueError, lambda: fastattn.linear_attention(q, k, v, initial_state=flat, backend=backend),
+            "initial_state[0] (S)", "(2, 3, 5, 2)", "(6, 5, 2)")
+
+
+# ---------------------------------------------------------------------------
+# The reference refuses an n x n allocation that cannot fit.
+# ---------------------------------------------------------------------------
+
+AVAILABLE = 1 << 18     # what the monkeypatched machine has left: 256 KiB
+
+
+@pytest.fixture
+def little_memory(monkeypatch):
+    import fastattn.reference as ref
+
+    class Memory:
+        available = AVAILABLE
+        total = 4 * AVAILABLE
+
+    monkeypatch.setattr(ref.psutil, "virtual_memory", lambda: Memory)
+    return AVAILABLE
+
+
+def _bytes(message):
+    """Every integer written with thousands separators in ``message``."""
+    return [int(m.replace(",", "")) for m in re.findall(r"\d{1,3}(?:,\d{3})+", message)]
+
+
+MEMORY_CASES = {
+    # id: (lead, n_q, n_k, dtype, call, itemsize of the computation)
+    "softmax-f32": ((), 1024, 1024, np.float32, "softmax", 4),
+    "softmax-causal-f32": ((), 1024, 1000, np.float32, "softmax-causal", 4),
+    "softmax-f64-batch": ((2, 3), 256, 300, np.float64, "softmax", 8),
+    "softmax-f16-in-f32": ((), 1024, 512, np.float16, "softmax", 4),
+    "linear-causal-f32": ((4,), 512, 512, np.float32, "linear-causal", 4),
+    "weights-f64": ((), 700, 600, np.float64, "weights", 8),
+}
+
+
+@pytest.mark.parametrize("case", MEMORY_CASES)
+def test_reference_memory_error_before_allocating(little_memory, case):
+    lead, n_q, n_k, dtype, call, itemsize = MEMORY_CASES[case]
+    q, k, v = make_qkv((*lead, n_q, 2), n_k=n_k, dtype=dtype, seed=3)
+    batch = int(np.prod(lead))
+    one_array = batch * n_q * n_k * itemsize      # one n_q x n_k array of the computation dtype
+    assert one_array > 4 * little_memory
+    fn = {
+        "softmax": lambda: fastattn.softmax_attention(q, k, v, backend="reference"),
+        "softmax-causal": lambda: fastattn.softmax_attention(q, k, v, causal=True,
+                                                             backend="reference"),
+        "linear-causal": lambda: fastattn.linear_attention(q, k, v, causal=True, backend="reference"),
+        "weights": lambda: fastattn.attention_weights(q, k),
+    }[call]
+    tracemalloc.start()
+    try:
+        with pytest.raises(MemoryError) as info:
+            fn()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    message = str(info.value)
+    # The bytes needed: at least one n_q x n_k array in the computation dtype
+    # (float16 is computed in float32), at most the few such arrays a
+    # reference call holds.
+    stated = [b for b in _bytes(message) if b != little_memory]
+    assert stated, f"no byte count in: {message}"
+    assert one_array <= stated[0] <= 4 * one_array, f"{stated[0]:,} bytes for {one_array:,}: {message}"
+    assert f"{little_memory:,}" in message
+    assert "'numba'" in message and "'cython'" in message
+    # Refused before the n_q x n_k arrays exist: the call allocated a small
+    # fraction of even one of them.
+    assert peak < one_array / 4, f"allocated {peak:,} bytes before refusing"
+
+
+def test_non_causal_linear_reference_needs_no_n_by_n_array(little_memory):
+    q, k, v = make_qkv((1024, 2), dtype=np.float32)
+    assert fastattn.linear_attention(q, k, v, backend="reference").shape == (1024, 2)
+
+
+@pytest.mark.parametrize("fast", FAST_BACKENDS or [pytest.param(None, marks=pytest.mark.skip("no fast backend built"))])
+def test_tiled_backends_run_where_the_reference_cannot(little_memory, fast):
+    q, k, v = make_qkv((1024, 2), dtype=np.float32, seed=4)
+    for causal in (False, True):
+        assert np.all(np.isfinite(fastattn.softmax_attention(q, k, v, causal=causal, backend=fast)))
+        assert np.all(np.isfinite(fastattn.linear_attention(q, k, v, causal=causal, backend=fast)))
