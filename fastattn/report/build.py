@@ -1,0 +1,531 @@
+"""Assemble the HTML report from results records (and the quality numbers).
+
+:func:`build_report` is the one entry point: records in, one self-contained
+HTML page out (figures embedded as base64 PNG, CSS inline, no external
+asset).  It reads results only; nothing is timed here.
+"""
+
+import datetime as _dt
+import html as _html
+import math
+from dataclasses import dataclass
+from importlib import resources
+
+import jinja2
+import numpy as np
+
+from .. import __version__
+from . import analysis, figures
+
+#: Marker written into every report; an existing file at the output path is
+#: only replaced when it carries it.
+REPORT_MARKER = '<meta name="generator" content="fastattn report">'
+
+#: The exponent each attention type should show on time (and on memory for the
+#: reference softmax, whose n×n intermediates dominate).
+EXPECTED_TIME_EXPONENT = {"softmax": 2, "linear": 1}
+
+PEER_HELP = (
+    "No peer implementation was measured (PyTorch is not installed in this environment). "
+    "To put torch.nn.functional.scaled_dot_product_attention and a PyTorch linear attention "
+    "beside fastattn's kernels: pip install 'fastattn[torch]' (or pip install torch), "
+    "then run fastattn report again."
+)
+
+
+@dataclass
+class Report:
+    """A built report.
+
+    Attributes
+    ----------
+    html : str
+        The self-contained page.
+    scaling_png : bytes or None
+        The time-against-n figure (non-causal and causal panels) of the first
+        machine, for the README.
+    """
+
+    html: str
+    scaling_png: bytes | None
+
+
+# --------------------------------------------------------------------- format
+def fmt_time(seconds):
+    """Seconds to ``"812 µs"``, ``"12.3 ms"``, ``"1.41 s"``; ``"–"`` for missing."""
+    if seconds is None or not math.isfinite(seconds):
+        return "–"
+    if seconds >= 1:
+        return f"{seconds:.3g} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.3g} ms"
+    return f"{seconds * 1e6:.3g} µs"
+
+
+def fmt_bytes(nbytes):
+    """Bytes to ``"72.0 MiB"``; ``"–"`` for missing."""
+    if nbytes is None or not math.isfinite(nbytes):
+        return "–"
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(nbytes) >= size:
+            return f"{nbytes / size:.3g} {unit}"
+    return f"{nbytes:.0f} B"
+
+
+def fmt_num(value, digits=3):
+    """A float to ``digits`` significant places; ``"–"`` for missing."""
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "–"
+    return f"{value:.{digits}g}"
+
+
+# ---------------------------------------------------------------- environment
+_ENV_FIELDS = (
+    # label, candidate keys (dotted paths), first found wins
+    ("CPU", ("cpu.model", "cpu_model", "cpu.brand", "processor", "cpu")),
+    ("Physical cores", ("cpu.physical_cores", "physical_cores", "cores.physical", "cpu.cores", "cores")),
+    ("Logical CPUs", ("cpu.logical_cores", "logical_cores", "cores.logical", "cpu.logical", "cpu_count")),
+    ("Threads used", ("threads.requested", "threads_requested", "threads")),
+    ("BLAS", ("blas.summary", "blas")),
+    ("Operating system", ("platform", "os", "system")),
+    ("Machine", ("machine", "hostname", "host")),
+    ("Python", ("versions.python", "python_version", "python")),
+    ("NumPy", ("versions.numpy", "numpy_version", "numpy")),
+    ("SciPy", ("versions.scipy", "scipy_version", "scipy")),
+    ("Numba", ("versions.numba", "numba_version", "numba")),
+    ("Cython", ("versions.cython", "versions.Cython", "cython_version", "cython")),
+    ("PyTorch", ("versions.torch", "torch_version", "torch")),
+    ("fastattn", ("versions.fastattn", "fastattn_version", "fastattn")),
+    ("Backends", ("backends", "available_backends")),
+    ("Recorded", ("date", "timestamp", "time", "created")),
+)
+
+
+def _lookup(record, path):
+    value = record
+    for part in path.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return None
+        value = value[part]
+    return value
+
+
+def _blas_text(value):
+    """threadpoolctl-style BLAS entries to ``"openblas 0.3.27, Haswell kernel, 2 threads"``."""
+    if isinstance(value, dict):
+        value = [value]
+    if not isinstance(value, list):
+        return str(value)
+    parts = []
+    for info in value:
+        if not isinstance(info, dict):
+            parts.append(str(info))
+            continue
+        name = info.get("internal_api") or info.get("vendor") or info.get("name") or "BLAS"
+        text = f"{name} {info.get('version') or ''}".strip()
+        kernel = info.get("architecture") or info.get("kernel") or info.get("corename")
+        if kernel:
+            text += f", {kernel} kernel"
+        if info.get("num_threads") is not None:
+            text += f", {info['num_threads']} threads"
+        owner = info.get("prefix") or info.get("filepath") or info.get("library")
+        if owner:
+            text += f" ({str(owner).rsplit('/', 1)[-1]})"
+        parts.append(text)
+    return "; ".join(parts) or "–"
+
+
+def _value_text(value):
+    if value is None:
+        return "–"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, dict):
+        return ", ".join(f"{k}: {_value_text(v)}" for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return ", ".join(_value_text(v) for v in value)
+    return str(value)
+
+
+def _flatten(record, prefix=""):
+    for key, value in record.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, dict) and value and "blas" not in key.lower():
+            yield from _flatten(value, path + ".")
+        else:
+            yield path, value
+
+
+def environment_rows(env):
+    """The environment block: known fields first, then every other recorded field.
+
+    Parameters
+    ----------
+    env : dict
+        An environment record.
+
+    Returns
+    -------
+    rows, rest : list of (str, str)
+        ``rows``: CPU, cores, threads, BLAS, versions ... as found;
+        ``rest``: every other field by its dotted path.
+    """
+    rows, used = [], set()
+    for label, paths in _ENV_FIELDS:
+        for path in paths:
+            value = _lookup(env, path)
+            if value is None or (isinstance(value, dict) and label not in ("BLAS", "Threads used")):
+                continue
+            rows.append((label, _blas_text(value) if label == "BLAS" else _value_text(value)))
+            used.add(path)
+            break
+    rest = []
+    for path, value in _flatten(env):
+        if path in ("schema", "record") or any(path == u or path.startswith(u + ".") for u in used):
+            continue
+        rest.append((path, _blas_text(value) if "blas" in path.lower() else _value_text(value)))
+    return rows, rest
+
+
+# ------------------------------------------------------------------- sections
+def _label_curves(curve_list):
+    """Give each curve a display label that tells apart what varies (dtype, threads, shape)."""
+    for c in curve_list:
+        same = [o for o in curve_list if o.attention == c.attention]
+        varying = [k for k in ("dtype", "threads", "d_k", "d_v", "batch", "heads", "feature_map")
+                   if len({o.key.get(k) for o in same}) > 1]
+        extra = ", ".join(f"{k}={c.key.get(k)}" for k in varying if c.key.get(k) is not None)
+        c.display = c.label + (f" [{extra}]" if extra else "")
+    return curve_list
+
+
+def _causal_title(causal):
+    return "causal" if causal else "non-causal"
+
+
+def _exponent_rows(curve_list):
+    rows = []
+    for c in curve_list:
+        time_fit = analysis.fit_exponent(c.n, c.median_s)
+        mem_fit = analysis.fit_exponent(c.n, c.peak_bytes)
+        expected = EXPECTED_TIME_EXPONENT.get(c.attention)
+        rows.append({
+            "label": c.display,
+            "attention": c.attention,
+            "causal": _causal_title(c.causal),
+            "time": time_fit.format() if time_fit else "–",
+            "slope": time_fit.slope if time_fit else None,
+            "time_points": (f"{time_fit.points} (n {time_fit.n_min}–{time_fit.n_max})"
+                            if time_fit else f"fewer than 2 points with n ≥ {analysis.FIT_MIN_N}"),
+            "memory": mem_fit.format() if mem_fit else "–",
+            "expected": expected,
+            "off": (time_fit is not None and expected is not None
+                    and abs(time_fit.slope - expected) > 0.35),
+        })
+    return rows
+
+
+def _crossover_rows(curve_list):
+    rows = []
+    for causal in (False, True):
+        group = [c for c in curve_list if c.causal == causal]
+        soft = {(c.backend, c.key.get("dtype"), c.key.get("threads")): c
+                for c in group if c.attention == "softmax"}
+        lin = {(c.backend, c.key.get("dtype"), c.key.get("threads")): c
+               for c in group if c.attention == "linear"}
+        for key in [k for k in soft if k in lin]:
+            s, l_ = soft[key], lin[key]
+            x = analysis.crossover(s.n, s.median_s, l_.n, l_.median_s)
+            rows.append({"causal": _causal_title(causal),
+                         "pair": f"{s.display.replace(' softmax', '')}: softmax vs linear",
+                         "text": x.describe(), "n": x.n, "status": x.status})
+        for name, pool in (("fastest fastattn kernel of each type", [c for c in group if not c.peer]),
+                           ("fastest of all, peers included", group)):
+            if name.startswith("fastest of all") and not any(c.peer for c in group):
+                continue
+            s_list = [c for c in pool if c.attention == "softmax"]
+            l_list = [c for c in pool if c.attention == "linear"]
+            if len(s_list) + len(l_list) < 3 or not s_list or not l_list:
+                continue
+            ns, ts = analysis.envelope(s_list)
+            nl, tl = analysis.envelope(l_list)
+            x = analysis.crossover(ns, ts, nl, tl)
+            rows.append({"causal": _causal_title(causal), "pair": name, "text": x.describe(),
+                         "n": x.n, "status": x.status})
+    return rows
+
+
+def _point_tables(curve_list, roofs, machine):
+    """One wide table per (attention, causal): rows n, a column group per backend."""
+    tables = []
+    for attention in ("softmax", "linear"):
+        for causal in (False, True):
+            group = [c for c in curve_list if c.attention == attention and c.causal == causal]
+            if not group:
+                continue
+            ns = sorted({int(n) for c in group for n in c.n})
+            rows = []
+            for n in ns:
+                cells = []
+                for c in group:
+                    idx = np.flatnonzero(c.n == n)
+                    if len(idx) == 0:
+                        cells.append(None)
+                        continue
+                    i = int(idx[0])
+                    roof, _ = analysis.roof_gflops(roofs, c.key.get("dtype"), c.key.get("threads"),
+                                                   machine)
+                    g = c.gflops[i]
+                    cells.append({
+                        "median": fmt_time(c.median_s[i]),
+                        "range": f"{fmt_time(c.min_s[i])}–{fmt_time(c.max_s[i])}",
+                        "repeats": int(c.repeats[i]),
+                        "gflops": fmt_num(g),
+                        "roof_pct": (f"{100 * g / roof:.0f}%" if roof and math.isfinite(g) else ""),
+                        "memory": fmt_bytes(c.peak_bytes[i]),
+                        "err": fmt_num(c.max_abs_err[i], 2),
+                    })
+                rows.append({"n": n, "cells": cells})
+            tables.append({"title": f"{attention} attention, {_causal_title(causal)}",
+                           "columns": [c.display for c in group], "rows": rows})
+    return tables
+
+
+def _roof_lines(roofs, curve_list, machine):
+    lines, seen = [], set()
+    for c in curve_list:
+        key = (c.key.get("dtype"), c.key.get("threads"))
+        if key in seen:
+            continue
+        seen.add(key)
+        value, _ = analysis.roof_gflops(roofs, key[0], key[1], machine)
+        if value:
+            lines.append((f"GEMM roof {value:.0f} GFLOP/s ({key[0]}, {key[1]} threads)", value))
+    return lines
+
+
+def _machine_section(name, env, roofs, points, all_curves):
+    curve_list = _label_curves([c for c in all_curves if c.machine == name])
+    panels = [(_causal_title(causal), [c for c in curve_list if c.causal == causal])
+              for causal in (False, True)]
+    panels = [p for p in panels if p[1]] or [("no measured points", [])]
+    roof_lines = _roof_lines(roofs, curve_list, name)
+    not_ok = [p for p in points if p.get("machine") == name and p.get("status") != "ok"]
+    env_rows, env_rest = environment_rows(env or {})
+    threads = sorted({c.key.get("threads") for c in curve_list if c.key.get("threads") is not None})
+    dtypes = sorted({str(c.key.get("dtype")) for c in curve_list})
+    methods = sorted({m for c in curve_list for m in c.memory_method})
+    repeats = sorted({int(r) for c in curve_list for r in c.repeats if r})
+    has_memory = any(np.isfinite(c.peak_bytes).any() for c in curve_list)
+    time_png = figures.scaling_figure(panels, "time")
+    section = {
+        "name": name,
+        "env_rows": env_rows,
+        "env_rest": env_rest,
+        "threads": ", ".join(str(t) for t in threads) or "not recorded",
+        "dtypes": ", ".join(dtypes),
+        "repeats": ", ".join(str(r) for r in repeats) or "not recorded",
+        "memory_methods": ", ".join(methods) or "not recorded",
+        "time_png": figures.data_uri(time_png),
+        "memory_png": (figures.data_uri(figures.scaling_figure(panels, "memory"))
+                       if has_memory else None),
+        "roof_png": (figures.data_uri(figures.roofline_figure(panels, roof_lines))
+                     if any(np.isfinite(c.gflops).any() for c in curve_list) else None),
+        "roof_lines": [label for label, _ in roof_lines],
+        "roofs": [r for r in roofs if r.get("machine") in (None, name)],
+        "exponents": _exponent_rows(curve_list),
+        "crossovers": _crossover_rows(curve_list),
+        "tables": _point_tables(curve_list, roofs, name),
+        "not_ok": not_ok,
+        "backends": sorted({c.backend for c in curve_list if not c.peer}),
+        "peers": sorted({c.backend for c in curve_list if c.peer}),
+        "n_points": sum(len(c.n) for c in curve_list),
+        "fastest": _fastest_lines(curve_list),
+    }
+    return section, time_png
+
+
+def _summary(sections, quality):
+    """Plain sentences with the headline numbers, computed from the first machine's section."""
+    out = []
+    s = sections[0] if sections else None
+    if s and s["exponents"]:
+        parts = []
+        for attention in ("softmax", "linear"):
+            fits = [r for r in s["exponents"] if r["attention"] == attention and r["slope"] is not None]
+            if fits:
+                lo, hi = min(r["slope"] for r in fits), max(r["slope"] for r in fits)
+                span = f"{lo:.2f}" if f"{lo:.2f}" == f"{hi:.2f}" else f"{lo:.2f} to {hi:.2f}"
+                parts.append(f"{attention} {span} over {len(fits)} curves (expected about "
+                             f"{EXPECTED_TIME_EXPONENT[attention]})")
+        if parts:
+            out.append(f"Fitted time exponents (n ≥ {analysis.FIT_MIN_N}, causal and not): "
+                       + "; ".join(parts) + ".")
+        best = [r for r in s["crossovers"] if r["pair"].startswith("fastest fastattn")]
+        if best:
+            out.append("Crossover of the fastest fastattn kernels: "
+                       + "; ".join(f"{r['text']} ({r['causal']})" for r in best) + ".")
+        for line in s["fastest"]:
+            out.append(line)
+    if quality is not None and quality.gaussian and quality.minilm:
+        g, m = quality.gaussian, quality.minilm
+        out.append(
+            f"Linear attention's output against softmax's: mean cosine similarity "
+            f"{min(r.cosine_similarity for r in g):.3f} to {max(r.cosine_similarity for r in g):.3f} "
+            f"on Gaussian inputs, but {min(r.cosine_similarity for r in m):.3f} to "
+            f"{max(r.cosine_similarity for r in m):.3f} per layer on real MiniLM activations.")
+    return out
+
+
+def _fastest_lines(curve_list):
+    """For each mask: the fastest kernel of each type at the largest n measured by all."""
+    lines = []
+    for causal in (False, True):
+        group = [c for c in curve_list if c.causal == causal]
+        if not group:
+            continue
+        n = max(int(c.n[-1]) for c in group)
+        parts = []
+        for attention in ("softmax", "linear"):
+            at_n = [(float(c.median_s[c.n == n][0]), c) for c in group
+                    if c.attention == attention and (c.n == n).any()]
+            if at_n:
+                t, c = min(at_n, key=lambda tc: tc[0])
+                parts.append(f"{attention}: {c.display.replace(' ' + attention, '')} {fmt_time(t)}")
+        if parts:
+            lines.append(f"Fastest at n = {n} ({_causal_title(causal)}): " + "; ".join(parts)
+                         + " (median).")
+    return lines
+
+
+def _history_section(history, benchmark):
+    if history is None:
+        return None
+    if not history:
+        return {"benchmark": benchmark, "png": None, "rows": []}
+    title = benchmark or "asv benchmark history"
+    rows = sorted(history, key=lambda r: (str(r.get("benchmark")), str(r.get("machine")),
+                                          str(r.get("params")), r.get("date") or ""))
+    return {
+        "benchmark": title,
+        "png": figures.data_uri(figures.history_figure(history, title)),
+        "rows": [{"benchmark": r.get("benchmark"), "machine": r.get("machine"),
+                  "commit": str(r.get("commit") or "")[:8], "date": r.get("date"),
+                  "params": _value_text(r.get("params") or {}),
+                  "value": (fmt_time(r["value"]) if r.get("unit") == "seconds"
+                            else fmt_bytes(r["value"]) if r.get("unit") == "bytes"
+                            else fmt_num(r.get("value"))),
+                  "unit": r.get("unit")} for r in rows],
+    }
+
+
+def _quality_section(quality):
+    if quality is None:
+        return None
+    return {
+        "r": quality,
+        "figure": figures.data_uri(figures.quality_figure(quality.gaussian, quality.minilm)),
+        "heatmaps": [{"title": h.title, "note": h.note,
+                      "png": figures.data_uri(figures.heatmap_figure(h))}
+                     for h in quality.heatmaps],
+    }
+
+
+def _environment():
+    env = jinja2.Environment(
+        loader=jinja2.FunctionLoader(
+            lambda name: (resources.files(__package__) / "templates" / name).read_text("utf-8")),
+        autoescape=jinja2.select_autoescape(default=True, default_for_string=True),
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
+    env.filters.update(time=fmt_time, bytes=fmt_bytes, num=fmt_num)
+    return env
+
+
+def build_report(records, *, source="", quality=None, history=None, history_benchmark=None,
+                 generated=None):
+    """Build the HTML report from results records.
+
+    Parameters
+    ----------
+    records : list of dict
+        Records of the results format (:mod:`fastattn.bench.results`):
+        environment, roof and point records.  Records carrying ``"machine"``
+        (asv results) are grouped per machine; otherwise one machine.
+    source : str
+        Where the records came from (shown in the report).
+    quality : QualityResults, optional
+        From :func:`fastattn.report.quality.compute_quality`; the quality
+        section is left out when None.
+    history : list of dict, optional
+        asv history rows (``load_asv_history``); adds a history section.
+    history_benchmark : str, optional
+        The benchmark the history is of (its title).
+    generated : datetime, optional
+        Timestamp printed in the report (default now, UTC).
+
+    Returns
+    -------
+    Report
+
+    Raises
+    ------
+    ValueError
+        If ``records`` holds no environment, roof or point record at all.
+    """
+    environments, roofs, points = analysis.split_records(records)
+    if not (environments or roofs or points):
+        raise ValueError(f"{source or 'the records'} hold no fastattn environment, roof or point record")
+    all_curves = analysis.curves(points)
+    names = []
+    for item in environments + points:
+        if item.get("machine") not in names:
+            names.append(item.get("machine"))
+    if not names:
+        names = [None]
+    env_of = {}
+    for env in environments:
+        env_of.setdefault(env.get("machine"), env)   # first environment record of each machine
+    sections, readme_png = [], None
+    for name in names:
+        section, png = _machine_section(name, env_of.get(name), roofs, points, all_curves)
+        if name is None:
+            section["name"] = "this machine"
+        sections.append(section)
+        readme_png = readme_png or png
+    comparison_png = None
+    if len(sections) > 1:
+        panels = []
+        for causal in (False, True):
+            for name in names:
+                panels.append((f"{name}: {_causal_title(causal)}",
+                               _label_curves([c for c in all_curves
+                                              if c.machine == name and c.causal == causal])))
+        comparison_png = figures.data_uri(
+            figures.scaling_figure(panels, "time", ncols=min(len(names), 3)))
+    peers = sorted({p for s in sections for p in s["peers"]})
+    generated = generated or _dt.datetime.now(_dt.timezone.utc)
+    context = {
+        "marker": REPORT_MARKER,
+        "version": __version__,
+        "generated": generated.strftime("%Y-%m-%d %H:%M UTC"),
+        "source": source,
+        "sections": sections,
+        "comparison_png": comparison_png,
+        "peers": peers,
+        "peer_help": PEER_HELP,
+        "summary": _summary(sections, quality),
+        "quality": _quality_section(quality),
+        "history": _history_section(history, history_benchmark),
+        "fit_min_n": analysis.FIT_MIN_N,
+        "n_records": len(records),
+    }
+    page = _environment().get_template("report.html.j2").render(**context)
+    return Report(page, readme_png)
+
+
+def escape(text):
+    """HTML-escape ``text`` (for messages built outside the template)."""
+    return _html.escape(str(text))
