@@ -422,13 +422,14 @@ def _history_section(history, benchmark):
 def _quality_section(quality):
     if quality is None:
         return None
-    return {
-        "r": quality,
-        "figure": figures.data_uri(figures.quality_figure(quality.gaussian, quality.minilm)),
-        "heatmaps": [{"title": h.title, "note": h.note,
-                      "png": figures.data_uri(figures.heatmap_figure(h))}
-                     for h in quality.heatmaps],
-    }
+    # The figures depend on the quality numbers only: rendered once per QualityResults.
+    if not quality.rendered:
+        quality.rendered.update(
+            figure=figures.data_uri(figures.quality_figure(quality.gaussian, quality.minilm)),
+            heatmaps=[{"title": h.title, "note": h.note,
+                       "png": figures.data_uri(figures.heatmap_figure(h))}
+                      for h in quality.heatmaps])
+    return {"r": quality, **quality.rendered}
 
 
 def _environment():

@@ -45,7 +45,7 @@ def colour(backend, _assigned={}):
 def to_png(fig):
     """Render ``fig`` to PNG bytes and close it."""
     buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=DPI, bbox_inches="tight")
+    fig.savefig(buffer, format="png", dpi=DPI)  # layout="constrained": one draw, no tight bbox pass
     plt.close(fig)
     return buffer.getvalue()
 
@@ -82,7 +82,7 @@ def _bytes(x, _):
 def _panel_grid(panels, ncols, height=4.2, width=5.6):
     nrows = max(1, -(-len(panels) // ncols))
     fig, axes = plt.subplots(nrows, ncols, figsize=(width * ncols, height * nrows),
-                             squeeze=False, sharey=True)
+                             squeeze=False, sharey=True, layout="constrained")
     flat = axes.ravel()
     for ax in flat[len(panels):]:
         ax.set_visible(False)
@@ -148,7 +148,6 @@ def scaling_figure(panels, metric="time", ncols=2, title=None):
         fig.suptitle(title, fontsize=12)
     if not drawn:
         axes[0].text(0.5, 0.5, "no data", transform=axes[0].transAxes, ha="center")
-    fig.tight_layout()
     return to_png(fig)
 
 
@@ -188,7 +187,6 @@ def roofline_figure(panels, roofs, ncols=2):
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7.5, loc="lower right", framealpha=0.85)
     axes[0].set_ylabel("achieved GFLOP/s (at the median time)")
-    fig.tight_layout()
     return to_png(fig)
 
 
@@ -228,7 +226,8 @@ def quality_figure(gaussian, minilm):
     bytes
         The PNG.
     """
-    fig, axes = plt.subplots(1, 2, figsize=(11, 3.6), gridspec_kw={"width_ratios": [1, 1.4]})
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.6), gridspec_kw={"width_ratios": [1, 1.4]},
+                             layout="constrained")
     ax = axes[0]
     ax.plot([r.n for r in gaussian], [r.cosine_similarity for r in gaussian], "o-",
             color="#1f77b4")
@@ -250,7 +249,6 @@ def quality_figure(gaussian, minilm):
     ax.set_title("all-MiniLM-L6-v2 activations, per layer", fontsize=10)
     ax.legend(fontsize=8, loc="lower right")
     ax.grid(True, axis="y", alpha=0.3)
-    fig.tight_layout()
     return to_png(fig)
 
 
@@ -273,7 +271,7 @@ def history_figure(history, title):
     for row in history:
         params = ", ".join(f"{k}={v}" for k, v in sorted((row.get("params") or {}).items()))
         series.setdefault((row.get("machine"), params), []).append(row)
-    fig, ax = plt.subplots(figsize=(11, 4.5))
+    fig, ax = plt.subplots(figsize=(11, 4.5), layout="constrained")
     dates = sorted({row.get("date") or "" for row in history})
     position = {d: i for i, d in enumerate(dates)}
     for (machine, params), rows in sorted(series.items(), key=lambda kv: str(kv[0])):
@@ -293,5 +291,4 @@ def history_figure(history, title):
     ax.grid(True, alpha=0.3)
     if len(series) <= 16:
         ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
-    fig.tight_layout()
     return to_png(fig)

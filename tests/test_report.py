@@ -1,0 +1,331 @@
+"""The HTML report: numbers from synthetic records with known answers, the page, the command.
+
+Synthetic point records follow fastattn/bench/results.py: softmax times
+``a · n²`` and linear times ``b · n`` (so the exponents are 2 and 1 and the
+crossover is at ``n = b / a``), memory ``12 n²`` bytes for the reference
+softmax and ``512 n`` for the rest.  No test here depends on how fast
+anything runs.
+"""
+
+import base64
+import hashlib
+import json
+import re
+import sys
+import types
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from fastattn.bench.results import SCHEMA, read_records
+from fastattn.cli import main
+from fastattn.report import analysis
+from fastattn.report.build import REPORT_MARKER, build_report
+from fastattn.report.quality import compute_quality
+
+A_SOFTMAX = 1e-9      # seconds per n² (non-causal); causal is half
+B_LINEAR = 2e-6       # seconds per n
+CROSSOVER = B_LINEAR / A_SOFTMAX            # 2000 non-causal
+CROSSOVER_CAUSAL = B_LINEAR / (A_SOFTMAX / 2)  # 4000 causal
+NS = (128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+def _record(record_type, **fields):
+    return {"schema": SCHEMA, "record": record_type, **fields}
+
+
+def synthetic_records(backends=("reference", "numba"), peers=(), ns=NS, machine=None,
+                      noise=0.0, seed=0):
+    """Environment, roof and point records with known exponents and crossover."""
+    rng = np.random.default_rng(seed)
+    extra = {} if machine is None else {"machine": machine}
+    records = [
+        _record("environment", **extra,
+                cpu={"model": "Synthetic CPU 9000", "physical_cores": 2, "logical_cores": 2},
+                threads={"requested": 2},
+                blas=[{"internal_api": "openblas", "version": "0.3.27",
+                       "architecture": "Haswell", "num_threads": 2}],
+                versions={"python": "3.11.7", "numpy": "2.4.6", "numba": "0.68.1",
+                          "cython": "3.1.2"}),
+        _record("roof", **extra, kind="gemm", dtype="float32", threads=2, gflops=98.0,
+                shape=[4096, 64, 4096]),
+    ]
+    for attention in ("softmax", "linear"):
+        for backend in tuple(backends) + tuple(peers):
+            for causal in (False, True):
+                for n in ns:
+                    base = dict(extra, attention=attention, backend=backend,
+                                peer=backend in peers, causal=causal, dtype="float32",
+                                batch=1, heads=1, n_q=n, n_k=n, d_k=64, d_v=64,
+                                feature_map="elu" if attention == "linear" else None,
+                                threads=2)
+                    if backend == "reference" and attention == "softmax" and n > 4096:
+                        records.append(_record("point", **base, status="skipped",
+                                               reason="needs 805,306,368 bytes"))
+                        continue
+                    if attention == "softmax":
+                        t = A_SOFTMAX * n * n * (0.5 if causal else 1.0)
+                    else:
+                        t = B_LINEAR * n
+                    t *= float(np.exp(noise * rng.standard_normal()))
+                    flops = 4 * n * n * 64 if attention == "softmax" else 4 * n * 64 * 64
+                    mem = 12 * n * n if (backend == "reference" and attention == "softmax") else 512 * n
+                    records.append(_record(
+                        "point", **base, status="ok", times_s=[0.98 * t, t, 1.05 * t],
+                        median_s=t, min_s=0.98 * t, max_s=1.05 * t, flops=flops,
+                        gflops=flops / t / 1e9, peak_bytes=mem, memory_method="tracemalloc",
+                        max_abs_err=1e-6))
+    return records
+
+
+def write_jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+@pytest.fixture(scope="module")
+def quality():
+    # The shipped slice: the same in every checkout.
+    return compute_quality(None)
+
+
+@pytest.fixture(scope="module")
+def report_html(quality):
+    return build_report(synthetic_records(), source="synthetic", quality=quality).html
+
+
+# ----------------------------------------------------------------- analysis
+@pytest.mark.parametrize("exponent", [1.0, 2.0])
+def test_fit_recovers_known_exponent(exponent):
+    n = np.array(NS, dtype=float)
+    t = 3e-7 * n ** exponent
+    fit = analysis.fit_exponent(n, t)
+    assert fit.slope == pytest.approx(exponent, abs=1e-9)
+    assert fit.stderr == pytest.approx(0.0, abs=1e-9)
+    assert (fit.points, fit.n_min, fit.n_max) == (4, 1024, 8192)
+
+
+def test_fit_ignores_points_below_1024():
+    n = np.array(NS, dtype=float)
+    t = 1e-9 * n ** 2
+    t[n < 1024] = 1.0  # a fixed cost that dominates small n must not bend the fit
+    assert analysis.fit_exponent(n, t).slope == pytest.approx(2.0, abs=1e-9)
+
+
+def test_fit_standard_error_matches_scipy_linregress():
+    rng = np.random.default_rng(1)
+    n = np.array([1024, 1536, 2048, 3072, 4096, 8192], dtype=float)
+    t = 2e-9 * n ** 2 * np.exp(0.1 * rng.standard_normal(len(n)))
+    fit = analysis.fit_exponent(n, t)
+    ref = stats.linregress(np.log(n), np.log(t))
+    assert fit.slope == pytest.approx(ref.slope, rel=1e-12)
+    assert fit.stderr == pytest.approx(ref.stderr, rel=1e-9)
+
+
+def test_fit_needs_two_points():
+    assert analysis.fit_exponent([512, 1024], [1.0, 2.0]) is None
+    fit = analysis.fit_exponent([1024, 2048], [1.0, 4.0])
+    assert fit.slope == pytest.approx(2.0) and np.isnan(fit.stderr)
+
+
+def test_crossover_at_known_length():
+    n = np.array(NS, dtype=float)
+    x = analysis.crossover(n, A_SOFTMAX * n ** 2, n, B_LINEAR * n)
+    assert x.status == "crossover"
+    assert x.n == pytest.approx(CROSSOVER, rel=1e-9)  # exact: both lines are straight in log-log
+
+
+def test_crossover_none_in_range_and_throughout():
+    n = np.array(NS, dtype=float)
+    none = analysis.crossover(n, A_SOFTMAX * n ** 2, n, 1.0 * n)
+    assert none.n is None and none.status == "none-in-range"
+    assert "none in range" in none.describe() and "8192" in none.describe()
+    always = analysis.crossover(n, A_SOFTMAX * n ** 2, n, 1e-12 * n)
+    assert always.n is None and always.status == "linear-faster-throughout"
+    apart = analysis.crossover([128, 256], [1, 2], [1024, 2048], [1, 2])
+    assert apart.status == "no-common-range"
+
+
+def test_crossover_on_different_grids():
+    # Linear measured on a coarser grid than softmax: interpolation in log-log space.
+    ns = np.array(NS, dtype=float)
+    nl = np.array([128, 8192], dtype=float)
+    x = analysis.crossover(ns, A_SOFTMAX * ns ** 2, nl, B_LINEAR * nl)
+    assert x.n == pytest.approx(CROSSOVER, rel=1e-9)
+
+
+def test_last_record_of_a_point_wins():
+    records = synthetic_records(backends=("numba",), ns=(1024, 2048))
+    retry = dict(records[-1], median_s=123.0)
+    _, _, points = analysis.split_records(records + [retry])
+    same = [p for p in points if analysis.point_key(p) == analysis.point_key(retry)]
+    assert len(same) == 1 and same[0]["median_s"] == 123.0
+
+
+# --------------------------------------------------------------------- page
+SECTIONS = ('id="scaling"', 'id="quality"', 'id="environment"', 'id="method"',
+            "Fitted exponents", "Crossover", "Peak extra memory", "GEMM roof",
+            "The seed experiment", "Gaussian inputs", "all-MiniLM-L6-v2", "Attention weights")
+
+
+@pytest.mark.parametrize("needle", SECTIONS)
+def test_report_has_every_section(report_html, needle):
+    assert needle in report_html
+
+
+def test_report_is_self_contained(report_html):
+    assert REPORT_MARKER in report_html
+    assert not re.search(r"""(src|href)\s*=\s*["']?\s*(https?:)?//""", report_html, re.I)
+    assert "<link" not in report_html and "<script" not in report_html
+    images = re.findall(r'<img[^>]*src="([^"]+)"', report_html)
+    assert len(images) >= 6  # time, memory, roofline, quality, two heatmaps
+    for src in images:
+        assert src.startswith("data:image/png;base64,")
+        assert base64.b64decode(src.split(",", 1)[1])[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _table_rows(html, title):
+    table = html.split(title, 1)[1].split("</table>", 1)[0]
+    return [re.sub(r"<[^>]+>", "|", row) for row in table.split("<tr")[2:]]
+
+
+def test_report_states_exponents_and_crossover(report_html):
+    rows = _table_rows(report_html, "Fitted exponents")
+    softmax = [r for r in rows if "softmax" in r]
+    linear = [r for r in rows if "linear" in r]
+    assert len(softmax) == 4 and len(linear) == 4   # 2 backends x causal and not
+    assert all("2.00 ± 0.00" in r for r in softmax)
+    assert all("1.00 ± 0.00" in r for r in linear)
+    crossovers = _table_rows(report_html, "Crossover: where")
+    assert any("non-causal" in r and "n ≈ 2,000" in r for r in crossovers)
+    assert any("|causal" in r and "n ≈ 4,000" in r for r in crossovers)
+
+
+def test_report_numbers_are_medians_with_range(report_html):
+    # numba softmax non-causal at n=1024: 1e-9 * 1024² s = 1.05 ms, range 0.98x..1.05x.
+    assert "1.05 ms<small>1.03 ms–1.1 ms (3×)</small>" in report_html
+    assert "median" in report_html and "Synthetic CPU 9000" in report_html
+    assert "Haswell kernel" in report_html
+    assert "needs 805,306,368 bytes" in report_html   # the skipped reference points, with why
+
+
+def test_report_quality_matches_seed_experiment(report_html):
+    from fastattn import compare
+
+    q = compare(64, 32, seed=42).quality
+    assert f"{q.cosine_similarity:.4g}" in report_html
+    assert f"{q.mse:.6g}" in report_html
+    assert f"{q.magnitude_ratio:.4g}" in report_html
+
+
+def test_report_says_which_minilm_data(quality, report_html):
+    assert not quality.minilm_full
+    assert "slice shipped with fastattn" in report_html
+    assert len(quality.minilm) == 6  # one row per layer
+
+
+def test_peers_note_when_absent_and_shown_when_present(quality, report_html):
+    assert "pip install" in report_html and "torch" in report_html
+    with_torch = build_report(synthetic_records(peers=("torch",)), quality=None).html
+    assert "torch softmax (peer)" in with_torch
+    assert "No peer implementation was measured" not in with_torch
+
+
+def test_report_without_points_still_renders():
+    html = build_report(synthetic_records()[:2], quality=None).html
+    assert "nothing to plot" in html
+    with pytest.raises(ValueError, match="no fastattn"):
+        build_report([], quality=None)
+
+
+# ------------------------------------------------------------------ command
+@pytest.fixture(autouse=True)
+def _quality_once(request, monkeypatch):
+    """Command tests reuse the module's quality numbers (they test the command, not the maths)."""
+    if request.node.name.startswith("test_cli"):
+        value = request.getfixturevalue("quality")
+        monkeypatch.setattr("fastattn.report.quality.compute_quality", lambda *a, **k: value)
+
+
+def _sha(path):
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_cli_from_builds_report_without_touching_results(tmp_path, capsys):
+    results = write_jsonl(tmp_path / "run.jsonl", synthetic_records())
+    before = _sha(results)
+    out = tmp_path / "out" / "report.html"
+    image = tmp_path / "docs" / "scaling.png"
+    assert main(["report", "--from", str(results), "--out", str(out),
+                 "--readme-image", str(image)]) == 0
+    assert capsys.readouterr().out.strip() == str(out)
+    assert REPORT_MARKER in out.read_text()
+    assert image.read_bytes()[:4] == b"\x89PNG"
+    assert _sha(results) == before
+    # A second build may replace its own earlier report.
+    assert main(["report", "--from", str(results), "--out", str(out)]) == 0
+
+
+def test_cli_from_accepts_interrupted_file(tmp_path, capsys):
+    results = write_jsonl(tmp_path / "cut.jsonl", synthetic_records())
+    with open(results, "a") as handle:
+        handle.write('{"schema": "fastattn.results/1", "record": "po')   # cut mid-write
+    assert main(["report", "--from", str(results), "--out", str(tmp_path / "r.html")]) == 0
+
+
+@pytest.mark.parametrize("content", [
+    "not json at all\n",
+    '{"some": "other tool"}\n',
+    json.dumps({"schema": "fastattn.results/99", "record": "point"}) + "\n",
+])
+def test_cli_refuses_foreign_or_corrupt_results(tmp_path, capsys, content):
+    results = tmp_path / "foreign.jsonl"
+    results.write_text(content)
+    code = main(["report", "--from", str(results)])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "foreign.jsonl" in err and "not a fastattn results" in err
+    assert results.read_text() == content
+    assert not (tmp_path / "foreign.html").exists()
+
+
+def test_cli_refuses_to_overwrite_other_files(tmp_path, capsys):
+    results = write_jsonl(tmp_path / "run.jsonl", synthetic_records())
+    other = tmp_path / "notes.html"
+    other.write_text("<html>my notes</html>")
+    assert main(["report", "--from", str(results), "--out", str(other)]) == 2
+    assert other.read_text() == "<html>my notes</html>"
+    assert main(["report", "--from", str(results), "--out", str(results)]) == 2
+    assert "results file" in capsys.readouterr().err
+    assert read_records(results)  # still intact
+
+
+def test_cli_missing_results_file(tmp_path, capsys):
+    assert main(["report", "--from", str(tmp_path / "nope.jsonl")]) == 2
+    assert "no results file" in capsys.readouterr().err
+
+
+def test_cli_asv_two_machines_and_history(tmp_path, monkeypatch, capsys):
+    records = (synthetic_records(machine="box-a")
+               + synthetic_records(backends=("numba",), machine="box-b"))
+    history = [{"machine": m, "commit": c * 40, "date": f"2026-11-2{i}T10:00:00",
+                "benchmark": "softmax.time_softmax", "params": {"backend": "numba", "n": 4096},
+                "value": 0.02 + 0.001 * i, "unit": "seconds"}
+               for m in ("box-a", "box-b") for i, c in enumerate("abc")]
+    fake = types.ModuleType("fastattn.report.asv_results")
+    fake.load_asv_points = lambda directory: [r for r in records if r["record"] != "roof"]
+    fake.load_asv_history = lambda directory, benchmark=None: history
+    monkeypatch.setitem(sys.modules, "fastattn.report.asv_results", fake)
+    out = tmp_path / "asv.html"
+    assert main(["report", "--asv", str(tmp_path), "--history", "softmax.time_softmax",
+                 "--out", str(out)]) == 0
+    html = out.read_text()
+    assert "Machines side by side" in html and "box-a" in html and "box-b" in html
+    assert 'id="history"' in html and "softmax.time_softmax" in html and "aaaaaaaa" in html
+
+
+def test_cli_asv_missing_module_is_explained(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "fastattn.report.asv_results", None)
+    assert main(["report", "--asv", str(tmp_path)]) == 2
+    assert "fastattn.report.asv_results" in capsys.readouterr().err
