@@ -1,0 +1,148 @@
+"""What a measurement ran on: CPU, cores, threads, BLAS, library versions."""
+
+import importlib.metadata
+import os
+import platform
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+
+def _cpu_model():
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as handle:
+            for line in handle:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _cpu_flags():
+    """SIMD features the kernels care about, from /proc/cpuinfo (Linux)."""
+    wanted = ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512_vnni")
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as handle:
+            for line in handle:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return [f for f in wanted if f in flags]
+    except OSError:
+        pass
+    return None
+
+
+def _version(distribution):
+    """Installed version of ``distribution`` from its metadata (nothing is imported)."""
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _git_commit():
+    root = Path(__file__).resolve().parents[2]
+    if not (root / ".git").exists():
+        return None
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "HEAD"],
+            capture_output=True, text=True, timeout=5, check=True,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
+def blas_info():
+    """BLAS libraries loaded in this process (threadpoolctl), one dict each.
+
+    Returns
+    -------
+    list of dict
+        ``internal_api`` (e.g. "openblas"), ``version``, ``architecture``
+        (OpenBLAS's kernel, e.g. "Haswell"), ``threading_layer``,
+        ``num_threads``, ``filepath``.
+    """
+    from threadpoolctl import threadpool_info
+
+    keys = ("internal_api", "version", "architecture", "threading_layer",
+            "num_threads", "filepath", "prefix")
+    return [
+        {key: info.get(key) for key in keys}
+        for info in threadpool_info() if info.get("user_api") == "blas"
+    ]
+
+
+def collect(threads=None):
+    """Describe this machine and software for a results file's environment record.
+
+    Parameters
+    ----------
+    threads : int, optional
+        Threads the run uses (recorded as ``threads``).
+
+    Returns
+    -------
+    dict
+        ``cpu_model``, ``cpu_flags``, ``cores_logical``, ``cores_usable``
+        (affinity), ``memory_total_bytes``, ``memory_available_bytes``,
+        ``threads``, ``thread_counts`` (per backend and BLAS), ``blas`` (list
+        of :func:`blas_info` dicts), ``python``, ``platform``, ``hostname``,
+        ``versions`` (numpy, scipy, numba, cython, threadpoolctl, torch and
+        fastattn; None when absent), ``backends`` (available),
+        ``unavailable_backends`` (name to reason), ``peers``, ``absent_peers``
+        (name to install hint), ``git_commit``.
+    """
+    import numpy as np
+    import psutil
+
+    import fastattn
+    from .peers import absent_peers, available_peers
+
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:
+        usable = os.cpu_count()
+    memory = psutil.virtual_memory()
+    return {
+        "cpu_model": _cpu_model(),
+        "cpu_flags": _cpu_flags(),
+        "cores_logical": os.cpu_count(),
+        "cores_usable": usable,
+        "memory_total_bytes": int(memory.total),
+        "memory_available_bytes": int(memory.available),
+        "threads": threads,
+        "thread_counts": fastattn.get_num_threads(),
+        "blas": blas_info(),
+        "numpy_config_blas": _numpy_blas_name(np),
+        "python": sys.version.split()[0],
+        "python_implementation": platform.python_implementation(),
+        "platform": platform.platform(),
+        "hostname": socket.gethostname(),
+        "versions": {
+            "fastattn": fastattn.__version__,
+            "numpy": np.__version__,
+            "scipy": _version("scipy"),
+            "numba": _version("numba"),
+            "cython": _version("Cython"),
+            "threadpoolctl": _version("threadpoolctl"),
+            "torch": _version("torch"),
+        },
+        "backends": list(fastattn.available_backends()),
+        "unavailable_backends": fastattn.unavailable_backends(),
+        "peers": list(available_peers()),
+        "absent_peers": absent_peers(),
+        "git_commit": _git_commit(),
+    }
+
+
+def _numpy_blas_name(np):
+    """NumPy's build-time BLAS name (e.g. "scipy-openblas"), if it says."""
+    try:
+        config = np.show_config(mode="dicts")
+        return config["Build Dependencies"]["blas"]["name"]
+    except Exception:  # older NumPy: no dict mode
+        return None

@@ -1,0 +1,184 @@
+"""Peers: what a user would otherwise call, measured on the same inputs.
+
+PyTorch on CPU, when importable (an optional extra, never a dependency):
+
+* softmax attention: ``torch.nn.functional.scaled_dot_product_attention``
+  (causal and not);
+* linear attention in its two usual PyTorch forms (Katharopoulos et al.
+  2020): the non-causal product ``φ(q) (φ(k)ᵀ v) / (φ(q) Σ_j φ(k_j) + eps)``
+  and the causal cumulative-sum form, which materialises the running state
+  ``cumsum_j φ(k_j)ᵀ v_j`` of shape ``(B, n, d_k, d_v)``.
+
+A peer is checked against the float64 reference like any backend.
+"""
+
+import importlib.metadata
+import importlib.util
+import sys
+
+#: Peer names known to the sweep.
+PEERS = ("torch",)
+
+#: How to add a missing peer, shown by ``fastattn bench`` and the report.
+INSTALL_HINT = {
+    "torch": 'pip install "fastattn[torch]"  (or: pip install torch)',
+}
+
+
+#: Thread count the peers get when first imported (set by :func:`set_peer_threads`).
+_threads = None
+
+
+def _torch():
+    first = "torch" not in sys.modules
+    import torch
+
+    if first and _threads is not None:
+        torch.set_num_threads(_threads)
+    return torch
+
+
+def available_peers():
+    """Peers importable here (without importing them).
+
+    Returns
+    -------
+    tuple of str
+    """
+    return tuple(name for name in PEERS if importlib.util.find_spec(name) is not None)
+
+
+def absent_peers():
+    """Peers that are not installed, mapped to how to install them.
+
+    Returns
+    -------
+    dict of str to str
+    """
+    have = available_peers()
+    return {name: INSTALL_HINT[name] for name in PEERS if name not in have}
+
+
+def peer_version(name):
+    """Installed version of peer ``name`` (from its metadata, without importing it), or None."""
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def set_peer_threads(n_threads):
+    """Fix the intra-op thread count of every peer, now if imported, else on import.
+
+    Importing PyTorch takes seconds, so it is only imported when a torch point
+    is measured; :func:`_torch` applies the count then.
+    """
+    global _threads
+    _threads = int(n_threads)
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(_threads)
+
+
+def peer_threads():
+    """Thread counts of the peers, by name: as in force if imported, else as they will be set."""
+    counts = {}
+    if "torch" in available_peers():
+        torch = sys.modules.get("torch")
+        counts["torch"] = torch.get_num_threads() if torch is not None else _threads
+    return counts
+
+
+def torch_softmax_call(q, k, v, causal, scale):
+    """A no-argument callable computing softmax attention with PyTorch's SDPA.
+
+    Parameters
+    ----------
+    q, k, v : ndarray of shape (B, n, d_k), (B, n, d_k), (B, n, d_v)
+        float32 or float64, C-contiguous; wrapped without a copy.
+    causal : bool
+        PyTorch's ``is_causal`` mask is aligned at the top left, which equals
+        fastattn's bottom-right mask only when ``n_q == n_k``.
+    scale : float
+
+    Returns
+    -------
+    callable
+        Returns the output as an ndarray ``(B, n_q, d_v)``.
+
+    Raises
+    ------
+    ValueError
+        If ``causal`` and ``n_q != n_k``.
+    """
+    torch = _torch()
+    if causal and q.shape[-2] != k.shape[-2]:
+        raise ValueError("torch's is_causal mask equals fastattn's only when n_q == n_k")
+    tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def call():
+        with torch.inference_mode():
+            return sdpa(tq, tk, tv, is_causal=bool(causal), scale=float(scale)).numpy()
+
+    return call
+
+
+def torch_linear_call(q, k, v, causal, feature_map="elu", eps=1e-6):
+    """A no-argument callable computing linear attention in plain PyTorch.
+
+    Non-causal: the product form, ``O(n d_k d_v)`` time and ``O(n d + d_k d_v)``
+    memory.  Causal: the cumulative-sum form, ``S_i = cumsum_j φ(k_j)ᵀ v_j``
+    stored for every position, ``O(n d_k d_v)`` time and memory.
+
+    Parameters
+    ----------
+    q, k, v : ndarray of shape (B, n, d_k), (B, n, d_k), (B, n, d_v)
+    causal : bool
+        Requires ``n_q == n_k`` (the cumulative sums run along one sequence).
+    feature_map : {"elu", "relu"}
+    eps : float
+
+    Returns
+    -------
+    callable
+        Returns the output as an ndarray ``(B, n_q, d_v)``.
+    """
+    torch = _torch()
+    F = torch.nn.functional
+    if causal and q.shape[-2] != k.shape[-2]:
+        raise ValueError("the cumulative-sum form needs n_q == n_k")
+    if feature_map == "elu":
+        def phi(x):
+            return F.elu(x) + 1
+    elif feature_map == "relu":
+        phi = F.relu
+    else:
+        raise ValueError(f"feature_map must be 'elu' or 'relu', got {feature_map!r}")
+    tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
+
+    def product_form():
+        with torch.inference_mode():
+            pq, pk = phi(tq), phi(tk)
+            state = pk.transpose(-2, -1) @ tv                  # (B, d_k, d_v)
+            norm = pk.sum(dim=-2)                              # (B, d_k)
+            numerator = pq @ state
+            denominator = (pq @ norm.unsqueeze(-1)) + eps      # (B, n, 1)
+            return (numerator / denominator).numpy()
+
+    def cumsum_form():
+        with torch.inference_mode():
+            pq, pk = phi(tq), phi(tk)
+            states = torch.cumsum(pk.unsqueeze(-1) * tv.unsqueeze(-2), dim=-3)  # (B, n, d_k, d_v)
+            norms = torch.cumsum(pk, dim=-2)                                     # (B, n, d_k)
+            numerator = torch.einsum("bnk,bnkv->bnv", pq, states)
+            denominator = (pq * norms).sum(dim=-1, keepdim=True) + eps
+            return (numerator / denominator).numpy()
+
+    return cumsum_form if causal else product_form
+
+
+def peer_extra_bytes(name, attention, causal, batch, n, d_k, d_v, itemsize):
+    """Bytes a peer call needs beyond its inputs and output (to skip what cannot fit)."""
+    if name == "torch" and attention == "linear" and causal:
+        return 2 * batch * n * d_k * d_v * itemsize
+    return 4 * batch * n * max(d_k, d_v) * itemsize

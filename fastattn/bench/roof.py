@@ -1,0 +1,138 @@
+"""The roof: what this machine's BLAS and NumPy reach at attention shapes.
+
+Attention is two GEMM-like products, ``q kᵀ`` (``n x d @ d x n``) and the
+weighted sum of ``v``; the GEMM rate at the shape ``n x d @ d x n`` on the
+sweep's thread count is the natural ceiling of a kernel's GFLOP/s.  The exp
+throughput bounds the softmax's elementwise part.
+"""
+
+import math
+import time
+
+import numpy as np
+
+#: GEMM shapes above this n are probed at this n: the rate is flat beyond it
+#: and the ``n x n`` output would cost memory and time for nothing.
+MAX_PROBE_N = 4096
+
+
+def _best_rate(fn, work, budget_s, min_repeats=5):
+    """Best ``work / seconds`` of ``fn()`` over repeats within ``budget_s``."""
+    fn()  # warm-up: first touch of the output, thread pool start
+    best = 0.0
+    deadline = time.perf_counter() + budget_s
+    repeats = 0
+    while repeats < min_repeats or time.perf_counter() < deadline:
+        start = time.perf_counter()
+        fn()
+        elapsed = time.perf_counter() - start
+        if elapsed > 0:
+            best = max(best, work / elapsed)
+        repeats += 1
+        if repeats >= 1000:
+            break
+    return best, repeats
+
+
+def gemm_gflops(n, d, dtype, budget_s=0.1, seed=0):
+    """GFLOP/s of ``a @ b`` with ``a (n, d)``, ``b (d, n)`` (2 n² d flops).
+
+    Parameters
+    ----------
+    n, d : int
+    dtype : str or dtype
+        float32 or float64.
+    budget_s : float, default 0.1
+        Time spent on repeats; the best repeat is the rate.
+
+    Returns
+    -------
+    dict
+        ``probe`` ("gemm"), ``dtype``, ``shape`` ([n, d, n]), ``gflops``,
+        ``repeats``.
+    """
+    rng = np.random.default_rng(seed)
+    a = rng.standard_normal((n, d)).astype(dtype)
+    b = rng.standard_normal((d, n)).astype(dtype)
+    out = np.empty((n, n), dtype=dtype)
+    rate, repeats = _best_rate(lambda: np.matmul(a, b, out=out), 2.0 * n * n * d, budget_s)
+    return {"probe": "gemm", "dtype": np.dtype(dtype).name, "shape": [n, d, n],
+            "gflops": rate / 1e9, "repeats": repeats}
+
+
+def exp_throughput(dtype, size=1 << 22, budget_s=0.1, seed=0):
+    """NumPy ``exp`` throughput in G elements/s (one thread: NumPy's ufuncs are serial).
+
+    Returns
+    -------
+    dict
+        ``probe`` ("exp"), ``dtype``, ``size``, ``gelem_s``, ``repeats``.
+    """
+    x = np.random.default_rng(seed).standard_normal(size).astype(dtype)
+    out = np.empty_like(x)
+    rate, repeats = _best_rate(lambda: np.exp(x, out=out), float(size), budget_s)
+    return {"probe": "exp", "dtype": np.dtype(dtype).name, "size": size,
+            "gelem_s": rate / 1e9, "repeats": repeats}
+
+
+def _probe_n(n):
+    """The n a shape is probed at: the nearest power of 2, at most :data:`MAX_PROBE_N`."""
+    return min(2 ** max(0, round(math.log2(max(int(n), 1)))), MAX_PROBE_N)
+
+
+def probe(shapes=((4096, 64),), dtypes=("float32", "float64"), threads=None, budget_s=0.1):
+    """Measure the roof: GEMM GFLOP/s at each attention shape and dtype, and exp throughput.
+
+    Run it in the process (and on the thread count) of the sweep it bounds.
+
+    Parameters
+    ----------
+    shapes : iterable of (n, d)
+        Attention shapes ``n x d @ d x n``; n is rounded to a power of 2
+        (so a fine grid costs a few probes) and capped at :data:`MAX_PROBE_N`.
+    dtypes : iterable of str
+    threads : int, optional
+        Fix the thread count (:func:`fastattn.set_num_threads`) first;
+        default: as set.
+    budget_s : float, default 0.1
+        Seconds of repeats per measurement.
+
+    Returns
+    -------
+    dict
+        ``threads`` (int or None), ``gemm``: list of :func:`gemm_gflops`
+        dicts, ``exp``: list of :func:`exp_throughput` dicts.
+    """
+    if threads is not None:
+        from .._threads import set_num_threads
+
+        set_num_threads(threads)
+    probed = sorted({(_probe_n(n), int(d)) for n, d in shapes})
+    gemm = [gemm_gflops(n, d, dtype, budget_s) for dtype in dtypes for n, d in probed]
+    exp = [exp_throughput(dtype, budget_s=budget_s) for dtype in dtypes]
+    return {"threads": threads, "gemm": gemm, "exp": exp}
+
+
+def roof_for(gemm_records, dtype, n, d):
+    """The GEMM GFLOP/s that bounds a point: same dtype, the probed shape nearest to ``(n, d)``.
+
+    Parameters
+    ----------
+    gemm_records : list of dict
+        Roof records with ``dtype``, ``shape`` ([n, d, n]) and ``gflops``.
+
+    Returns
+    -------
+    float or None
+        None when nothing of that dtype was probed.
+    """
+    candidates = [r for r in gemm_records if r.get("dtype") == dtype and r.get("gflops")]
+    if not candidates:
+        return None
+    target = (_probe_n(n), int(d))
+
+    def distance(record):
+        rn, rd = record["shape"][0], record["shape"][1]
+        return (abs(np.log2(rd / target[1])), abs(np.log2(rn / target[0])))
+
+    return min(candidates, key=distance)["gflops"]

@@ -1,0 +1,409 @@
+"""The bench: sweep records, resume, refusing foreign files, flops, memory probe, CLI.
+
+No test here asserts a timing: speed lives in the benchmarks and reports.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+import fastattn
+from fastattn.bench import _measure, memory, peers
+from fastattn.bench.flops import attention_flops, visible_pairs
+from fastattn.bench.results import SCHEMA, ResultsFileError, read_records
+from fastattn.bench.sweep import Point, default_grid, run_sweep
+from fastattn.cli import main
+
+HAVE_TORCH = "torch" in peers.available_peers()
+
+
+# ---------------------------------------------------------------- flops
+
+def _mask(n_q, n_k, causal):
+    """Visibility by the definition, one pair at a time."""
+    m = np.zeros((n_q, n_k), dtype=bool)
+    for i in range(n_q):
+        for j in range(n_k):
+            m[i, j] = (not causal) or j <= i + (n_k - n_q)
+    return m
+
+
+@pytest.mark.parametrize("n_q,n_k", [(1, 1), (7, 7), (5, 9), (9, 5), (64, 64), (33, 100)])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_softmax_flops_count_visible_pairs(n_q, n_k, causal):
+    d_k, d_v = 3, 5
+    pairs = int(_mask(n_q, n_k, causal).sum())
+    assert visible_pairs(n_q, n_k, causal) == pairs
+    # logits: one d_k dot product per pair; output: one d_v axpy per pair; 2 flops each
+    expected = 2 * pairs * d_k + 2 * pairs * d_v
+    assert attention_flops("softmax", n_q, n_k, d_k, d_v, causal, batch=2, heads=3) == 6 * expected
+
+
+def test_softmax_flops_headline_numbers():
+    n, d = 4096, 64
+    assert attention_flops("softmax", n, n, d, d, False) == 4 * n * n * d
+    causal = attention_flops("softmax", n, n, d, d, True)
+    assert causal == 2 * (n * (n + 1) // 2) * 2 * d  # about half
+
+
+@pytest.mark.parametrize("n_q,n_k,chunk", [(10, 10, 4), (64, 64, 64), (100, 100, 16),
+                                           (7, 13, 4), (13, 7, 4)])
+def test_linear_flops_against_a_loop_over_chunks(n_q, n_k, chunk):
+    d_k, d_v = 4, 6
+    assert attention_flops("linear", n_q, n_k, d_k, d_v, False) == \
+        2 * n_k * d_k * d_v + 2 * n_q * d_k * d_v
+    # Chunked causal form, counted by walking the chunks of keys: each query
+    # forms every visible pair inside its own chunk (the quadratic part) and
+    # reads the state of earlier chunks (2 d_k d_v); each key updates the state.
+    intra = 0
+    for i in range(n_q):
+        p = i + n_k - n_q
+        if p < 0:
+            continue
+        start = (p // chunk) * chunk
+        intra += sum(1 for j in range(start, n_k) if j <= p)
+    expected = 2 * n_k * d_k * d_v + 2 * n_q * d_k * d_v + 2 * intra * (d_k + d_v)
+    assert attention_flops("linear", n_q, n_k, d_k, d_v, True, chunk=chunk) == expected
+
+
+def test_flops_refuses_unknown_attention():
+    with pytest.raises(ValueError, match="attention"):
+        attention_flops("cosine", 4, 4, 2, 2, False)
+
+
+# ---------------------------------------------------------------- Point
+
+def test_point_normalises_and_validates():
+    assert Point("linear", "reference", True, 8).feature_map == "elu"
+    assert Point("softmax", "reference", True, 8).feature_map is None
+    with pytest.raises(ValueError, match="attention"):
+        Point("cosine", "reference", True, 8)
+    with pytest.raises(ValueError, match="feature_map"):
+        Point("softmax", "reference", True, 8, feature_map="elu")
+    with pytest.raises(ValueError, match="n must be"):
+        Point("softmax", "reference", True, 0)
+    with pytest.raises(ValueError, match="dtype"):
+        Point("softmax", "reference", True, 8, dtype="float16")
+
+
+def test_default_grid_puts_backends_of_one_shape_together():
+    grid = default_grid(backends=["reference", "torch"], ns=(8, 16))
+    assert len(grid) == 2 * 2 * 2 * 2
+    assert [p.backend for p in grid[:4]] == ["reference", "torch"] * 2
+    assert [p.n for p in grid[:4]] == [8, 8, 16, 16]
+
+
+# ---------------------------------------------------------------- sweep
+
+def _points(ns=(8, 16), backends=("reference",)):
+    return default_grid(backends=list(backends), ns=ns, d_k=8, d_v=4)
+
+
+def test_sweep_writes_environment_roof_then_points(tmp_path):
+    path = tmp_path / "r.jsonl"
+    points = _points()
+    records = run_sweep(points, path, threads=1, repeats=2, progress=False, isolate=False,
+                        roof_budget_s=0.01)
+    assert len(records) == len(points)
+    stored = read_records(path)
+    assert stored[0]["record"] == "environment"
+    assert stored[0]["cpu_model"] and stored[0]["versions"]["numpy"] == np.__version__
+    roofs = [r for r in stored if r["record"] == "roof"]
+    assert {r["dtype"] for r in roofs if r["probe"] == "gemm"} == {"float32", "float64"}
+    assert all(r["gflops"] > 0 for r in roofs if r["probe"] == "gemm")
+    assert all(r["gelem_s"] > 0 for r in roofs if r["probe"] == "exp")
+    for point, record in zip(points, records):
+        assert record["status"] == "ok", record.get("reason")
+        assert (record["attention"], record["causal"], record["n_q"]) == \
+            (point.attention, point.causal, point.n)
+        assert record["threads"] == 1
+        assert len(record["times_s"]) == 2
+        assert record["min_s"] <= record["median_s"] <= record["max_s"]
+        assert record["flops"] == attention_flops(point.attention, point.n, point.n, 8, 4,
+                                                  point.causal)
+        assert record["check_ok"] is True and record["max_abs_err"] < 1e-5
+        assert record["peak_bytes"] is not None and record["memory_method"]
+
+
+def test_sweep_in_worker_process_with_peer(tmp_path):
+    backends = ["reference"] + (["torch"] if HAVE_TORCH else [])
+    points = default_grid(backends=backends, ns=(16,), d_k=8)
+    records = run_sweep(points, tmp_path / "w.jsonl", threads=1, repeats=1, progress=False,
+                        roof_budget_s=0.01)
+    assert [r["backend"] for r in records] == [p.backend for p in points]
+    for r in records:
+        assert r["status"] == "ok", r.get("reason")
+        assert r["check_ok"] is True, (r["backend"], r["max_abs_err"])
+        assert r["peer"] == (r["backend"] == "torch")
+        assert r["memory_method"] == ("hwm" if memory.hwm_available() else "tracemalloc")
+
+
+def test_skips_what_cannot_run_and_says_why(tmp_path):
+    points = [Point("softmax", "numba", False, 8), Point("softmax", "reference", False, 8)]
+    if "numba" in fastattn.available_backends():
+        points[0] = Point("softmax", "reference", False, 2**22)  # 3 n^2 floats: 192 TiB
+    records = run_sweep(points, tmp_path / "s.jsonl", threads=1, repeats=1, progress=False,
+                        isolate=False, roof_budget_s=0.01)
+    assert records[0]["status"] == "skipped" and records[0]["reason"]
+    assert records[1]["status"] == "ok"
+
+
+def test_absent_peer_is_skipped_with_install_hint(tmp_path, monkeypatch):
+    monkeypatch.setattr(peers, "available_peers", lambda: ())
+    records = run_sweep([Point("softmax", "torch", False, 8)], tmp_path / "p.jsonl",
+                        threads=1, repeats=1, progress=False, isolate=False,
+                        roof_budget_s=0.01)
+    assert records[0]["status"] == "skipped"
+    assert "pip install" in records[0]["reason"]
+
+
+def test_resume_keeps_finished_points_and_drops_a_cut_line(tmp_path):
+    path = tmp_path / "r.jsonl"
+    points = _points(ns=(8, 16, 32))
+    first = run_sweep(points, path, threads=1, repeats=1, progress=False, isolate=False,
+                      roof_budget_s=0.01)
+    # Simulate a run killed after 3 points, in the middle of writing the 4th.
+    lines = path.read_text().splitlines(keepends=True)
+    header = [ln for ln in lines if json.loads(ln)["record"] != "point"]
+    kept = [ln for ln in lines if json.loads(ln)["record"] == "point"][:3]
+    path.write_text("".join(header + kept) + '{"schema": "fastattn.res')
+    second = run_sweep(points, path, threads=1, repeats=1, progress=False, isolate=False,
+                       roof_budget_s=0.01)
+    assert len(second) == len(points)
+    assert [r["started"] for r in second[:3]] == [r["started"] for r in first[:3]]
+    assert len({r["run_id"] for r in second[:3]}) == 1
+    assert second[3]["run_id"] != second[0]["run_id"]  # measured again, by the new run
+    stored = [r for r in read_records(path) if r["record"] == "point"]
+    assert len(stored) == len(points)  # nothing measured twice
+    # A third run finds everything and measures nothing.
+    before = path.read_bytes()
+    run_sweep(points, path, threads=1, repeats=1, progress=False, isolate=False)
+    assert path.read_bytes() == before
+
+
+def test_resume_after_a_real_interrupt(tmp_path):
+    path = tmp_path / "i.jsonl"
+    script = textwrap.dedent(f"""
+        from fastattn.bench.sweep import default_grid, run_sweep
+        points = default_grid(backends=["reference"], ns=[8 * i for i in range(1, 200)], d_k=4)
+        run_sweep(points, {str(path)!r}, threads=1, repeats=1, memory=False,
+                  progress=False, isolate=False, roof_budget_s=0.01)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE)
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        if path.exists() and path.read_text().count('"record": "point"') >= 3:
+            break
+        time.sleep(0.05)
+    else:
+        proc.kill()
+        pytest.fail("the sweep wrote no point within 60 s")
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode != 0, "the sweep finished before it was interrupted"
+    assert b"KeyboardInterrupt" in err
+    done = [r for r in read_records(path) if r["record"] == "point"]
+    assert 3 <= len(done) < 4 * 199
+    points = default_grid(backends=["reference"], ns=[8 * i for i in range(1, 200)], d_k=4)
+    records = run_sweep(points[: len(done) + 2], path, threads=1, repeats=1, memory=False,
+                        progress=False, isolate=False, roof_budget_s=0.01)
+    assert [r["started"] for r in records[: len(done)]] == [r["started"] for r in done]
+    assert all(r["status"] == "ok" for r in records)
+
+
+@pytest.mark.parametrize("content", [
+    "hello, not json\n",
+    json.dumps({"schema": "someone.else/2", "record": "point"}) + "\n",
+    "n,time\n1,2\n",
+])
+def test_refuses_a_foreign_results_file_and_leaves_it(tmp_path, content):
+    path = tmp_path / "foreign.jsonl"
+    path.write_text(content)
+    with pytest.raises(ResultsFileError, match="not a fastattn"):
+        run_sweep(_points(ns=(8,)), path, threads=1, progress=False, isolate=False)
+    assert path.read_text() == content
+    with pytest.raises(ResultsFileError):
+        run_sweep(_points(ns=(8,)), path, threads=1, progress=False, isolate=False,
+                  resume=False)
+    assert path.read_text() == content
+
+
+def test_refuses_a_corrupt_line_in_the_middle(tmp_path):
+    path = tmp_path / "c.jsonl"
+    run_sweep(_points(ns=(8,)), path, threads=1, repeats=1, progress=False, isolate=False,
+              roof_budget_s=0.01)
+    lines = path.read_text().splitlines(keepends=True)
+    lines.insert(1, "{broken\n")
+    path.write_text("".join(lines))
+    before = path.read_bytes()
+    with pytest.raises(ResultsFileError, match=":2"):
+        run_sweep(_points(ns=(8, 16)), path, threads=1, progress=False, isolate=False)
+    assert path.read_bytes() == before
+
+
+def test_run_sweep_validates_arguments(tmp_path):
+    with pytest.raises(TypeError, match="Point"):
+        run_sweep([("softmax", "reference")], tmp_path / "x.jsonl", progress=False)
+    with pytest.raises(ValueError, match="threads"):
+        run_sweep(_points(), tmp_path / "x.jsonl", threads=0, progress=False)
+    assert not (tmp_path / "x.jsonl").exists()
+
+
+# ---------------------------------------------------------------- accuracy check
+
+def test_check_flags_an_output_that_disagrees():
+    spec = {"attention": "softmax", "backend": "reference", "causal": True, "n": 16,
+            "d_k": 8, "d_v": 8, "batch": 1, "heads": 1, "dtype": "float32",
+            "feature_map": None}
+    q, k, v = _measure.make_inputs(16, 8, 8, 1, "float32")
+    good = fastattn.softmax_attention(q, k, v, causal=True, backend="reference")
+    refs = _measure.ReferenceCache()
+    assert _measure.check_accuracy(spec, good, refs, _measure.DEFAULT_SEED)["check_ok"]
+    bad = good.copy()
+    bad[0, 5, 3] += 0.01
+    result = _measure.check_accuracy(spec, bad, refs, _measure.DEFAULT_SEED)
+    assert result["check_ok"] is False
+    assert result["max_abs_err"] == pytest.approx(0.01, rel=1e-3)
+
+
+def test_check_at_a_smaller_n_when_the_reference_does_not_fit():
+    spec = {"attention": "softmax", "backend": "reference", "causal": False, "n": 64,
+            "d_k": 4, "d_v": 4, "batch": 1, "heads": 1, "dtype": "float64",
+            "feature_map": None}
+    q, k, v = _measure.make_inputs(64, 4, 4, 1, "float64")
+    out = fastattn.softmax_attention(q, k, v, backend="reference")
+    # 4 arrays of n^2 float64: 32 KiB at n=32 fits 40 KiB, 128 KiB at n=64 does not
+    result = _measure.check_accuracy(spec, out, _measure.ReferenceCache(),
+                                     _measure.DEFAULT_SEED, max_bytes=40 * 2**10)
+    assert result["check_n"] == 32
+    assert result["check_ok"] and result["max_abs_err"] < 1e-12
+
+
+@pytest.mark.skipif(not HAVE_TORCH, reason="torch is not installed")
+@pytest.mark.parametrize("attention", ["softmax", "linear"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_torch_peers_agree_with_the_reference(attention, causal):
+    spec = {"attention": attention, "backend": "torch", "causal": causal, "n": 33,
+            "d_k": 8, "d_v": 5, "batch": 2, "heads": 1, "dtype": "float64",
+            "feature_map": "elu" if attention == "linear" else None}
+    q, k, v = _measure.make_inputs(33, 8, 5, 2, "float64")
+    out = _measure.make_call(spec, q, k, v)()
+    if attention == "softmax":
+        ref = fastattn.softmax_attention(q, k, v, causal=causal, backend="reference")
+    else:
+        ref = fastattn.linear_attention(q, k, v, causal=causal, backend="reference")
+    np.testing.assert_allclose(out, ref, rtol=1e-9, atol=1e-10)
+
+
+# ---------------------------------------------------------------- memory probe
+
+def _reference_softmax_call(n):
+    q, k, v = _measure.make_inputs(n, 64, 64, 1, "float32")
+    call = lambda: fastattn.softmax_attention(q, k, v, backend="reference")  # noqa: E731
+    call()  # warm-up
+    return call
+
+
+@pytest.mark.skipif(not memory.hwm_available(), reason="no /proc/self/clear_refs here")
+def test_memory_probe_sees_the_quadratic_reference_grow_as_n_squared():
+    small, large = 1024, 2048
+    peak_small = memory.peak_extra_hwm(_reference_softmax_call(small))
+    peak_large = memory.peak_extra_hwm(_reference_softmax_call(large))
+    matrix = large * large * 4  # one float32 n x n array
+    # The reference holds between 1 and 6 such arrays at its peak, never the interpreter.
+    assert matrix <= peak_large <= 6 * matrix
+    assert 3.0 <= peak_large / peak_small <= 5.0
+    # tracemalloc sees the same NumPy buffers
+    peak_traced = memory.peak_extra_tracemalloc(_reference_softmax_call(large))
+    assert peak_traced == pytest.approx(peak_large, rel=0.25)
+
+
+@pytest.mark.skipif(not memory.hwm_available(), reason="no /proc/self/clear_refs here")
+def test_memory_probe_sees_linear_attention_stay_linear():
+    n = 4096
+    q, k, v = _measure.make_inputs(n, 64, 64, 1, "float32")
+    call = lambda: fastattn.linear_attention(q, k, v, backend="reference")  # noqa: E731
+    call()
+    peak = memory.peak_extra_hwm(call)
+    assert peak >= n * 64 * 4  # at least the output
+    assert peak < n * n * 4 / 4  # far below one n x n array
+
+
+def test_tracemalloc_probe_counts_an_allocation():
+    nbytes = 8 * 2**20
+    peak = memory.peak_extra_tracemalloc(lambda: np.ones(nbytes // 8))
+    assert nbytes <= peak < nbytes + 2**20
+
+
+# ---------------------------------------------------------------- CLI
+
+def test_cli_unknown_backend_lists_the_available_ones(capsys):
+    assert main(["bench", "--backends", "nope", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown backend 'nope'" in err and "reference" in err
+
+
+@pytest.mark.parametrize("argv", [
+    ["bench", "--n", "0"],
+    ["bench", "--n", "ten"],
+    ["bench", "--kind", "cosine"],
+    ["bench", "--causal", "maybe"],
+    ["bench", "--dtype", "float16"],
+    ["bench", "--threads", "-1"],
+])
+def test_cli_bad_values_exit_2(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert "error" in capsys.readouterr().err
+
+
+def test_cli_baseline_must_be_measured(capsys, tmp_path):
+    code = main(["bench", "--backends", "reference", "--baseline", "cython",
+                 "--out", str(tmp_path / "b.jsonl")])
+    assert code == 2
+    assert "--baseline" in capsys.readouterr().err
+    assert not (tmp_path / "b.jsonl").exists()
+
+
+def test_cli_refuses_foreign_out(capsys, tmp_path):
+    path = tmp_path / "notes.jsonl"
+    path.write_text("my notes\n")
+    assert main(["bench", "--kind", "softmax", "--n", "8", "--backends", "reference",
+                 "--out", str(path), "--no-progress"]) == 2
+    assert "not a fastattn" in capsys.readouterr().err
+    assert path.read_text() == "my notes\n"
+
+
+def test_cli_without_torch_says_how_to_add_it(capsys, tmp_path, monkeypatch):
+    monkeypatch.setattr(peers, "available_peers", lambda: ())
+    out = tmp_path / "b.jsonl"
+    code = main(["bench", "--kind", "softmax", "--n", "8", "16", "--threads", "1",
+                 "--repeats", "1", "--d-k", "8", "--out", str(out), "--no-progress"])
+    assert code == 0
+    text = capsys.readouterr().out
+    assert "torch is not installed" in text and 'pip install "fastattn[torch]"' in text
+    assert "vs reference" in text and "GFLOP/s" in text
+    csv_lines = out.with_suffix(".csv").read_text().splitlines()
+    assert csv_lines[0].startswith("attention,backend")
+    assert len(csv_lines) == 1 + 2 * 2  # full and causal at two n
+    assert all(r["schema"] == SCHEMA for r in read_records(out))
+
+
+@pytest.mark.skipif(not HAVE_TORCH, reason="torch is not installed")
+def test_cli_shows_torch_beside_the_reference(capsys, tmp_path):
+    code = main(["bench", "--kind", "both", "--causal", "yes", "--n", "16", "--threads", "1",
+                 "--repeats", "1", "--d-k", "8", "--out", str(tmp_path / "t.jsonl"),
+                 "--no-progress"])
+    assert code == 0
+    text = capsys.readouterr().out
+    rows = [line.split() for line in text.splitlines() if line.strip().startswith("16 ")]
+    assert {row[1] for row in rows} >= {"reference", "torch"}
+    assert "MISMATCH" not in text
