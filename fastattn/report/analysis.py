@@ -74,6 +74,13 @@ class Curve:
         How memory was measured (``"rss"``, ``"tracemalloc"``, ...).
     max_abs_err : ndarray of float64, shape (m,)
         Largest absolute error against the float64 reference (NaN when not checked).
+    roof_fraction : ndarray of float64, shape (m,)
+        Achieved GFLOP/s over the GEMM roof the sweep matched to the point (NaN
+        when not recorded).
+    check_failed : list of int
+        The ``n`` whose output disagreed with the reference (``check_ok`` False).
+    load_avg : ndarray of float64, shape (m,)
+        The machine's 1-minute load average when each point was measured.
     """
 
     key: dict
@@ -87,6 +94,9 @@ class Curve:
     peak_bytes: np.ndarray
     memory_method: set = field(default_factory=set)
     max_abs_err: np.ndarray = None
+    roof_fraction: np.ndarray = None
+    check_failed: list = field(default_factory=list)
+    load_avg: np.ndarray = None
 
     @property
     def attention(self):
@@ -149,6 +159,9 @@ def curves(points):
             peak_bytes=np.array([_float(p.get("peak_bytes")) for p in pts]),
             memory_method={p["memory_method"] for p in pts if p.get("memory_method")},
             max_abs_err=np.array([_float(p.get("max_abs_err")) for p in pts]),
+            roof_fraction=np.array([_float(p.get("roof_fraction")) for p in pts]),
+            check_failed=[p["n_q"] for p in pts if p.get("check_ok") is False],
+            load_avg=np.array([_float(p.get("load_avg_1m")) for p in pts]),
         ))
     result.sort(key=lambda c: (str(c.machine), c.attention != "softmax", c.causal, c.peer,
                                str(c.backend), str(c.key.get("dtype"))))
@@ -326,15 +339,25 @@ def _positive(n, t):
     return n[use][order], t[use][order]
 
 
+def _is_gemm(roof):
+    return str(roof.get("probe", roof.get("kind", "gemm"))).lower() == "gemm"
+
+
+def _roof_matches(roof, dtype, threads, machine):
+    return (_is_gemm(roof) and roof.get("gflops") is not None and roof.get("dtype") == dtype
+            and roof.get("threads") == threads
+            and (machine is None or roof.get("machine") in (None, machine)))
+
+
 def roof_gflops(roofs, dtype, threads, machine=None):
-    """The GEMM roof (GFLOP/s) a curve of ``dtype`` on ``threads`` threads is compared with.
+    """The best GEMM roof (GFLOP/s) measured for ``dtype`` on ``threads`` threads.
 
     Parameters
     ----------
     roofs : list of dict
-        Roof records (``dtype``, ``threads``, ``gflops``; optional ``kind``
-        and ``machine``).  Records whose ``kind`` is not GEMM (such as an exp
-        throughput probe) are ignored.
+        Roof records (``probe`` "gemm" or "exp", ``dtype``, ``threads``,
+        ``gflops``, ``shape`` ``[n, d, n]``; ``machine`` for asv results).
+        Records that are not GEMM probes (the exp throughput) are ignored.
     dtype : str
     threads : int or None
     machine : str, optional
@@ -343,21 +366,46 @@ def roof_gflops(roofs, dtype, threads, machine=None):
     Returns
     -------
     (float, dict) or (None, None)
-        The best GEMM GFLOP/s measured for ``dtype`` on exactly ``threads``
-        threads, and the record it came from; None when no roof matches.
+        The largest GFLOP/s and its record; None when no roof matches.
     """
     best = (None, None)
     for roof in roofs:
-        if str(roof.get("kind", "gemm")).lower() != "gemm":
-            continue
-        if machine is not None and roof.get("machine") not in (None, machine):
-            continue
-        if roof.get("dtype") != dtype or roof.get("threads") != threads:
-            continue
-        value = roof.get("gflops")
-        if value is not None and (best[0] is None or value > best[0]):
-            best = (float(value), roof)
+        if _roof_matches(roof, dtype, threads, machine):
+            if best[0] is None or roof["gflops"] > best[0]:
+                best = (float(roof["gflops"]), roof)
     return best
+
+
+def roof_curve(roofs, dtype, threads, d=None, machine=None):
+    """The GEMM roof against n: GFLOP/s of ``(n, d) @ (d, n)`` at each probed n.
+
+    Parameters
+    ----------
+    roofs : list of dict
+        Roof records (see :func:`roof_gflops`).
+    dtype : str
+    threads : int or None
+    d : int, optional
+        Only probes of this inner dimension (``shape[1]``).
+    machine : str, optional
+
+    Returns
+    -------
+    n, gflops : ndarray of shape (m,)
+        Sorted by n; several probes at one n keep the best.  Empty when no
+        probe matches.
+    """
+    best = {}
+    for roof in roofs:
+        if not _roof_matches(roof, dtype, threads, machine):
+            continue
+        shape = roof.get("shape") or []
+        if len(shape) < 2 or (d is not None and shape[1] != d):
+            continue
+        n = int(shape[0])
+        best[n] = max(best.get(n, 0.0), float(roof["gflops"]))
+    ns = sorted(best)
+    return np.array(ns, dtype=np.int64), np.array([best[n] for n in ns])
 
 
 def envelope(curve_list):

@@ -81,23 +81,29 @@ def fmt_num(value, digits=3):
 
 # ---------------------------------------------------------------- environment
 _ENV_FIELDS = (
-    # label, candidate keys (dotted paths), first found wins
-    ("CPU", ("cpu.model", "cpu_model", "cpu.brand", "processor", "cpu")),
-    ("Physical cores", ("cpu.physical_cores", "physical_cores", "cores.physical", "cpu.cores", "cores")),
-    ("Logical CPUs", ("cpu.logical_cores", "logical_cores", "cores.logical", "cpu.logical", "cpu_count")),
-    ("Threads used", ("threads.requested", "threads_requested", "threads")),
-    ("BLAS", ("blas.summary", "blas")),
-    ("Operating system", ("platform", "os", "system")),
-    ("Machine", ("machine", "hostname", "host")),
-    ("Python", ("versions.python", "python_version", "python")),
-    ("NumPy", ("versions.numpy", "numpy_version", "numpy")),
-    ("SciPy", ("versions.scipy", "scipy_version", "scipy")),
-    ("Numba", ("versions.numba", "numba_version", "numba")),
-    ("Cython", ("versions.cython", "versions.Cython", "cython_version", "cython")),
-    ("PyTorch", ("versions.torch", "torch_version", "torch")),
-    ("fastattn", ("versions.fastattn", "fastattn_version", "fastattn")),
-    ("Backends", ("backends", "available_backends")),
-    ("Recorded", ("date", "timestamp", "time", "created")),
+    # label, candidate keys (dotted paths) of fastattn.bench.environment.collect(); first found wins
+    ("CPU", ("cpu_model", "cpu.model")),
+    ("CPU features", ("cpu_flags",)),
+    ("Cores (logical)", ("cores_logical", "cpu.logical_cores")),
+    ("Cores usable by this process", ("cores_usable",)),
+    ("Threads used", ("threads", "threads.requested")),
+    ("Thread counts in force", ("thread_counts",)),
+    ("BLAS", ("blas",)),
+    ("NumPy's BLAS (build)", ("numpy_config_blas",)),
+    ("Memory", ("memory_total_bytes",)),
+    ("Operating system", ("platform",)),
+    ("Host", ("hostname", "machine")),
+    ("Python", ("python", "versions.python")),
+    ("NumPy", ("versions.numpy",)),
+    ("SciPy", ("versions.scipy",)),
+    ("Numba", ("versions.numba",)),
+    ("Cython", ("versions.cython",)),
+    ("threadpoolctl", ("versions.threadpoolctl",)),
+    ("PyTorch", ("versions.torch",)),
+    ("fastattn", ("versions.fastattn",)),
+    ("fastattn commit", ("git_commit",)),
+    ("Backends available", ("backends",)),
+    ("Peers available", ("peers",)),
 )
 
 
@@ -174,9 +180,18 @@ def environment_rows(env):
     for label, paths in _ENV_FIELDS:
         for path in paths:
             value = _lookup(env, path)
-            if value is None or (isinstance(value, dict) and label not in ("BLAS", "Threads used")):
+            if value is None:
                 continue
-            rows.append((label, _blas_text(value) if label == "BLAS" else _value_text(value)))
+            if label == "BLAS":
+                text = _blas_text(value)
+            elif label == "Memory":
+                text = f"{fmt_bytes(value)} total"
+                if env.get("memory_available_bytes"):
+                    text += f", {fmt_bytes(env['memory_available_bytes'])} available at the start"
+                    used.add("memory_available_bytes")
+            else:
+                text = _value_text(value)
+            rows.append((label, text))
             used.add(path)
             break
     rest = []
@@ -273,15 +288,18 @@ def _point_tables(curve_list, roofs, machine):
                         cells.append(None)
                         continue
                     i = int(idx[0])
-                    roof, _ = analysis.roof_gflops(roofs, c.key.get("dtype"), c.key.get("threads"),
-                                                   machine)
-                    g = c.gflops[i]
+                    g, fraction = c.gflops[i], c.roof_fraction[i]
+                    if not math.isfinite(fraction):   # not recorded: the best roof of its dtype
+                        roof, _ = analysis.roof_gflops(roofs, c.key.get("dtype"),
+                                                       c.key.get("threads"), machine)
+                        fraction = g / roof if roof else float("nan")
                     cells.append({
                         "median": fmt_time(c.median_s[i]),
                         "range": f"{fmt_time(c.min_s[i])}–{fmt_time(c.max_s[i])}",
                         "repeats": int(c.repeats[i]),
                         "gflops": fmt_num(g),
-                        "roof_pct": (f"{100 * g / roof:.0f}%" if roof and math.isfinite(g) else ""),
+                        "roof_pct": f"{100 * fraction:.0f}%" if math.isfinite(fraction) else "",
+                        "check_failed": n in c.check_failed,
                         "memory": fmt_bytes(c.peak_bytes[i]),
                         "err": fmt_num(c.max_abs_err[i], 2),
                     })
@@ -292,15 +310,17 @@ def _point_tables(curve_list, roofs, machine):
 
 
 def _roof_lines(roofs, curve_list, machine):
+    """``[(label, n, gflops)]``: the GEMM roof of each (dtype, threads, d_k) of the curves."""
     lines, seen = [], set()
     for c in curve_list:
-        key = (c.key.get("dtype"), c.key.get("threads"))
+        key = (c.key.get("dtype"), c.key.get("threads"), c.key.get("d_k"))
         if key in seen:
             continue
         seen.add(key)
-        value, _ = analysis.roof_gflops(roofs, key[0], key[1], machine)
-        if value:
-            lines.append((f"GEMM roof {value:.0f} GFLOP/s ({key[0]}, {key[1]} threads)", value))
+        ns, values = analysis.roof_curve(roofs, key[0], key[1], d=key[2], machine=machine)
+        if len(ns):
+            shape = f"n×{key[2]} @ {key[2]}×n" if len(ns) > 1 else f"{ns[0]}×{key[2]} @ {key[2]}×{ns[0]}"
+            lines.append((f"GEMM roof, {shape} ({key[0]}, {key[1]} threads)", ns, values))
     return lines
 
 
@@ -312,12 +332,16 @@ def _machine_section(name, env, roofs, points, all_curves):
     roof_lines = _roof_lines(roofs, curve_list, name)
     not_ok = [p for p in points if p.get("machine") == name and p.get("status") != "ok"]
     env_rows, env_rest = environment_rows(env or {})
+    roofs = [r for r in roofs if r.get("machine") in (None, name)]
     threads = sorted({c.key.get("threads") for c in curve_list if c.key.get("threads") is not None})
     dtypes = sorted({str(c.key.get("dtype")) for c in curve_list})
     methods = sorted({m for c in curve_list for m in c.memory_method})
     repeats = sorted({int(r) for c in curve_list for r in c.repeats if r})
     has_memory = any(np.isfinite(c.peak_bytes).any() for c in curve_list)
     time_png = figures.scaling_figure(panels, "time")
+    loads = np.concatenate([c.load_avg for c in curve_list]) if curve_list else np.array([])
+    loads = loads[np.isfinite(loads)]
+    env = env or {}
     section = {
         "name": name,
         "env_rows": env_rows,
@@ -331,8 +355,8 @@ def _machine_section(name, env, roofs, points, all_curves):
                        if has_memory else None),
         "roof_png": (figures.data_uri(figures.roofline_figure(panels, roof_lines))
                      if any(np.isfinite(c.gflops).any() for c in curve_list) else None),
-        "roof_lines": [label for label, _ in roof_lines],
-        "roofs": [r for r in roofs if r.get("machine") in (None, name)],
+        "roof_lines": [label for label, _, _ in roof_lines],
+        "roofs": roofs,
         "exponents": _exponent_rows(curve_list),
         "crossovers": _crossover_rows(curve_list),
         "tables": _point_tables(curve_list, roofs, name),
@@ -341,6 +365,10 @@ def _machine_section(name, env, roofs, points, all_curves):
         "peers": sorted({c.backend for c in curve_list if c.peer}),
         "n_points": sum(len(c.n) for c in curve_list),
         "fastest": _fastest_lines(curve_list),
+        "load": (f"{loads.min():.1f} to {loads.max():.1f}" if len(loads) else None),
+        "check_failures": [f"{c.display} at n = {n}" for c in curve_list for n in c.check_failed],
+        "unavailable": env.get("unavailable_backends") or {},
+        "absent_peers": env.get("absent_peers") or {},
     }
     return section, time_png
 

@@ -120,7 +120,7 @@ def scaling_figure(panels, metric="time", ncols=2, title=None):
             drawn = True
             style = STYLES.get(c.attention, {"linestyle": ":", "marker": "^"})
             fit = fit_exponent(c.n, y)
-            label = c.label + (f"  n^{fit.format()}" if fit else "")
+            label = getattr(c, "display", c.label) + (f"  n^{fit.format()}" if fit else "")
             ax.plot(c.n[use], y[use], color=colour(c.backend), label=label, markersize=4,
                     linewidth=1.6, **style)
             if metric == "time":
@@ -152,13 +152,15 @@ def scaling_figure(panels, metric="time", ncols=2, title=None):
 
 
 def roofline_figure(panels, roofs, ncols=2):
-    """Achieved GFLOP/s against n, with the GEMM roof of each dtype/threads as a line.
+    """Achieved GFLOP/s against n, with the GEMM roof as a line (roofline style).
 
     Parameters
     ----------
     panels : list of (str, list of Curve)
-    roofs : list of (str, float)
-        Label and GFLOP/s of each roof line to draw in every panel.
+    roofs : list of (str, ndarray, ndarray)
+        Label, n and GFLOP/s of each roof drawn in every panel: the GEMM
+        ``(n, d) @ (d, n)`` probed at those n (a horizontal line when probed
+        at one shape only).
     ncols : int
 
     Returns
@@ -172,14 +174,16 @@ def roofline_figure(panels, roofs, ncols=2):
             use = np.isfinite(c.gflops) & (c.gflops > 0)
             if not use.any():
                 continue
-            ax.plot(c.n[use], c.gflops[use], color=colour(c.backend), label=c.label,
-                    markersize=4, linewidth=1.6,
+            ax.plot(c.n[use], c.gflops[use], color=colour(c.backend),
+                    label=getattr(c, "display", c.label), markersize=4, linewidth=1.6,
                     **STYLES.get(c.attention, {"linestyle": ":", "marker": "^"}))
-        for i, (label, value) in enumerate(roofs):
-            ax.axhline(value, color="black", linewidth=1.4 - 0.4 * i,
-                       linestyle=["-", "-.", ":"][i % 3])
-            ax.annotate(label, xy=(0.99, value), xycoords=("axes fraction", "data"),
-                        ha="right", va="bottom", fontsize=8)
+        for i, (label, ns, values) in enumerate(roofs):
+            style = {"color": "black", "linewidth": 2.2 - 0.6 * i,
+                     "linestyle": ["-", "-.", ":"][i % 3]}
+            if len(ns) == 1:
+                ax.axhline(values[0], label=label, **style)
+            else:
+                ax.plot(ns, values, label=label, **style)
         _n_axis(ax)
         ax.set_yscale("log")
         ax.yaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))
