@@ -41,16 +41,20 @@ def synthetic_records(backends=("reference", "numba"), peers=(), ns=NS, machine=
     rng = np.random.default_rng(seed)
     extra = {} if machine is None else {"machine": machine}
     records = [
-        _record("environment", **extra,
-                cpu={"model": "Synthetic CPU 9000", "physical_cores": 2, "logical_cores": 2},
-                threads={"requested": 2},
+        # Keys as fastattn.bench.environment.collect() writes them.
+        _record("environment", **extra, cpu_model="Synthetic CPU 9000", cores_logical=2,
+                cores_usable=2, threads=2, thread_counts={"requested": 2, "blas": 2},
                 blas=[{"internal_api": "openblas", "version": "0.3.27",
                        "architecture": "Haswell", "num_threads": 2}],
-                versions={"python": "3.11.7", "numpy": "2.4.6", "numba": "0.68.1",
-                          "cython": "3.1.2"}),
-        _record("roof", **extra, kind="gemm", dtype="float32", threads=2, gflops=98.0,
-                shape=[4096, 64, 4096]),
+                python="3.11.7",
+                versions={"numpy": "2.4.6", "numba": "0.68.1", "cython": "3.1.2",
+                          "torch": None},
+                absent_peers={} if peers else {"torch": 'pip install "fastattn[torch]"'}),
+        _record("roof", **extra, probe="exp", dtype="float32", threads=2, gelem_s=0.47),
     ]
+    for n in (1024, 4096):   # GEMM roof probed at two attention shapes
+        records.append(_record("roof", **extra, probe="gemm", dtype="float32", threads=2,
+                               gflops=98.0 * n / 4096, shape=[n, 64, n]))
     for attention in ("softmax", "linear"):
         for backend in tuple(backends) + tuple(peers):
             for causal in (False, True):
@@ -206,7 +210,7 @@ def test_report_numbers_are_medians_with_range(report_html):
     # numba softmax non-causal at n=1024: 1e-9 * 1024² s = 1.05 ms, range 0.98x..1.05x.
     assert "1.05 ms<small>1.03 ms–1.1 ms (3×)</small>" in report_html
     assert "median" in report_html and "Synthetic CPU 9000" in report_html
-    assert "Haswell kernel" in report_html
+    assert "Haswell kernel" in report_html and "0.68.1" in report_html and "3.1.2" in report_html
     assert "needs 805,306,368 bytes" in report_html   # the skipped reference points, with why
 
 
@@ -254,24 +258,21 @@ def _sha(path):
 
 def test_cli_from_builds_report_without_touching_results(tmp_path, capsys):
     results = write_jsonl(tmp_path / "run.jsonl", synthetic_records())
+    with open(results, "a") as handle:   # an interrupted run: the last line cut mid-write
+        handle.write('{"schema": "fastattn.results/1", "record": "po')
     before = _sha(results)
     out = tmp_path / "out" / "report.html"
+    out.parent.mkdir()
+    out.write_text(f"<!DOCTYPE html>{REPORT_MARKER} an older report")  # may be replaced
     image = tmp_path / "docs" / "scaling.png"
     assert main(["report", "--from", str(results), "--out", str(out),
                  "--readme-image", str(image)]) == 0
     assert capsys.readouterr().out.strip() == str(out)
-    assert REPORT_MARKER in out.read_text()
-    assert image.read_bytes()[:4] == b"\x89PNG"
+    html = out.read_text()
+    assert REPORT_MARKER in html and "an older report" not in html
+    assert "Fitted exponents" in html
+    assert image.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert _sha(results) == before
-    # A second build may replace its own earlier report.
-    assert main(["report", "--from", str(results), "--out", str(out)]) == 0
-
-
-def test_cli_from_accepts_interrupted_file(tmp_path, capsys):
-    results = write_jsonl(tmp_path / "cut.jsonl", synthetic_records())
-    with open(results, "a") as handle:
-        handle.write('{"schema": "fastattn.results/1", "record": "po')   # cut mid-write
-    assert main(["report", "--from", str(results), "--out", str(tmp_path / "r.html")]) == 0
 
 
 @pytest.mark.parametrize("content", [
@@ -299,6 +300,40 @@ def test_cli_refuses_to_overwrite_other_files(tmp_path, capsys):
     assert main(["report", "--from", str(results), "--out", str(results)]) == 2
     assert "results file" in capsys.readouterr().err
     assert read_records(results)  # still intact
+
+
+def test_cli_resume_refuses_foreign_file(tmp_path, capsys):
+    results = tmp_path / "theirs.jsonl"
+    results.write_text('{"rows": [1, 2, 3]}\n')
+    assert main(["report", "--resume", str(results), "--quick"]) == 2
+    assert "not a fastattn results" in capsys.readouterr().err
+    assert results.read_text() == '{"rows": [1, 2, 3]}\n'
+
+
+def test_cli_quick_end_to_end(tmp_path, monkeypatch, capsys):
+    from fastattn.report.cli import QUICK_NS
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["report", "--quick"]) == 0
+    out = capsys.readouterr().out.strip()
+    html_path = tmp_path / out
+    assert html_path.parent == tmp_path / "reports" and html_path.suffix == ".html"
+    records = read_records(html_path.with_suffix(".jsonl"))
+    kinds = {r["record"] for r in records}
+    assert kinds == {"environment", "roof", "point"}
+    points = [r for r in records if r["record"] == "point"]
+    assert {p["n_q"] for p in points} == set(QUICK_NS)
+    assert {(p["attention"], p["causal"]) for p in points} == {
+        (a, c) for a in ("softmax", "linear") for c in (False, True)}
+    assert all(p["status"] == "ok" for p in points if p["backend"] == "reference")
+    html = html_path.read_text()
+    for needle in SECTIONS:
+        assert needle in html
+    assert html_path.with_name(html_path.stem + "-scaling.png").is_file()
+    # Resuming the finished run measures nothing new and rebuilds the report.
+    before = len(records)
+    assert main(["report", "--resume", str(html_path.with_suffix(".jsonl")), "--quick"]) == 0
+    assert len(read_records(html_path.with_suffix(".jsonl"))) == before
 
 
 def test_cli_missing_results_file(tmp_path, capsys):

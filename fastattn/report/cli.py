@@ -184,17 +184,20 @@ def _asv_records(directory, history_benchmark):
                           ".asv/results by default)")
     from ..bench.results import SCHEMA
 
+    try:
+        loaded = asv_results.load_asv_points(directory)
+        history = (None if history_benchmark is None
+                   else asv_results.load_asv_history(directory, history_benchmark))
+    except (OSError, ValueError) as exc:   # asv_results.AsvResultsError is a ValueError
+        raise ReportError(f"cannot read asv results in {directory}: {exc}") from None
     records = []
-    for record in asv_results.load_asv_points(directory):
+    for record in loaded:
         record = dict(record)
         record.setdefault("schema", SCHEMA)
         record.setdefault("record", "point" if "attention" in record else "environment")
         records.append(record)
     if not records:
         raise ReportError(f"no asv results found in {directory}")
-    history = None
-    if history_benchmark is not None:
-        history = asv_results.load_asv_history(directory, history_benchmark)
     return records, history
 
 
