@@ -63,13 +63,21 @@ def fmt_time(seconds):
 
 
 def fmt_bytes(nbytes):
-    """Bytes to ``"72.0 MiB"``; ``"–"`` for missing."""
+    """Bytes to ``"72.0 MiB"``, ``"1023 MiB"``; ``"–"`` for missing."""
     if nbytes is None or not math.isfinite(nbytes):
         return "–"
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(nbytes) >= size:
-            return f"{nbytes / size:.3g} {unit}"
+            value = nbytes / size
+            return f"{value:.3g} {unit}" if value < 100 else f"{value:.0f} {unit}"
     return f"{nbytes:.0f} B"
+
+
+def fmt_percent(fraction):
+    """A fraction to ``"43%"``, ``"0.11%"``; ``""`` for missing."""
+    if fraction is None or not math.isfinite(fraction):
+        return ""
+    return f"{100 * fraction:.0f}%" if fraction >= 0.095 else f"{100 * fraction:.2g}%"
 
 
 def fmt_num(value, digits=3):
@@ -180,6 +188,10 @@ def environment_rows(env):
     for label, paths in _ENV_FIELDS:
         for path in paths:
             value = _lookup(env, path)
+            if value is None and path.startswith("versions.") and path.split(".")[1] in env.get("versions", {}):
+                value = "not installed"
+            elif isinstance(value, (list, tuple)) and not value:
+                value = "none"
             if value is None:
                 continue
             if label == "BLAS":
@@ -298,7 +310,7 @@ def _point_tables(curve_list, roofs, machine):
                         "range": f"{fmt_time(c.min_s[i])}–{fmt_time(c.max_s[i])}",
                         "repeats": int(c.repeats[i]),
                         "gflops": fmt_num(g),
-                        "roof_pct": f"{100 * fraction:.0f}%" if math.isfinite(fraction) else "",
+                        "roof_pct": fmt_percent(fraction),
                         "check_failed": n in c.check_failed,
                         "memory": fmt_bytes(c.peak_bytes[i]),
                         "err": fmt_num(c.max_abs_err[i], 2),
@@ -366,6 +378,9 @@ def _machine_section(name, env, roofs, points, all_curves):
         "n_points": sum(len(c.n) for c in curve_list),
         "fastest": _fastest_lines(curve_list),
         "load": (f"{loads.min():.1f} to {loads.max():.1f}" if len(loads) else None),
+        "busy": bool(len(loads) and env.get("cores_logical")
+                     and loads.max() > env["cores_logical"]),
+        "cores": env.get("cores_logical"),
         "check_failures": [f"{c.display} at n = {n}" for c in curve_list for n in c.check_failed],
         "unavailable": env.get("unavailable_backends") or {},
         "absent_peers": env.get("absent_peers") or {},
@@ -393,6 +408,14 @@ def _summary(sections, quality):
         if best:
             out.append("Crossover of the fastest fastattn kernels: "
                        + "; ".join(f"{r['text']} ({r['causal']})" for r in best) + ".")
+        elif s["crossovers"]:
+            out.append("Crossover: " + "; ".join(
+                f"{r['pair'].split(':')[0]}, {r['causal']}: {r['text']}" for r in s["crossovers"])
+                + ".")
+        if s["busy"]:
+            out.append(f"The machine was busy while measuring (1-minute load average {s['load']} "
+                       f"on {s['cores']} cores): times are inflated and noisy; compare the kernels "
+                       f"side by side rather than with other runs.")
         for line in s["fastest"]:
             out.append(line)
     if quality is not None and quality.gaussian and quality.minilm:
