@@ -351,6 +351,13 @@ def _machine_section(name, env, roofs, points, all_curves):
     repeats = sorted({int(r) for c in curve_list for r in c.repeats if r})
     has_memory = any(np.isfinite(c.peak_bytes).any() for c in curve_list)
     time_png = figures.scaling_figure(panels, "time")
+    cpu = (env or {}).get("cpu_model")
+    readme_png = figures.scaling_figure(
+        panels, "time",
+        title=(f"fastattn: median time per call against n (d = 64, "
+               f"{', '.join(sorted({str(c.key.get('dtype')) for c in curve_list})) or 'float32'}, "
+               f"{', '.join(str(t) for t in sorted({c.key.get('threads') for c in curve_list if c.key.get('threads')})) or '?'} threads"
+               + (f", {cpu}" if cpu else "") + ")"))
     loads = np.concatenate([c.load_avg for c in curve_list]) if curve_list else np.array([])
     loads = loads[np.isfinite(loads)]
     env = env or {}
@@ -385,7 +392,7 @@ def _machine_section(name, env, roofs, points, all_curves):
         "unavailable": env.get("unavailable_backends") or {},
         "absent_peers": env.get("absent_peers") or {},
     }
-    return section, time_png
+    return section, readme_png
 
 
 def _summary(sections, quality):
@@ -404,14 +411,16 @@ def _summary(sections, quality):
         if parts:
             out.append(f"Fitted time exponents (n ≥ {analysis.FIT_MIN_N}, causal and not): "
                        + "; ".join(parts) + ".")
-        best = [r for r in s["crossovers"] if r["pair"].startswith("fastest fastattn")]
-        if best:
-            out.append("Crossover of the fastest fastattn kernels: "
-                       + "; ".join(f"{r['text']} ({r['causal']})" for r in best) + ".")
-        elif s["crossovers"]:
-            out.append("Crossover: " + "; ".join(
-                f"{r['pair'].split(':')[0]}, {r['causal']}: {r['text']}" for r in s["crossovers"])
-                + ".")
+        rows = [r for r in s["crossovers"] if r["pair"].startswith("fastest fastattn")]
+        if not rows:   # a single fastattn backend: its own pair
+            rows = [r for r in s["crossovers"]
+                    if not r["pair"].startswith("fastest") and "(peer)" not in r["pair"]]
+        for causal in ("non-causal", "causal"):
+            mine = [r for r in rows if r["causal"] == causal]
+            if mine:
+                out.append(f"Crossover ({causal}), where linear attention becomes faster: "
+                           + "; ".join(f"{r['pair'].replace(': softmax vs linear', '')}: {r['text']}"
+                                       for r in mine) + ".")
         if s["busy"]:
             out.append(f"The machine was busy while measuring (1-minute load average {s['load']} "
                        f"on {s['cores']} cores): times are inflated and noisy; compare the kernels "
