@@ -71,9 +71,10 @@ def make_call(spec, q, k, v):
     feature_map = spec.get("feature_map") or "elu"
     scale = reference.default_scale(q.shape[-1])
     if backend == "torch":
+        heads = spec.get("heads", 1)
         if attention == "softmax":
-            return peers.torch_softmax_call(q, k, v, causal, scale)
-        return peers.torch_linear_call(q, k, v, causal, feature_map)
+            return peers.torch_softmax_call(q, k, v, causal, scale, heads=heads)
+        return peers.torch_linear_call(q, k, v, causal, feature_map, heads=heads)
     if attention == "softmax":
         return lambda: _api.softmax_attention(q, k, v, causal=causal, scale=scale, backend=backend)
     return lambda: _api.linear_attention(
@@ -161,8 +162,91 @@ def check_accuracy(spec, out, references, seed, max_bytes=None):
             "check_ok": bool(max_abs_err <= tol)}
 
 
+def _max_rss_bytes():
+    """Peak resident set size of this process so far, in bytes.
+
+    ``VmHWM`` where /proc exists: Linux's ``getrusage`` maximum survives
+    ``exec`` and so would report the parent's peak in a spawned child.
+    """
+    import resource
+    import sys
+
+    try:
+        return memory_probe._status_bytes("VmHWM")["VmHWM"]
+    except (OSError, KeyError):
+        pass
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # Linux reports kB
+
+
+def _fresh_probe(conn, spec, seed, threads):
+    """In a fresh process: peak RSS of one call of ``spec`` above the RSS before it."""
+    try:
+        from .._threads import set_num_threads
+
+        set_num_threads(threads)
+        peers.set_peer_threads(threads)
+        small = dict(spec, n=min(spec["n"], 16))
+        q, k, v = make_inputs(small["n"], spec["d_k"], spec["d_v"],
+                              spec["batch"] * spec["heads"], spec["dtype"], seed)
+        make_call(small, q, k, v)()  # compiles a JIT kernel at a size that costs no memory
+        q, k, v = make_inputs(spec["n"], spec["d_k"], spec["d_v"],
+                              spec["batch"] * spec["heads"], spec["dtype"], seed)
+        call = make_call(spec, q, k, v)
+        memory_probe._settle()
+        before = max(psutil.Process().memory_info().rss, _max_rss_bytes())
+        result = call()
+        peak = _max_rss_bytes()
+        del result
+        conn.send(("ok", max(0, peak - before)))
+    except Exception as exc:
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+
+
+def peak_extra_fresh_process(spec, seed=DEFAULT_SEED, threads=1, timeout_s=600):
+    """Peak extra bytes of one call of ``spec``, measured in a fresh process.
+
+    The fallback where the peak RSS cannot be reset: a new process imports,
+    compiles at a tiny n, records its RSS (or its peak so far, if higher),
+    makes the call once and reads its peak RSS.  A call whose peak stays below
+    the process's start-up peak reads as less than it is, so small calls are
+    a lower bound.
+
+    Returns
+    -------
+    int
+    """
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    parent, child = context.Pipe()
+    process = context.Process(target=_fresh_probe, args=(child, spec, seed, threads),
+                              daemon=True)
+    process.start()
+    child.close()
+    try:
+        if not parent.poll(timeout_s):
+            raise TimeoutError(f"the fresh-process memory probe took over {timeout_s} s")
+        status, value = parent.recv()
+    except EOFError:
+        raise RuntimeError(
+            f"the fresh-process memory probe died (exit code {process.exitcode})"
+        ) from None
+    finally:
+        process.join(timeout=5)
+        if process.is_alive():
+            process.terminate()
+    if status != "ok":
+        raise RuntimeError(value)
+    return value
+
+
+#: Memory methods :func:`measure_point` accepts.
+MEMORY_METHODS = ("auto", "hwm", "fresh", "tracemalloc")
+
+
 def measure_point(spec, repeats=5, memory=True, check=True, seed=DEFAULT_SEED,
-                  references=None):
+                  references=None, memory_method="auto", threads=None, max_point_s=None):
     """Measure one point; return the outcome fields of its record.
 
     Parameters
@@ -172,11 +256,21 @@ def measure_point(spec, repeats=5, memory=True, check=True, seed=DEFAULT_SEED,
     repeats : int
     memory : bool
         Measure the peak extra memory (``peak_bytes``, ``memory_method``;
-        for the NumPy reference also ``peak_bytes_tracemalloc``).
+        for the NumPy reference also ``peak_bytes_tracemalloc``, the
+        tracemalloc cross-check, when a call takes under a second).
     check : bool
         Compare with the float64 reference (``max_abs_err`` and friends).
     seed : int
     references : ReferenceCache, optional
+    memory_method : {"auto", "hwm", "fresh", "tracemalloc"}
+        ``"auto"``: ``"hwm"`` (reset the peak RSS in this process, after the
+        warm-up) where Linux allows it, else ``"fresh"`` (a fresh process per
+        point, :func:`peak_extra_fresh_process`).
+    threads : int, optional
+        Threads of the fresh process (``"fresh"`` only).
+    max_point_s : float, optional
+        Cap on the seconds of timed repeats: a slow call gets fewer repeats
+        (never fewer than 3, nor more than ``repeats``).
 
     Returns
     -------
@@ -198,18 +292,37 @@ def measure_point(spec, repeats=5, memory=True, check=True, seed=DEFAULT_SEED,
         start = time.perf_counter()
         out = call()  # warm-up: compilation and first touch are never timed
         fields["warmup_s"] = time.perf_counter() - start
+        method = memory_method
+        if method == "auto":
+            method = "hwm" if memory_probe.hwm_available() else "fresh"
+        estimate = None
         if memory:
             start = time.perf_counter()
-            fields["peak_bytes"], fields["memory_method"] = memory_probe.peak_extra(call)
-            estimate = time.perf_counter() - start
+            if method == "hwm":
+                fields["peak_bytes"] = memory_probe.peak_extra_hwm(call)
+                estimate = time.perf_counter() - start
+            elif method == "fresh":
+                fields["peak_bytes"] = peak_extra_fresh_process(spec, seed, threads or 1)
+            elif method == "tracemalloc":
+                fields["peak_bytes"] = memory_probe.peak_extra_tracemalloc(call)
+            else:
+                raise ValueError(f"memory_method must be one of {MEMORY_METHODS}, got {method!r}")
+            fields["memory_method"] = method
         else:
             fields["peak_bytes"], fields["memory_method"] = None, None
-            estimate = None
-        timing = time_call(call, repeats=repeats, warmup=False, estimate_s=estimate)
+        if estimate is None:
+            start = time.perf_counter()
+            call()
+            estimate = time.perf_counter() - start
+        n_repeats = repeats
+        if max_point_s is not None and estimate > 0:
+            n_repeats = max(min(3, repeats), min(repeats, int(max_point_s / estimate)))
+        timing = time_call(call, repeats=n_repeats, warmup=False, estimate_s=estimate)
         timing.pop("result")
         timing.pop("warmup_s")
         fields.update(timing)
-        if memory and spec["backend"] == "reference":
+        if memory and spec["backend"] == "reference" and method != "tracemalloc" \
+                and estimate < 1.0:
             fields["peak_bytes_tracemalloc"] = memory_probe.peak_extra_tracemalloc(call)
         flops = attention_flops(spec["attention"], spec["n"], spec["n"], spec["d_k"],
                                 spec["d_v"], spec["causal"], spec["batch"], spec["heads"])

@@ -73,6 +73,12 @@ def add_parser(subparsers):
     return parser
 
 
+def _usable_cores():
+    from .._threads import default_num_threads
+
+    return default_num_threads()
+
+
 class BenchUsageError(ValueError):
     """A bad combination of options (exit code 2, message on stderr)."""
 
@@ -179,6 +185,12 @@ def _run(args):
             lines.append(f"{dtype} exp (NumPy, 1 thread): {r['gelem_s']:.2f} G elem/s")
     if lines:
         print("\nroof (same run, same threads):\n  " + "\n  ".join(lines))
+    loads = [r["load_avg_1m"] for r in records if r.get("load_avg_1m") is not None]
+    cores = _usable_cores()
+    if loads and max(loads) > cores:
+        print(f"\nnote: the machine was busy while measuring (1-minute load average up to "
+              f"{max(loads):.1f} on {cores} usable cores): times are noisy; compare the "
+              "ratios measured side by side in one run, and repeat.")
     mismatched = [r for r in records if r.get("check_ok") is False]
     if mismatched:
         print(f"\n{len(mismatched)} point(s) disagree with the float64 reference (MISMATCH).")

@@ -88,17 +88,29 @@ def peer_threads():
     return counts
 
 
-def torch_softmax_call(q, k, v, causal, scale):
+def _as_4d(torch, arrays, heads):
+    """Wrap ``(B, n, d)`` arrays without a copy as ``(B / heads, heads, n, d)`` tensors.
+
+    PyTorch's CPU flash kernel of SDPA only takes 4-D (batch, heads, n, d)
+    inputs; 3-D inputs fall back to the O(n²) math path.
+    """
+    return tuple(torch.from_numpy(x).view(-1, heads, *x.shape[-2:]) for x in arrays)
+
+
+def torch_softmax_call(q, k, v, causal, scale, heads=1):
     """A no-argument callable computing softmax attention with PyTorch's SDPA.
 
     Parameters
     ----------
     q, k, v : ndarray of shape (B, n, d_k), (B, n, d_k), (B, n, d_v)
-        float32 or float64, C-contiguous; wrapped without a copy.
+        float32 or float64, C-contiguous, ``B = batch * heads``; wrapped
+        without a copy and passed as ``(batch, heads, n, d)`` (the layout
+        PyTorch's flash kernel needs).
     causal : bool
         PyTorch's ``is_causal`` mask is aligned at the top left, which equals
         fastattn's bottom-right mask only when ``n_q == n_k``.
     scale : float
+    heads : int, default 1
 
     Returns
     -------
@@ -113,17 +125,19 @@ def torch_softmax_call(q, k, v, causal, scale):
     torch = _torch()
     if causal and q.shape[-2] != k.shape[-2]:
         raise ValueError("torch's is_causal mask equals fastattn's only when n_q == n_k")
-    tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
+    tq, tk, tv = _as_4d(torch, (q, k, v), heads)
     sdpa = torch.nn.functional.scaled_dot_product_attention
+    out_shape = q.shape[:-1] + v.shape[-1:]
 
     def call():
         with torch.inference_mode():
-            return sdpa(tq, tk, tv, is_causal=bool(causal), scale=float(scale)).numpy()
+            out = sdpa(tq, tk, tv, is_causal=bool(causal), scale=float(scale))
+            return out.numpy().reshape(out_shape)
 
     return call
 
 
-def torch_linear_call(q, k, v, causal, feature_map="elu", eps=1e-6):
+def torch_linear_call(q, k, v, causal, feature_map="elu", eps=1e-6, heads=1):
     """A no-argument callable computing linear attention in plain PyTorch.
 
     Non-causal: the product form, ``O(n d_k d_v)`` time and ``O(n d + d_k d_v)``
@@ -137,6 +151,8 @@ def torch_linear_call(q, k, v, causal, feature_map="elu", eps=1e-6):
         Requires ``n_q == n_k`` (the cumulative sums run along one sequence).
     feature_map : {"elu", "relu"}
     eps : float
+    heads : int, default 1
+        Inputs are passed as ``(batch, heads, n, d)`` tensors.
 
     Returns
     -------
@@ -154,25 +170,26 @@ def torch_linear_call(q, k, v, causal, feature_map="elu", eps=1e-6):
         phi = F.relu
     else:
         raise ValueError(f"feature_map must be 'elu' or 'relu', got {feature_map!r}")
-    tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
+    tq, tk, tv = _as_4d(torch, (q, k, v), heads)
+    out_shape = q.shape[:-1] + v.shape[-1:]
 
     def product_form():
         with torch.inference_mode():
             pq, pk = phi(tq), phi(tk)
-            state = pk.transpose(-2, -1) @ tv                  # (B, d_k, d_v)
-            norm = pk.sum(dim=-2)                              # (B, d_k)
+            state = pk.transpose(-2, -1) @ tv                  # (..., d_k, d_v)
+            norm = pk.sum(dim=-2)                              # (..., d_k)
             numerator = pq @ state
-            denominator = (pq @ norm.unsqueeze(-1)) + eps      # (B, n, 1)
-            return (numerator / denominator).numpy()
+            denominator = (pq @ norm.unsqueeze(-1)) + eps      # (..., n, 1)
+            return (numerator / denominator).numpy().reshape(out_shape)
 
     def cumsum_form():
         with torch.inference_mode():
             pq, pk = phi(tq), phi(tk)
-            states = torch.cumsum(pk.unsqueeze(-1) * tv.unsqueeze(-2), dim=-3)  # (B, n, d_k, d_v)
-            norms = torch.cumsum(pk, dim=-2)                                     # (B, n, d_k)
-            numerator = torch.einsum("bnk,bnkv->bnv", pq, states)
+            states = torch.cumsum(pk.unsqueeze(-1) * tv.unsqueeze(-2), dim=-3)  # (..., n, d_k, d_v)
+            norms = torch.cumsum(pk, dim=-2)                                     # (..., n, d_k)
+            numerator = torch.einsum("...nk,...nkv->...nv", pq, states)
             denominator = (pq * norms).sum(dim=-1, keepdim=True) + eps
-            return (numerator / denominator).numpy()
+            return (numerator / denominator).numpy().reshape(out_shape)
 
     return cumsum_form if causal else product_form
 

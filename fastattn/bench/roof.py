@@ -16,9 +16,10 @@ import numpy as np
 MAX_PROBE_N = 4096
 
 
-def _best_rate(fn, work, budget_s, min_repeats=5):
+def _best_rate(fn, work, budget_s, min_repeats=3, warmup=True):
     """Best ``work / seconds`` of ``fn()`` over repeats within ``budget_s``."""
-    fn()  # warm-up: first touch of the output, thread pool start
+    if warmup:
+        fn()  # first touch of the output, thread pool start
     best = 0.0
     deadline = time.perf_counter() + budget_s
     repeats = 0
@@ -51,13 +52,24 @@ def gemm_gflops(n, d, dtype, budget_s=0.1, seed=0):
         ``probe`` ("gemm"), ``dtype``, ``shape`` ([n, d, n]), ``gflops``,
         ``repeats``.
     """
+    fn, work = _gemm_task(n, d, dtype, seed)
+    rate, repeats = _best_rate(fn, work, budget_s)
+    return {"probe": "gemm", "dtype": np.dtype(dtype).name, "shape": [n, d, n],
+            "gflops": rate / 1e9, "repeats": repeats}
+
+
+def _gemm_task(n, d, dtype, seed=0):
     rng = np.random.default_rng(seed)
     a = rng.standard_normal((n, d)).astype(dtype)
     b = rng.standard_normal((d, n)).astype(dtype)
     out = np.empty((n, n), dtype=dtype)
-    rate, repeats = _best_rate(lambda: np.matmul(a, b, out=out), 2.0 * n * n * d, budget_s)
-    return {"probe": "gemm", "dtype": np.dtype(dtype).name, "shape": [n, d, n],
-            "gflops": rate / 1e9, "repeats": repeats}
+    return (lambda: np.matmul(a, b, out=out)), 2.0 * n * n * d
+
+
+def _exp_task(dtype, size=1 << 22, seed=0):
+    x = np.random.default_rng(seed).standard_normal(size).astype(dtype)
+    out = np.empty_like(x)
+    return (lambda: np.exp(x, out=out)), float(size)
 
 
 def exp_throughput(dtype, size=1 << 22, budget_s=0.1, seed=0):
@@ -68,9 +80,8 @@ def exp_throughput(dtype, size=1 << 22, budget_s=0.1, seed=0):
     dict
         ``probe`` ("exp"), ``dtype``, ``size``, ``gelem_s``, ``repeats``.
     """
-    x = np.random.default_rng(seed).standard_normal(size).astype(dtype)
-    out = np.empty_like(x)
-    rate, repeats = _best_rate(lambda: np.exp(x, out=out), float(size), budget_s)
+    fn, work = _exp_task(dtype, size, seed)
+    rate, repeats = _best_rate(fn, work, budget_s)
     return {"probe": "exp", "dtype": np.dtype(dtype).name, "size": size,
             "gelem_s": rate / 1e9, "repeats": repeats}
 
@@ -80,10 +91,14 @@ def _probe_n(n):
     return min(2 ** max(0, round(math.log2(max(int(n), 1)))), MAX_PROBE_N)
 
 
-def probe(shapes=((4096, 64),), dtypes=("float32", "float64"), threads=None, budget_s=0.1):
+def probe(shapes=((4096, 64),), dtypes=("float32", "float64"), threads=None, budget_s=0.1,
+          rounds=3):
     """Measure the roof: GEMM GFLOP/s at each attention shape and dtype, and exp throughput.
 
     Run it in the process (and on the thread count) of the sweep it bounds.
+    Each measurement is the best repeat over ``rounds`` rounds that visit
+    every shape in turn, so a burst of load from other processes does not
+    sink one shape's whole measurement.
 
     Parameters
     ----------
@@ -95,21 +110,39 @@ def probe(shapes=((4096, 64),), dtypes=("float32", "float64"), threads=None, bud
         Fix the thread count (:func:`fastattn.set_num_threads`) first;
         default: as set.
     budget_s : float, default 0.1
-        Seconds of repeats per measurement.
+        Seconds of repeats per measurement (over all rounds).
+    rounds : int, default 3
 
     Returns
     -------
     dict
         ``threads`` (int or None), ``gemm``: list of :func:`gemm_gflops`
-        dicts, ``exp``: list of :func:`exp_throughput` dicts.
+        dicts, ``exp``: list of :func:`exp_throughput` dicts; ``repeats``
+        sums the rounds.
     """
     if threads is not None:
         from .._threads import set_num_threads
 
         set_num_threads(threads)
     probed = sorted({(_probe_n(n), int(d)) for n, d in shapes})
-    gemm = [gemm_gflops(n, d, dtype, budget_s) for dtype in dtypes for n, d in probed]
-    exp = [exp_throughput(dtype, budget_s=budget_s) for dtype in dtypes]
+    rounds = max(1, int(rounds))
+    tasks = [("gemm", np.dtype(dt).name, n, d) for dt in dtypes for n, d in probed]
+    tasks += [("exp", np.dtype(dt).name, 1 << 22, None) for dt in dtypes]
+    best = {task: 0.0 for task in tasks}
+    repeats = {task: 0 for task in tasks}
+    for round_ in range(rounds):
+        for task in tasks:
+            kind, dtype, n, d = task
+            # Built per visit, so only one n x n output is alive at a time.
+            fn, work = _gemm_task(n, d, dtype) if kind == "gemm" else _exp_task(dtype, n)
+            rate, count = _best_rate(fn, work, budget_s / rounds, min_repeats=1,
+                                     warmup=True)
+            best[task] = max(best[task], rate)
+            repeats[task] += count
+    gemm = [{"probe": "gemm", "dtype": t[1], "shape": [t[2], t[3], t[2]],
+             "gflops": best[t] / 1e9, "repeats": repeats[t]} for t in tasks if t[0] == "gemm"]
+    exp = [{"probe": "exp", "dtype": t[1], "size": t[2], "gelem_s": best[t] / 1e9,
+            "repeats": repeats[t]} for t in tasks if t[0] == "exp"]
     return {"threads": threads, "gemm": gemm, "exp": exp}
 
 

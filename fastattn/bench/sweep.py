@@ -189,6 +189,7 @@ def _worker_main(conn, threads):
     """Entry point of the worker process: answer requests until the pipe closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C
     _worker_setup(threads)
+    conn.send(("ready", None))
     state = {}
     while True:
         try:
@@ -242,12 +243,24 @@ class _Worker:
                     os.environ[name] = value
         child.close()
         self.conn = parent
+        try:
+            parent.recv()  # started and set up: time limits count from here
+        except (EOFError, OSError):
+            code = self.process.exitcode
+            self.process = None
+            raise WorkerDied(f"the measuring process failed to start (exit code {code})")
 
-    def request(self, kind, payload):
+    def request(self, kind, payload, timeout_s=None):
         if self.process is None or not self.process.is_alive():
             self._start()
         try:
             self.conn.send((kind, payload))
+            if timeout_s is not None and not self.conn.poll(timeout_s):
+                self.process.kill()
+                self.process.join(timeout=5)
+                self.process = None
+                raise WorkerDied(f"timed out after {timeout_s:g} s (the measuring process "
+                                 "was stopped)")
             status, value = self.conn.recv()
         except (EOFError, OSError, BrokenPipeError):
             self.process.join(timeout=5)
@@ -287,7 +300,7 @@ class _InProcess:
         self.state = {}
         _worker_setup(threads)
 
-    def request(self, kind, payload):
+    def request(self, kind, payload, timeout_s=None):
         return _serve((kind, payload), self.state)
 
     def close(self):
@@ -305,7 +318,8 @@ def _progress(total, enabled):
 
 
 def run_sweep(points, results_path, *, threads=None, repeats=5, memory=True, check=True,
-              resume=True, progress=True, isolate=True, roof_budget_s=0.1):
+              resume=True, progress=True, isolate=True, roof_budget_s=0.1,
+              memory_method="auto", max_point_s=None, point_timeout_s=None, roof=True):
     """Measure ``points``, appending one record per point to ``results_path`` as each finishes.
 
     Parameters
@@ -334,6 +348,18 @@ def run_sweep(points, results_path, *, threads=None, repeats=5, memory=True, che
         alone, and a crash costs one point).  False measures in this process.
     roof_budget_s : float, default 0.1
         Seconds per roof measurement.
+    memory_method : {"auto", "hwm", "fresh", "tracemalloc"}, default "auto"
+        How peak extra memory is measured (see
+        :func:`fastattn.bench._measure.measure_point`); recorded per point.
+    max_point_s : float, optional
+        Cap on the seconds of timed repeats per point: slow calls get fewer
+        repeats (at least 3).  Keeps a large grid within a time budget.
+    point_timeout_s : float, optional
+        A point still running after this many seconds is recorded as an
+        error and its worker replaced (``isolate=True`` only).
+    roof : bool, default True
+        Probe the roof before the sweep (False: no roof records, and points
+        carry no ``roof_fraction``).
 
     Returns
     -------
@@ -358,6 +384,10 @@ def run_sweep(points, results_path, *, threads=None, repeats=5, memory=True, che
         raise ValueError(f"threads must be a positive int, got {threads!r}")
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats must be a positive int, got {repeats!r}")
+    from ._measure import MEMORY_METHODS
+
+    if memory_method not in MEMORY_METHODS:
+        raise ValueError(f"memory_method must be one of {MEMORY_METHODS}, got {memory_method!r}")
     writer = ResultsWriter(results_path, resume=resume)  # refuses a foreign file first
     found = {}
     for record in writer.existing:
@@ -374,21 +404,27 @@ def run_sweep(points, results_path, *, threads=None, repeats=5, memory=True, che
             writer.write("environment", run_id=run_id, **env)
             shapes = sorted({(p.n, p.d_k) for p in todo})
             dtypes = sorted({p.dtype for p in todo} | {"float32", "float64"})
-            roof = worker.request("roof", {"shapes": shapes, "dtypes": dtypes,
-                                           "threads": threads, "budget_s": roof_budget_s})
+            probed = {"gemm": [], "exp": []}
+            if roof:
+                probed = worker.request("roof", {"shapes": shapes, "dtypes": dtypes,
+                                                 "threads": threads, "budget_s": roof_budget_s})
             roof_records = []
-            for entry in roof["gemm"] + roof["exp"]:
+            load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+            for entry in probed["gemm"] + probed["exp"]:
                 roof_records.append(writer.write("roof", run_id=run_id, threads=threads,
-                                                 **entry))
+                                                 load_avg_1m=load, **entry))
             gemm = [r for r in roof_records if r.get("probe") == "gemm"]
-        options = {"repeats": repeats, "memory": memory, "check": check}
+        options = {"repeats": repeats, "memory": memory, "check": check,
+                   "memory_method": memory_method, "threads": threads,
+                   "max_point_s": max_point_s}
         for point in todo:
             if bar is not None:
                 bar.set_postfix_str(point.label(), refresh=False)
             spec = asdict(point)
             started = time.time()
             try:
-                outcome = worker.request("point", {"spec": spec, "options": options})
+                outcome = worker.request("point", {"spec": spec, "options": options},
+                                         timeout_s=point_timeout_s)
             except WorkerDied as exc:
                 outcome = {"status": "error", "reason": str(exc)}
             except RuntimeError as exc:
