@@ -253,32 +253,43 @@ def _exponent_rows(curve_list):
 
 
 def _crossover_rows(curve_list):
+    """Crossover of each backend's softmax and linear curves, and of the fastest of each type.
+
+    Curves are compared within one dtype and thread count; the "fastest"
+    rows (lower envelope over backends) appear when at least two fastattn
+    backends measured both types.
+    """
     rows = []
     for causal in (False, True):
         group = [c for c in curve_list if c.causal == causal]
-        soft = {(c.backend, c.key.get("dtype"), c.key.get("threads")): c
-                for c in group if c.attention == "softmax"}
-        lin = {(c.backend, c.key.get("dtype"), c.key.get("threads")): c
-               for c in group if c.attention == "linear"}
-        for key in [k for k in soft if k in lin]:
-            s, l_ = soft[key], lin[key]
-            x = analysis.crossover(s.n, s.median_s, l_.n, l_.median_s)
-            rows.append({"causal": _causal_title(causal),
-                         "pair": f"{s.display.replace(' softmax', '')}: softmax vs linear",
-                         "text": x.describe(), "n": x.n, "status": x.status})
-        for name, pool in (("fastest fastattn kernel of each type", [c for c in group if not c.peer]),
-                           ("fastest of all, peers included", group)):
-            if name.startswith("fastest of all") and not any(c.peer for c in group):
-                continue
-            s_list = [c for c in pool if c.attention == "softmax"]
-            l_list = [c for c in pool if c.attention == "linear"]
-            if len(s_list) + len(l_list) < 3 or not s_list or not l_list:
-                continue
-            ns, ts = analysis.envelope(s_list)
-            nl, tl = analysis.envelope(l_list)
-            x = analysis.crossover(ns, ts, nl, tl)
-            rows.append({"causal": _causal_title(causal), "pair": name, "text": x.describe(),
-                         "n": x.n, "status": x.status})
+        settings = sorted({(str(c.key.get("dtype")), str(c.key.get("threads"))) for c in group})
+        for dtype, threads in settings:
+            same = [c for c in group
+                    if (str(c.key.get("dtype")), str(c.key.get("threads"))) == (dtype, threads)]
+            suffix = f" [{dtype}, {threads} threads]" if len(settings) > 1 else ""
+            soft = {c.backend: c for c in same if c.attention == "softmax"}
+            lin = {c.backend: c for c in same if c.attention == "linear"}
+            for backend in [b for b in soft if b in lin]:
+                s, l_ = soft[backend], lin[backend]
+                x = analysis.crossover(s.n, s.median_s, l_.n, l_.median_s)
+                rows.append({"causal": _causal_title(causal),
+                             "pair": f"{s.label.replace(' softmax', '')}{suffix}: softmax vs linear",
+                             "text": x.describe(), "n": x.n, "status": x.status})
+            for name, pool in (("fastest fastattn kernel of each type",
+                                [c for c in same if not c.peer]),
+                               ("fastest of all, peers included", same)):
+                if name.startswith("fastest of all") and not any(c.peer for c in same):
+                    continue
+                s_list = [c for c in pool if c.attention == "softmax"]
+                l_list = [c for c in pool if c.attention == "linear"]
+                both = {c.backend for c in s_list} & {c.backend for c in l_list}
+                if len({c.backend for c in pool}) < 2 or not both or not s_list or not l_list:
+                    continue
+                ns, ts = analysis.envelope(s_list)
+                nl, tl = analysis.envelope(l_list)
+                x = analysis.crossover(ns, ts, nl, tl)
+                rows.append({"causal": _causal_title(causal), "pair": name + suffix,
+                             "text": x.describe(), "n": x.n, "status": x.status})
     return rows
 
 
@@ -581,6 +592,7 @@ def build_report(records, *, source="", quality=None, history=None, history_benc
         "quality": _quality_section(quality),
         "history": _history_section(history, history_benchmark),
         "fit_min_n": analysis.FIT_MIN_N,
+        "from_asv": any(p.get("source") == "asv" for p in points),
         "n_records": len(records),
     }
     page = _environment().get_template("report.html.j2").render(**context)

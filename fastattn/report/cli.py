@@ -18,10 +18,17 @@ from pathlib import Path
 #: the whole run takes a few minutes on a 2-core machine.
 DEFAULT_NS = (128, 256, 512, 1024, 2048, 4096, 8192)
 DEFAULT_REPEATS = 5
+#: Seconds of timed repeats a point may take: slower calls (the reference at
+#: n = 8192) get fewer repeats, never fewer than 3, so the run stays in budget.
+MAX_POINT_S = 3.0
+#: A point still running after this long is recorded as an error (a hung or
+#: swapping kernel costs one point, not the run).
+POINT_TIMEOUT_S = 300.0
 #: ``--quick``: a tiny grid for tests and CI (still reaches n >= 1024 twice,
 #: so every exponent has a two-point fit).
 QUICK_NS = (128, 512, 1024, 2048)
 QUICK_REPEATS = 2
+QUICK_MAX_POINT_S = 0.5
 REPORTS_DIR = Path("reports")
 
 
@@ -162,7 +169,9 @@ def _measure(args):
     print(f"  interrupted? continue with: fastattn report --resume {results}", file=sys.stderr)
     try:
         sweep.run_sweep(points, results, threads=args.threads, repeats=repeats,
-                        memory=not args.quick, check=True, resume=True, progress=True)
+                        memory=not args.quick, check=True, resume=True, progress=True,
+                        max_point_s=QUICK_MAX_POINT_S if args.quick else MAX_POINT_S,
+                        point_timeout_s=POINT_TIMEOUT_S)
     except ResultsFileError as exc:
         raise ReportError(f"refusing {results}: {exc}") from None
     except KeyboardInterrupt:

@@ -42,6 +42,13 @@ def colour(backend, _assigned={}):
     return _assigned[backend]
 
 
+def _dtype_style(curve):
+    """float64 curves drawn with hollow markers and thinner, fainter lines than float32."""
+    if curve.key.get("dtype") == "float64":
+        return {"markerfacecolor": "white", "alpha": 0.75}
+    return {}
+
+
 def to_png(fig):
     """Render ``fig`` to PNG bytes and close it."""
     buffer = io.BytesIO()
@@ -122,7 +129,7 @@ def scaling_figure(panels, metric="time", ncols=2, title=None):
             fit = fit_exponent(c.n, y)
             label = getattr(c, "display", c.label) + (f"  n^{fit.format()}" if fit else "")
             ax.plot(c.n[use], y[use], color=colour(c.backend), label=label, markersize=4,
-                    linewidth=1.6, **style)
+                    linewidth=1.6, **style, **_dtype_style(c))
             if metric == "time":
                 ax.fill_between(c.n[use], c.min_s[use], c.max_s[use], color=colour(c.backend),
                                 alpha=0.15, linewidth=0)
@@ -176,7 +183,8 @@ def roofline_figure(panels, roofs, ncols=2):
                 continue
             ax.plot(c.n[use], c.gflops[use], color=colour(c.backend),
                     label=getattr(c, "display", c.label), markersize=4, linewidth=1.6,
-                    **STYLES.get(c.attention, {"linestyle": ":", "marker": "^"}))
+                    **STYLES.get(c.attention, {"linestyle": ":", "marker": "^"}),
+                    **_dtype_style(c))
         for i, (label, ns, values) in enumerate(roofs):
             style = {"color": "black", "linewidth": 2.2 - 0.6 * i,
                      "linestyle": ["-", "-.", ":"][i % 3]}
@@ -278,11 +286,14 @@ def history_figure(history, title):
     fig, ax = plt.subplots(figsize=(11, 4.5), layout="constrained")
     dates = sorted({row.get("date") or "" for row in history})
     position = {d: i for i, d in enumerate(dates)}
-    for (machine, params), rows in sorted(series.items(), key=lambda kv: str(kv[0])):
+    cmap = plt.get_cmap("tab20")
+    markers = "os^Dv<>ph*"
+    for i, ((machine, params), rows) in enumerate(sorted(series.items(), key=lambda kv: str(kv[0]))):
         rows = sorted(rows, key=lambda r: r.get("date") or "")
         xs = [position[r.get("date") or ""] for r in rows]
         ys = [np.nan if r.get("value") is None else r["value"] for r in rows]
-        ax.plot(xs, ys, "o-", markersize=4, label=f"{machine}: {params}")
+        ax.plot(xs, ys, "-", marker=markers[(i // 20) % len(markers)], color=cmap(i % 20),
+                markersize=5, label=f"{machine}: {params}")
     commits = {}
     for row in history:
         commits.setdefault(row.get("date") or "", str(row.get("commit") or "")[:8])
@@ -293,6 +304,7 @@ def history_figure(history, title):
     ax.set_ylabel(unit or "value")
     ax.set_title(title, fontsize=11)
     ax.grid(True, alpha=0.3)
-    if len(series) <= 16:
-        ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    if len(series) <= 40:
+        ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5),
+                  ncol=1 if len(series) <= 20 else 2)
     return to_png(fig)
