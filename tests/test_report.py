@@ -230,10 +230,23 @@ def test_report_says_which_minilm_data(quality, report_html):
 
 
 def test_peers_note_when_absent_and_shown_when_present(quality, report_html):
-    assert "pip install" in report_html and "torch" in report_html
-    with_torch = build_report(synthetic_records(peers=("torch",)), quality=None).html
+    assert "No peer implementation was measured" in report_html
+    assert 'pip install &#34;fastattn[torch]&#34;' in report_html   # the hint from the record
+    records = synthetic_records(peers=("torch",))
+    for r in records:
+        if r["record"] == "point" and r.get("status") == "ok":
+            r["load_avg_1m"] = 1.0
+            if r["backend"] == "torch" and r["n_q"] == 2048 and r["attention"] == "linear":
+                r["check_ok"] = False      # a peer that disagrees with the reference
+    first_point = next(r for r in records if r["record"] == "point" and r["status"] == "ok")
+    first_point["load_avg_1m"] = 7.5       # one point measured on a busy machine (2 cores)
+    with_torch = build_report(records, quality=None).html
     assert "torch softmax (peer)" in with_torch
     assert "No peer implementation was measured" not in with_torch
+    assert "Output check failed" in with_torch
+    assert "torch linear (peer) at n = 2048" in with_torch
+    assert "machine was busy" in with_torch and "1.0 to 7.5" in with_torch
+    assert "machine was busy" not in report_html   # no load recorded: no claim either way
 
 
 def test_report_without_points_still_renders():

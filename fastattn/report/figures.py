@@ -68,7 +68,6 @@ def _n_axis(ax):
     ax.xaxis.set_minor_formatter(NullFormatter())
     ax.set_xlabel("sequence length n (n_q = n_k)")
     ax.grid(True, which="major", alpha=0.3)
-    ax.grid(True, which="minor", alpha=0.1)
 
 
 def _seconds(x, _):
