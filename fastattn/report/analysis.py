@@ -97,6 +97,7 @@ class Curve:
     roof_fraction: np.ndarray = None
     check_failed: list = field(default_factory=list)
     load_avg: np.ndarray = None
+    display: str = ""    # label shown in figures and tables, set by the report
 
     @property
     def attention(self):

@@ -6,7 +6,6 @@ asset).  It reads results only; nothing is timed here.
 """
 
 import datetime as _dt
-import html as _html
 import math
 from dataclasses import dataclass
 from importlib import resources
@@ -26,10 +25,10 @@ REPORT_MARKER = '<meta name="generator" content="fastattn report">'
 EXPECTED_TIME_EXPONENT = {"softmax": 2, "linear": 1}
 
 PEER_HELP = (
-    "No peer implementation was measured (PyTorch is not installed in this environment). "
-    "To put torch.nn.functional.scaled_dot_product_attention and a PyTorch linear attention "
-    "beside fastattn's kernels: pip install 'fastattn[torch]' (or pip install torch), "
-    "then run fastattn report again."
+    "No peer implementation was measured: these results hold no PyTorch points (torch was not "
+    "installed where they were measured). To put torch.nn.functional.scaled_dot_product_attention "
+    "and a PyTorch linear attention beside fastattn's kernels, install torch and run "
+    "fastattn report again:"
 )
 
 
@@ -597,8 +596,3 @@ def build_report(records, *, source="", quality=None, history=None, history_benc
     }
     page = _environment().get_template("report.html.j2").render(**context)
     return Report(page, readme_png)
-
-
-def escape(text):
-    """HTML-escape ``text`` (for messages built outside the template)."""
-    return _html.escape(str(text))

@@ -33,13 +33,16 @@ STYLES = {
 DPI = 100
 
 
-def colour(backend, _assigned={}):
+_assigned_colours = {}
+
+
+def colour(backend):
     """The colour of ``backend``: fixed for fastattn's backends and torch, else assigned once."""
     if backend in BACKEND_COLOURS:
         return BACKEND_COLOURS[backend]
-    if backend not in _assigned:
-        _assigned[backend] = _EXTRA_COLOURS[len(_assigned) % len(_EXTRA_COLOURS)]
-    return _assigned[backend]
+    if backend not in _assigned_colours:
+        _assigned_colours[backend] = _EXTRA_COLOURS[len(_assigned_colours) % len(_EXTRA_COLOURS)]
+    return _assigned_colours[backend]
 
 
 def _dtype_style(curve):
@@ -126,7 +129,7 @@ def scaling_figure(panels, metric="time", ncols=2, title=None):
             drawn = True
             style = STYLES.get(c.attention, {"linestyle": ":", "marker": "^"})
             fit = fit_exponent(c.n, y)
-            label = getattr(c, "display", c.label) + (f"  n^{fit.format()}" if fit else "")
+            label = (c.display or c.label) + (f"  n^{fit.format()}" if fit else "")
             ax.plot(c.n[use], y[use], color=colour(c.backend), label=label, markersize=4,
                     linewidth=1.6, **style, **_dtype_style(c))
             if metric == "time":
@@ -181,7 +184,7 @@ def roofline_figure(panels, roofs, ncols=2):
             if not use.any():
                 continue
             ax.plot(c.n[use], c.gflops[use], color=colour(c.backend),
-                    label=getattr(c, "display", c.label), markersize=4, linewidth=1.6,
+                    label=(c.display or c.label), markersize=4, linewidth=1.6,
                     **STYLES.get(c.attention, {"linestyle": ":", "marker": "^"}),
                     **_dtype_style(c))
         for i, (label, ns, values) in enumerate(roofs):
