@@ -355,8 +355,11 @@ def test_cli_missing_results_file(tmp_path, capsys):
 
 
 def test_cli_asv_two_machines_and_history(tmp_path, monkeypatch, capsys):
-    records = (synthetic_records(machine="box-a")
-               + synthetic_records(backends=("numba",), machine="box-b"))
+    box_b = synthetic_records(backends=("numba",), ns=(256, 1024, 4096), machine="box-b")
+    for r in box_b:   # asv kept no memory or flop counts for this machine
+        if r["record"] == "point":
+            r.update(peak_bytes=None, gflops=None, times_s=None)
+    records = synthetic_records(machine="box-a") + box_b
     history = [{"machine": m, "commit": c * 40, "date": f"2026-11-2{i}T10:00:00",
                 "benchmark": "softmax.time_softmax", "params": {"backend": "numba", "n": 4096},
                 "value": 0.02 + 0.001 * i, "unit": "seconds"}
@@ -370,6 +373,7 @@ def test_cli_asv_two_machines_and_history(tmp_path, monkeypatch, capsys):
                  "--out", str(out)]) == 0
     html = out.read_text()
     assert "Machines side by side" in html and "box-a" in html and "box-b" in html
+    assert html.count("No memory was recorded in these results") == 1   # box-b only
     assert 'id="history"' in html and "softmax.time_softmax" in html and "aaaaaaaa" in html
 
 
