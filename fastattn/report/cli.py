@@ -165,7 +165,7 @@ def _measure(args):
     points = sweep_points(args.n, args.quick)
     repeats = args.repeats or (QUICK_REPEATS if args.quick else DEFAULT_REPEATS)
     print(f"fastattn report: measuring {len(points)} points into {results} "
-          f"({repeats} repeats each{', quick grid' if args.quick else ''})", file=sys.stderr)
+          f"(up to {repeats} timed repeats each{', quick grid' if args.quick else ''})", file=sys.stderr)
     print(f"  interrupted? continue with: fastattn report --resume {results}", file=sys.stderr)
     try:
         sweep.run_sweep(points, results, threads=args.threads, repeats=repeats,
@@ -240,7 +240,10 @@ def _run(args):
     from .build import build_report
     from .quality import compute_quality
 
-    quality = compute_quality("auto" if args.minilm is None else args.minilm)
+    try:
+        quality = compute_quality("auto" if args.minilm is None else args.minilm)
+    except (OSError, ValueError) as exc:
+        raise ReportError(f"quality section: {exc}") from None
     try:
         report = build_report(records, source=source, quality=quality, history=history,
                               history_benchmark=args.history)
