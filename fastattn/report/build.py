@@ -230,24 +230,27 @@ def _causal_title(causal):
 
 
 def _exponent_rows(curve_list):
-    rows = []
+    """One row per kernel (backend, attention, setting): time and memory exponents, non-causal and causal."""
+    rows, index = [], {}
     for c in curve_list:
+        key = (c.display or c.label, c.attention)
+        if key not in index:
+            index[key] = {"label": key[0], "attention": c.attention,
+                          "expected": EXPECTED_TIME_EXPONENT.get(c.attention), "cells": {}}
+            rows.append(index[key])
+        row = index[key]
         time_fit = analysis.fit_exponent(c.n, c.median_s)
         mem_fit = analysis.fit_exponent(c.n, c.peak_bytes)
-        expected = EXPECTED_TIME_EXPONENT.get(c.attention)
-        rows.append({
-            "label": c.display,
-            "attention": c.attention,
-            "causal": _causal_title(c.causal),
+        expected = row["expected"]
+        row["cells"][_causal_title(c.causal)] = {
             "time": time_fit.format() if time_fit else "–",
             "slope": time_fit.slope if time_fit else None,
-            "time_points": (f"{time_fit.points} (n {time_fit.n_min}–{time_fit.n_max})"
-                            if time_fit else f"fewer than 2 points with n ≥ {analysis.FIT_MIN_N}"),
+            "points": (f"{time_fit.points} points, n {time_fit.n_min}–{time_fit.n_max}"
+                       if time_fit else f"fewer than 2 points with n ≥ {analysis.FIT_MIN_N}"),
             "memory": mem_fit.format() if mem_fit else "–",
-            "expected": expected,
             "off": (time_fit is not None and expected is not None
                     and abs(time_fit.slope - expected) > 0.35),
-        })
+        }
     return rows
 
 
@@ -368,6 +371,7 @@ def _machine_section(name, env, roofs, points, all_curves):
                f"{', '.join(sorted({str(c.key.get('dtype')) for c in curve_list})) or 'float32'}, "
                f"{', '.join(str(t) for t in sorted({c.key.get('threads') for c in curve_list if c.key.get('threads')})) or '?'} threads"
                + (f", {cpu}" if cpu else "") + ")"))
+    exponents = _exponent_rows(curve_list)
     loads = np.concatenate([c.load_avg for c in curve_list]) if curve_list else np.array([])
     loads = loads[np.isfinite(loads)]
     env = env or {}
@@ -386,7 +390,9 @@ def _machine_section(name, env, roofs, points, all_curves):
                      if any(np.isfinite(c.gflops).any() for c in curve_list) else None),
         "roof_lines": [label for label, _, _ in roof_lines],
         "roofs": roofs,
-        "exponents": _exponent_rows(curve_list),
+        "exponents": exponents,
+        "fit_points": "; ".join(sorted({cell["points"] for r in exponents
+                                        for cell in r["cells"].values()})) or "none",
         "crossovers": _crossover_rows(curve_list),
         "tables": _point_tables(curve_list, roofs, name),
         "not_ok": not_ok,
@@ -412,9 +418,10 @@ def _summary(sections, quality):
     if s and s["exponents"]:
         parts = []
         for attention in ("softmax", "linear"):
-            fits = [r for r in s["exponents"] if r["attention"] == attention and r["slope"] is not None]
+            fits = [cell["slope"] for r in s["exponents"] if r["attention"] == attention
+                    for cell in r["cells"].values() if cell["slope"] is not None]
             if fits:
-                lo, hi = min(r["slope"] for r in fits), max(r["slope"] for r in fits)
+                lo, hi = min(fits), max(fits)
                 span = f"{lo:.2f}" if f"{lo:.2f}" == f"{hi:.2f}" else f"{lo:.2f} to {hi:.2f}"
                 parts.append(f"{attention} {span} over {len(fits)} curves (expected about "
                              f"{EXPECTED_TIME_EXPONENT[attention]})")

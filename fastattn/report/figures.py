@@ -88,7 +88,7 @@ def _bytes(x, _):
     return f"{x:g} B"
 
 
-def _panel_grid(panels, ncols, height=4.2, width=5.6):
+def _panel_grid(panels, ncols, height=5.4, width=5.6):
     nrows = max(1, -(-len(panels) // ncols))
     fig, axes = plt.subplots(nrows, ncols, figsize=(width * ncols, height * nrows),
                              squeeze=False, sharey=True, layout="constrained")
@@ -134,7 +134,7 @@ def scaling_figure(panels, metric="time", ncols=2, title=None):
                     linewidth=1.6, **style, **_dtype_style(c))
             if metric == "time":
                 ax.fill_between(c.n[use], c.min_s[use], c.max_s[use], color=colour(c.backend),
-                                alpha=0.15, linewidth=0)
+                                alpha=0.12, linewidth=0)
             if fit:
                 xs = np.array([fit.n_min, fit.n_max], dtype=float)
                 ax.plot(xs, fit.predict(xs), color="black", linewidth=0.8, linestyle=":",
@@ -150,8 +150,9 @@ def scaling_figure(panels, metric="time", ncols=2, title=None):
             ax.yaxis.set_major_formatter(FuncFormatter(_bytes))
         ax.axvspan(FIT_MIN_N, ax.get_xlim()[1], color="#f3f3f3", zorder=0)
         ax.set_title(panel_title, fontsize=11)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7.5, loc="upper left", framealpha=0.85)
+        if ax.get_legend_handles_labels()[0]:   # below the panel: the curves stay visible
+            ax.legend(fontsize=7.5, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2,
+                      frameon=False)
     axes[0].set_ylabel("median time per call" if metric == "time" else "peak extra memory per call")
     if title:
         fig.suptitle(title, fontsize=12)
@@ -199,7 +200,8 @@ def roofline_figure(panels, roofs, ncols=2):
         ax.yaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))
         ax.set_title(panel_title, fontsize=11)
         if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7.5, loc="lower right", framealpha=0.85)
+            ax.legend(fontsize=7.5, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2,
+                      frameon=False)
     axes[0].set_ylabel("achieved GFLOP/s (at the median time)")
     return to_png(fig)
 
