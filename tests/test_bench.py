@@ -4,7 +4,6 @@ No test here asserts a timing: speed lives in the benchmarks and reports.
 """
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -124,6 +123,7 @@ def test_sweep_writes_environment_roof_then_points(tmp_path):
         assert (record["attention"], record["causal"], record["n_q"]) == \
             (point.attention, point.causal, point.n)
         assert record["threads"] == 1
+        assert record["thread_counts"]["blas"] == 1 and record["thread_counts"]["requested"] == 1
         assert len(record["times_s"]) == 2
         assert record["min_s"] <= record["median_s"] <= record["max_s"]
         assert record["flops"] == attention_flops(point.attention, point.n, point.n, 8, 4,
@@ -392,6 +392,18 @@ def test_cli_baseline_must_be_measured(capsys, tmp_path):
     assert not (tmp_path / "b.jsonl").exists()
 
 
+def test_cli_refuses_to_overwrite_a_foreign_csv_beside_out(capsys, tmp_path):
+    csv_path = tmp_path / "r.csv"
+    csv_path.write_text("my,own\n1,2\n")
+    code = main(["bench", "--kind", "softmax", "--causal", "no", "--n", "8", "--threads", "1",
+                 "--repeats", "1", "--backends", "reference", "--out", str(tmp_path / "r.jsonl"),
+                 "--no-progress", "--no-memory"])
+    assert code == 2
+    assert "not a fastattn results CSV" in capsys.readouterr().err
+    assert csv_path.read_text() == "my,own\n1,2\n"
+    assert not (tmp_path / "r.jsonl").exists()  # refused before measuring
+
+
 def test_cli_refuses_foreign_out(capsys, tmp_path):
     path = tmp_path / "notes.jsonl"
     path.write_text("my notes\n")
@@ -414,6 +426,10 @@ def test_cli_without_torch_says_how_to_add_it(capsys, tmp_path, monkeypatch):
     assert csv_lines[0].startswith("attention,backend")
     assert len(csv_lines) == 1 + 2 * 2  # full and causal at two n
     assert all(r["schema"] == SCHEMA for r in read_records(out))
+    summary = json.loads(out.with_suffix(".summary.json").read_text())
+    assert [c["config"]["causal"] for c in summary["configurations"]] == [False, True]
+    assert all(row["vs_baseline"] == 1.0 for c in summary["configurations"]
+               for row in c["rows"])  # the reference against itself
 
 
 @pytest.mark.skipif(not HAVE_TORCH, reason="torch is not installed")

@@ -297,10 +297,9 @@ def measure_point(spec, repeats=5, memory=True, check=True, seed=DEFAULT_SEED,
             method = "hwm" if memory_probe.hwm_available() else "fresh"
         estimate = None
         if memory:
-            start = time.perf_counter()
             if method == "hwm":
-                fields["peak_bytes"] = memory_probe.peak_extra_hwm(call)
-                estimate = time.perf_counter() - start
+                fields["peak_bytes"], estimate = memory_probe.peak_extra_hwm(
+                    call, return_elapsed=True)
             elif method == "fresh":
                 fields["peak_bytes"] = peak_extra_fresh_process(spec, seed, threads or 1)
             elif method == "tracemalloc":

@@ -62,7 +62,8 @@ def add_parser(subparsers):
                         help="backend the ratio column compares with (default reference)")
     parser.add_argument("--out", type=Path, default=None,
                         help="results file (JSON lines; default results/bench-<time>.jsonl); "
-                             "an existing one is resumed, a CSV is written beside it")
+                             "an existing one is resumed; a CSV (.csv) and a JSON summary "
+                             "(.summary.json) of the tables are written beside it")
     parser.add_argument("--fresh", action="store_true",
                         help="start --out afresh instead of resuming it")
     parser.add_argument("--no-memory", action="store_true", help="skip the memory probe")
@@ -140,7 +141,8 @@ def run(args):
 def _run(args):
     from .results import ResultsFileError, read_records
     from .sweep import default_grid, run_sweep
-    from .table import format_tables, write_csv
+    from .table import check_csv_target, check_summary_target, format_tables, write_csv, \
+        write_summary
 
     backends, absent = resolve_backends(args.backends)
     baseline = args.baseline
@@ -160,6 +162,14 @@ def _run(args):
     out = args.out or Path("results") / time.strftime("bench-%Y%m%d-%H%M%S.jsonl")
     if out.suffix == ".csv":
         raise BenchUsageError(f"--out names the JSON-lines results file, got {out}")
+    try:  # refuse foreign files before measuring anything
+        if out.exists():
+            read_records(out)
+        check_csv_target(out.with_suffix(".csv"))
+        check_summary_target(out.with_suffix(".summary.json"))
+    except ResultsFileError as exc:
+        print(f"fastattn bench: error: {exc}", file=sys.stderr)
+        return 2
     for name, hint in absent.items():
         print(f"{name} is not installed, so it is not compared; add it with: {hint}")
     try:
@@ -190,17 +200,21 @@ def _run(args):
     if loads and max(loads) > cores:
         print(f"\nnote: the machine was busy while measuring (1-minute load average up to "
               f"{max(loads):.1f} on {cores} usable cores): times are noisy; compare the "
-              "ratios measured side by side in one run, and repeat.")
+              "ratios measured side by side in one run, and repeat."
+              + (" With more threads than idle cores, multi-threaded BLAS and OpenMP wait "
+                 "for descheduled threads: --threads 1 gives steadier numbers."
+                 if (args.threads or cores) > 1 else ""))
     mismatched = [r for r in records if r.get("check_ok") is False]
     if mismatched:
         print(f"\n{len(mismatched)} point(s) disagree with the float64 reference (MISMATCH).")
     all_points = [r for r in read_records(out) if r["record"] == "point"]
     try:
         csv_path = write_csv(all_points, out.with_suffix(".csv"))
+        summary_path = write_summary(records, out.with_suffix(".summary.json"), baseline)
     except ResultsFileError as exc:
         print(f"fastattn bench: error: {exc}", file=sys.stderr)
         return 2
-    print(f"\nresults: {out}\ncsv:     {csv_path}")
+    print(f"\nresults: {out}\ncsv:     {csv_path}\nsummary: {summary_path}")
     for name, hint in absent.items():
         print(f"note: {name} is absent; to compare with it: {hint}")
     return 0

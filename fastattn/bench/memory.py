@@ -22,6 +22,7 @@ import ctypes
 import ctypes.util
 import gc
 import os
+import time
 import tracemalloc
 
 _STATUS = "/proc/self/status"
@@ -69,7 +70,7 @@ def _settle():
     _malloc_trim()
 
 
-def peak_extra_hwm(fn):
+def peak_extra_hwm(fn, return_elapsed=False):
     """Peak extra resident bytes of ``fn()`` by resetting the peak RSS.
 
     Parameters
@@ -77,10 +78,12 @@ def peak_extra_hwm(fn):
     fn : callable
         Called once.  Call it once before (warm-up) so compilation and
         one-time caches are not counted.
+    return_elapsed : bool, default False
+        Also return the seconds the call took (the probe's own work excluded).
 
     Returns
     -------
-    int
+    int, or (int, float) with ``return_elapsed``
         ``VmHWM`` after the call minus ``VmRSS`` just before it, in bytes (at
         least 0); includes the call's output.
 
@@ -93,10 +96,13 @@ def peak_extra_hwm(fn):
     with open(_CLEAR_REFS, "w", encoding="ascii") as handle:
         handle.write("5")
     before = _status_bytes("VmRSS")["VmRSS"]
+    start = time.perf_counter()
     result = fn()
+    elapsed = time.perf_counter() - start
     peak = _status_bytes("VmHWM")["VmHWM"]
     del result
-    return max(0, peak - before)
+    extra = max(0, peak - before)
+    return (extra, elapsed) if return_elapsed else extra
 
 
 def peak_extra_tracemalloc(fn):

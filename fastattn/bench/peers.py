@@ -45,7 +45,14 @@ def available_peers():
     -------
     tuple of str
     """
-    return tuple(name for name in PEERS if importlib.util.find_spec(name) is not None)
+    return tuple(name for name in PEERS if _findable(name))
+
+
+def _findable(name):
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # blocked, or a half-imported module
+        return False
 
 
 def absent_peers():

@@ -21,6 +21,22 @@ Each line is a JSON object with ``"schema": SCHEMA`` and a ``"record"`` type:
     repeat), ``median_s``, ``min_s``, ``max_s``, ``flops``, ``gflops``,
     ``peak_bytes`` (peak extra bytes of the call), ``memory_method``,
     ``max_abs_err`` (against the float64 reference, when checked).
+
+Keys added by :func:`fastattn.bench.sweep.run_sweep` (readers may rely on
+them when present; older files may lack them):
+
+* every record of a run: ``run_id`` (the same for the environment, roof and
+  point records one run wrote);
+* environment: the keys of :func:`fastattn.bench.environment.collect`;
+* roof: ``probe`` (``"gemm"`` with ``shape`` [n, d, n] and ``gflops``, or
+  ``"exp"`` with ``size`` and ``gelem_s``, G elements/s), ``repeats``,
+  ``load_avg_1m``;
+* point: ``started`` (Unix time), ``seed``, ``load_avg_1m``, ``warmup_s``,
+  ``number`` (calls per timed repeat), ``repeats``, ``roof_gflops`` and
+  ``roof_fraction`` (``gflops / roof_gflops``), ``peak_bytes_tracemalloc``
+  (NumPy reference cross-check), ``check_n`` (n the check ran at),
+  ``check_tol`` and ``check_ok`` (False flags a kernel or peer that
+  disagrees with the reference), ``traceback`` (status ``"error"``).
 """
 
 import json

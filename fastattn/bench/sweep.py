@@ -180,8 +180,14 @@ def _serve(task, state):
     if kind == "point":
         if "references" not in state:
             state["references"] = _measure.ReferenceCache()
-        return _measure.measure_point(payload["spec"], references=state["references"],
-                                      **payload["options"])
+        outcome = _measure.measure_point(payload["spec"], references=state["references"],
+                                         **payload["options"])
+        if outcome.get("status") == "ok":
+            from .._threads import get_num_threads
+
+            # The counts in force right after the call, by component.
+            outcome["thread_counts"] = {**get_num_threads(), **peers.peer_threads()}
+        return outcome
     raise ValueError(f"unknown request {kind!r}")
 
 
@@ -246,6 +252,7 @@ class _Worker:
         try:
             parent.recv()  # started and set up: time limits count from here
         except (EOFError, OSError):
+            self.process.join(timeout=5)
             code = self.process.exitcode
             self.process = None
             raise WorkerDied(f"the measuring process failed to start (exit code {code})")
@@ -319,7 +326,7 @@ def _progress(total, enabled):
 
 def run_sweep(points, results_path, *, threads=None, repeats=5, memory=True, check=True,
               resume=True, progress=True, isolate=True, roof_budget_s=0.1,
-              memory_method="auto", max_point_s=None, point_timeout_s=None, roof=True):
+              memory_method="auto", max_point_s=5.0, point_timeout_s=None, roof=True):
     """Measure ``points``, appending one record per point to ``results_path`` as each finishes.
 
     Parameters
@@ -351,9 +358,11 @@ def run_sweep(points, results_path, *, threads=None, repeats=5, memory=True, che
     memory_method : {"auto", "hwm", "fresh", "tracemalloc"}, default "auto"
         How peak extra memory is measured (see
         :func:`fastattn.bench._measure.measure_point`); recorded per point.
-    max_point_s : float, optional
-        Cap on the seconds of timed repeats per point: slow calls get fewer
-        repeats (at least 3).  Keeps a large grid within a time budget.
+    max_point_s : float or None, default 5.0
+        Cap on the seconds of timed repeats per point: a call slower than
+        ``max_point_s / repeats`` gets fewer repeats (never fewer than 3; the
+        record's ``repeats`` says how many).  Keeps the quadratic reference at
+        large n within a time budget.  None: always ``repeats``.
     point_timeout_s : float, optional
         A point still running after this many seconds is recorded as an
         error and its worker replaced (``isolate=True`` only).

@@ -140,15 +140,8 @@ def _atomic_write_text(path, text):
     os.replace(tmp, path)
 
 
-def write_csv(records, path):
-    """Write point records as CSV (:data:`CSV_COLUMNS`), atomically.
-
-    Raises
-    ------
-    ResultsFileError
-        If ``path`` exists and is not a CSV this module wrote (its header
-        differs); it is left unchanged.
-    """
+def check_csv_target(path):
+    """Raise ResultsFileError if ``path`` exists and is not a CSV :func:`write_csv` wrote."""
     from .results import ResultsFileError
 
     path = Path(path)
@@ -159,6 +152,37 @@ def write_csv(records, path):
             raise ResultsFileError(
                 f"{path} exists and is not a fastattn results CSV; not overwriting it"
             )
+
+
+def check_summary_target(path):
+    """Raise ResultsFileError if ``path`` exists and is not a summary :func:`write_summary` wrote."""
+    import json
+
+    from .results import ResultsFileError
+
+    path = Path(path)
+    if path.exists():
+        try:
+            ours = json.loads(path.read_text(encoding="utf-8")).get("schema") == SUMMARY_SCHEMA
+        except (ValueError, AttributeError):
+            ours = False
+        if not ours:
+            raise ResultsFileError(
+                f"{path} exists and is not a fastattn bench summary; not overwriting it"
+            )
+
+
+def write_csv(records, path):
+    """Write point records as CSV (:data:`CSV_COLUMNS`), atomically.
+
+    Raises
+    ------
+    ResultsFileError
+        If ``path`` exists and is not a CSV this module wrote (its header
+        differs); it is left unchanged.
+    """
+    path = Path(path)
+    check_csv_target(path)
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, fieldnames=CSV_COLUMNS, extrasaction="ignore",
                             lineterminator="\n")
@@ -166,4 +190,63 @@ def write_csv(records, path):
     for record in records:
         writer.writerow({k: record.get(k) for k in CSV_COLUMNS})
     _atomic_write_text(path, buffer.getvalue())
+    return path
+
+
+#: Schema tag of the JSON summary ``fastattn bench`` writes beside its results.
+SUMMARY_SCHEMA = "fastattn.bench-summary/1"
+
+
+def summarise(records, baseline=None):
+    """The tables of :func:`format_tables` as data: one entry per configuration.
+
+    Returns
+    -------
+    dict
+        ``schema``, ``baseline`` and ``configurations``: a list of
+        ``{"title", "config": {...}, "rows": [...]}`` where each row has
+        ``n``, ``backend``, ``status``, ``reason``, ``median_s``, ``min_s``,
+        ``max_s``, ``gflops``, ``roof_fraction``, ``peak_bytes``,
+        ``vs_baseline`` (baseline median / median) and ``max_abs_err``,
+        ``check_ok``.
+    """
+    configurations = []
+    for group in _group(records).values():
+        base = {r["n_q"]: r.get("median_s") for r in group
+                if r["backend"] == baseline and r.get("status") == "ok"}
+        rows = []
+        for r in sorted(group, key=lambda r: r["n_q"]):
+            ref = base.get(r["n_q"])
+            rows.append({
+                "n": r["n_q"], "backend": r["backend"], "status": r.get("status"),
+                "reason": r.get("reason"), "median_s": r.get("median_s"),
+                "min_s": r.get("min_s"), "max_s": r.get("max_s"), "gflops": r.get("gflops"),
+                "roof_fraction": r.get("roof_fraction"), "peak_bytes": r.get("peak_bytes"),
+                "vs_baseline": (ref / r["median_s"]) if ref and r.get("median_s") else None,
+                "max_abs_err": r.get("max_abs_err"), "check_ok": r.get("check_ok"),
+            })
+        configurations.append({
+            "title": config_title(group[0]),
+            "config": {k: group[0].get(k) for k in CONFIG_KEYS},
+            "rows": rows,
+        })
+    return {"schema": SUMMARY_SCHEMA, "baseline": baseline, "configurations": configurations}
+
+
+def write_summary(records, path, baseline=None):
+    """Write :func:`summarise` as JSON, atomically; refuse to replace a foreign file.
+
+    Raises
+    ------
+    ResultsFileError
+        If ``path`` exists and is not a summary this module wrote.
+    """
+    import json
+
+    from .results import _clean
+
+    path = Path(path)
+    check_summary_target(path)
+    text = json.dumps(_clean(summarise(records, baseline)), indent=1, sort_keys=True)
+    _atomic_write_text(path, text + "\n")
     return path
