@@ -1,0 +1,314 @@
+"""Matplotlib figures of the report, returned as PNG bytes (Agg backend, no display).
+
+Every figure is drawn from :class:`~fastattn.report.analysis.Curve` objects
+or quality results; nothing here measures anything.  Colours follow the
+backend (the same in every figure), line style the attention type: softmax
+solid with circles, linear dashed with squares.
+"""
+
+import base64
+import io
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.colors import LogNorm  # noqa: E402
+from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter  # noqa: E402
+import numpy as np  # noqa: E402
+
+from .analysis import FIT_MIN_N, fit_exponent  # noqa: E402
+
+BACKEND_COLOURS = {
+    "reference": "#6b6b6b",
+    "numba": "#1f77b4",
+    "cython": "#2ca02c",
+    "torch": "#d62728",
+}
+_EXTRA_COLOURS = ["#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf", "#bcbd22"]
+STYLES = {
+    "softmax": {"linestyle": "-", "marker": "o"},
+    "linear": {"linestyle": "--", "marker": "s"},
+}
+DPI = 100
+
+
+_assigned_colours = {}
+
+
+def colour(backend):
+    """The colour of ``backend``: fixed for fastattn's backends and torch, else assigned once."""
+    if backend in BACKEND_COLOURS:
+        return BACKEND_COLOURS[backend]
+    if backend not in _assigned_colours:
+        _assigned_colours[backend] = _EXTRA_COLOURS[len(_assigned_colours) % len(_EXTRA_COLOURS)]
+    return _assigned_colours[backend]
+
+
+def _dtype_style(curve):
+    """float64 curves drawn with hollow markers and thinner, fainter lines than float32."""
+    if curve.key.get("dtype") == "float64":
+        return {"markerfacecolor": "white", "alpha": 0.75}
+    return {}
+
+
+def to_png(fig):
+    """Render ``fig`` to PNG bytes and close it."""
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=DPI)  # layout="constrained": one draw, no tight bbox pass
+    plt.close(fig)
+    return buffer.getvalue()
+
+
+def data_uri(png):
+    """``data:image/png;base64,...`` for an ``<img src>`` that needs no file or server."""
+    return "data:image/png;base64," + base64.b64encode(png).decode("ascii")
+
+
+def _n_axis(ax):
+    ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{int(x)}" if x >= 1 else ""))
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.set_xlabel("sequence length n (n_q = n_k)")
+    ax.grid(True, which="major", alpha=0.3)
+
+
+def _seconds(x, _):
+    if x >= 1:
+        return f"{x:g} s"
+    if x >= 1e-3:
+        return f"{x * 1e3:g} ms"
+    return f"{x * 1e6:g} µs"
+
+
+def _bytes(x, _):
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if x >= size:
+            return f"{x / size:g} {unit}"
+    return f"{x:g} B"
+
+
+def _panel_grid(panels, ncols, height=5.4, width=5.6):
+    nrows = max(1, -(-len(panels) // ncols))
+    fig, axes = plt.subplots(nrows, ncols, figsize=(width * ncols, height * nrows),
+                             squeeze=False, sharey=True, layout="constrained")
+    flat = axes.ravel()
+    for ax in flat[len(panels):]:
+        ax.set_visible(False)
+    return fig, flat
+
+
+def scaling_figure(panels, metric="time", ncols=2, title=None):
+    """Log-log time (or peak extra memory) against n, one panel per configuration.
+
+    Parameters
+    ----------
+    panels : list of (str, list of Curve)
+        Panel title and the curves drawn in it (e.g. non-causal, causal).
+    metric : {"time", "memory"}
+        ``"time"``: median seconds with a min-max band, exponent fitted on
+        ``n >= 1024`` in the legend and drawn as a thin dotted line;
+        ``"memory"``: peak extra bytes of one call, with its exponent.
+    ncols : int
+        Panels per row.
+    title : str, optional
+
+    Returns
+    -------
+    bytes
+        The PNG.
+    """
+    fig, axes = _panel_grid(panels, ncols)
+    drawn = False
+    for ax, (panel_title, curve_list) in zip(axes, panels):
+        for c in curve_list:
+            y = c.median_s if metric == "time" else c.peak_bytes
+            use = np.isfinite(y) & (y > 0)
+            if not use.any():
+                continue
+            drawn = True
+            style = STYLES.get(c.attention, {"linestyle": ":", "marker": "^"})
+            fit = fit_exponent(c.n, y)
+            label = (c.display or c.label) + (f"  n^{fit.format()}" if fit else "")
+            ax.plot(c.n[use], y[use], color=colour(c.backend), label=label, markersize=4,
+                    linewidth=1.6, **style, **_dtype_style(c))
+            if metric == "time":
+                ax.fill_between(c.n[use], c.min_s[use], c.max_s[use], color=colour(c.backend),
+                                alpha=0.12, linewidth=0)
+            if fit:
+                xs = np.array([fit.n_min, fit.n_max], dtype=float)
+                ax.plot(xs, fit.predict(xs), color="black", linewidth=0.8, linestyle=":",
+                        alpha=0.7)
+        _n_axis(ax)
+        ax.set_yscale("log")
+        if metric == "time":
+            ax.yaxis.set_major_locator(LogLocator(base=10))
+            ax.yaxis.set_major_formatter(FuncFormatter(_seconds))
+        else:  # powers of two read as whole KiB / MiB / GiB
+            ax.yaxis.set_major_locator(LogLocator(base=2, numticks=8))
+            ax.yaxis.set_minor_locator(LogLocator(base=2, subs=(), numticks=8))
+            ax.yaxis.set_major_formatter(FuncFormatter(_bytes))
+        ax.axvspan(FIT_MIN_N, ax.get_xlim()[1], color="#f3f3f3", zorder=0)
+        ax.set_title(panel_title, fontsize=11)
+        if ax.get_legend_handles_labels()[0]:   # below the panel: the curves stay visible
+            ax.legend(fontsize=7.5, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2,
+                      frameon=False)
+    axes[0].set_ylabel("median time per call" if metric == "time" else "peak extra memory per call")
+    if title:
+        fig.suptitle(title, fontsize=12)
+    if not drawn:
+        axes[0].text(0.5, 0.5, "no data", transform=axes[0].transAxes, ha="center")
+    return to_png(fig)
+
+
+def roofline_figure(panels, roofs, ncols=2):
+    """Achieved GFLOP/s against n, with the GEMM roof as a line (roofline style).
+
+    Parameters
+    ----------
+    panels : list of (str, list of Curve)
+    roofs : list of (str, ndarray, ndarray)
+        Label, n and GFLOP/s of each roof drawn in every panel: the GEMM
+        ``(n, d) @ (d, n)`` probed at those n (a horizontal line when probed
+        at one shape only).
+    ncols : int
+
+    Returns
+    -------
+    bytes
+        The PNG.
+    """
+    fig, axes = _panel_grid(panels, ncols)
+    for ax, (panel_title, curve_list) in zip(axes, panels):
+        for c in curve_list:
+            use = np.isfinite(c.gflops) & (c.gflops > 0)
+            if not use.any():
+                continue
+            ax.plot(c.n[use], c.gflops[use], color=colour(c.backend),
+                    label=(c.display or c.label), markersize=4, linewidth=1.6,
+                    **STYLES.get(c.attention, {"linestyle": ":", "marker": "^"}),
+                    **_dtype_style(c))
+        for i, (label, ns, values) in enumerate(roofs):
+            style = {"color": "black", "linewidth": 2.2 - 0.6 * i,
+                     "linestyle": ["-", "-.", ":"][i % 3]}
+            if len(ns) == 1:
+                ax.axhline(values[0], label=label, **style)
+            else:
+                ax.plot(ns, values, label=label, **style)
+        _n_axis(ax)
+        ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))
+        ax.set_title(panel_title, fontsize=11)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7.5, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2,
+                      frameon=False)
+    axes[0].set_ylabel("achieved GFLOP/s (at the median time)")
+    return to_png(fig)
+
+
+def heatmap_figure(heatmap):
+    """Softmax and linear attention weights of one head side by side, on one colour scale.
+
+    The colour scale is shared and logarithmic, from ``0.01 / n_k`` (a
+    hundredth of a uniform weight; smaller weights take its colour) to the
+    largest weight of either matrix, so that a peaked softmax row and a nearly
+    uniform linear row can both be read.
+
+    Returns
+    -------
+    bytes
+        The PNG.
+    """
+    n_k = heatmap.softmax.shape[-1]
+    vmax = float(max(heatmap.softmax.max(), heatmap.linear.max()))
+    norm = LogNorm(vmin=min(0.01 / n_k, vmax / 10), vmax=vmax, clip=True)
+    fig, axes = plt.subplots(1, 2, figsize=(10.5, 4.6), layout="constrained")
+    for ax, weights, name in ((axes[0], heatmap.softmax, "softmax"),
+                              (axes[1], heatmap.linear, "linear (elu+1)")):
+        image = ax.imshow(weights, cmap="magma", norm=norm, interpolation="nearest")
+        ax.set_title(f"{name} attention weights", fontsize=10)
+        ax.set_xlabel("key j")
+        ax.set_ylabel("query i")
+    fig.colorbar(image, ax=axes, shrink=0.9, label="weight (log colour scale)")
+    fig.suptitle(heatmap.title, fontsize=11)
+    return to_png(fig)
+
+
+def quality_figure(gaussian, minilm):
+    """Cosine similarity of linear to softmax output: MiniLM per layer beside the Gaussian rows.
+
+    Returns
+    -------
+    bytes
+        The PNG.
+    """
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.6), gridspec_kw={"width_ratios": [1, 1.4]},
+                             layout="constrained")
+    ax = axes[0]
+    ax.plot([r.n for r in gaussian], [r.cosine_similarity for r in gaussian], "o-",
+            color="#1f77b4")
+    _n_axis(ax)
+    ax.set_ylim(0, 1.02)
+    ax.set_ylabel("mean cosine similarity")
+    ax.set_title("Gaussian inputs (seed-experiment generator)", fontsize=10)
+    ax = axes[1]
+    layers = np.arange(len(minilm))
+    cos = np.array([r.cosine_similarity for r in minilm])
+    lo = np.array([r.cos_min for r in minilm])
+    hi = np.array([r.cos_max for r in minilm])
+    ax.bar(layers, cos, color="#ff7f0e", alpha=0.8, label="all heads")
+    ax.errorbar(layers, cos, yerr=[cos - lo, hi - cos], fmt="none", ecolor="black", capsize=4,
+                label="range over heads")
+    ax.set_xticks(layers)
+    ax.set_xlabel("layer")
+    ax.set_ylim(0, 1.02)
+    ax.set_title("all-MiniLM-L6-v2 activations, per layer", fontsize=10)
+    ax.legend(fontsize=8, loc="lower right")
+    ax.grid(True, axis="y", alpha=0.3)
+    return to_png(fig)
+
+
+def history_figure(history, title):
+    """Value of one asv benchmark across commits (one line per machine and parameter set).
+
+    Parameters
+    ----------
+    history : list of dict
+        ``load_asv_history`` rows: ``machine``, ``commit``, ``date``, ``params``,
+        ``value``, ``unit``.
+    title : str
+
+    Returns
+    -------
+    bytes
+        The PNG.
+    """
+    series = {}
+    for row in history:
+        params = ", ".join(f"{k}={v}" for k, v in sorted((row.get("params") or {}).items()))
+        series.setdefault((row.get("machine"), params), []).append(row)
+    fig, ax = plt.subplots(figsize=(11, 4.5), layout="constrained")
+    dates = sorted({row.get("date") or "" for row in history})
+    position = {d: i for i, d in enumerate(dates)}
+    cmap = plt.get_cmap("tab20")
+    markers = "os^Dv<>ph*"
+    for i, ((machine, params), rows) in enumerate(sorted(series.items(), key=lambda kv: str(kv[0]))):
+        rows = sorted(rows, key=lambda r: r.get("date") or "")
+        xs = [position[r.get("date") or ""] for r in rows]
+        ys = [np.nan if r.get("value") is None else r["value"] for r in rows]
+        ax.plot(xs, ys, "-", marker=markers[(i // 20) % len(markers)], color=cmap(i % 20),
+                markersize=5, label=f"{machine}: {params}")
+    commits = {}
+    for row in history:
+        commits.setdefault(row.get("date") or "", str(row.get("commit") or "")[:8])
+    ax.set_xticks(range(len(dates)))
+    ax.set_xticklabels([f"{commits[d]}\n{d[:10]}" for d in dates], fontsize=7, rotation=0)
+    ax.set_yscale("log")
+    unit = next((r.get("unit") for r in history if r.get("unit")), "")
+    ax.set_ylabel(unit or "value")
+    ax.set_title(title, fontsize=11)
+    ax.grid(True, alpha=0.3)
+    if len(series) <= 40:
+        ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5),
+                  ncol=1 if len(series) <= 20 else 2)
+    return to_png(fig)

@@ -1,0 +1,181 @@
+"""The quality side of the report: how far linear attention's output lands from softmax's.
+
+Computed when the report is built (a few reference calls at n <= 2048; cheap,
+and never timed): the seed experiment, Gaussian inputs at a few ``n``, and the
+real all-MiniLM-L6-v2 activations layer by layer, plus the weight matrices of
+one Gaussian case and one real head for heatmaps.
+"""
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .. import attention_weights, linear_attention, softmax_attention
+from ..compare import compare, quality, seed_inputs
+from ..data import load_minilm, minilm_provenance
+
+#: Sequence lengths of the Gaussian rows (inputs as in the seed experiment, d = 32).
+GAUSSIAN_NS = (64, 128, 512, 1024)
+#: Head dimension of the Gaussian rows: MiniLM's, so the two tables compare like with like.
+GAUSSIAN_D = 32
+SEED = 42
+#: The full MiniLM set, preferred over the shipped slice when found.
+FULL_MINILM_FILE = "minilm_l6_qkv_n512.npz"
+
+
+def find_minilm(start=None):
+    """The full MiniLM activations file from ``../shared/data/minilm``, or None.
+
+    Looks in ``$FASTATTN_MINILM_DIR``, then in ``shared/data/minilm`` beside
+    the current directory and beside fastattn's source tree, and in each of
+    their parents.
+
+    Parameters
+    ----------
+    start : str or Path, optional
+        Directory to search from instead of the current directory.
+
+    Returns
+    -------
+    Path or None
+    """
+    candidates = []
+    if os.environ.get("FASTATTN_MINILM_DIR"):
+        candidates.append(Path(os.environ["FASTATTN_MINILM_DIR"]))
+    for base in (Path(start or Path.cwd()).resolve(), Path(__file__).resolve().parent):
+        for parent in (base, *base.parents):
+            candidates.append(parent / "shared" / "data" / "minilm")
+    for directory in candidates:
+        if (directory / FULL_MINILM_FILE).is_file():
+            return directory / FULL_MINILM_FILE
+    return None
+
+
+@dataclass
+class QualityRow:
+    """Linear against softmax attention on one input set (see :class:`fastattn.Quality`)."""
+
+    label: str
+    n: int
+    d: int
+    cosine_similarity: float
+    mse: float
+    magnitude_ratio: float
+    cos_min: float = float("nan")   # smallest per-head cosine similarity (MiniLM)
+    cos_max: float = float("nan")   # largest per-head cosine similarity (MiniLM)
+    heads: int = 1
+
+
+@dataclass
+class Heatmap:
+    """The softmax and linear weight matrices of one head, for a heatmap pair."""
+
+    title: str
+    softmax: np.ndarray   # (n_q, n_k)
+    linear: np.ndarray    # (n_q, n_k)
+    note: str = ""
+
+
+@dataclass
+class QualityResults:
+    """Everything the quality section shows."""
+
+    seed: QualityRow
+    gaussian: list
+    minilm: list
+    minilm_source: str
+    minilm_full: bool
+    heatmaps: list = field(default_factory=list)
+    provenance: dict = field(default_factory=dict)
+    rendered: dict = field(default_factory=dict, repr=False)   # figures, filled by the report
+
+
+def _row_entropy(weights):
+    """Mean over rows of the Shannon entropy (nats) of each weight row, per leading index."""
+    w = np.clip(weights.astype(np.float64), 1e-30, None)
+    return -(w * np.log(w)).sum(axis=-1).mean(axis=-1)
+
+
+def compute_quality(minilm_path="auto"):
+    """Compute the quality section's numbers and heatmaps.
+
+    Parameters
+    ----------
+    minilm_path : str, Path, None or "auto", default "auto"
+        ``"auto"``: the full set from :func:`find_minilm` when found, else the
+        slice shipped with fastattn; None: the shipped slice; a path: that file.
+
+    Returns
+    -------
+    QualityResults
+        ``seed``: ``fastattn.compare(64, 32, seed=42)``; ``gaussian``: the
+        same generator at :data:`GAUSSIAN_NS`; ``minilm``: one row per layer,
+        metrics over all its heads and rows (with the per-head range of the
+        cosine similarity); heatmaps of the seed case and of the real head
+        whose softmax attention is most concentrated (lowest mean row entropy),
+        which is where linear attention differs most visibly.
+
+    Notes
+    -----
+    All attention is computed by the NumPy reference in float32, non-causal,
+    softmax scale ``1/sqrt(d)``, linear attention with ``φ = elu + 1`` and
+    ``eps = 1e-6``.  Memory ``O(heads · n²)`` per layer.
+    """
+    seed_cmp = compare(64, GAUSSIAN_D, seed=SEED)
+    q = seed_cmp.quality
+    seed_row = QualityRow("seed experiment", 64, GAUSSIAN_D, q.cosine_similarity, q.mse,
+                          q.magnitude_ratio)
+    heatmaps = [Heatmap(
+        f"Gaussian inputs (seed experiment: n = 64, d = {GAUSSIAN_D}, seed {SEED})",
+        seed_cmp.softmax_weights, seed_cmp.linear_weights)]
+
+    gaussian = []
+    for n in GAUSSIAN_NS:
+        qq, kk, vv = seed_inputs(n, GAUSSIAN_D, SEED)
+        q = quality(softmax_attention(qq, kk, vv, backend="reference"),
+                    linear_attention(qq, kk, vv, backend="reference"))
+        gaussian.append(QualityRow(f"Gaussian n={n}", n, GAUSSIAN_D, q.cosine_similarity,
+                                   q.mse, q.magnitude_ratio))
+
+    if minilm_path == "auto":
+        minilm_path = find_minilm()
+    data = load_minilm(minilm_path)
+    full = minilm_path is not None
+    layers, heads, n, d = data["q"].shape
+    if full:
+        source = (f"full set {Path(minilm_path)} ({layers} layers × {heads} heads, "
+                  f"n = {n}, d = {d})")
+    else:
+        source = (f"slice shipped with fastattn ({layers} layers × {heads} heads, n = {n}, "
+                  f"d = {d}); the full set (../shared/data/minilm) was not found")
+    try:
+        provenance = minilm_provenance()
+    except (OSError, ValueError):
+        provenance = {}
+
+    minilm, best = [], None
+    for layer in range(layers):
+        ql, kl, vl = data["q"][layer], data["k"][layer], data["v"][layer]
+        weights = attention_weights(ql, kl, kind="softmax")   # (heads, n, n)
+        soft = np.matmul(weights, vl)                          # softmax attention's output
+        lin = linear_attention(ql, kl, vl, backend="reference")
+        q = quality(soft, lin)
+        per_head = [quality(soft[h], lin[h]).cosine_similarity for h in range(heads)]
+        minilm.append(QualityRow(f"layer {layer}", n, d, q.cosine_similarity, q.mse,
+                                 q.magnitude_ratio, min(per_head), max(per_head), heads))
+        entropy = _row_entropy(weights)
+        h = int(np.argmin(entropy))
+        if best is None or entropy[h] < best[0]:
+            best = (float(entropy[h]), layer, h)
+
+    _, layer, h = best
+    qh, kh = data["q"][layer, h], data["k"][layer, h]
+    heatmaps.append(Heatmap(
+        f"all-MiniLM-L6-v2 layer {layer}, head {h} (n = {n}, d = {d})",
+        attention_weights(qh, kh, kind="softmax"), attention_weights(qh, kh, kind="linear"),
+        note=(f"the head with the most concentrated softmax attention of the {layers * heads} "
+              f"loaded (mean row entropy {best[0]:.2f} nats; uniform would be "
+              f"{np.log(n):.2f})")))
+    return QualityResults(seed_row, gaussian, minilm, source, full, heatmaps, provenance)

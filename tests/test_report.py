@@ -1,0 +1,388 @@
+"""The HTML report: numbers from synthetic records with known answers, the page, the command.
+
+Synthetic point records follow fastattn/bench/results.py: softmax times
+``a · n²`` and linear times ``b · n`` (so the exponents are 2 and 1 and the
+crossover is at ``n = b / a``), memory ``12 n²`` bytes for the reference
+softmax and ``512 n`` for the rest.  No test here depends on how fast
+anything runs.
+"""
+
+import base64
+import hashlib
+import json
+import re
+import sys
+import types
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from fastattn.bench.results import SCHEMA, read_records
+from fastattn.cli import main
+from fastattn.report import analysis
+from fastattn.report.build import REPORT_MARKER, build_report
+from fastattn.report.quality import compute_quality
+
+A_SOFTMAX = 1e-9      # seconds per n² (non-causal); causal is half
+B_LINEAR = 2e-6       # seconds per n
+CROSSOVER = B_LINEAR / A_SOFTMAX            # 2000 non-causal
+CROSSOVER_CAUSAL = B_LINEAR / (A_SOFTMAX / 2)  # 4000 causal
+NS = (128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+def _record(record_type, **fields):
+    return {"schema": SCHEMA, "record": record_type, **fields}
+
+
+def synthetic_records(backends=("reference", "numba"), peers=(), ns=NS, machine=None,
+                      noise=0.0, seed=0):
+    """Environment, roof and point records with known exponents and crossover."""
+    rng = np.random.default_rng(seed)
+    extra = {} if machine is None else {"machine": machine}
+    records = [
+        # Keys as fastattn.bench.environment.collect() writes them.
+        _record("environment", **extra, cpu_model="Synthetic CPU 9000", cores_logical=2,
+                cores_usable=2, threads=2, thread_counts={"requested": 2, "blas": 2},
+                blas=[{"internal_api": "openblas", "version": "0.3.27",
+                       "architecture": "Haswell", "num_threads": 2}],
+                python="3.11.7",
+                versions={"numpy": "2.4.6", "numba": "0.68.1", "cython": "3.1.2",
+                          "torch": None},
+                absent_peers={} if peers else {"torch": 'pip install "fastattn[torch]"'}),
+        _record("roof", **extra, probe="exp", dtype="float32", threads=2, gelem_s=0.47),
+    ]
+    for n in (1024, 4096):   # GEMM roof probed at two attention shapes
+        records.append(_record("roof", **extra, probe="gemm", dtype="float32", threads=2,
+                               gflops=98.0 * n / 4096, shape=[n, 64, n]))
+    for attention in ("softmax", "linear"):
+        for backend in tuple(backends) + tuple(peers):
+            for causal in (False, True):
+                for n in ns:
+                    base = dict(extra, attention=attention, backend=backend,
+                                peer=backend in peers, causal=causal, dtype="float32",
+                                batch=1, heads=1, n_q=n, n_k=n, d_k=64, d_v=64,
+                                feature_map="elu" if attention == "linear" else None,
+                                threads=2)
+                    if backend == "reference" and attention == "softmax" and n > 4096:
+                        records.append(_record("point", **base, status="skipped",
+                                               reason="needs 805,306,368 bytes"))
+                        continue
+                    if attention == "softmax":
+                        t = A_SOFTMAX * n * n * (0.5 if causal else 1.0)
+                    else:
+                        t = B_LINEAR * n
+                    t *= float(np.exp(noise * rng.standard_normal()))
+                    flops = 4 * n * n * 64 if attention == "softmax" else 4 * n * 64 * 64
+                    mem = 12 * n * n if (backend == "reference" and attention == "softmax") else 512 * n
+                    records.append(_record(
+                        "point", **base, status="ok", times_s=[0.98 * t, t, 1.05 * t],
+                        median_s=t, min_s=0.98 * t, max_s=1.05 * t, flops=flops,
+                        gflops=flops / t / 1e9, peak_bytes=mem, memory_method="tracemalloc",
+                        max_abs_err=1e-6))
+    return records
+
+
+def write_jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+@pytest.fixture(scope="module")
+def quality():
+    # The shipped slice: the same in every checkout.
+    return compute_quality(None)
+
+
+@pytest.fixture(scope="module")
+def report_html(quality):
+    return build_report(synthetic_records(), source="synthetic", quality=quality).html
+
+
+# ----------------------------------------------------------------- analysis
+@pytest.mark.parametrize("exponent", [1.0, 2.0])
+def test_fit_recovers_known_exponent(exponent):
+    n = np.array(NS, dtype=float)
+    t = 3e-7 * n ** exponent
+    fit = analysis.fit_exponent(n, t)
+    assert fit.slope == pytest.approx(exponent, abs=1e-9)
+    assert fit.stderr == pytest.approx(0.0, abs=1e-9)
+    assert (fit.points, fit.n_min, fit.n_max) == (4, 1024, 8192)
+
+
+def test_fit_ignores_points_below_1024():
+    n = np.array(NS, dtype=float)
+    t = 1e-9 * n ** 2
+    t[n < 1024] = 1.0  # a fixed cost that dominates small n must not bend the fit
+    assert analysis.fit_exponent(n, t).slope == pytest.approx(2.0, abs=1e-9)
+
+
+def test_fit_standard_error_matches_scipy_linregress():
+    rng = np.random.default_rng(1)
+    n = np.array([1024, 1536, 2048, 3072, 4096, 8192], dtype=float)
+    t = 2e-9 * n ** 2 * np.exp(0.1 * rng.standard_normal(len(n)))
+    fit = analysis.fit_exponent(n, t)
+    ref = stats.linregress(np.log(n), np.log(t))
+    assert fit.slope == pytest.approx(ref.slope, rel=1e-12)
+    assert fit.stderr == pytest.approx(ref.stderr, rel=1e-9)
+
+
+def test_fit_needs_two_points():
+    assert analysis.fit_exponent([512, 1024], [1.0, 2.0]) is None
+    fit = analysis.fit_exponent([1024, 2048], [1.0, 4.0])
+    assert fit.slope == pytest.approx(2.0) and np.isnan(fit.stderr)
+
+
+def test_crossover_at_known_length():
+    n = np.array(NS, dtype=float)
+    x = analysis.crossover(n, A_SOFTMAX * n ** 2, n, B_LINEAR * n)
+    assert x.status == "crossover"
+    assert x.n == pytest.approx(CROSSOVER, rel=1e-9)  # exact: both lines are straight in log-log
+
+
+def test_crossover_none_in_range_and_throughout():
+    n = np.array(NS, dtype=float)
+    none = analysis.crossover(n, A_SOFTMAX * n ** 2, n, 1.0 * n)
+    assert none.n is None and none.status == "none-in-range"
+    assert "none in range" in none.describe() and "8192" in none.describe()
+    always = analysis.crossover(n, A_SOFTMAX * n ** 2, n, 1e-12 * n)
+    assert always.n is None and always.status == "linear-faster-throughout"
+    apart = analysis.crossover([128, 256], [1, 2], [1024, 2048], [1, 2])
+    assert apart.status == "no-common-range"
+
+
+def test_crossover_on_different_grids():
+    # Linear measured on a coarser grid than softmax: interpolation in log-log space.
+    ns = np.array(NS, dtype=float)
+    nl = np.array([128, 8192], dtype=float)
+    x = analysis.crossover(ns, A_SOFTMAX * ns ** 2, nl, B_LINEAR * nl)
+    assert x.n == pytest.approx(CROSSOVER, rel=1e-9)
+
+
+def test_last_record_of_a_point_wins():
+    records = synthetic_records(backends=("numba",), ns=(1024, 2048))
+    retry = dict(records[-1], median_s=123.0)
+    _, _, points = analysis.split_records(records + [retry])
+    same = [p for p in points if analysis.point_key(p) == analysis.point_key(retry)]
+    assert len(same) == 1 and same[0]["median_s"] == 123.0
+
+
+# --------------------------------------------------------------------- page
+SECTIONS = ('id="scaling"', 'id="quality"', 'id="environment"', 'id="method"',
+            "Fitted exponents", "Crossover", "Peak extra memory", "GEMM roof",
+            "The seed experiment", "Gaussian inputs", "all-MiniLM-L6-v2", "Attention weights")
+
+
+@pytest.mark.parametrize("needle", SECTIONS)
+def test_report_has_every_section(report_html, needle):
+    assert needle in report_html
+
+
+def test_report_is_self_contained(report_html):
+    assert REPORT_MARKER in report_html
+    assert not re.search(r"""(src|href)\s*=\s*["']?\s*(https?:)?//""", report_html, re.I)
+    assert "<link" not in report_html and "<script" not in report_html
+    images = re.findall(r'<img[^>]*src="([^"]+)"', report_html)
+    assert len(images) >= 6  # time, memory, roofline, quality, two heatmaps
+    for src in images:
+        assert src.startswith("data:image/png;base64,")
+        assert base64.b64decode(src.split(",", 1)[1])[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _table_rows(html, title):
+    table = html.split(title, 1)[1].split("</table>", 1)[0]
+    return [re.sub(r"<[^>]+>", "|", row) for row in table.split("<tr")[2:]]
+
+
+def test_report_states_exponents_and_crossover(report_html):
+    rows = _table_rows(report_html, "Fitted exponents")[1:]   # after the two header rows
+    softmax = [r for r in rows if "softmax" in r]
+    linear = [r for r in rows if "linear" in r]
+    assert len(softmax) == 2 and len(linear) == 2   # 2 backends; columns non-causal, causal
+    # time: 2 for softmax, 1 for linear; memory: 2 for the reference softmax (n x n
+    # intermediates), 1 for everything else (cells: time x2, memory x2).
+    cells = {r.split("|")[1]: re.findall(r"\d\.\d\d ± \d\.\d\d", r) for r in rows}
+    assert cells["reference softmax"] == ["2.00 ± 0.00"] * 4
+    assert cells["numba softmax"] == ["2.00 ± 0.00"] * 2 + ["1.00 ± 0.00"] * 2
+    assert cells["reference linear"] == ["1.00 ± 0.00"] * 4
+    assert cells["numba linear"] == ["1.00 ± 0.00"] * 4
+    crossovers = _table_rows(report_html, "Crossover: where")
+    assert any("non-causal" in r and "n ≈ 2,000" in r for r in crossovers)
+    assert any("|causal" in r and "n ≈ 4,000" in r for r in crossovers)
+
+
+def test_report_numbers_are_medians_with_range(report_html):
+    # numba softmax non-causal at n=1024: 1e-9 * 1024² s = 1.05 ms, range 0.98x..1.05x.
+    assert "1.05 ms<small>1.03 ms–1.1 ms (3×)</small>" in report_html
+    assert "median" in report_html and "Synthetic CPU 9000" in report_html
+    assert "Haswell kernel" in report_html and "0.68.1" in report_html and "3.1.2" in report_html
+    assert "needs 805,306,368 bytes" in report_html   # the skipped reference points, with why
+
+
+def test_report_quality_matches_seed_experiment(report_html):
+    from fastattn import compare
+
+    q = compare(64, 32, seed=42).quality
+    assert f"{q.cosine_similarity:.4g}" in report_html
+    assert f"{q.mse:.6g}" in report_html
+    assert f"{q.magnitude_ratio:.4g}" in report_html
+
+
+def test_report_says_which_minilm_data(quality, report_html):
+    assert not quality.minilm_full
+    assert "slice shipped with fastattn" in report_html
+    assert len(quality.minilm) == 6  # one row per layer
+
+
+def test_peers_note_when_absent_and_shown_when_present(quality, report_html):
+    assert "No peer implementation was measured" in report_html
+    assert 'pip install &#34;fastattn[torch]&#34;' in report_html   # the hint from the record
+    records = synthetic_records(peers=("torch",))
+    for r in records:
+        if r["record"] == "point" and r.get("status") == "ok":
+            r["load_avg_1m"] = 1.0
+            if r["backend"] == "torch" and r["n_q"] == 2048 and r["attention"] == "linear":
+                r["check_ok"] = False      # a peer that disagrees with the reference
+    first_point = next(r for r in records if r["record"] == "point" and r["status"] == "ok")
+    first_point["load_avg_1m"] = 7.5       # one point measured on a busy machine (2 cores)
+    with_torch = build_report(records, quality=None).html
+    assert "torch softmax (peer)" in with_torch
+    assert "No peer implementation was measured" not in with_torch
+    assert "Output check failed" in with_torch
+    assert "torch linear (peer) at n = 2048" in with_torch
+    assert "machine was busy" in with_torch and "1.0 to 7.5" in with_torch
+    assert "machine was busy" not in report_html   # no load recorded: no claim either way
+
+
+def test_report_without_points_still_renders():
+    html = build_report(synthetic_records()[:2], quality=None).html
+    assert "nothing to plot" in html
+    with pytest.raises(ValueError, match="no fastattn"):
+        build_report([], quality=None)
+
+
+# ------------------------------------------------------------------ command
+@pytest.fixture(autouse=True)
+def _quality_once(request, monkeypatch):
+    """Command tests reuse the module's quality numbers (they test the command, not the maths)."""
+    if request.node.name.startswith("test_cli"):
+        value = request.getfixturevalue("quality")
+        monkeypatch.setattr("fastattn.report.quality.compute_quality", lambda *a, **k: value)
+
+
+def _sha(path):
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_cli_from_builds_report_without_touching_results(tmp_path, capsys):
+    results = write_jsonl(tmp_path / "run.jsonl", synthetic_records())
+    with open(results, "a") as handle:   # an interrupted run: the last line cut mid-write
+        handle.write('{"schema": "fastattn.results/1", "record": "po')
+    before = _sha(results)
+    out = tmp_path / "out" / "report.html"
+    out.parent.mkdir()
+    out.write_text(f"<!DOCTYPE html>{REPORT_MARKER} an older report")  # may be replaced
+    image = tmp_path / "docs" / "scaling.png"
+    assert main(["report", "--from", str(results), "--out", str(out),
+                 "--readme-image", str(image)]) == 0
+    assert capsys.readouterr().out.strip() == str(out)
+    html = out.read_text()
+    assert REPORT_MARKER in html and "an older report" not in html
+    assert "Fitted exponents" in html
+    assert image.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert _sha(results) == before
+
+
+@pytest.mark.parametrize("content", [
+    "not json at all\n",
+    '{"some": "other tool"}\n',
+    json.dumps({"schema": "fastattn.results/99", "record": "point"}) + "\n",
+])
+def test_cli_refuses_foreign_or_corrupt_results(tmp_path, capsys, content):
+    results = tmp_path / "foreign.jsonl"
+    results.write_text(content)
+    code = main(["report", "--from", str(results)])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "foreign.jsonl" in err and "not a fastattn results" in err
+    assert results.read_text() == content
+    assert not (tmp_path / "foreign.html").exists()
+
+
+def test_cli_refuses_to_overwrite_other_files(tmp_path, capsys):
+    results = write_jsonl(tmp_path / "run.jsonl", synthetic_records())
+    other = tmp_path / "notes.html"
+    other.write_text("<html>my notes</html>")
+    assert main(["report", "--from", str(results), "--out", str(other)]) == 2
+    assert other.read_text() == "<html>my notes</html>"
+    assert main(["report", "--from", str(results), "--out", str(results)]) == 2
+    assert "results file" in capsys.readouterr().err
+    assert read_records(results)  # still intact
+
+
+def test_cli_resume_refuses_foreign_file(tmp_path, capsys):
+    results = tmp_path / "theirs.jsonl"
+    results.write_text('{"rows": [1, 2, 3]}\n')
+    assert main(["report", "--resume", str(results), "--quick"]) == 2
+    assert "not a fastattn results" in capsys.readouterr().err
+    assert results.read_text() == '{"rows": [1, 2, 3]}\n'
+
+
+def test_cli_quick_end_to_end(tmp_path, monkeypatch, capsys):
+    from fastattn.report.cli import QUICK_NS
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["report", "--quick"]) == 0
+    out = capsys.readouterr().out.strip()
+    html_path = tmp_path / out
+    assert html_path.parent == tmp_path / "reports" and html_path.suffix == ".html"
+    records = read_records(html_path.with_suffix(".jsonl"))
+    kinds = {r["record"] for r in records}
+    assert kinds == {"environment", "roof", "point"}
+    points = [r for r in records if r["record"] == "point"]
+    assert {p["n_q"] for p in points} == set(QUICK_NS)
+    assert {(p["attention"], p["causal"]) for p in points} == {
+        (a, c) for a in ("softmax", "linear") for c in (False, True)}
+    assert all(p["status"] == "ok" for p in points if p["backend"] == "reference")
+    html = html_path.read_text()
+    for needle in SECTIONS:
+        assert needle in html
+    assert html_path.with_name(html_path.stem + "-scaling.png").is_file()
+    # Resuming the finished run measures nothing new and rebuilds the report.
+    before = len(records)
+    assert main(["report", "--resume", str(html_path.with_suffix(".jsonl")), "--quick"]) == 0
+    assert len(read_records(html_path.with_suffix(".jsonl"))) == before
+
+
+def test_cli_missing_results_file(tmp_path, capsys):
+    assert main(["report", "--from", str(tmp_path / "nope.jsonl")]) == 2
+    assert "no results file" in capsys.readouterr().err
+
+
+def test_cli_asv_two_machines_and_history(tmp_path, monkeypatch, capsys):
+    box_b = synthetic_records(backends=("numba",), ns=(256, 1024, 4096), machine="box-b")
+    for r in box_b:   # asv kept no memory or flop counts for this machine
+        if r["record"] == "point":
+            r.update(peak_bytes=None, gflops=None, times_s=None)
+    records = synthetic_records(machine="box-a") + box_b
+    history = [{"machine": m, "commit": c * 40, "date": f"2026-11-2{i}T10:00:00",
+                "benchmark": "softmax.time_softmax", "params": {"backend": "numba", "n": 4096},
+                "value": 0.02 + 0.001 * i, "unit": "seconds"}
+               for m in ("box-a", "box-b") for i, c in enumerate("abc")]
+    fake = types.ModuleType("fastattn.report.asv_results")
+    fake.load_asv_points = lambda directory: [r for r in records if r["record"] != "roof"]
+    fake.load_asv_history = lambda directory, benchmark=None: history
+    monkeypatch.setitem(sys.modules, "fastattn.report.asv_results", fake)
+    out = tmp_path / "asv.html"
+    assert main(["report", "--asv", str(tmp_path), "--history", "softmax.time_softmax",
+                 "--out", str(out)]) == 0
+    html = out.read_text()
+    assert "Machines side by side" in html and "box-a" in html and "box-b" in html
+    assert html.count("No memory was recorded in these results") == 1   # box-b only
+    assert 'id="history"' in html and "softmax.time_softmax" in html and "aaaaaaaa" in html
+
+
+def test_cli_asv_missing_module_is_explained(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "fastattn.report.asv_results", None)
+    assert main(["report", "--asv", str(tmp_path)]) == 2
+    assert "fastattn.report.asv_results" in capsys.readouterr().err
