@@ -34,7 +34,7 @@ def _query_block(q, k, v, out, b, qb, causal, consts, qs, sbuf, acc, tmp, m, l, 
     """Online softmax of query block ``qb`` of head ``b`` into ``out[b]``."""
     n_q, d_k = q.shape[1], q.shape[2]
     n_k, d_v = k.shape[1], v.shape[2]
-    scale, ninf, zero = consts[0], consts[1], consts[2]
+    scale, neg_inf, zero = consts[0], consts[1], consts[2]
     bq, bk = qs.shape[0], sbuf.shape[0] // qs.shape[0]
     off = n_k - n_q
     i0 = qb * bq
@@ -43,7 +43,7 @@ def _query_block(q, k, v, out, b, qb, causal, consts, qs, sbuf, acc, tmp, m, l, 
     # Keys the block can see: all of them, or up to the last row's diagonal.
     hi = min(n_k, max(0, i1 + off)) if causal else n_k
     for i in range(rows):
-        m[i] = ninf
+        m[i] = neg_inf
         l[i] = zero
         for c in range(d_v):
             acc[i, c] = zero
@@ -66,7 +66,7 @@ def _query_block(q, k, v, out, b, qb, causal, consts, qs, sbuf, acc, tmp, m, l, 
             for j in range(lim):
                 mx = max(mx, s[i, j])
             # A row whose logits are all -inf so far keeps shift 0 (its p are 0).
-            shift = mx if mx > ninf else zero
+            shift = mx if mx > neg_inf else zero
             total = zero
             for j in range(lim):
                 p = fast_exp(s[i, j] - shift)
