@@ -41,6 +41,10 @@ def single_threaded_blas():
     """
     global _controller
     if _controller is None:
+        # Numba's np.dot calls SciPy's BLAS, loaded with this module: load it
+        # before threadpoolctl lists the libraries, or it escapes the limit.
+        import scipy.linalg.cython_blas  # noqa: F401
+
         _controller = ThreadpoolController()
     with _controller.limit(limits=1, user_api="blas"):
         yield

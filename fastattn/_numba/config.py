@@ -44,3 +44,6 @@ LINEAR_CHUNK = 64
 #: (non-causal, and the causal keys before the first query's diagonal).
 #: One (d_k, d_v) state is kept per segment.
 LINEAR_SEGMENT = 1024
+
+#: Linear attention, non-causal: queries per work item of the output pass.
+LINEAR_STEP = 256

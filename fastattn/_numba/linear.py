@@ -29,7 +29,7 @@ Time ``O(B n d_k d_v)`` plus ``O(B n c d)`` for the chunks (``c`` =
 import numpy as np
 from numba import njit, prange
 
-from .config import JIT_PARALLEL, JIT_SERIAL, LINEAR_CHUNK, LINEAR_SEGMENT
+from .config import JIT_PARALLEL, JIT_SERIAL, LINEAR_CHUNK, LINEAR_SEGMENT, LINEAR_STEP
 from ._exp import fast_exp
 from ._threads import single_threaded_blas
 
@@ -58,13 +58,13 @@ def _feature_map(x, out, code, one, zero):
 
 
 @njit(**JIT_PARALLEL)
-def segment_states(k, v, bounds, code, consts, dS, dz):
-    """Pass 1: ``dS[b, s] = φ(k_s)ᵀ v_s``, ``dz[b, s] = Σ φ(k_s)`` for the keys ``bounds[s]:bounds[s+1]``."""
+def segment_states(k, v, bounds, code, consts, c, dS, dz):
+    """Pass 1: ``dS[b, s] = φ(k_s)ᵀ v_s``, ``dz[b, s] = Σ φ(k_s)`` for the keys
+    ``bounds[s]:bounds[s+1]``, taken ``c`` keys at a time."""
     B, n_k, d_k = k.shape
     d_v = v.shape[2]
     nseg = bounds.shape[0] - 1
     one, zero = consts[0], consts[1]
-    c = LINEAR_CHUNK
     for item in prange(B * nseg):
         b = item // nseg
         s = item % nseg
@@ -95,27 +95,29 @@ def prefix_states(S0, z0, dS, dz):
     for item in prange(B * d_k):
         b = item // d_k
         r = item % d_k
-        for col in range(d_v):
-            run = S0[b, r, col]
-            for s in range(nseg1):
-                inc = dS[b, s, r, col]
-                dS[b, s, r, col] = run
-                run += inc
-        run = z0[b, r]
+        # Row r of every segment's state, walked segment by segment so the
+        # inner loop runs over contiguous memory.
+        run = S0[b, r].copy()
+        for s in range(nseg1):
+            row = dS[b, s, r]
+            for col in range(d_v):
+                inc = row[col]
+                row[col] = run[col]
+                run[col] += inc
+        zrun = z0[b, r]
         for s in range(nseg1):
             inc = dz[b, s, r]
-            dz[b, s, r] = run
-            run += inc
+            dz[b, s, r] = zrun
+            zrun += inc
 
 
 @njit(**JIT_PARALLEL)
-def chunk_outputs(q, k, v, bounds, first_chunk_segment, causal, code, consts, dS, dz):
-    """Pass 3: the output of every chunk of queries, from the state before its keys."""
+def chunk_outputs(q, k, v, bounds, first_chunk_segment, causal, code, consts, c, dS, dz):
+    """Pass 3: the output of every chunk of ``c`` queries, from the state before its keys."""
     B, n_q, d_k = q.shape
     n_k, d_v = k.shape[1], v.shape[2]
     one, zero, eps = consts[0], consts[1], consts[2]
     off = n_k - n_q
-    c = LINEAR_CHUNK
     nseg = bounds.shape[0] - 1
     nchunks = (n_q + c - 1) // c
     out = np.empty((B, n_q, d_v), dtype=q.dtype)
@@ -145,15 +147,31 @@ def chunk_outputs(q, k, v, bounds, first_chunk_segment, causal, code, consts, dS
                 phk = np.empty((cols, d_k), dtype=q.dtype)
                 _feature_map(k[b, lo:hi], phk, code, one, zero)
                 A = np.dot(phq, phk.T)
+                vc = v[b, lo:hi]
+                finite = True
+                for j in range(cols):
+                    for col in range(d_v):
+                        if not np.isfinite(vc[j, col]):
+                            finite = False
                 for i in range(rows):
-                    lim = min(cols, i0 + i + off + 1 - lo)
+                    lim = max(0, min(cols, i0 + i + off + 1 - lo))
                     acc = zero
                     for j in range(lim):
-                        a = A[i, j]
-                        acc += a
-                        for col in range(d_v):
-                            num[i, col] += a * v[b, lo + j, col]
+                        acc += A[i, j]
                     den[i] += acc
+                    for j in range(lim, cols):
+                        A[i, j] = zero
+                if finite:
+                    # Masked weights are 0 and every value is finite: one gemm.
+                    num += np.dot(A, vc)
+                else:
+                    # Form only the terms a row sees: 0 * inf must not reach it.
+                    for i in range(rows):
+                        lim = min(cols, i0 + i + off + 1 - lo)
+                        for j in range(lim):
+                            a = A[i, j]
+                            for col in range(d_v):
+                                num[i, col] += a * vc[j, col]
         for i in range(rows):
             d = den[i] + eps
             if d != zero:
@@ -226,11 +244,14 @@ def linear_forward(q, k, v, feature_map, causal, eps, S0=None, z0=None):
     code = FEATURE_MAP_CODES[feature_map]
     consts = np.array([1.0, 0.0, eps], dtype=dtype)
     bounds, first = _segment_bounds(n_q, n_k, causal)
+    # Causal: the quadratic part grows with the chunk; non-causal: larger
+    # steps make larger (more efficient) gemms.
+    chunk = LINEAR_CHUNK if causal else LINEAR_STEP
     nseg = len(bounds) - 1
     dS = np.zeros((B, nseg + 1, d_k, d_v), dtype)
     dz = np.zeros((B, nseg + 1, d_k), dtype)
     with single_threaded_blas():
-        segment_states(k, v, bounds, code, consts, dS, dz)
+        segment_states(k, v, bounds, code, consts, chunk, dS, dz)
         prefix_states(S0, z0, dS, dz)
-        out = chunk_outputs(q, k, v, bounds, first, causal, code, consts, dS, dz)
+        out = chunk_outputs(q, k, v, bounds, first, causal, code, consts, chunk, dS, dz)
     return out, dS[:, nseg].copy(), dz[:, nseg].copy()

@@ -108,16 +108,15 @@ def _query_block(q, k, v, out, b, qb, causal, consts, qs, sbuf, acc, tmp, m, l, 
 
 
 @njit(**JIT_PARALLEL)
-def online_softmax_forward(q, k, v, causal, consts):
+def online_softmax_forward(q, k, v, causal, consts, bq, bk):
     """Tiled online-softmax attention; see the module docstring.
 
     ``consts`` holds ``(scale, -inf, 0)`` in the dtype of ``q`` so every
-    constant of the kernel has that dtype.  Returns ``out (B, n_q, d_v)``.
+    constant of the kernel has that dtype; ``bq``, ``bk`` are the query and
+    key block sizes.  Returns ``out (B, n_q, d_v)``.
     """
     B, n_q, d_k = q.shape
     d_v = v.shape[2]
-    bq = SOFTMAX_BLOCK_Q
-    bk = SOFTMAX_BLOCK_K
     nb = (n_q + bq - 1) // bq
     npairs = (nb + 1) // 2
     out = np.empty((B, n_q, d_v), dtype=q.dtype)
@@ -164,4 +163,6 @@ def softmax_forward(q, k, v, causal, scale):
     """
     consts = np.array([scale, -np.inf, 0.0], dtype=q.dtype)
     with single_threaded_blas():
-        return online_softmax_forward(q, k, v, bool(causal), consts)
+        return online_softmax_forward(
+            q, k, v, bool(causal), consts, SOFTMAX_BLOCK_Q, SOFTMAX_BLOCK_K
+        )
