@@ -18,7 +18,7 @@ pytest.importorskip("numba")
 
 import fastattn  # noqa: E402
 from fastattn._numba import config, get_num_threads, set_num_threads  # noqa: E402
-from fastattn._numba._exp import exp_array  # noqa: E402
+from fastattn._numba._exp import exp_array, exp_nonpositive_array  # noqa: E402
 from fastattn.data import load_minilm  # noqa: E402
 
 from conftest import assert_close, make_qkv, minilm_dir, reference64  # noqa: E402
@@ -221,6 +221,20 @@ def test_fast_exp_accuracy_and_special_values(dtype):
     assert np.all(np.abs(y[~normal] - exact[~normal]) <= np.finfo(dtype).tiny)
     special = exp_array(np.array([-np.inf, np.inf, np.nan, 0.0, -0.0, 1000.0, -1000.0], dtype))
     np.testing.assert_array_equal(special, np.array([0, np.inf, np.nan, 1, 1, np.inf, 0], dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f64"])
+def test_fast_exp_nonpositive_accuracy_and_special_values(dtype):
+    lo = -103.0 if dtype == np.float32 else -745.0
+    x = np.linspace(lo, 0.0, 200_001).astype(dtype)
+    y = exp_nonpositive_array(x)
+    exact = np.exp(x.astype(np.longdouble))
+    normal = exact >= 8 * np.finfo(dtype).tiny  # below 2**-125 / 2**-1021 it flushes to 0
+    ulps = np.abs(y[normal] - exact[normal]) / np.spacing(exact[normal].astype(dtype))
+    assert ulps.max() <= 2.0, f"fast_exp_nonpositive is {ulps.max():.2f} ulp off"
+    assert np.all(y[~normal] <= 8 * np.finfo(dtype).tiny)
+    special = exp_nonpositive_array(np.array([-np.inf, np.nan, 0.0, -0.0, -1e30], dtype))
+    np.testing.assert_array_equal(special, np.array([0, np.nan, 1, 1, 0], dtype))
 
 
 def test_fastmath_flags_live_only_in_config():

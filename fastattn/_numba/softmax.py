@@ -25,7 +25,7 @@ import numpy as np
 from numba import njit, prange
 
 from .config import JIT_PARALLEL, JIT_SERIAL, SOFTMAX_BLOCK_K, SOFTMAX_BLOCK_Q
-from ._exp import fast_exp
+from ._exp import fast_exp_nonpositive
 from ._threads import single_threaded_blas
 
 
@@ -69,12 +69,12 @@ def _query_block(q, k, v, out, b, qb, causal, consts, qs, sbuf, acc, tmp, m, l, 
             shift = mx if mx > neg_inf else zero
             total = zero
             for j in range(lim):
-                p = fast_exp(s[i, j] - shift)
+                p = fast_exp_nonpositive(s[i, j] - shift)
                 s[i, j] = p
                 total += p
             for j in range(lim, cols):
                 s[i, j] = zero
-            a = fast_exp(m[i] - shift)
+            a = fast_exp_nonpositive(m[i] - shift)
             alpha[i] = a
             l[i] = l[i] * a + total
             m[i] = mx
