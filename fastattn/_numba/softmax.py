@@ -162,7 +162,10 @@ def softmax_forward(q, k, v, causal, scale):
     the output.  Milakov & Gimelshein (2018); Dao et al., FlashAttention (2022).
     """
     consts = np.array([scale, -np.inf, 0.0], dtype=q.dtype)
+    n_q, n_k = q.shape[1], k.shape[1]
+    # Few queries (decoding): longer key blocks keep the gemms and the score
+    # tile the same size, so BLAS is not called for tiny products.
+    block_k = SOFTMAX_BLOCK_K * max(1, SOFTMAX_BLOCK_Q // n_q)
+    block_k = min(block_k, max(SOFTMAX_BLOCK_K, n_k))
     with single_threaded_blas():
-        return online_softmax_forward(
-            q, k, v, bool(causal), consts, SOFTMAX_BLOCK_Q, SOFTMAX_BLOCK_K
-        )
+        return online_softmax_forward(q, k, v, bool(causal), consts, SOFTMAX_BLOCK_Q, block_k)
