@@ -40,6 +40,32 @@ def _int_bits_as_float(typingctx, bits):
     return sig, codegen
 
 
+@intrinsic
+def _float_bits_as_int(typingctx, x):
+    """Reinterpret the bits of a float64 as an int64."""
+    if x != types.float64:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.IntType(64))
+
+    return types.int64(types.float64), codegen
+
+
+_ROUND_64 = 6755399441055744.0  # 1.5 * 2**52: adding it leaves an integer in the low mantissa bits
+
+
+@njit(inline="always", **JIT_ELEMENTARY)  # inlined only into the exp functions below
+def _pow2_64(n):
+    """``2**n`` for an integer-valued float64 ``n`` in [-1022, 1023].
+
+    The integer is read from the mantissa of ``n + 1.5 * 2**52`` and shifted
+    into the exponent field in int64 lanes (AVX2 has no vector
+    float64 -> int64 conversion, so ``int64(n)`` would not vectorise).
+    """
+    return _int_bits_as_float((_float_bits_as_int(n + _ROUND_64) + 1023) << 52)
+
+
 f32 = np.float32
 _LOG2E_32 = f32(1.4426950408889634)
 _LN2_HI_32 = f32(0.693359375)  # 0x3f318000: n * _LN2_HI_32 is exact for |n| < 2**15
@@ -128,10 +154,9 @@ def _exp64(x):
     p = p * r + 1.0 / 6.0
     p = p * r + 0.5
     p = p * (r * r) + r + 1.0
-    ni = np.int64(n)
-    h = ni >> 1
-    y = p * _int_bits_as_float((h + 1023) << 52)
-    y = y * _int_bits_as_float((ni - h + 1023) << 52)
+    h = np.floor(n * 0.5)
+    y = p * _pow2_64(h)
+    y = y * _pow2_64(n - h)
     y = 0.0 if x < _LO_64 else y
     y = np.inf if x > _HI_64 else y
     return x if x != x else y
@@ -179,7 +204,7 @@ def _exp64_nonpositive(x):
     p = p * r + 1.0 / 6.0
     p = p * r + 0.5
     p = p * (r * r) + r + 1.0
-    y = p * _int_bits_as_float((np.int64(n) + 1023) << 52)
+    y = p * _pow2_64(n)
     y = 0.0 if x < _NORMAL_64 else y
     return x if x != x else y
 
