@@ -33,8 +33,8 @@ SOFTMAX_SHAPES = [
     ((2,), 7, 7, 8, 8),
     ((), 63, 63, 16, 8),
     ((), BQ - 1, BQ - 1, 8, 8),
-    ((), BQ + 1, BQ + 1, 8, 8),
-    ((), BK + 1, BK + 1, 4, 4),
+    ((4,), BQ + 1, BQ + 1, 8, 8),  # enough work items for full-size query blocks
+    ((4,), BQ - 1, BK + 1, 4, 4),
     ((), 1000, 1000, 8, 12),
     ((2, 3), 65, 65, 8, 4),
     ((), 70, 300, 8, 8),  # n_q < n_k: a decoder with a cache

@@ -15,18 +15,19 @@ can see, keeping per row a running maximum ``m``, a running sum ``l`` of
 
 No ``n_q x n_k`` array exists: memory is ``O(B n d)`` plus a few blocks per
 thread.  Causal: key blocks wholly above the diagonal are skipped; in the
-block that crosses it each row only forms the terms it sees (a masked
-``0 * v`` would turn an inf in ``v`` into a NaN in a row that must not see
-it), and query blocks are handed out in pairs ``(t, nb - 1 - t)`` so every
+block that crosses it each row only forms the terms it sees when the block's
+values hold an inf or NaN (a masked ``0 * v`` would turn it into a NaN in a
+row that must not see it; with finite values the masked ``p`` are 0 and one
+gemm does), and query blocks are handed out in pairs ``(t, nb - 1 - t)`` so every
 work item costs the same.
 """
 
 import numpy as np
 from numba import njit, prange
 
-from .config import JIT_PARALLEL, JIT_SERIAL, SOFTMAX_BLOCK_K, SOFTMAX_BLOCK_Q
+from .config import JIT_PARALLEL, JIT_SERIAL, SOFTMAX_BLOCK_K, SOFTMAX_BLOCK_Q, SOFTMAX_MIN_BLOCK_Q
 from ._exp import fast_exp_nonpositive
-from ._threads import single_threaded_blas
+from ._threads import get_num_threads, single_threaded_blas
 
 
 @njit(**JIT_SERIAL)
@@ -78,7 +79,16 @@ def _query_block(q, k, v, out, b, qb, causal, consts, qs, sbuf, acc, tmp, m, l, 
             alpha[i] = a
             l[i] = l[i] * a + total
             m[i] = mx
-        if not crosses:
+        # A block that crosses the diagonal may still use one gemm (its masked
+        # p are 0) when its values are all finite, so 0 * v forms no NaN.
+        use_gemm = not crosses
+        if crosses:
+            use_gemm = True
+            for j in range(cols):
+                for c in range(d_v):
+                    if not np.isfinite(v[b, j0 + j, c]):
+                        use_gemm = False
+        if use_gemm:
             t = tmp[:rows]
             np.dot(s, v[b, j0:j1], t)
             for i in range(rows):
@@ -162,10 +172,15 @@ def softmax_forward(q, k, v, causal, scale):
     the output.  Milakov & Gimelshein (2018); Dao et al., FlashAttention (2022).
     """
     consts = np.array([scale, -np.inf, 0.0], dtype=q.dtype)
-    n_q, n_k = q.shape[1], k.shape[1]
+    batch, n_q, n_k = q.shape[0], q.shape[1], k.shape[1]
+    # Smaller query blocks when there are too few work items (pairs of
+    # blocks) to keep every thread busy.
+    block_q = SOFTMAX_BLOCK_Q
+    while block_q > SOFTMAX_MIN_BLOCK_Q and batch * (-(-n_q // block_q) + 1) // 2 < 2 * get_num_threads():
+        block_q //= 2
     # Few queries (decoding): longer key blocks keep the gemms and the score
     # tile the same size, so BLAS is not called for tiny products.
-    block_k = SOFTMAX_BLOCK_K * max(1, SOFTMAX_BLOCK_Q // n_q)
+    block_k = SOFTMAX_BLOCK_K * max(1, block_q // n_q)
     block_k = min(block_k, max(SOFTMAX_BLOCK_K, n_k))
     with single_threaded_blas():
-        return online_softmax_forward(q, k, v, bool(causal), consts, SOFTMAX_BLOCK_Q, block_k)
+        return online_softmax_forward(q, k, v, bool(causal), consts, block_q, block_k)
