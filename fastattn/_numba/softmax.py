@@ -61,7 +61,10 @@ def _query_block(q, k, v, out, b, qb, causal, consts, qs, sbuf, acc, tmp, m, l, 
         for i in range(rows):
             lim = min(cols, i0 + i + off + 1 - j0) if crosses else cols
             if lim <= 0:
+                # The row sees no key of this block: p = 0, its state unchanged.
                 alpha[i] = 1
+                for j in range(cols):
+                    s[i, j] = zero
                 continue
             mx = m[i]
             for j in range(lim):
