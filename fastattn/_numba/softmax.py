@@ -131,7 +131,9 @@ def online_softmax_forward(q, k, v, causal, consts, bq, bk):
     B, n_q, d_k = q.shape
     d_v = v.shape[2]
     nb = (n_q + bq - 1) // bq
-    npairs = (nb + 1) // 2
+    # Causal: work item t runs query blocks t and nb - 1 - t (equal cost);
+    # non-causal: one block per item.
+    npairs = (nb + 1) // 2 if causal else nb
     out = np.empty((B, n_q, d_v), dtype=q.dtype)
     for item in prange(B * npairs):
         b = item // npairs
@@ -144,7 +146,7 @@ def online_softmax_forward(q, k, v, causal, consts, bq, bk):
         l = np.empty(bq, dtype=q.dtype)
         alpha = np.empty(bq, dtype=q.dtype)
         _query_block(q, k, v, out, b, t, causal, consts, qs, sbuf, acc, tmp, m, l, alpha)
-        if nb - 1 - t != t:
+        if causal and nb - 1 - t != t:
             _query_block(q, k, v, out, b, nb - 1 - t, causal, consts, qs, sbuf, acc, tmp, m, l, alpha)
     return out
 
@@ -179,7 +181,11 @@ def softmax_forward(q, k, v, causal, scale):
     # Smaller query blocks when there are too few work items (pairs of
     # blocks) to keep every thread busy.
     block_q = SOFTMAX_BLOCK_Q
-    while block_q > SOFTMAX_MIN_BLOCK_Q and batch * (-(-n_q // block_q) + 1) // 2 < 2 * get_num_threads():
+    def work_items(block_q):
+        blocks = -(-n_q // block_q)
+        return batch * ((blocks + 1) // 2 if causal else blocks)
+
+    while block_q > SOFTMAX_MIN_BLOCK_Q and work_items(block_q) < 2 * get_num_threads():
         block_q //= 2
     # Few queries (decoding): longer key blocks keep the gemms and the score
     # tile the same size, so BLAS is not called for tiny products.
