@@ -12,9 +12,16 @@ float64: about 1 ulp), and ``2**n`` built from exponent bits as the product
 of two powers of two (so neither overflows nor goes subnormal).  Special
 values follow IEEE: ``exp(-inf) = 0``, ``exp(+inf) = inf``, ``exp(nan) = nan``;
 above the largest finite result it is ``inf``.
+
+Measured here (float32, 1 thread, loaded machine): ``fast_exp`` 1.5 and
+``fast_exp_nonpositive`` 1.9 G elements/s against 0.2-0.5 for NumPy's exp;
+float64 about 0.2 and 0.4.
+
+Numba's cache keys a kernel on its own source file only: after editing this
+module, delete the kernels' caches (``*.nbi``/``*.nbc`` under
+``fastattn/_numba/__pycache__``) or they keep the old exp.
 """
 
-import math
 
 import numpy as np
 from llvmlite import ir
