@@ -5,11 +5,11 @@ Katharopoulos et al., "Transformers are RNNs" (ICML 2020)::
     out_i = φ(q_i) S_i / (φ(q_i) · z_i + eps),
     S_i = S0 + Σ_{j seen by i} φ(k_j)ᵀ v_j,    z_i = z0 + Σ_{j seen by i} φ(k_j)
 
-The key axis is cut into segments.  Three parallel passes:
+The key axis is cut into segments.  Three passes (1 and 3 parallel):
 
 1. ``segment_states``: per (head, segment) the state increment
    ``ΔS = φ(k_seg)ᵀ v_seg`` and ``Δz = Σ φ(k_seg)`` (BLAS, one thread each);
-2. ``prefix_states``: exclusive prefix sums over segments, starting at
+2. ``prefix_states`` (serial): exclusive prefix sums over segments, starting at
    ``(S0, z0)``: the state before each segment, and the final state;
 3. ``chunk_outputs``: per (head, chunk of queries) the output from the state
    before the chunk's keys plus, when causal, the masked quadratic term of
@@ -87,7 +87,7 @@ def segment_states(k, v, bounds, code, consts, c, dS, dz):
                     z[r] += ph[j, r]
 
 
-@njit(**JIT_PARALLEL)
+@njit(**JIT_SERIAL)
 def prefix_states(S0, z0, dS, dz):
     """Pass 2, in place: ``dS[b, s]`` becomes ``S0 + Σ_{s' < s} ΔS_{s'}`` (the
     state before segment ``s``); entry ``nseg`` (left zero by pass 1) becomes the final state."""
