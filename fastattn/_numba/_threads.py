@@ -1,0 +1,50 @@
+"""Thread control of the Numba backend: Numba's pool, and BLAS held to one thread."""
+
+import contextlib
+
+import numba
+from threadpoolctl import ThreadpoolController
+
+_controller = None
+
+
+def set_num_threads(n_threads):
+    """Run the Numba kernels on ``n_threads`` threads.
+
+    Parameters
+    ----------
+    n_threads : int
+        At least 1; values above ``numba.config.NUMBA_NUM_THREADS`` (the pool
+        size fixed at start-up, by default the core count) are clipped to it.
+
+    Raises
+    ------
+    ValueError
+        If ``n_threads`` is not a positive int.
+    """
+    if isinstance(n_threads, bool) or not isinstance(n_threads, int) or n_threads < 1:
+        raise ValueError(f"n_threads must be a positive int, got {n_threads!r}")
+    numba.set_num_threads(min(n_threads, numba.config.NUMBA_NUM_THREADS))
+
+
+def get_num_threads():
+    """Number of threads the Numba kernels run on (int)."""
+    return numba.get_num_threads()
+
+
+@contextlib.contextmanager
+def single_threaded_blas():
+    """Context: every BLAS library loaded (NumPy's and SciPy's) uses one thread.
+
+    The kernels call BLAS (Numba's ``np.dot`` goes to SciPy's) from inside
+    ``prange``; a multithreaded BLAS there would oversubscribe the cores.
+    """
+    global _controller
+    if _controller is None:
+        # Numba's np.dot calls SciPy's BLAS, loaded with this module: load it
+        # before threadpoolctl lists the libraries, or it escapes the limit.
+        import scipy.linalg.cython_blas  # noqa: F401
+
+        _controller = ThreadpoolController()
+    with _controller.limit(limits=1, user_api="blas"):
+        yield

@@ -1,0 +1,257 @@
+"""Linear attention in Numba: non-causal and chunked causal forms.
+
+Katharopoulos et al., "Transformers are RNNs" (ICML 2020)::
+
+    out_i = φ(q_i) S_i / (φ(q_i) · z_i + eps),
+    S_i = S0 + Σ_{j seen by i} φ(k_j)ᵀ v_j,    z_i = z0 + Σ_{j seen by i} φ(k_j)
+
+The key axis is cut into segments.  Three passes (1 and 3 parallel):
+
+1. ``segment_states``: per (head, segment) the state increment
+   ``ΔS = φ(k_seg)ᵀ v_seg`` and ``Δz = Σ φ(k_seg)`` (BLAS, one thread each);
+2. ``prefix_states`` (serial): exclusive prefix sums over segments, starting at
+   ``(S0, z0)``: the state before each segment, and the final state;
+3. ``chunk_outputs``: per (head, chunk of queries) the output from the state
+   before the chunk's keys plus, when causal, the masked quadratic term of
+   the keys inside the chunk (as in the chunk form of flash-linear-attention).
+
+Non-causal, every query uses the final state.  Causal, with the bottom-right
+aligned mask, query chunk ``t`` (rows ``[i0, i1)``) owns the keys
+``[i0 + off, i1 + off)`` (``off = n_k - n_q``, clamped to ``[0, n_k]``): the
+segments are those key ranges, after the keys ``[0, off)`` every query sees.
+Inside a chunk each row only forms the terms it sees, so an inf or NaN in a
+key or value never reaches a row that does not see it.
+
+Time ``O(B n d_k d_v)`` plus ``O(B n c d)`` for the chunks (``c`` =
+``LINEAR_CHUNK``); extra memory one ``(d_k, d_v)`` state per segment.
+"""
+
+import numpy as np
+from numba import njit, prange
+
+from .config import JIT_PARALLEL, JIT_SERIAL, LINEAR_CHUNK, LINEAR_SEGMENT, LINEAR_STEP
+from ._exp import fast_exp
+from ._threads import single_threaded_blas
+
+#: Feature map name -> code passed to the kernels (a runtime argument, so one
+#: compiled kernel per dtype serves both).
+FEATURE_MAP_CODES = {"elu": 0, "relu": 1}
+
+
+@njit(**JIT_SERIAL)
+def _feature_map(x, out, code, one, zero):
+    """``out = φ(x)`` for a 2-D block: ``elu(x) + 1`` (code 0) or ``max(x, 0)`` (code 1).
+
+    NaN stays NaN (as in the reference); ``elu`` of ``-inf`` is 0.
+    """
+    rows, cols = x.shape
+    if code == 0:
+        for i in range(rows):
+            for c in range(cols):
+                xi = x[i, c]
+                out[i, c] = xi + one if xi > zero else fast_exp(xi)
+    else:
+        for i in range(rows):
+            for c in range(cols):
+                xi = x[i, c]
+                out[i, c] = zero if xi <= zero else xi
+
+
+@njit(**JIT_PARALLEL)
+def segment_states(k, v, bounds, code, consts, c, dS, dz):
+    """Pass 1: ``dS[b, s] = φ(k_s)ᵀ v_s``, ``dz[b, s] = Σ φ(k_s)`` for the keys
+    ``bounds[s]:bounds[s+1]``, taken ``c`` keys at a time."""
+    B, n_k, d_k = k.shape
+    d_v = v.shape[2]
+    nseg = bounds.shape[0] - 1
+    one, zero = consts[0], consts[1]
+    for item in prange(B * nseg):
+        b = item // nseg
+        s = item % nseg
+        phi = np.empty((c, d_k), dtype=k.dtype)
+        tmp = np.empty((d_k, d_v), dtype=k.dtype)
+        S = dS[b, s]
+        z = dz[b, s]
+        S[:] = zero
+        z[:] = zero
+        for j0 in range(bounds[s], bounds[s + 1], c):
+            j1 = min(bounds[s + 1], j0 + c)
+            ph = phi[: j1 - j0]
+            _feature_map(k[b, j0:j1], ph, code, one, zero)
+            np.dot(ph.T, v[b, j0:j1], tmp)
+            for r in range(d_k):
+                for col in range(d_v):
+                    S[r, col] += tmp[r, col]
+            for j in range(j1 - j0):
+                for r in range(d_k):
+                    z[r] += ph[j, r]
+
+
+@njit(**JIT_SERIAL)
+def prefix_states(S0, z0, dS, dz):
+    """Pass 2, in place: ``dS[b, s]`` becomes ``S0 + Σ_{s' < s} ΔS_{s'}`` (the
+    state before segment ``s``); entry ``nseg`` (left zero by pass 1) becomes the final state."""
+    B, nseg1, d_k, d_v = dS.shape
+    for item in prange(B * d_k):
+        b = item // d_k
+        r = item % d_k
+        # Row r of every segment's state, walked segment by segment so the
+        # inner loop runs over contiguous memory.
+        run = S0[b, r].copy()
+        for s in range(nseg1):
+            row = dS[b, s, r]
+            for col in range(d_v):
+                inc = row[col]
+                row[col] = run[col]
+                run[col] += inc
+        zrun = z0[b, r]
+        for s in range(nseg1):
+            inc = dz[b, s, r]
+            dz[b, s, r] = zrun
+            zrun += inc
+
+
+@njit(**JIT_PARALLEL)
+def chunk_outputs(q, k, v, bounds, first_chunk_segment, causal, code, consts, c, dS, dz):
+    """Pass 3: the output of every chunk of ``c`` queries, from the state before its keys."""
+    B, n_q, d_k = q.shape
+    n_k, d_v = k.shape[1], v.shape[2]
+    one, zero, eps = consts[0], consts[1], consts[2]
+    off = n_k - n_q
+    nseg = bounds.shape[0] - 1
+    nchunks = (n_q + c - 1) // c
+    out = np.empty((B, n_q, d_v), dtype=q.dtype)
+    for item in prange(B * nchunks):
+        b = item // nchunks
+        t = item % nchunks
+        i0 = t * c
+        i1 = min(n_q, i0 + c)
+        rows = i1 - i0
+        phq = np.empty((rows, d_k), dtype=q.dtype)
+        num = np.empty((rows, d_v), dtype=q.dtype)
+        den = np.empty(rows, dtype=q.dtype)
+        _feature_map(q[b, i0:i1], phq, code, one, zero)
+        s = first_chunk_segment + t if causal else nseg
+        np.dot(phq, dS[b, s], num)
+        z = dz[b, s]
+        for i in range(rows):
+            acc = zero
+            for r in range(d_k):
+                acc += phq[i, r] * z[r]
+            den[i] = acc
+        if causal:
+            lo = bounds[s]
+            hi = bounds[s + 1]
+            cols = hi - lo
+            if cols > 0:
+                phk = np.empty((cols, d_k), dtype=q.dtype)
+                _feature_map(k[b, lo:hi], phk, code, one, zero)
+                A = np.dot(phq, phk.T)
+                vc = v[b, lo:hi]
+                finite = True
+                for j in range(cols):
+                    for col in range(d_v):
+                        if not np.isfinite(vc[j, col]):
+                            finite = False
+                for i in range(rows):
+                    lim = max(0, min(cols, i0 + i + off + 1 - lo))
+                    acc = zero
+                    for j in range(lim):
+                        acc += A[i, j]
+                    den[i] += acc
+                    for j in range(lim, cols):
+                        A[i, j] = zero
+                if finite:
+                    # Masked weights are 0 and every value is finite: one gemm.
+                    num += np.dot(A, vc)
+                else:
+                    # Form only the terms a row sees: 0 * inf must not reach it.
+                    for i in range(rows):
+                        lim = min(cols, i0 + i + off + 1 - lo)
+                        for j in range(lim):
+                            a = A[i, j]
+                            for col in range(d_v):
+                                num[i, col] += a * vc[j, col]
+        for i in range(rows):
+            d = den[i] + eps
+            if d != zero:
+                r = one / d
+                for col in range(d_v):
+                    out[b, i0 + i, col] = num[i, col] * r
+            else:
+                for col in range(d_v):
+                    out[b, i0 + i, col] = num[i, col] * zero
+    return out
+
+
+def _segment_bounds(n_q, n_k, causal):
+    """Key boundaries of the segments, and the index of query chunk 0's segment.
+
+    Non-causal: segments of ``LINEAR_SEGMENT`` keys.  Causal: the keys
+    ``[0, off)`` every query sees, in segments of ``LINEAR_SEGMENT``, then one
+    (possibly empty) segment per query chunk holding the keys on its diagonal.
+    """
+    if not causal:
+        bounds = np.append(np.arange(0, n_k, LINEAR_SEGMENT), n_k)
+        return bounds.astype(np.int64), 0
+    off = n_k - n_q
+    starts = np.clip(np.arange(0, n_q, LINEAR_CHUNK) + off, 0, n_k)
+    prefix = np.arange(0, starts[0], LINEAR_SEGMENT)
+    bounds = np.concatenate([prefix, starts, [n_k]]).astype(np.int64)
+    return bounds, len(prefix)
+
+
+def linear_forward(q, k, v, feature_map, causal, eps, S0=None, z0=None):
+    """Linear attention ``φ(q) S / (φ(q)·z + eps)``, non-causal or chunked causal.
+
+    Parameters
+    ----------
+    q : ndarray of shape (B, n_q, d_k)
+        float32 or float64, C-contiguous (validated by :mod:`fastattn._api`).
+    k : ndarray of shape (B, n_k, d_k)
+    v : ndarray of shape (B, n_k, d_v)
+    feature_map : {"elu", "relu"}
+        ``elu(x) + 1`` or ``max(x, 0)``.
+    causal : bool
+        Bottom-right aligned mask (``j <= i + n_k - n_q``).
+    eps : float
+        Added to the denominator; a row whose denominator is exactly 0 is 0.
+    S0 : ndarray of shape (B, d_k, d_v), optional
+        State of earlier keys, seen by every query (default zeros).
+    z0 : ndarray of shape (B, d_k), optional
+
+    Returns
+    -------
+    out : ndarray of shape (B, n_q, d_v)
+    S : ndarray of shape (B, d_k, d_v)
+        ``S0 + φ(k)ᵀ v``, the state to pass on to the next piece.
+    z : ndarray of shape (B, d_k)
+        ``z0 + Σ_j φ(k_j)``.
+
+    Notes
+    -----
+    Time ``O(B n (d_k + c) d_v)`` with chunk ``c = LINEAR_CHUNK`` (the
+    ``c`` term only when causal); extra memory ``O(B (n / c) d_k d_v)``
+    causal, ``O(B (n / LINEAR_SEGMENT) d_k d_v)`` non-causal.
+    Katharopoulos et al. (2020).
+    """
+    dtype = q.dtype
+    B, n_q, d_k = q.shape
+    n_k, d_v = k.shape[1], v.shape[2]
+    causal = bool(causal)
+    S0 = np.zeros((B, d_k, d_v), dtype) if S0 is None else S0
+    z0 = np.zeros((B, d_k), dtype) if z0 is None else z0
+    code = FEATURE_MAP_CODES[feature_map]
+    consts = np.array([1.0, 0.0, eps], dtype=dtype)
+    bounds, first = _segment_bounds(n_q, n_k, causal)
+    # Causal: the quadratic part grows with the chunk; non-causal: larger
+    # steps make larger (more efficient) gemms.
+    chunk = LINEAR_CHUNK if causal else LINEAR_STEP
+    nseg = len(bounds) - 1
+    dS = np.zeros((B, nseg + 1, d_k, d_v), dtype)
+    dz = np.zeros((B, nseg + 1, d_k), dtype)
+    with single_threaded_blas():
+        segment_states(k, v, bounds, code, consts, chunk, dS, dz)
+        prefix_states(S0, z0, dS, dz)
+        out = chunk_outputs(q, k, v, bounds, first, causal, code, consts, chunk, dS, dz)
+    return out, dS[:, nseg].copy(), dz[:, nseg].copy()
