@@ -38,6 +38,10 @@ def set_num_threads(n_threads):
     """
     global _requested
     n_threads = _check_threads(n_threads)
+    # SciPy loads its own OpenBLAS lazily (Numba's np.dot and the Cython
+    # kernels call it); load it now so the limit below reaches it too.
+    import scipy.linalg.cython_blas  # noqa: F401
+
     for name in _api.available_backends():
         setter = getattr(_api.get_backend(name), "set_num_threads", None)
         if setter is not None:
