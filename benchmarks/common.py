@@ -34,7 +34,10 @@ import fastattn
 from fastattn import reference
 
 #: Threads used when OMP_NUM_THREADS is unset; asv.conf.json uses the same.
-DEFAULT_THREADS = 2
+#: One thread: on a busy 2-core machine OpenBLAS with 2 threads turned a
+#: 0.4 ms reference call (n=256) into 48 ms; one thread per benchmark keeps the
+#: history comparable across commits and machines.  Change both places together.
+DEFAULT_THREADS = 1
 
 QUICK = os.environ.get("FASTATTN_ASV_QUICK", "") not in ("", "0")
 
@@ -256,10 +259,11 @@ class _AttentionSuite:
     params = (BACKENDS, N_GRID, CAUSAL, DTYPES)
     param_names = ("backend", "n", "causal", "dtype")
     # asv re-runs setup before every sample; it is cheap after the first time
-    # (cached inputs, warm-up once per process).  Two rounds of 2-5 samples,
-    # each round bounded to ~5 s of samples, keep n = 16384 affordable.
+    # (cached inputs, warm-up once per process).  Two rounds (processes) of
+    # 1-5 samples each, a round stopping after ~5 s of samples, keep the
+    # seconds-long calls at n = 16384 affordable.
     rounds = 2
-    repeat = (2, 5, 5.0)
+    repeat = (1, 5, 5.0)
     warmup_time = 0.1
     timeout = 300
 
@@ -285,14 +289,14 @@ class _AccuracySuite:
     """Max abs error of each kernel against the float64 reference, at n = ERROR_N."""
 
     attention = None
-    params = (BACKENDS, CAUSAL, DTYPES)
-    param_names = ("backend", "causal", "dtype")
+    params = (BACKENDS, (ERROR_N,), CAUSAL, DTYPES)
+    param_names = ("backend", "n", "causal", "dtype")
 
-    def setup(self, backend, causal, dtype):
+    def setup(self, backend, n, causal, dtype):
         backend_or_skip(backend)
         fix_threads()
 
-    def track_max_abs_error(self, backend, causal, dtype):
-        return max_abs_error(self.attention, backend, causal, dtype)
+    def track_max_abs_error(self, backend, n, causal, dtype):
+        return max_abs_error(self.attention, backend, causal, dtype, n)
 
     track_max_abs_error.unit = "abs error"

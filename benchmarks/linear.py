@@ -16,6 +16,6 @@ class LinearAttention(_AttentionSuite):
 
 
 class LinearAccuracy(_AccuracySuite):
-    """Max abs error of ``linear_attention`` against the float64 reference, n = 1024."""
+    """Max abs error of ``linear_attention`` against the float64 reference, at n = common.ERROR_N (1024)."""
 
     attention = "linear"

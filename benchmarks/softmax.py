@@ -15,6 +15,6 @@ class SoftmaxAttention(_AttentionSuite):
 
 
 class SoftmaxAccuracy(_AccuracySuite):
-    """Max abs error of ``softmax_attention`` against the float64 reference, n = 1024."""
+    """Max abs error of ``softmax_attention`` against the float64 reference, at n = common.ERROR_N (1024)."""
 
     attention = "softmax"
