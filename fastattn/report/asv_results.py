@@ -160,17 +160,17 @@ def _rows(data, name, meta):
     return out
 
 
-def _flops(attention, n, d_k, d_v, causal):
-    """Floating-point operations of one call (multiply and add counted apart).
+def _flops(attention, n, causal):
+    """Flops of one suite call by fastattn's one formula (fastattn.bench.flops), or None.
 
-    Softmax: ``2 n_q n_k d_k`` for ``q kᵀ`` and ``2 n_q n_k d_v`` for the
-    product with ``v`` over the visible pairs (``n (n + 1) / 2`` when causal).
-    Linear: ``2 n d_k d_v`` for ``φ(k)ᵀ v`` and as much for ``φ(q) S``.
+    None when that module is not there (it comes with the bench sweep).
     """
-    if attention == "softmax":
-        pairs = n * (n + 1) // 2 if causal else n * n
-        return 2 * pairs * (d_k + d_v)
-    return 4 * n * d_k * d_v
+    try:
+        from ..bench.flops import attention_flops
+    except ImportError:
+        return None
+    return attention_flops(attention, n, n, SUITE_D, SUITE_D, causal,
+                           batch=SUITE_BATCH, heads=SUITE_HEADS)
 
 
 def _threads_of(data, meta):
@@ -185,24 +185,27 @@ def _threads_of(data, meta):
     return threads, (int(requested) if requested is not None else None)
 
 
-def _environment_record(machine, machine_info, data, threads):
+def _environment_record(machine, machine_info, data, thread_counts, threads):
+    """An environment record; key names follow fastattn.bench.environment.collect()."""
     return {
         "schema": SCHEMA,
         "record": "environment",
         "source": "asv",
         "machine": machine,
         "commit": data.get("commit_hash"),
+        "git_commit": data.get("commit_hash"),
         "date": _iso(data.get("date")),
         "env_name": data.get("env_name"),
-        "cpu": machine_info.get("cpu"),
+        "cpu_model": machine_info.get("cpu"),
         "arch": machine_info.get("arch"),
-        "os": machine_info.get("os"),
-        "cores": _int_or_none(machine_info.get("num_cpu")),
-        "ram_bytes": _int_or_none(machine_info.get("ram")),
+        "platform": machine_info.get("os"),
+        "cores_logical": _int_or_none(machine_info.get("num_cpu")),
+        "memory_total_bytes": _int_or_none(machine_info.get("ram")),
         "python": data.get("python"),
-        "requirements": data.get("requirements") or {},
+        "versions": data.get("requirements") or {},
         "env_vars": data.get("env_vars") or {},
         "threads": threads,
+        "thread_counts": thread_counts,
     }
 
 
@@ -289,7 +292,7 @@ def _new_point(machine, data, attention, params, threads):
         "max_s": None,
         "q25_s": None,
         "q75_s": None,
-        "flops": _flops(attention, n, SUITE_D, SUITE_D, causal) if n else None,
+        "flops": _flops(attention, n, causal) if n else None,
         "gflops": None,
         "peak_bytes": None,
         "memory_method": "rss-hwm",
@@ -321,8 +324,9 @@ def load_asv_points(results_dir):
     -------
     list of dict
         Per machine: one ``"environment"`` record (``machine``, ``commit``,
-        ``cpu``, ``cores``, ``ram_bytes``, ``python``, ``env_vars``,
-        ``threads``), then one ``"point"`` record (schema of
+        ``cpu_model``, ``cores_logical``, ``memory_total_bytes``, ``python``,
+        ``env_vars``, ``threads`` (requested), ``thread_counts`` (per
+        component)), then one ``"point"`` record (schema of
         :mod:`fastattn.bench.results`) per attention x backend x causal x dtype
         x n of the suite, with extra keys ``machine``, ``commit``, ``date``
         (ISO 8601, the commit's date), ``env_name``, ``source`` ``"asv"`` and
@@ -352,8 +356,10 @@ def load_asv_points(results_dir):
         latest_commit = runs[-1][0].get("commit_hash")
         latest = [data for data, _ in runs if data.get("commit_hash") == latest_commit]
         for data in latest:
-            threads, _ = _threads_of(data, meta)
-            records.append(_environment_record(machine_dir.name, machine_info, data, threads))
+            thread_counts, threads = _threads_of(data, meta)
+            records.append(
+                _environment_record(machine_dir.name, machine_info, data, thread_counts, threads)
+            )
             points = _points_of(machine_dir.name, data, meta)
             records.extend(points[key] for key in sorted(points, key=_sort_key))
     return records
