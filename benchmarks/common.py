@@ -259,12 +259,16 @@ class _AttentionSuite:
     params = (BACKENDS, N_GRID, CAUSAL, DTYPES)
     param_names = ("backend", "n", "causal", "dtype")
     # asv re-runs setup before every sample; it is cheap after the first time
-    # (cached inputs, warm-up once per process).  Two rounds (processes) of
-    # 1-5 samples each, a round stopping after ~5 s of samples, keep the
-    # seconds-long calls at n = 16384 affordable.
-    rounds = 2
-    repeat = (1, 5, 5.0)
-    warmup_time = 0.1
+    # (cached inputs, warm-up once per process).  One process per combination,
+    # 2 to 10 samples stopping after ~4 s: a tiled softmax at n = 16384 takes
+    # 2-8 s a call on one thread, so it gets 2 samples; a 1 ms call gets 10.
+    # asv's own warm-up loop is off (warmup_time = 0): setup has already run
+    # the kernel, and repeating a seconds-long call only to discard it would
+    # double the suite.  Measured: the whole `asv run` stays under 30 minutes
+    # on the 2-core development machine with all three backends.
+    rounds = 1
+    repeat = (2, 10, 4.0)
+    warmup_time = 0
     timeout = 300
 
     def setup(self, backend, n, causal, dtype):
