@@ -1,0 +1,1 @@
+"""asv benchmarks of fastattn (see asv.conf.json and docs/asv.md)."""

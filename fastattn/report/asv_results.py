@@ -1,0 +1,443 @@
+"""Read the results of the asv suite (``benchmarks/``) as fastattn records.
+
+asv (0.6) keeps, under its results directory (``.asv/results`` here)::
+
+    benchmarks.json                 every benchmark: params, param_names, unit, type
+    <machine>/machine.json          the machine: cpu, arch, os, num_cpu, ram
+    <machine>/<commit8>-<env>.json  one commit in one environment
+
+A result file holds ``result_columns`` (``"result"``, ``"params"``,
+``"version"``, ``"started_at"``, ``"duration"``, ``"stats_ci_99_a"``, ...,
+``"samples"``) and, per benchmark, a row in that column order (trailing empty
+columns dropped).  For a parameterised benchmark, ``params`` is one list of
+repr strings per parameter and ``result`` one value per combination, in the
+order of ``itertools.product(*params)``; a combination skipped in ``setup``
+(NotImplementedError) is NaN, one that failed is ``null``.
+
+:func:`load_asv_points` turns the latest commit of each machine into
+``"point"`` records of :mod:`fastattn.bench.results` (plus ``"machine"``,
+``"commit"``), one per attention x backend x causal x dtype x n, joining the
+``time_forward``, ``track_peak_bytes`` and ``track_max_abs_error`` benchmarks
+of that combination (the accuracy benchmarks run at one n, so only the
+points at that n carry ``max_abs_err``), and one ``"environment"`` record per machine.
+:func:`load_asv_history` gives every value of a benchmark across commits.
+"""
+
+import ast
+import datetime
+import itertools
+import json
+import math
+import re
+from pathlib import Path
+
+from ..bench.results import SCHEMA
+
+#: Constants of the suite (benchmarks/common.py: D, BATCH); asv results do
+#: not carry them.  tests/test_asv_results.py checks that they agree.
+SUITE_D = 64
+SUITE_BATCH = 1
+SUITE_HEADS = 1
+SUITE_FEATURE_MAP = {"softmax": None, "linear": "elu"}
+
+#: asv benchmark name ``<attention>.<Class>.<method>`` -> the point field it fills.
+_METHOD_FIELDS = {
+    "time_forward": "median_s",
+    "track_peak_bytes": "peak_bytes",
+    "track_max_abs_error": "max_abs_err",
+}
+_THREADS_BENCHMARK = "threads.Threads.track_threads"
+
+
+class AsvResultsError(ValueError):
+    """A directory that is not an asv results directory, or a file asv did not write."""
+
+
+def _read_json(path):
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return json.load(handle)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise AsvResultsError(f"cannot read asv file {path}: {exc}") from None
+
+
+def _decode_param(text):
+    """An asv parameter repr (``"'reference'"``, ``"256"``, ``"True"``) as a Python value."""
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
+
+def _is_number(value):
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value))
+
+
+def _iso(ms):
+    """asv's commit date (milliseconds since the epoch, UTC) in ISO 8601."""
+    if ms is None:
+        return None
+    return datetime.datetime.fromtimestamp(ms / 1000, tz=datetime.timezone.utc).isoformat()
+
+
+def _results_root(results_dir):
+    root = Path(results_dir)
+    if not root.is_dir():
+        raise AsvResultsError(f"no asv results directory at {root}")
+    machines = sorted(p for p in root.iterdir() if (p / "machine.json").is_file())
+    if not machines:
+        raise AsvResultsError(
+            f"{root} holds no asv machine directory (<machine>/machine.json); "
+            f"run `asv run` first, or pass asv's results_dir (.asv/results)"
+        )
+    return root, machines
+
+
+def _benchmark_meta(root):
+    """benchmarks.json without its version key (empty when the file is missing)."""
+    path = root / "benchmarks.json"
+    if not path.is_file():
+        return {}
+    meta = _read_json(path)
+    return {k: v for k, v in meta.items() if isinstance(v, dict)}
+
+
+def _result_files(machine_dir):
+    """Every result file of a machine as (data, path), oldest commit first."""
+    runs = []
+    for path in sorted(machine_dir.glob("*.json")):
+        if path.name == "machine.json":
+            continue
+        data = _read_json(path)
+        if not isinstance(data, dict) or "results" not in data or "commit_hash" not in data:
+            raise AsvResultsError(f"{path} is not an asv result file (no results/commit_hash)")
+        runs.append((data, path))
+    runs.sort(key=lambda run: (run[0].get("date") or 0, run[1].name))
+    return runs
+
+
+#: Stand-ins for a combination without a value: skipped (NaN in asv) or failed (null).
+SKIPPED = "skipped"
+FAILED = "failed"
+
+
+def _rows(data, name, meta):
+    """One benchmark of a result file as a list of (params dict, value, stats dict).
+
+    ``value`` is a finite number, or None with ``stats["missing"]`` set to
+    :data:`SKIPPED` or :data:`FAILED`.
+    """
+    row = data["results"].get(name)
+    if row is None:
+        return []
+    columns = data.get("result_columns") or ["result", "params"]
+    cells = dict(zip(columns, row))
+    values = cells.get("result")
+    param_lists = cells.get("params") or []
+    names = (meta.get(name) or {}).get("param_names") or []
+    if len(names) != len(param_lists):
+        # benchmarks.json describes the current suite; an older result file
+        # may have had other parameters.
+        names = [f"param{i + 1}" for i in range(len(param_lists))]
+    combos = list(itertools.product(*param_lists)) if param_lists else [()]
+    if not isinstance(values, list):
+        values = [values]
+    out = []
+    for index, combo in enumerate(combos):
+        value = values[index] if index < len(values) else None
+        stats = {}
+        for column in ("stats_q_25", "stats_q_75", "stats_ci_99_a", "stats_ci_99_b",
+                       "stats_number", "stats_repeat", "samples"):
+            column_values = cells.get(column)
+            if isinstance(column_values, list) and index < len(column_values):
+                stats[column] = column_values[index]
+        params = {pname: _decode_param(p) for pname, p in zip(names, combo)}
+        if not _is_number(value):
+            stats["missing"] = FAILED if value is None else SKIPPED
+            value = None
+        out.append((params, value, stats))
+    return out
+
+
+def _flops(attention, n, causal):
+    """Flops of one suite call by fastattn's one formula (fastattn.bench.flops), or None.
+
+    None when that module is not there (it comes with the bench sweep).
+    """
+    try:
+        from ..bench.flops import attention_flops
+    except ImportError:
+        return None
+    return attention_flops(attention, n, n, SUITE_D, SUITE_D, causal,
+                           batch=SUITE_BATCH, heads=SUITE_HEADS)
+
+
+def _threads_of(data, meta):
+    """{component: threads} from the threads benchmark of a result file, and the requested count."""
+    threads = {p["component"]: v for p, v, _ in _rows(data, _THREADS_BENCHMARK, meta)
+               if v is not None and "component" in p}
+    requested = threads.get("requested")
+    if requested is None:
+        env = data.get("env_vars") or {}
+        value = str(env.get("OMP_NUM_THREADS", ""))
+        requested = int(value) if value.isdigit() else None
+    return threads, (int(requested) if requested is not None else None)
+
+
+def _environment_record(machine, machine_info, data, thread_counts, threads):
+    """An environment record; key names follow fastattn.bench.environment.collect()."""
+    return {
+        "schema": SCHEMA,
+        "record": "environment",
+        "source": "asv",
+        "machine": machine,
+        "commit": data.get("commit_hash"),
+        "git_commit": data.get("commit_hash"),
+        "date": _iso(data.get("date")),
+        "env_name": data.get("env_name"),
+        "cpu_model": machine_info.get("cpu"),
+        "arch": machine_info.get("arch"),
+        "platform": machine_info.get("os"),
+        "cores_logical": _int_or_none(machine_info.get("num_cpu")),
+        "memory_total_bytes": _int_or_none(machine_info.get("ram")),
+        "python": data.get("python"),
+        "versions": data.get("requirements") or {},
+        "env_vars": data.get("env_vars") or {},
+        "threads": threads,
+        "thread_counts": thread_counts,
+    }
+
+
+def _int_or_none(value):
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def _points_of(machine, data, meta):
+    """Point records of one result file, keyed by (attention, backend, causal, dtype, n)."""
+    _, threads = _threads_of(data, meta)
+    points = {}
+    for name in sorted(data["results"]):
+        attention = name.partition(".")[0]
+        field = _METHOD_FIELDS.get(name.rsplit(".", 1)[-1])
+        if field is None or attention not in SUITE_FEATURE_MAP:
+            continue
+        for params, value, stats in _rows(data, name, meta):
+            key = (attention, params.get("backend"), params.get("causal"),
+                   params.get("dtype"), params.get("n"))
+            if key not in points:
+                if value is None and field == "max_abs_err":
+                    continue  # a point only for a skipped accuracy check is noise
+                points[key] = _new_point(machine, data, attention, params, threads)
+            point = points[key]
+            if value is None:
+                if stats["missing"] == FAILED:
+                    point["failed"].append(name)
+                continue
+            point[field] = value
+            point["benchmarks"][field] = name
+            if field == "median_s":
+                _add_time_stats(point, value, stats)
+    for point in points.values():
+        failed = point.pop("failed")
+        has_value = any(point.get(f) is not None for f in _METHOD_FIELDS.values())
+        if failed:
+            point["status"] = "error"
+            point["reason"] = f"failed in asv: {', '.join(failed)} (see the asv run log)"
+        elif has_value:
+            point["status"] = "ok"
+        else:
+            point["status"] = "skipped"
+            point["reason"] = (
+                "skipped in the benchmark's setup: backend not built here, or past the "
+                "bound of the quadratic reference (benchmarks/common.py)"
+            )
+        if point["median_s"] and point["flops"]:
+            point["gflops"] = point["flops"] / point["median_s"] / 1e9
+    return points
+
+
+def _new_point(machine, data, attention, params, threads):
+    n = params.get("n")
+    causal = params.get("causal")
+    return {
+        "schema": SCHEMA,
+        "record": "point",
+        "source": "asv",
+        "machine": machine,
+        "commit": data.get("commit_hash"),
+        "date": _iso(data.get("date")),
+        "env_name": data.get("env_name"),
+        "attention": attention,
+        "backend": params.get("backend"),
+        "peer": False,
+        "causal": causal,
+        "dtype": params.get("dtype"),
+        "batch": SUITE_BATCH,
+        "heads": SUITE_HEADS,
+        "n_q": n,
+        "n_k": n,
+        "d_k": SUITE_D,
+        "d_v": SUITE_D,
+        "feature_map": SUITE_FEATURE_MAP[attention],
+        "threads": threads,
+        "status": None,
+        "reason": None,
+        "times_s": None,
+        "median_s": None,
+        "min_s": None,
+        "max_s": None,
+        "q25_s": None,
+        "q75_s": None,
+        "flops": _flops(attention, n, causal) if n else None,
+        "gflops": None,
+        "peak_bytes": None,
+        "memory_method": "rss-hwm",
+        "max_abs_err": None,
+        "benchmarks": {},
+        "failed": [],
+    }
+
+
+def _add_time_stats(point, median, stats):
+    samples = stats.get("samples")
+    if isinstance(samples, list) and samples:
+        point["times_s"] = samples
+        point["min_s"], point["max_s"] = min(samples), max(samples)
+    point["q25_s"] = stats.get("stats_q_25")
+    point["q75_s"] = stats.get("stats_q_75")
+
+
+def load_asv_points(results_dir):
+    """Point records of the latest commit of each machine, and its environment.
+
+    Parameters
+    ----------
+    results_dir : str or Path
+        asv's results directory (``results_dir`` of asv.conf.json, ``.asv/results``
+        here), or a merge of several machines' results directories.
+
+    Returns
+    -------
+    list of dict
+        Per machine: one ``"environment"`` record (``machine``, ``commit``,
+        ``cpu_model``, ``cores_logical``, ``memory_total_bytes``, ``python``,
+        ``env_vars``, ``threads`` (requested), ``thread_counts`` (per
+        component)), then one ``"point"`` record (schema of
+        :mod:`fastattn.bench.results`) per attention x backend x causal x dtype
+        x n of the suite, with extra keys ``machine``, ``commit``, ``date``
+        (ISO 8601, the commit's date), ``env_name``, ``source`` ``"asv"`` and
+        ``benchmarks`` (field -> asv benchmark name).  ``median_s`` is asv's
+        result (median of the samples), ``peak_bytes`` the call's peak extra
+        RSS, ``max_abs_err`` the error against the float64 reference (only on
+        the points at the accuracy benchmarks' n).  Combinations that did not run
+        have ``status`` ``"skipped"``; those where a benchmark raised
+        ``"error"`` (``reason`` names the benchmarks).  The latest commit is the one with the
+        newest commit date; when it was run in several environments, each
+        gives its own records.
+
+    Raises
+    ------
+    AsvResultsError
+        If ``results_dir`` holds no ``<machine>/machine.json`` or a result file
+        is not asv's.
+    """
+    root, machines = _results_root(results_dir)
+    meta = _benchmark_meta(root)
+    records = []
+    for machine_dir in machines:
+        machine_info = _read_json(machine_dir / "machine.json")
+        runs = _result_files(machine_dir)
+        if not runs:
+            continue
+        latest_commit = runs[-1][0].get("commit_hash")
+        latest = [data for data, _ in runs if data.get("commit_hash") == latest_commit]
+        for data in latest:
+            thread_counts, threads = _threads_of(data, meta)
+            records.append(
+                _environment_record(machine_dir.name, machine_info, data, thread_counts, threads)
+            )
+            points = _points_of(machine_dir.name, data, meta)
+            records.extend(points[key] for key in sorted(points, key=_sort_key))
+    return records
+
+
+def _sort_key(key):
+    return tuple((value is None, str(type(value)), value if value is not None else 0)
+                 for value in key)
+
+
+def load_asv_history(results_dir, benchmark=None):
+    """Every value of asv benchmarks across commits, oldest commit first.
+
+    Parameters
+    ----------
+    results_dir : str or Path
+        asv's results directory (see :func:`load_asv_points`).
+    benchmark : str, optional
+        A benchmark name (``"softmax.SoftmaxAttention.time_forward"``); a name
+        that matches none exactly is taken as a regular expression searched
+        in the names.  None: every benchmark.
+
+    Returns
+    -------
+    list of dict
+        ``{"machine", "commit", "date" (ISO 8601 commit date), "env_name",
+        "benchmark", "params" (param name -> value), "value", "unit"}``, one
+        per machine x environment x commit x benchmark x parameter
+        combination that produced a value (skipped and failed ones are left
+        out), sorted by machine, benchmark, params and date.
+
+    Raises
+    ------
+    AsvResultsError
+        As :func:`load_asv_points`; also when ``benchmark`` matches nothing
+        in the results.
+    """
+    root, machines = _results_root(results_dir)
+    meta = _benchmark_meta(root)
+    history = []
+    seen_names = set()
+    for machine_dir in machines:
+        for data, _ in _result_files(machine_dir):
+            names = list(data["results"])
+            seen_names.update(names)
+            for name in _select(names, benchmark):
+                unit = (meta.get(name) or {}).get("unit")
+                for params, value, _ in _rows(data, name, meta):
+                    if value is None:
+                        continue
+                    history.append({
+                        "machine": machine_dir.name,
+                        "commit": data.get("commit_hash"),
+                        "date": _iso(data.get("date")),
+                        "env_name": data.get("env_name"),
+                        "benchmark": name,
+                        "params": params,
+                        "value": value,
+                        "unit": unit,
+                    })
+    if benchmark is not None and not history and not _select(sorted(seen_names), benchmark):
+        raise AsvResultsError(
+            f"no benchmark named or matching {benchmark!r} in {root}; "
+            f"benchmarks there: {sorted(seen_names)}"
+        )
+    history.sort(key=lambda h: (h["machine"], h["benchmark"],
+                                json.dumps(h["params"], sort_keys=True, default=str),
+                                h["date"] or ""))
+    return history
+
+
+def _select(names, benchmark):
+    if benchmark is None:
+        return list(names)
+    if benchmark in names:
+        return [benchmark]
+    try:
+        pattern = re.compile(benchmark)
+    except re.error:
+        return []
+    return [name for name in names if pattern.search(name)]

@@ -1,0 +1,195 @@
+"""fastattn.report.asv_results against a small asv 0.6 results directory written here.
+
+The directory mirrors what ``asv run`` writes (machine.json, benchmarks.json,
+one ``<commit8>-<env>.json`` per commit with ``result_columns`` rows); the
+values are chosen by hand so each expectation can be checked by eye.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from fastattn.bench.results import SCHEMA
+from fastattn.report import asv_results
+from fastattn.report.asv_results import AsvResultsError, load_asv_history, load_asv_points
+
+ROOT = Path(__file__).resolve().parents[1]
+
+COLUMNS = ["result", "params", "version", "started_at", "duration", "stats_ci_99_a",
+           "stats_ci_99_b", "stats_q_25", "stats_q_75", "stats_number", "stats_repeat",
+           "samples", "profile"]
+
+TIME = "softmax.SoftmaxAttention.time_forward"
+PEAK = "softmax.SoftmaxAttention.track_peak_bytes"
+ERR = "softmax.SoftmaxAccuracy.track_max_abs_error"
+LTIME = "linear.LinearAttention.time_forward"
+THREADS = "threads.Threads.track_threads"
+
+MAIN_PARAMS = [["'reference'", "'numba'"], ["256", "1024"], ["False", "True"], ["'float32'"]]
+ERR_PARAMS = [["'reference'", "'numba'"], ["1024"], ["False", "True"], ["'float32'"]]
+
+
+def _benchmarks_json():
+    main = {"param_names": ["backend", "n", "causal", "dtype"], "params": MAIN_PARAMS}
+    err = {"param_names": ["backend", "n", "causal", "dtype"], "params": ERR_PARAMS}
+    return {
+        TIME: {**main, "name": TIME, "type": "time", "unit": "seconds", "version": "1"},
+        PEAK: {**main, "name": PEAK, "type": "track", "unit": "bytes", "version": "1"},
+        ERR: {**err, "name": ERR, "type": "track", "unit": "abs error", "version": "1"},
+        LTIME: {**main, "name": LTIME, "type": "time", "unit": "seconds", "version": "1"},
+        THREADS: {"param_names": ["component"], "params": [["'requested'", "'blas'"]],
+                  "name": THREADS, "type": "track", "unit": "threads", "version": "1"},
+        "version": 2,
+    }
+
+
+def _result_file(commit, date_ms, time_scale, with_samples=False):
+    # Order of a parameterised result: itertools.product of the params, i.e.
+    # (reference,256,False) (reference,256,True) (reference,1024,False) ...
+    # asv writes NaN for a combination skipped in setup, null for one that failed.
+    nan = float("nan")
+    times = [1e-3, 2e-3, 1.6e-2, 3.2e-2, 1e-4, nan, 4e-4, nan]
+    times = [t * time_scale for t in times]
+    peaks = [786432, 1048576, 12582912, 16777216, 65536, nan, 262144, None]
+    row_time = [times, MAIN_PARAMS, "1", 0, 5.0, None, None,
+                [t * 0.9 for t in times], [t * 1.1 for t in times],
+                [1] * 8, [4] * 8]
+    if with_samples:
+        row_time.append([[t, t * 1.2] if t == t else None for t in times])
+    return {
+        "commit_hash": commit,
+        "env_name": "virtualenv-py3.11-OMP_NUM_THREADS2",
+        "date": date_ms,
+        "params": {"machine": "box", "python": "3.11"},
+        "python": "3.11",
+        "requirements": {},
+        "env_vars": {"OMP_NUM_THREADS": "2", "NUMBA_NUM_THREADS": "2"},
+        "result_columns": COLUMNS,
+        "results": {
+            TIME: row_time,
+            PEAK: [peaks, MAIN_PARAMS, "1", 0, 1.0],
+            ERR: [[3e-8, 4e-8, nan, nan], ERR_PARAMS, "1", 0, 1.0],
+            THREADS: [[2, 2], [["'requested'", "'blas'"]], "1", 0, 0.5],
+        },
+        "durations": {},
+        "version": 2,
+    }
+
+
+def _machine_json(name):
+    return {"machine": name, "arch": "x86_64", "cpu": "AMD EPYC", "num_cpu": "2",
+            "os": "Linux", "ram": "25276514304", "version": 1}
+
+
+@pytest.fixture
+def results_dir(tmp_path):
+    root = tmp_path / "results"
+    box = root / "box"
+    box.mkdir(parents=True)
+    (root / "benchmarks.json").write_text(json.dumps(_benchmarks_json()))
+    (box / "machine.json").write_text(json.dumps(_machine_json("box")))
+    # Older commit: everything twice as slow; newer commit with samples.
+    (box / "aaaaaaaa-env.json").write_text(json.dumps(_result_file("a" * 40, 1_700_000_000_000, 2.0)))
+    (box / "bbbbbbbb-env.json").write_text(
+        json.dumps(_result_file("b" * 40, 1_700_086_400_000, 1.0, with_samples=True)))
+    return root
+
+
+def _points(records):
+    return {(r["attention"], r["backend"], r["causal"], r["dtype"], r["n_q"]): r
+            for r in records if r["record"] == "point"}
+
+
+def test_points_come_from_latest_commit_and_join_time_memory_error(results_dir):
+    records = load_asv_points(results_dir)
+    assert all(r["schema"] == SCHEMA for r in records)
+    envs = [r for r in records if r["record"] == "environment"]
+    assert [(e["machine"], e["commit"]) for e in envs] == [("box", "b" * 40)]
+    assert envs[0]["cores_logical"] == 2 and envs[0]["threads"] == 2
+    assert envs[0]["thread_counts"] == {"requested": 2, "blas": 2}
+    assert envs[0]["env_vars"]["NUMBA_NUM_THREADS"] == "2"
+
+    points = _points(records)
+    p = points[("softmax", "reference", True, "float32", 1024)]
+    assert p["commit"] == "b" * 40 and p["machine"] == "box"
+    assert p["median_s"] == pytest.approx(3.2e-2)          # not the old commit's 6.4e-2
+    assert p["peak_bytes"] == 16777216
+    assert p["max_abs_err"] == pytest.approx(4e-8)
+    assert p["times_s"] == pytest.approx([3.2e-2, 3.84e-2])
+    assert (p["min_s"], p["max_s"]) == pytest.approx((3.2e-2, 3.84e-2))
+    assert p["status"] == "ok" and p["threads"] == 2
+    assert (p["d_k"], p["d_v"], p["batch"], p["heads"], p["feature_map"]) == (64, 64, 1, 1, None)
+    try:  # flops come from the bench's one formula once that module is there
+        import fastattn.bench.flops  # noqa: F401
+    except ImportError:
+        assert p["flops"] is None and p["gflops"] is None
+    else:
+        # Causal softmax: n(n+1)/2 visible pairs, 2 * (d_k + d_v) flops each.
+        assert p["flops"] == 1024 * 1025 // 2 * 2 * 128
+        assert p["gflops"] == pytest.approx(p["flops"] / 3.2e-2 / 1e9)
+    # Error only at the accuracy n.
+    assert points[("softmax", "reference", True, "float32", 256)]["max_abs_err"] is None
+
+
+def test_skipped_and_failed_combinations(results_dir):
+    points = _points(load_asv_points(results_dir))
+    p = points[("softmax", "numba", True, "float32", 256)]
+    assert p["status"] == "skipped" and p["median_s"] is None and "setup" in p["reason"]
+    failed = points[("softmax", "numba", True, "float32", 1024)]
+    assert failed["status"] == "error" and PEAK in failed["reason"]
+    assert points[("softmax", "numba", False, "float32", 256)]["median_s"] == pytest.approx(1e-4)
+
+
+def test_machines_side_by_side(results_dir):
+    other = results_dir / "other"
+    other.mkdir()
+    (other / "machine.json").write_text(json.dumps(_machine_json("other")))
+    (other / "cccccccc-env.json").write_text(json.dumps(_result_file("c" * 40, 1_600_000_000_000, 3.0)))
+    records = load_asv_points(results_dir)
+    by_machine = {(r["machine"], r["commit"]) for r in records}
+    assert by_machine == {("box", "b" * 40), ("other", "c" * 40)}
+    p = _points([r for r in records if r["machine"] == "other"])
+    assert p[("softmax", "reference", False, "float32", 256)]["median_s"] == pytest.approx(3e-3)
+
+
+def test_history_of_one_benchmark_across_commits(results_dir):
+    history = load_asv_history(results_dir, TIME)
+    assert {h["benchmark"] for h in history} == {TIME}
+    ref = [h for h in history
+           if h["params"] == {"backend": "reference", "n": 1024, "causal": False, "dtype": "float32"}]
+    assert [h["commit"] for h in ref] == ["a" * 40, "b" * 40]
+    assert [h["value"] for h in ref] == pytest.approx([3.2e-2, 1.6e-2])
+    assert ref[0]["date"].startswith("2023-11-14") and ref[0]["unit"] == "seconds"
+    # 6 values per commit (2 skipped combinations left out).
+    assert len(history) == 12
+
+
+def test_history_regex_and_all(results_dir):
+    assert {h["benchmark"] for h in load_asv_history(results_dir, r"track_peak")} == {PEAK}
+    assert {h["benchmark"] for h in load_asv_history(results_dir)} == {TIME, PEAK, ERR, THREADS}
+    with pytest.raises(AsvResultsError, match="no benchmark named or matching"):
+        load_asv_history(results_dir, "nope.Nope.time_nope")
+
+
+def test_not_an_asv_directory(tmp_path):
+    with pytest.raises(AsvResultsError, match="no asv results directory"):
+        load_asv_points(tmp_path / "missing")
+    with pytest.raises(AsvResultsError, match="machine.json"):
+        load_asv_points(tmp_path)
+    box = tmp_path / "box"
+    box.mkdir()
+    (box / "machine.json").write_text("{}")
+    (box / "x.json").write_text("[1, 2]")
+    with pytest.raises(AsvResultsError, match="not an asv result file"):
+        load_asv_points(tmp_path)
+
+
+def test_suite_constants_agree_with_benchmarks():
+    sys.path.insert(0, str(ROOT))
+    try:
+        from benchmarks import common
+    finally:
+        sys.path.remove(str(ROOT))
+    assert (common.D, common.BATCH) == (asv_results.SUITE_D, asv_results.SUITE_BATCH)
