@@ -158,10 +158,22 @@ def default_grid(attentions=ATTENTIONS, backends=None, ns=DEFAULT_NS, causal=(Fa
 # ---------------------------------------------------------------------------
 # The worker: one process that does all measuring.
 
-def _worker_setup(threads):
-    from .._threads import set_num_threads
+def _worker_setup(threads, peers_only=False):
+    """Fix the thread counts of the measuring process.
 
-    set_num_threads(threads)
+    A process that measures only peers fixes BLAS and the peers' own pools
+    and leaves fastattn's backends unloaded: once Numba's OpenMP pool has
+    started in a process, PyTorch's OpenMP kernels there run about 5x slower
+    (measured on the 2-core development machine), which would misstate them.
+    """
+    if peers_only:
+        from threadpoolctl import threadpool_limits
+
+        threadpool_limits(threads)
+    else:
+        from .._threads import set_num_threads
+
+        set_num_threads(threads)
     peers.set_peer_threads(threads)
 
 
@@ -183,20 +195,30 @@ def _serve(task, state):
         outcome = _measure.measure_point(payload["spec"], references=state["references"],
                                          **payload["options"])
         if outcome.get("status") == "ok":
-            from .._threads import get_num_threads
-
             # The counts in force right after the call, by component.
-            outcome["thread_counts"] = {**get_num_threads(), **peers.peer_threads()}
+            outcome["thread_counts"] = {**_thread_counts(state.get("peers_only")),
+                                        **peers.peer_threads()}
         return outcome
     raise ValueError(f"unknown request {kind!r}")
 
 
-def _worker_main(conn, threads):
+def _thread_counts(peers_only):
+    if not peers_only:
+        from .._threads import get_num_threads
+
+        return get_num_threads()
+    from threadpoolctl import threadpool_info
+
+    blas = [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
+    return {"blas": max(blas) if blas else None}
+
+
+def _worker_main(conn, threads, peers_only=False):
     """Entry point of the worker process: answer requests until the pipe closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C
-    _worker_setup(threads)
+    _worker_setup(threads, peers_only)
     conn.send(("ready", None))
-    state = {}
+    state = {"peers_only": peers_only}
     while True:
         try:
             task = conn.recv()
@@ -221,8 +243,9 @@ _THREAD_ENV = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
 class _Worker:
     """A measuring process fixed to ``threads`` threads (spawned lazily, restarted if it dies)."""
 
-    def __init__(self, threads):
+    def __init__(self, threads, peers_only=False):
         self.threads = threads
+        self.peers_only = peers_only
         self.process = None
         self.conn = None
 
@@ -238,7 +261,8 @@ class _Worker:
             else:
                 os.environ[name] = str(self.threads)
         try:
-            self.process = context.Process(target=_worker_main, args=(child, self.threads),
+            self.process = context.Process(target=_worker_main,
+                                           args=(child, self.threads, self.peers_only),
                                            name="fastattn-bench-worker", daemon=True)
             self.process.start()
         finally:
@@ -406,6 +430,8 @@ def run_sweep(points, results_path, *, threads=None, repeats=5, memory=True, che
     results = {}
     run_id = uuid.uuid4().hex[:12]
     worker = (_Worker if isolate else _InProcess)(threads)
+    # Peers get a process of their own (see _worker_setup).
+    peer_worker = _Worker(threads, peers_only=True) if isolate else worker
     bar = _progress(len(todo), progress)
     try:
         if todo:
@@ -432,8 +458,9 @@ def run_sweep(points, results_path, *, threads=None, repeats=5, memory=True, che
             spec = asdict(point)
             started = time.time()
             try:
-                outcome = worker.request("point", {"spec": spec, "options": options},
-                                         timeout_s=point_timeout_s)
+                measuring = peer_worker if point.peer else worker
+                outcome = measuring.request("point", {"spec": spec, "options": options},
+                                            timeout_s=point_timeout_s)
             except WorkerDied as exc:
                 outcome = {"status": "error", "reason": str(exc)}
             except RuntimeError as exc:
@@ -458,6 +485,7 @@ def run_sweep(points, results_path, *, threads=None, repeats=5, memory=True, che
         if bar is not None:
             bar.close()
         worker.close()
+        peer_worker.close()
     ordered = []
     for point in points:
         key = point_key(point.record_fields(threads))
