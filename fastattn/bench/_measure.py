@@ -12,6 +12,7 @@ import traceback
 
 import numpy as np
 import psutil
+from threadpoolctl import threadpool_limits
 
 from .. import _api, reference
 from . import memory as memory_probe
@@ -33,6 +34,10 @@ CHECK_MAX_BYTES = 5 * 2**29  # 2.5 GiB
 
 #: Fraction of the available memory a measured call may be predicted to need.
 MEMORY_HEADROOM = 0.7
+
+#: Seconds of idling before each point, so worker threads of other runtimes
+#: (OpenBLAS spins ~0.1 s after a job) are asleep when the timing starts.
+SETTLE_S = 0.2
 
 
 def make_inputs(n, d_k, d_v, batch_heads, dtype, seed=DEFAULT_SEED):
@@ -289,6 +294,11 @@ def measure_point(spec, repeats=5, memory=True, check=True, seed=DEFAULT_SEED,
         q, k, v = make_inputs(spec["n"], spec["d_k"], spec["d_v"],
                               spec["batch"] * spec["heads"], spec["dtype"], seed)
         call = make_call(spec, q, k, v)
+        # Let the thread pools of the previous point go to sleep first: OpenBLAS
+        # and OpenMP workers spin for a while after their last job, and on 2
+        # cores a spinning worker of another runtime made a 1 ms kernel read
+        # 8 ms, call after call.
+        time.sleep(SETTLE_S)
         start = time.perf_counter()
         out = call()  # warm-up: compilation and first touch are never timed
         fields["warmup_s"] = time.perf_counter() - start
@@ -328,7 +338,9 @@ def measure_point(spec, repeats=5, memory=True, check=True, seed=DEFAULT_SEED,
         fields["flops"] = flops
         fields["gflops"] = flops / fields["median_s"] / 1e9 if fields["median_s"] > 0 else None
         if check:
-            fields.update(check_accuracy(spec, out, references, seed))
+            # One BLAS thread: the float64 reference leaves no spinning pool behind.
+            with threadpool_limits(1):
+                fields.update(check_accuracy(spec, out, references, seed))
     except MemoryError as exc:
         return {"status": "skipped", "reason": f"MemoryError: {exc}"}
     except Exception as exc:  # a failing kernel is a result, not the end of the sweep
