@@ -8,6 +8,7 @@ import argparse
 import sys
 
 from . import __version__
+from ._argtypes import positive_int as _positive_int
 
 
 def _add_compare(subparsers):
@@ -37,16 +38,6 @@ def _run_compare(args):
     print(f"  MSE                {q.mse:.6g}")
     print(f"  magnitude ratio    {q.magnitude_ratio:.4g}")
     return 0
-
-
-def _positive_int(text):
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
 
 
 def build_parser():

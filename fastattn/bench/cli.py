@@ -6,16 +6,7 @@ import time
 from pathlib import Path
 
 from .. import _api
-
-
-def _positive_int(text):
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
+from .._argtypes import positive_int as _positive_int
 
 
 def add_parser(subparsers):

@@ -14,6 +14,8 @@ import datetime as _dt
 import sys
 from pathlib import Path
 
+from .._argtypes import positive_int as _positive_int
+
 #: The default sweep: n from 128 to 8192 (every power of two), sized so that
 #: the whole run takes a few minutes on a 2-core machine.
 DEFAULT_NS = (128, 256, 512, 1024, 2048, 4096, 8192)
@@ -82,16 +84,6 @@ def add_parser(subparsers):
                              "../shared/data/minilm when found, else the shipped slice)")
     parser.set_defaults(func=run)
     return parser
-
-
-def _positive_int(text):
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
 
 
 def _timestamp():
