@@ -11,6 +11,7 @@ results directory instead.
 
 import argparse
 import datetime as _dt
+import importlib
 import sys
 from pathlib import Path
 
@@ -175,7 +176,9 @@ def _measure(args):
 
 def _asv_records(directory, history_benchmark):
     try:
-        from . import asv_results
+        # import_module looks in sys.modules first, unlike `from . import`,
+        # which would take the package attribute of an earlier import.
+        asv_results = importlib.import_module("fastattn.report.asv_results")
     except ImportError as exc:
         raise ReportError(
             "--asv needs fastattn.report.asv_results (it comes with the asv suite) and it "
