@@ -12,3 +12,13 @@ def positive_int(text):
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
     return value
+
+
+def thread_count(text):
+    """argparse type: a thread count that :func:`fastattn.set_num_threads` accepts here."""
+    from ._threads import check_num_threads
+
+    try:
+        return check_num_threads(positive_int(text))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None

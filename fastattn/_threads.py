@@ -6,7 +6,10 @@ A backend module may expose ``set_num_threads(n)`` and ``get_num_threads()``
 """
 
 import contextlib
+import numbers
 import os
+
+import numpy as np
 
 from threadpoolctl import threadpool_info, threadpool_limits
 
@@ -15,10 +18,28 @@ from . import _api
 _requested = None
 
 
-def _check_threads(n):
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"n_threads must be a positive int, got {n!r}")
-    return n
+#: Most threads per usable core that set_num_threads accepts: more only
+#: oversubscribes the cores (and each Cython thread gets a workspace).
+MAX_THREADS_PER_CORE = 4
+
+
+def check_num_threads(n_threads):
+    """``n_threads`` as an int, if it is a sensible thread count here.
+
+    Raises
+    ------
+    ValueError
+        If ``n_threads`` is not an integer from 1 to
+        ``MAX_THREADS_PER_CORE`` times the usable cores.
+    """
+    limit = MAX_THREADS_PER_CORE * default_num_threads()
+    if isinstance(n_threads, (bool, np.bool_)) or not isinstance(n_threads, numbers.Integral) \
+            or not 1 <= n_threads <= limit:
+        raise ValueError(
+            f"n_threads must be an integer from 1 to {limit} ({MAX_THREADS_PER_CORE} per "
+            f"usable core; this process may use {default_num_threads()}), got {n_threads!r}"
+        )
+    return int(n_threads)
 
 
 def set_num_threads(n_threads):
@@ -27,17 +48,17 @@ def set_num_threads(n_threads):
     Parameters
     ----------
     n_threads : int
-        At least 1.  Numba cannot use more threads than it started with
-        (``NUMBA_NUM_THREADS``, default the core count); larger values are
-        clipped there.
+        From 1 to 4 per usable core.  Numba cannot use more threads than it
+        started with (``NUMBA_NUM_THREADS``, default the core count); larger
+        values are clipped there.
 
     Raises
     ------
     ValueError
-        If ``n_threads`` is not a positive int.
+        If ``n_threads`` is not an integer in that range.
     """
     global _requested
-    n_threads = _check_threads(n_threads)
+    n_threads = check_num_threads(n_threads)
     # SciPy loads its own OpenBLAS lazily (Numba's np.dot and the Cython
     # kernels call it); load it now so the limit below reaches it too.
     import scipy.linalg.cython_blas  # noqa: F401

@@ -56,15 +56,26 @@ def quality(reference_out, approx_out):
     Returns
     -------
     Quality
-        Computed in float64.
+        Computed in float64.  A NaN or inf in either output makes the metrics
+        it reaches NaN (or inf), never a finite number; a row that is all
+        zeros has cosine similarity 0; a zero reference gives ratio inf.
 
     Raises
     ------
+    TypeError
+        If an output is not real-valued (complex, object, bool).
     ValueError
-        If the shapes differ.
+        If an output is 0-d or the shapes differ.
     """
-    a = np.asarray(reference_out, dtype=np.float64)
-    b = np.asarray(approx_out, dtype=np.float64)
+    arrays = []
+    for x, name in ((reference_out, "reference_out"), (approx_out, "approx_out")):
+        x = np.asarray(x)
+        if x.dtype.kind not in "fiu":
+            raise TypeError(f"{name} must hold real numbers, got dtype {x.dtype}")
+        if x.ndim < 1:
+            raise ValueError(f"{name} must have at least 1 dimension (..., d_v), got shape {x.shape}")
+        arrays.append(x.astype(np.float64))
+    a, b = arrays
     if a.shape != b.shape:
         raise ValueError(
             f"reference_out and approx_out must have the same shape, got {a.shape} and {b.shape}"
@@ -73,13 +84,15 @@ def quality(reference_out, approx_out):
         return Quality(float("nan"), float("nan"), float("nan"))
     norms = np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1)
     dots = np.sum(a * b, axis=-1)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        cos = np.where(norms > 0, dots / norms, 0.0)
-    ref_norm = np.linalg.norm(a)
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        # A zero row has no direction (0); a row with NaN or inf stays NaN.
+        cos = np.where(norms == 0, 0.0, dots / norms)
+        ref_norm = np.linalg.norm(a)
+        ratio = np.linalg.norm(b) / ref_norm if ref_norm != 0 else float("inf")
     return Quality(
         cosine_similarity=float(np.mean(cos)),
         mse=float(np.mean((b - a) ** 2)),
-        magnitude_ratio=float(np.linalg.norm(b) / ref_norm) if ref_norm > 0 else float("inf"),
+        magnitude_ratio=float(ratio),
     )
 
 

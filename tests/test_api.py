@@ -102,3 +102,26 @@ def test_cli_refuses_a_bad_size(capsys):
         main(["compare", "--n", "0"])
     assert info.value.code == 2
     assert "positive integer" in capsys.readouterr().err
+
+
+def test_thread_counts_are_bounded_and_numpy_ints_accepted():
+    from fastattn._threads import MAX_THREADS_PER_CORE, default_num_threads
+
+    before = fastattn.get_num_threads()
+    with pytest.raises(ValueError, match=r"n_threads must be an integer from 1 to"):
+        fastattn.set_num_threads(10**6)
+    with pytest.raises(ValueError, match="n_threads"):
+        fastattn.set_num_threads(MAX_THREADS_PER_CORE * default_num_threads() + 1)
+    with fastattn.num_threads(np.int64(1)):
+        assert fastattn.get_num_threads()["requested"] == 1
+    assert fastattn.get_num_threads() == before
+
+
+def test_cli_refuses_absurd_thread_counts(capsys):
+    from fastattn.cli import main
+
+    for command in (["bench", "--threads", "100000"], ["report", "--threads", "100000"]):
+        with pytest.raises(SystemExit) as info:
+            main(command)
+        assert info.value.code == 2
+        assert "n_threads must be an integer from 1 to" in capsys.readouterr().err

@@ -445,3 +445,21 @@ def test_cli_shows_torch_beside_the_reference(capsys, tmp_path):
     rows = [line.split() for line in text.splitlines() if line.strip().startswith("16 ")]
     assert {row[1] for row in rows} >= {"reference", "torch"}
     assert "MISMATCH" not in text
+
+
+def test_cli_refuses_a_directory_as_out(capsys, tmp_path):
+    assert main(["bench", "--kind", "softmax", "--n", "8", "--backends", "reference",
+                 "--out", str(tmp_path), "--no-progress"]) == 2
+    assert "is a directory" in capsys.readouterr().err
+
+
+def test_roof_is_the_best_probe_of_the_dtype_not_a_slow_one():
+    from fastattn.bench.roof import roof_for
+
+    probes = [{"dtype": "float32", "shape": [n, 64, n], "gflops": g}
+              for n, g in ((256, 0.5), (1024, 90.0), (4096, 110.0))]
+    probes.append({"dtype": "float64", "shape": [4096, 64, 4096], "gflops": 50.0})
+    probes.append({"dtype": "float32", "shape": [4096, 128, 4096], "gflops": 300.0})
+    assert roof_for(probes, "float32", 256, 64) == 110.0
+    assert roof_for(probes, "float64", 256, 64) == 50.0
+    assert roof_for(probes, "float16", 256, 64) is None

@@ -61,3 +61,21 @@ def test_compare_refuses_bad_sizes():
         fastattn.compare(0, 4)
     with pytest.raises(ValueError, match="d must be a positive int"):
         fastattn.compare(4, 2.5)
+
+
+def test_quality_never_turns_nan_or_inf_into_a_finite_number():
+    ones = np.ones((3, 4))
+    nan = np.full((3, 4), np.nan)
+    q = fastattn.quality(nan, ones)
+    assert np.isnan(q.cosine_similarity) and np.isnan(q.mse) and np.isnan(q.magnitude_ratio)
+    with_inf = ones.copy()
+    with_inf[0, 0] = np.inf
+    q = fastattn.quality(ones, with_inf)
+    assert np.isnan(q.cosine_similarity) and q.mse == np.inf and q.magnitude_ratio == np.inf
+
+
+def test_quality_refuses_complex_and_scalar_outputs():
+    with pytest.raises(TypeError, match="reference_out must hold real numbers"):
+        fastattn.quality(np.ones(3) + 1j, np.ones(3))
+    with pytest.raises(ValueError, match=r"approx_out must have at least 1 dimension"):
+        fastattn.quality(np.ones(1), np.float64(1.0))

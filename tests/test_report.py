@@ -386,3 +386,18 @@ def test_cli_asv_missing_module_is_explained(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "fastattn.report.asv_results", None)
     assert main(["report", "--asv", str(tmp_path)]) == 2
     assert "fastattn.report.asv_results" in capsys.readouterr().err
+
+
+def test_interrupted_quick_run_prints_a_resume_command_with_its_grid(tmp_path, monkeypatch,
+                                                                      capsys):
+    from fastattn.bench import sweep
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sweep, "run_sweep", interrupted)
+    assert main(["report", "--quick", "--threads", "1"]) == 130
+    err = capsys.readouterr().err
+    assert "continue with\n  fastattn report --resume reports/fastattn-" in err
+    assert err.rstrip().splitlines()[-2].strip().endswith("--quick --threads 1")

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from .. import _api
 from .._argtypes import positive_int as _positive_int
+from .._argtypes import thread_count
 
 
 def add_parser(subparsers):
@@ -45,7 +46,7 @@ def add_parser(subparsers):
                         help="causal mask (default both)")
     parser.add_argument("--feature-map", choices=("elu", "relu"), default="elu",
                         help="feature map of linear attention (default elu)")
-    parser.add_argument("--threads", type=_positive_int, default=None,
+    parser.add_argument("--threads", type=thread_count, default=None,
                         help="threads for every backend, BLAS and peers (default: usable cores)")
     parser.add_argument("--repeats", type=_positive_int, default=5,
                         help="timed repeats per point after a warm-up (default 5)")
@@ -153,6 +154,8 @@ def _run(args):
     out = args.out or Path("results") / time.strftime("bench-%Y%m%d-%H%M%S.jsonl")
     if out.suffix == ".csv":
         raise BenchUsageError(f"--out names the JSON-lines results file, got {out}")
+    if out.is_dir():
+        raise BenchUsageError(f"--out {out} is a directory; give a file name, e.g. {out / 'bench.jsonl'}")
     try:  # refuse foreign files before measuring anything
         if out.exists():
             read_records(out)

@@ -147,25 +147,31 @@ def probe(shapes=((4096, 64),), dtypes=("float32", "float64"), threads=None, bud
 
 
 def roof_for(gemm_records, dtype, n, d):
-    """The GEMM GFLOP/s that bounds a point: same dtype, the probed shape nearest to ``(n, d)``.
+    """The GEMM GFLOP/s that bounds a point: the best probed at its dtype and nearest ``d``.
+
+    A roof is an upper bound: the best GEMM throughput this run measured at
+    the attention shapes (``n x d @ d x n``) of the point's head dimension,
+    over every probed ``n``.  Taking the probe at the point's own ``n`` alone
+    let one probe slowed by a busy machine read as a roof far below what the
+    kernels achieved (``% of roof`` in the thousands).
 
     Parameters
     ----------
     gemm_records : list of dict
         Roof records with ``dtype``, ``shape`` ([n, d, n]) and ``gflops``.
+    dtype : str
+    n : int
+        Unused beyond documentation: every probed ``n`` counts.
+    d : int
 
     Returns
     -------
     float or None
-        None when nothing of that dtype was probed.
+        GFLOP/s; None when nothing of that dtype was probed.
     """
     candidates = [r for r in gemm_records if r.get("dtype") == dtype and r.get("gflops")]
     if not candidates:
         return None
-    target = (_probe_n(n), int(d))
-
-    def distance(record):
-        rn, rd = record["shape"][0], record["shape"][1]
-        return (abs(np.log2(rd / target[1])), abs(np.log2(rn / target[0])))
-
-    return min(candidates, key=distance)["gflops"]
+    nearest = min(abs(np.log2(r["shape"][1] / int(d))) for r in candidates)
+    same_d = [r for r in candidates if abs(np.log2(r["shape"][1] / int(d))) == nearest]
+    return max(r["gflops"] for r in same_d)

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from .._argtypes import positive_int as _positive_int
+from .._argtypes import thread_count
 
 #: The default sweep: n from 128 to 8192 (every power of two), sized so that
 #: the whole run takes a few minutes on a 2-core machine.
@@ -69,7 +70,7 @@ def add_parser(subparsers):
                              "under reports/)")
     parser.add_argument("--n", metavar="N", type=_positive_int, nargs="+",
                         help=f"sequence lengths to measure (default {' '.join(map(str, DEFAULT_NS))})")
-    parser.add_argument("--threads", metavar="N", type=_positive_int,
+    parser.add_argument("--threads", metavar="N", type=thread_count,
                         help="threads for every backend and BLAS (default: all cores)")
     parser.add_argument("--repeats", metavar="R", type=_positive_int,
                         help=f"timed repeats per point (default {DEFAULT_REPEATS}, "
@@ -159,7 +160,16 @@ def _measure(args):
     repeats = args.repeats or (QUICK_REPEATS if args.quick else DEFAULT_REPEATS)
     print(f"fastattn report: measuring {len(points)} points into {results} "
           f"(up to {repeats} timed repeats each{', quick grid' if args.quick else ''})", file=sys.stderr)
-    print(f"  interrupted? continue with: fastattn report --resume {results}", file=sys.stderr)
+    # The resume command repeats the grid options, so it finishes the same grid.
+    resume = f"fastattn report --resume {results}" + "".join(
+        option for option, given in (
+            (" --quick", args.quick),
+            (f" --n {' '.join(map(str, args.n or ()))}", args.n),
+            (f" --threads {args.threads}", args.threads),
+            (f" --repeats {args.repeats}", args.repeats),
+        ) if given
+    )
+    print(f"  interrupted? continue with: {resume}", file=sys.stderr)
     try:
         sweep.run_sweep(points, results, threads=args.threads, repeats=repeats,
                         memory=not args.quick, check=True, resume=True, progress=True,
@@ -169,7 +179,7 @@ def _measure(args):
         raise ReportError(f"refusing {results}: {exc}") from None
     except KeyboardInterrupt:
         print(f"\ninterrupted: the points measured so far are in {results}; continue with\n"
-              f"  fastattn report --resume {results}", file=sys.stderr)
+              f"  {resume}", file=sys.stderr)
         raise
     return results
 
