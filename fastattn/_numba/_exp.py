@@ -62,6 +62,27 @@ def _float_bits_as_int(typingctx, x):
 _ROUND_64 = 6755399441055744.0  # 1.5 * 2**52: adding it leaves an integer in the low mantissa bits
 
 
+@njit(inline="always", **JIT_ELEMENTARY)  # inlined only into the float64 exp functions
+def _expm_taylor13(r):
+    """``exp(r)`` by its Taylor polynomial of degree 13, for ``|r| <= ln(2) / 2``.
+
+    Truncation error below 1e-17 relative at ``|r| <= 0.347``.
+    """
+    p = 1.0 / 6227020800.0
+    p = p * r + 1.0 / 479001600.0
+    p = p * r + 1.0 / 39916800.0
+    p = p * r + 1.0 / 3628800.0
+    p = p * r + 1.0 / 362880.0
+    p = p * r + 1.0 / 40320.0
+    p = p * r + 1.0 / 5040.0
+    p = p * r + 1.0 / 720.0
+    p = p * r + 1.0 / 120.0
+    p = p * r + 1.0 / 24.0
+    p = p * r + 1.0 / 6.0
+    p = p * r + 0.5
+    return p * (r * r) + r + 1.0
+
+
 @njit(inline="always", **JIT_ELEMENTARY)  # inlined only into the exp functions below
 def _pow2_64(n):
     """``2**n`` for an integer-valued float64 ``n`` in [-1022, 1023].
@@ -147,20 +168,7 @@ def _exp64(x):
     xc = min(max(x, _LO_64), _HI_64)
     n = np.floor(xc * _LOG2E_64 + 0.5)
     r = (xc - n * _LN2_HI_64) - n * _LN2_LO_64
-    # Taylor polynomial of degree 13 (|r| <= 0.347: truncation < 1e-17 relative).
-    p = 1.0 / 6227020800.0
-    p = p * r + 1.0 / 479001600.0
-    p = p * r + 1.0 / 39916800.0
-    p = p * r + 1.0 / 3628800.0
-    p = p * r + 1.0 / 362880.0
-    p = p * r + 1.0 / 40320.0
-    p = p * r + 1.0 / 5040.0
-    p = p * r + 1.0 / 720.0
-    p = p * r + 1.0 / 120.0
-    p = p * r + 1.0 / 24.0
-    p = p * r + 1.0 / 6.0
-    p = p * r + 0.5
-    p = p * (r * r) + r + 1.0
+    p = _expm_taylor13(r)
     h = np.floor(n * 0.5)
     y = p * _pow2_64(h)
     y = y * _pow2_64(n - h)
@@ -198,19 +206,7 @@ def _exp64_nonpositive(x):
     xc = min(max(x, _NORMAL_64), 0.0)
     n = np.floor(xc * _LOG2E_64 + 0.5)
     r = (xc - n * _LN2_HI_64) - n * _LN2_LO_64
-    p = 1.0 / 6227020800.0
-    p = p * r + 1.0 / 479001600.0
-    p = p * r + 1.0 / 39916800.0
-    p = p * r + 1.0 / 3628800.0
-    p = p * r + 1.0 / 362880.0
-    p = p * r + 1.0 / 40320.0
-    p = p * r + 1.0 / 5040.0
-    p = p * r + 1.0 / 720.0
-    p = p * r + 1.0 / 120.0
-    p = p * r + 1.0 / 24.0
-    p = p * r + 1.0 / 6.0
-    p = p * r + 0.5
-    p = p * (r * r) + r + 1.0
+    p = _expm_taylor13(r)
     y = p * _pow2_64(n)
     y = 0.0 if x < _NORMAL_64 else y
     return x if x != x else y
