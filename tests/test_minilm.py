@@ -44,3 +44,28 @@ def test_load_minilm_refuses_a_missing_or_foreign_file(tmp_path):
     np.savez(tmp_path / "other.npz", q=np.zeros((1, 1, 2, 2)))
     with pytest.raises(ValueError, match=r"lacks the arrays \['k', 'v', 'context'\]"):
         load_minilm(tmp_path / "other.npz")
+
+
+def test_load_minilm_refuses_a_file_that_is_not_an_npz(tmp_path):
+    text = tmp_path / "notes.txt"
+    text.write_text("my notes\n")
+    with pytest.raises(ValueError, match="is not an .npz archive of MiniLM activations"):
+        load_minilm(text)
+    single = tmp_path / "single.npy"
+    np.save(single, np.zeros(3))
+    with pytest.raises(ValueError, match="holds a single array, not an .npz archive"):
+        load_minilm(single)
+
+
+def test_report_refuses_a_bad_minilm_file_before_measuring(tmp_path, capsys, monkeypatch):
+    from fastattn.bench import sweep
+    from fastattn.cli import main
+
+    def must_not_measure(*args, **kwargs):
+        raise AssertionError("measured before checking --minilm")
+
+    monkeypatch.setattr(sweep, "run_sweep", must_not_measure)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "notes.txt").write_text("my notes\n")
+    assert main(["report", "--quick", "--minilm", str(tmp_path / "notes.txt")]) == 2
+    assert "--minilm" in capsys.readouterr().err

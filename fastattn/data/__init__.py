@@ -35,7 +35,8 @@ def load_minilm(path=None):
     FileNotFoundError
         If ``path`` does not exist.
     ValueError
-        If the file lacks one of the arrays or their shapes disagree.
+        If the file is not an ``.npz`` archive, lacks one of the arrays, or
+        their shapes disagree.
     """
     if path is None:
         with resources.as_file(resources.files(__name__) / SHIPPED) as shipped:
@@ -47,7 +48,14 @@ def load_minilm(path=None):
 
 
 def _read(path):
-    with np.load(path) as npz:
+    try:
+        loaded = np.load(path, allow_pickle=False)
+    except (ValueError, OSError) as exc:
+        raise ValueError(f"{path} is not an .npz archive of MiniLM activations ({exc})") from None
+    if not isinstance(loaded, np.lib.npyio.NpzFile):
+        raise ValueError(f"{path} holds a single array, not an .npz archive with "
+                         f"arrays {list(_ARRAYS)}")
+    with loaded as npz:
         missing = [name for name in _ARRAYS if name not in npz.files]
         if missing:
             raise ValueError(f"{path} lacks the arrays {missing}; it has {npz.files}")

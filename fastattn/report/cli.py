@@ -227,6 +227,14 @@ def run(args):
 def _run(args):
     if args.history is not None and args.asv is None:
         raise ReportError("--history needs --asv DIR")
+    if args.minilm is not None:
+        # Refuse a bad file before measuring, not after.
+        from ..data import load_minilm
+
+        try:
+            load_minilm(args.minilm)
+        except (OSError, ValueError) as exc:
+            raise ReportError(f"--minilm: {exc}") from None
     if args.out is not None:
         _check_output(args.out, (args.from_, args.resume))
     history = None
