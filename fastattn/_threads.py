@@ -8,14 +8,57 @@ A backend module may expose ``set_num_threads(n)`` and ``get_num_threads()``
 import contextlib
 import numbers
 import os
+import threading
 
 import numpy as np
 
-from threadpoolctl import threadpool_info, threadpool_limits
+from threadpoolctl import ThreadpoolController, threadpool_info, threadpool_limits
 
 from . import _api
 
 _requested = None
+
+
+def _load_scipy_blas():
+    """Load SciPy's own OpenBLAS, so that threadpoolctl sees it.
+
+    SciPy loads it lazily; Numba's ``np.dot`` and the Cython kernels call it.
+    A limit set before it is loaded would not reach it.
+    """
+    import scipy.linalg.cython_blas  # noqa: F401
+
+
+_blas_lock = threading.Lock()
+_blas_controller = None   # threadpoolctl's view of the BLAS libraries, made once (it scans them)
+_blas_limiter = None      # the one-thread limit in force while kernel calls run
+_blas_calls = 0
+
+
+@contextlib.contextmanager
+def single_threaded_blas():
+    """Context: every BLAS library (NumPy's and SciPy's) runs on one thread inside.
+
+    The fast kernels call BLAS from inside their parallel regions (Numba's
+    ``prange``, OpenMP); a multithreaded BLAS there would oversubscribe the
+    cores.  Calls from several Python threads overlap: the first to enter sets
+    the limit and the last to leave restores the previous thread counts.
+    """
+    global _blas_controller, _blas_limiter, _blas_calls
+    with _blas_lock:
+        if _blas_calls == 0:
+            if _blas_controller is None:
+                _load_scipy_blas()
+                _blas_controller = ThreadpoolController().select(user_api="blas")
+            _blas_limiter = _blas_controller.limit(limits=1)
+        _blas_calls += 1
+    try:
+        yield
+    finally:
+        with _blas_lock:
+            _blas_calls -= 1
+            if _blas_calls == 0:
+                _blas_limiter.restore_original_limits()
+                _blas_limiter = None
 
 
 #: Most threads per usable core that set_num_threads accepts: more only
@@ -59,10 +102,7 @@ def set_num_threads(n_threads):
     """
     global _requested
     n_threads = check_num_threads(n_threads)
-    # SciPy loads its own OpenBLAS lazily (Numba's np.dot and the Cython
-    # kernels call it); load it now so the limit below reaches it too.
-    import scipy.linalg.cython_blas  # noqa: F401
-
+    _load_scipy_blas()
     for name in _api.available_backends():
         setter = getattr(_api.get_backend(name), "set_num_threads", None)
         if setter is not None:

@@ -10,10 +10,7 @@ call holds BLAS at one thread (through threadpoolctl) to keep the OpenMP
 threads and the BLAS threads from oversubscribing the cores.
 """
 
-import contextlib
-import threading
-
-from threadpoolctl import ThreadpoolController
+from .._threads import single_threaded_blas
 
 try:
     from . import _blas, _openmp, linear, softmax  # noqa: F401  (compiled extensions)
@@ -37,36 +34,6 @@ __all__ = [
     "BLOCK_K",
     "CHUNK",
 ]
-
-_lock = threading.Lock()
-_controller = None   # threadpoolctl's view of the BLAS libraries, made once (it scans them)
-_limiter = None      # the single-thread limit in force while kernel calls run
-_active_calls = 0
-
-
-@contextlib.contextmanager
-def _single_threaded_blas():
-    """BLAS held at one thread while any kernel call of this package runs.
-
-    Calls from several Python threads overlap: the first to start sets the
-    limit and the last to finish restores the previous thread counts.
-    """
-    global _controller, _limiter, _active_calls
-    with _lock:
-        if _active_calls == 0:
-            if _controller is None:
-                _controller = ThreadpoolController().select(user_api="blas")
-            _limiter = _controller.limit(limits=1)
-        _active_calls += 1
-    try:
-        yield
-    finally:
-        with _lock:
-            _active_calls -= 1
-            if _active_calls == 0:
-                _limiter.restore_original_limits()
-                _limiter = None
-
 
 def vector_exp_enabled():
     """Whether the softmax inner loop was compiled to call a vector ``exp`` (libmvec).
@@ -93,7 +60,7 @@ def softmax_forward(q, k, v, causal, scale):
     -------
     out : ndarray of shape (B, n_q, d_v)
     """
-    with _single_threaded_blas():
+    with single_threaded_blas():
         return online_softmax_forward(q, k, v, causal, scale, get_num_threads())
 
 
@@ -106,7 +73,7 @@ def linear_forward(q, k, v, feature_map, causal, eps, S0=None, z0=None):
     S : ndarray of shape (B, d_k, d_v)
     z : ndarray of shape (B, d_k)
     """
-    with _single_threaded_blas():
+    with single_threaded_blas():
         return linear_attention_forward(
             q, k, v, feature_map, causal, eps, S0, z0, get_num_threads()
         )

@@ -1,11 +1,9 @@
 """Thread control of the Numba backend: Numba's pool, and BLAS held to one thread."""
 
-import contextlib
-
 import numba
-from threadpoolctl import ThreadpoolController
 
-_controller = None
+# BLAS held at one thread during a kernel call: shared with the Cython backend.
+from .._threads import single_threaded_blas  # noqa: F401
 
 
 def set_num_threads(n_threads):
@@ -30,21 +28,3 @@ def set_num_threads(n_threads):
 def get_num_threads():
     """Number of threads the Numba kernels run on (int)."""
     return numba.get_num_threads()
-
-
-@contextlib.contextmanager
-def single_threaded_blas():
-    """Context: every BLAS library loaded (NumPy's and SciPy's) uses one thread.
-
-    The kernels call BLAS (Numba's ``np.dot`` goes to SciPy's) from inside
-    ``prange``; a multithreaded BLAS there would oversubscribe the cores.
-    """
-    global _controller
-    if _controller is None:
-        # Numba's np.dot calls SciPy's BLAS, loaded with this module: load it
-        # before threadpoolctl lists the libraries, or it escapes the limit.
-        import scipy.linalg.cython_blas  # noqa: F401
-
-        _controller = ThreadpoolController()
-    with _controller.limit(limits=1, user_api="blas"):
-        yield
