@@ -124,7 +124,8 @@ def _native(dtype):
     return dtype.newbyteorder("=")
 
 
-def _check_array(x, name):
+def _check_float_array(x, name):
+    """``x`` is a plain ndarray of float16, float32 or float64 (any byte order)."""
     if not isinstance(x, np.ndarray):
         raise TypeError(f"{name} must be a numpy.ndarray, got {type(x).__name__}")
     if isinstance(x, np.ma.MaskedArray):
@@ -137,6 +138,11 @@ def _check_array(x, name):
             f"{name} must have dtype float16, float32 or float64, got {x.dtype} "
             f"(cast it explicitly, e.g. {name}.astype(np.float32))"
         )
+
+
+def _check_array(x, name):
+    """``x`` is a float array of rank >= 2, ``(..., n, d)``."""
+    _check_float_array(x, name)
     if x.ndim < 2:
         raise ValueError(
             f"{name} must have at least 2 dimensions (..., n, d), got shape {x.shape}"
@@ -286,10 +292,7 @@ def _check_state(initial_state, batch_shape, d_k, d_v, dtype):
         (S, "initial_state[0] (S)", batch_shape + (d_k, d_v), "(..., d_k, d_v)"),
         (z, "initial_state[1] (z)", batch_shape + (d_k,), "(..., d_k)"),
     ):
-        if not isinstance(x, np.ndarray):
-            raise TypeError(f"{name} must be a numpy.ndarray, got {type(x).__name__}")
-        if _native(x.dtype) not in _COMPUTE_DTYPES:
-            raise TypeError(f"{name} must have a float dtype, got {x.dtype}")
+        _check_float_array(x, name)
         if x.shape != shape:
             raise ValueError(f"{name} must have shape {shape} {dims}, got {x.shape}")
     B = math.prod(batch_shape)
