@@ -125,9 +125,14 @@ def get_num_threads():
         getter = getattr(_api.get_backend(name), "get_num_threads", None)
         if getter is not None:
             counts[name] = getter()
-    blas = [info["num_threads"] for info in threadpool_info() if info["user_api"] == "blas"]
-    counts["blas"] = max(blas) if blas else None
+    counts["blas"] = blas_threads()
     return counts
+
+
+def blas_threads():
+    """Threads of the loaded BLAS libraries (the largest count), or None if none is loaded."""
+    blas = [info["num_threads"] for info in threadpool_info() if info["user_api"] == "blas"]
+    return max(blas) if blas else None
 
 
 @contextlib.contextmanager

@@ -207,10 +207,9 @@ def _thread_counts(peers_only):
         from .._threads import get_num_threads
 
         return get_num_threads()
-    from threadpoolctl import threadpool_info
+    from .._threads import blas_threads
 
-    blas = [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
-    return {"blas": max(blas) if blas else None}
+    return {"blas": blas_threads()}
 
 
 def _worker_main(conn, threads, peers_only=False):
