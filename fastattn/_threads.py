@@ -4,8 +4,8 @@ The count is process-wide.  :func:`set_num_threads` records it and applies it
 to the backends already loaded and to the BLAS libraries (OpenBLAS/MKL of
 NumPy and SciPy, through threadpoolctl); a backend loaded later gets it when
 it loads (:func:`backend_loaded`, called by the dispatch), so setting a count
-never imports a backend.  A backend module exposes ``set_num_threads(n)``,
-``get_num_threads()`` and ``default_num_threads()``.
+never imports a backend.  A backend module may expose ``set_num_threads(n)``
+and ``get_num_threads()``; the count it reports when it loads is its default.
 
 Per call, a fast backend asks :func:`kernel_threads` how many threads its
 kernel may use: one (a serial run, no thread pool woken, BLAS untouched)
@@ -115,6 +115,7 @@ _blas_lock = threading.Lock()
 _blas_libs = None        # [[LibController, count]], None until scanned
 _blas_original = {}      # filepath -> count when first seen (restored by num_threads)
 _blas_calls = 0          # kernel calls inside single_threaded_blas right now
+_backend_defaults = {}   # backend module -> its thread count when it loaded
 
 
 def _scan_blas():
@@ -205,6 +206,9 @@ def backend_loaded(module):
     SciPy's BLAS, which the next parallel call must find.
     """
     global _blas_libs
+    getter = getattr(module, "get_num_threads", None)
+    if getter is not None:
+        _backend_defaults[module] = getter()
     if _requested is not None:
         setter = getattr(module, "set_num_threads", None)
         if setter is not None:
@@ -248,7 +252,7 @@ def _apply(n_threads):
     for module in _api.loaded_backends():
         setter = getattr(module, "set_num_threads", None)
         if setter is not None:
-            setter(module.default_num_threads() if n_threads is None else n_threads)
+            setter(_backend_defaults[module] if n_threads is None else n_threads)
     _apply_blas(n_threads)
 
 

@@ -178,13 +178,8 @@ def seed_inputs(n, d, seed=42):
     ``v = randn(n, d)``, each cast to float32 before any scaling.  Uses (and
     reseeds) NumPy's global random state, exactly as the original experiment.
 
-    Raises
-    ------
-    ValueError
-        If ``n`` or ``d`` is not a positive int, or ``seed`` not an int from
-        0 to ``2**32 - 1``.
-    MemoryError
-        Before drawing, when the inputs cannot fit in the available memory.
+    Raises ValueError for a bad ``n``, ``d`` or ``seed`` and MemoryError,
+    before drawing, when the inputs cannot fit, as :func:`compare` does.
     """
     _check_seed_experiment(n, d, seed, n_by_n_arrays=0)
     np.random.seed(seed)

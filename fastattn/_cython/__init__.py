@@ -21,7 +21,7 @@ except ImportError as exc:
         "the Cython kernels of fastattn are not built here (install the package "
         f"with `pip install .`, which compiles them): {exc}"
     ) from exc
-from ._openmp import default_num_threads, get_num_threads, openmp_enabled, set_num_threads
+from ._openmp import get_num_threads, openmp_enabled, set_num_threads
 from .linear import CHUNK, linear_attention_forward
 from .softmax import BLOCK_K, BLOCK_Q, _build_features, online_softmax_forward
 
@@ -30,7 +30,6 @@ __all__ = [
     "linear_forward",
     "set_num_threads",
     "get_num_threads",
-    "default_num_threads",
     "openmp_enabled",
     "vector_exp_enabled",
     "BLOCK_Q",

@@ -7,18 +7,7 @@ Built with ``-fopenmp`` when the compiler supports it; otherwise the kernels'
 # The thread count of every kernel call, whichever Python thread makes it:
 # omp_set_num_threads only sets the calling thread's default, so the count is
 # kept here and handed to each parallel region explicitly.
-_DEFAULT = omp_get_max_threads()
-_n_threads = _DEFAULT
-
-
-def default_num_threads():
-    """Threads the kernels use when none is set: OpenMP's default (``OMP_NUM_THREADS``, else the cores).
-
-    Returns
-    -------
-    int
-    """
-    return _DEFAULT if FASTATTN_OPENMP else 1
+_n_threads = omp_get_max_threads()
 
 
 def openmp_enabled():

@@ -25,7 +25,7 @@ import numba  # noqa: F401  (ImportError here marks the backend unavailable)
 # limits find it before the first kernel call (Numba would load it lazily).
 import scipy.linalg.cython_blas  # noqa: F401
 
-from ._threads import default_num_threads, get_num_threads, set_num_threads
+from ._threads import get_num_threads, set_num_threads
 from .config import DISK_CACHE, NO_DISK_CACHE_REASON
 from .linear import linear_forward
 from .softmax import softmax_forward
@@ -45,6 +45,5 @@ __all__ = [
     "linear_forward",
     "set_num_threads",
     "get_num_threads",
-    "default_num_threads",
     "AUTO_UNSUITABLE",
 ]

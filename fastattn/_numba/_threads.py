@@ -22,11 +22,6 @@ from .config import JIT_SERIAL
 _n_threads = numba.config.NUMBA_NUM_THREADS
 
 
-def default_num_threads():
-    """Numba's pool size, fixed at start-up (``NUMBA_NUM_THREADS``, default the core count)."""
-    return numba.config.NUMBA_NUM_THREADS
-
-
 def set_num_threads(n_threads):
     """Run the Numba kernels on ``n_threads`` threads, whichever Python thread calls them.
 
