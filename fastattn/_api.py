@@ -19,7 +19,11 @@ A backend is a module exposing::
 
 where ``S0 (B, d_k, d_v)`` and ``z0 (B, d_k)`` are None or arrays of the call's
 dtype, and ``S``, ``z`` are the state after the last key.  Importing a
-backend's module raises ImportError when it cannot run here.
+backend's module raises ImportError when it cannot run here; a module that
+runs but should not be picked by ``backend="auto"`` (Numba without a
+writable disk cache) says why in ``AUTO_UNSUITABLE``.  A backend may expose
+``set_num_threads``/``get_num_threads``; :mod:`fastattn._threads` applies
+the process-wide count when it loads.
 """
 
 import importlib
@@ -88,7 +92,8 @@ def available_backends():
     tuple of str
         A subset of ``("cython", "numba", "reference")``; ``"reference"`` is
         always present.  A compiled backend is missing when its extension was
-        not built; a JIT backend when Numba cannot be imported.
+        not built; a JIT backend when Numba cannot be imported.  This imports
+        every backend.
     """
     return tuple(name for name in AUTO_ORDER if _load(name) is not None)
 
@@ -106,6 +111,10 @@ def unavailable_backends():
 
 def get_backend(backend):
     """The module implementing ``backend`` (``"auto"`` resolves to the fastest).
+
+    ``"auto"`` passes over a backend that runs but says it should not be
+    picked (its ``AUTO_UNSUITABLE``, e.g. Numba without a disk cache, which
+    would compile in every process).
 
     Raises
     ------
