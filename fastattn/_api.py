@@ -140,7 +140,7 @@ def get_backend(backend):
 
 def _native(dtype):
     """``dtype`` in this machine's byte order (``>f4`` -> ``float32``)."""
-    return dtype.newbyteorder("=")
+    return dtype if dtype.isnative else dtype.newbyteorder("=")
 
 
 def _check_float_array(x, name):
@@ -189,7 +189,10 @@ def _check_qkv(q, k, v):
         )
     if q.shape[-1] == 0:
         raise ValueError(f"d_k must be at least 1; got q {q.shape} and k {k.shape}")
-    result = np.result_type(_native(q.dtype), _native(k.dtype), _native(v.dtype))
+    if q.dtype == k.dtype == v.dtype:
+        result = _native(q.dtype)
+    else:
+        result = np.result_type(_native(q.dtype), _native(k.dtype), _native(v.dtype))
     return q.shape[:-2], _COMPUTE_DTYPES[result], result
 
 
@@ -198,6 +201,9 @@ def _as_kernel_input(x, dtype):
     x = np.asarray(x)  # a subclass (np.matrix, np.memmap) computes as the plain array
     if x.ndim != 3:
         x = x.reshape((math.prod(x.shape[:-2]),) + x.shape[-2:])
+    flags = x.flags
+    if x.dtype == dtype and flags.c_contiguous and flags.aligned and flags.writeable:
+        return x
     return np.require(x, dtype=dtype, requirements=["C", "A", "W"])
 
 
