@@ -22,6 +22,7 @@ kernel serially: correct, on one thread.  Use the ``spawn`` or
 ``forkserver`` start method for children that should use every core.
 """
 
+import contextlib
 import numbers
 import os
 import sys
@@ -309,7 +310,7 @@ def blas_threads():
     return max(counts) if counts else None
 
 
-class num_threads:
+class num_threads(contextlib.ContextDecorator):
     """Context manager: :func:`set_num_threads` inside, the previous setting restored after.
 
     Parameters
