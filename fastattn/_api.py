@@ -19,7 +19,11 @@ A backend is a module exposing::
 
 where ``S0 (B, d_k, d_v)`` and ``z0 (B, d_k)`` are None or arrays of the call's
 dtype, and ``S``, ``z`` are the state after the last key.  Importing a
-backend's module raises ImportError when it cannot run here.
+backend's module raises ImportError when it cannot run here; a module that
+runs but should not be picked by ``backend="auto"`` (Numba without a
+writable disk cache) says why in ``AUTO_UNSUITABLE``.  A backend may expose
+``set_num_threads``/``get_num_threads``; :mod:`fastattn._threads` applies
+the process-wide count when it loads.
 """
 
 import importlib
@@ -28,7 +32,7 @@ import numbers
 
 import numpy as np
 
-from . import reference
+from . import _threads, reference
 
 #: Backend name -> module that implements it.  One lookup dispatches a call.
 BACKEND_MODULES = {
@@ -49,6 +53,7 @@ _COMPUTE_DTYPES = {
 
 _loaded = {}
 _unavailable = {}
+_not_for_auto = {}   # name -> why ``auto`` passes over a backend that runs (e.g. no disk cache)
 
 
 def _load(name):
@@ -67,7 +72,16 @@ def _load(name):
         _unavailable[name] = f"{BACKEND_MODULES[name]} does not define {missing}"
         return None
     _loaded[name] = module
+    _threads.backend_loaded(module)
+    reason = getattr(module, "AUTO_UNSUITABLE", None)
+    if reason:
+        _not_for_auto[name] = reason
     return module
+
+
+def loaded_backends():
+    """The backend modules imported so far (importing none)."""
+    return list(_loaded.values())
 
 
 def available_backends():
@@ -78,7 +92,8 @@ def available_backends():
     tuple of str
         A subset of ``("cython", "numba", "reference")``; ``"reference"`` is
         always present.  A compiled backend is missing when its extension was
-        not built; a JIT backend when Numba cannot be imported.
+        not built; a JIT backend when Numba cannot be imported.  This imports
+        every backend.
     """
     return tuple(name for name in AUTO_ORDER if _load(name) is not None)
 
@@ -97,6 +112,10 @@ def unavailable_backends():
 def get_backend(backend):
     """The module implementing ``backend`` (``"auto"`` resolves to the fastest).
 
+    ``"auto"`` passes over a backend that runs but says it should not be
+    picked (its ``AUTO_UNSUITABLE``, e.g. Numba without a disk cache, which
+    would compile in every process).
+
     Raises
     ------
     ValueError
@@ -104,7 +123,7 @@ def get_backend(backend):
         (the message lists the available backends and why this one is not).
     """
     if backend == "auto":
-        return _load(available_backends()[0])
+        return _load(next(b for b in available_backends() if b not in _not_for_auto))
     if not isinstance(backend, str) or backend not in BACKEND_MODULES:
         raise ValueError(
             f"backend must be 'auto' or one of {sorted(BACKEND_MODULES)}, got {backend!r}; "
@@ -121,7 +140,7 @@ def get_backend(backend):
 
 def _native(dtype):
     """``dtype`` in this machine's byte order (``>f4`` -> ``float32``)."""
-    return dtype.newbyteorder("=")
+    return dtype if dtype.isnative else dtype.newbyteorder("=")
 
 
 def _check_float_array(x, name):
@@ -170,7 +189,10 @@ def _check_qkv(q, k, v):
         )
     if q.shape[-1] == 0:
         raise ValueError(f"d_k must be at least 1; got q {q.shape} and k {k.shape}")
-    result = np.result_type(_native(q.dtype), _native(k.dtype), _native(v.dtype))
+    if q.dtype == k.dtype == v.dtype:
+        result = _native(q.dtype)
+    else:
+        result = np.result_type(_native(q.dtype), _native(k.dtype), _native(v.dtype))
     return q.shape[:-2], _COMPUTE_DTYPES[result], result
 
 
@@ -179,6 +201,9 @@ def _as_kernel_input(x, dtype):
     x = np.asarray(x)  # a subclass (np.matrix, np.memmap) computes as the plain array
     if x.ndim != 3:
         x = x.reshape((math.prod(x.shape[:-2]),) + x.shape[-2:])
+    flags = x.flags
+    if x.dtype == dtype and flags.c_contiguous and flags.aligned and flags.writeable:
+        return x
     return np.require(x, dtype=dtype, requirements=["C", "A", "W"])
 
 
@@ -190,6 +215,23 @@ def _check_positive_scalar(value, name, allow_zero):
         bound = ">= 0" if allow_zero else "> 0"
         raise ValueError(f"{name} must be a finite number {bound}, got {value!r}")
     return value
+
+
+#: The largest finite value of each computation dtype.
+_LARGEST = {dt: float(np.finfo(dt).max) for dt in (np.dtype(np.float32), np.dtype(np.float64))}
+
+
+def _check_scale(scale, d_k, dtype):
+    """``scale`` as a float (default ``1 / sqrt(d_k)``), finite and > 0 in the computation ``dtype``."""
+    if scale is None:
+        return reference.default_scale(d_k)
+    scale = _check_positive_scalar(scale, "scale", allow_zero=False)
+    if scale > _LARGEST[dtype]:
+        raise ValueError(
+            f"scale must be finite in the computation dtype {dtype} (at most "
+            f"{_LARGEST[dtype]:.8g}), got {scale!r}, which is inf in {dtype}"
+        )
+    return scale
 
 
 def _check_bool(value, name):
@@ -239,7 +281,8 @@ def softmax_attention(q, k, v, *, causal=False, scale=None, backend="auto"):
         is not a bool, or ``scale`` is not a real number.
     ValueError
         If the shapes disagree (the message names them), ``scale`` is not
-        finite and positive, or ``backend`` is unknown or unavailable.
+        finite and positive (in the computation dtype: ``1e39`` is inf in
+        float32), or ``backend`` is unknown or unavailable.
     MemoryError
         With ``backend="reference"``, before allocating, when the ``n_q x n_k``
         intermediates (about ``3 · B · n_q · n_k · itemsize`` bytes) exceed the
@@ -262,10 +305,7 @@ def softmax_attention(q, k, v, *, causal=False, scale=None, backend="auto"):
     """
     batch_shape, dtype, result = _check_qkv(q, k, v)
     causal = _check_bool(causal, "causal")
-    d_k = q.shape[-1]
-    scale = reference.default_scale(d_k) if scale is None else _check_positive_scalar(
-        scale, "scale", allow_zero=False
-    )
+    scale = _check_scale(scale, q.shape[-1], dtype)
     module = get_backend(backend)
     n_q, d_v = q.shape[-2], v.shape[-1]
     out_shape = batch_shape + (n_q, d_v)
@@ -397,11 +437,14 @@ def linear_attention(
     S0, z0 = _check_state(initial_state, batch_shape, d_k, d_v, dtype)
     module = get_backend(backend)
     out_shape = batch_shape + (n_q, d_v)
-    # With an empty dimension the reference is exact and forms no large array.
-    kernel = reference if 0 in batch_shape or 0 in (n_q, n_k, d_v) else module
+    empty = 0 in batch_shape or 0 in (n_q, n_k, d_v)
+    # With an empty dimension the non-causal reference is exact (with no keys,
+    # no queries or no values causal and non-causal agree) and costs
+    # O(size of the inputs): no n_q x n_k array, whatever backend was asked.
+    kernel = reference if empty else module
     out, S, z = kernel.linear_forward(
         _as_kernel_input(q, dtype), _as_kernel_input(k, dtype), _as_kernel_input(v, dtype),
-        feature_map, causal, eps, S0, z0,
+        feature_map, causal and not empty, eps, S0, z0,
     )
     out = out.reshape(out_shape).astype(result, copy=False)
     if not return_state:
@@ -426,11 +469,12 @@ def attention_weights(
     causal : bool, default False
         Bottom-right aligned mask; masked weights are 0.
     scale : float, optional
-        Softmax only; default ``1 / sqrt(d_k)``.
+        Softmax only (refused with ``kind="linear"``, which has no scale);
+        default ``1 / sqrt(d_k)``.
     feature_map : {"elu", "relu"}, default "elu"
-        Linear only.
+        Linear only; checked whatever the kind.
     eps : float, default 1e-6
-        Linear only.
+        Linear only; checked whatever the kind.
 
     Returns
     -------
@@ -440,8 +484,9 @@ def attention_weights(
     Raises
     ------
     TypeError, ValueError
-        As :func:`softmax_attention` and :func:`linear_attention`, and for an
-        unknown ``kind``.
+        As :func:`softmax_attention` and :func:`linear_attention` (every
+        option is checked, whatever the kind), for an unknown ``kind``, and
+        for a ``scale`` given with ``kind="linear"``.
     MemoryError
         When the ``n_q x n_k`` matrix does not fit in available memory.
 
@@ -457,16 +502,17 @@ def attention_weights(
     v = np.broadcast_to(np.zeros((), q.dtype), k.shape[:-1] + (1,))
     batch_shape, dtype, _ = _check_qkv(q, k, v)
     causal = _check_bool(causal, "causal")
-    if kind == "softmax":
-        scale = reference.default_scale(q.shape[-1]) if scale is None else _check_positive_scalar(
-            scale, "scale", allow_zero=False
+    if kind == "linear" and scale is not None:
+        raise ValueError(
+            f"scale applies to kind='softmax' only (linear attention has no scale), got {scale!r}"
         )
-    else:
-        if feature_map not in reference.FEATURE_MAPS:
-            raise ValueError(
-                f"feature_map must be one of {list(reference.FEATURE_MAPS)}, got {feature_map!r}"
-            )
-        eps = _check_positive_scalar(eps, "eps", allow_zero=True)
+    # Every option is checked whatever the kind: a bad one is never ignored.
+    scale = _check_scale(scale, q.shape[-1], dtype)
+    if feature_map not in reference.FEATURE_MAPS:
+        raise ValueError(
+            f"feature_map must be one of {list(reference.FEATURE_MAPS)}, got {feature_map!r}"
+        )
+    eps = _check_positive_scalar(eps, "eps", allow_zero=True)
     n_q, n_k = q.shape[-2], k.shape[-2]
     out_shape = batch_shape + (n_q, n_k)
     if 0 in out_shape:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import reference
 from ._api import attention_weights, linear_attention, softmax_attention
 
 
@@ -152,16 +153,35 @@ def compare_attention(q, k, v, *, causal=False, scale=None, feature_map="elu", e
     )
 
 
+def _check_seed_experiment(n, d, seed, n_by_n_arrays):
+    """Validate the seed experiment's arguments; MemoryError if it cannot fit."""
+    for value, name in ((n, "n"), (d, "d")):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) \
+            or not 0 <= seed < 2**32:
+        raise ValueError(f"seed must be an int from 0 to 2**32 - 1, got {seed!r}")
+    n, d = int(n), int(d)
+    # One input's float64 draws, the three float32 inputs, the n x n float32 arrays.
+    reference.check_fits_in_memory(
+        n * d * (8 + 3 * 4) + n_by_n_arrays * n * n * 4,
+        f"the seed experiment with n={n}, d={d}",
+        advice="choose a smaller n" + (" (it holds n x n weight matrices)" if n_by_n_arrays else "")
+        + " or d",
+    )
+
+
 def seed_inputs(n, d, seed=42):
     """The seed experiment's inputs: ``(q, k, v)``, each float32 of shape ``(n, d)``.
 
     ``np.random.seed(seed)``, then ``q = randn(n, d) * 0.5``, ``k`` the same,
     ``v = randn(n, d)``, each cast to float32 before any scaling.  Uses (and
     reseeds) NumPy's global random state, exactly as the original experiment.
+
+    Raises ValueError for a bad ``n``, ``d`` or ``seed`` and MemoryError,
+    before drawing, when the inputs cannot fit, as :func:`compare` does.
     """
-    for value, name in ((n, "n"), (d, "d")):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    _check_seed_experiment(n, d, seed, n_by_n_arrays=0)
     np.random.seed(seed)
     q = np.random.randn(n, d).astype(np.float32) * 0.5
     k = np.random.randn(n, d).astype(np.float32) * 0.5
@@ -193,7 +213,14 @@ def compare(n=64, d=32, seed=42):
     Raises
     ------
     ValueError
-        If ``n`` or ``d`` is not a positive int.
+        If ``n`` or ``d`` is not a positive int, or ``seed`` not an int from
+        0 to ``2**32 - 1``.
+    MemoryError
+        Before any work, when the inputs and the ``n x n`` weight matrices
+        (about ``16 n²`` bytes) cannot fit in the available memory; the
+        message names ``n`` and ``d`` and the bytes needed.
     """
+    # The softmax scores and the two weight matrices kept in the result.
+    _check_seed_experiment(n, d, seed, n_by_n_arrays=3)
     q, k, v = seed_inputs(n, d, seed)
     return compare_attention(q, k, v, backend="reference")

@@ -62,15 +62,27 @@ def quadratic_bytes(batch, n_q, n_k, itemsize, arrays=1):
     return int(batch) * int(n_q) * int(n_k) * int(itemsize) * int(arrays)
 
 
-def check_fits_in_memory(nbytes, what):
-    """Raise MemoryError, before allocating, when ``nbytes`` exceed available RAM."""
+#: Bytes below which no memory check is made: any machine has them, and
+#: asking the system (psutil) costs more than a small call itself.
+MEMORY_CHECK_FLOOR = 1 << 20
+
+
+def check_fits_in_memory(nbytes, what, advice=None):
+    """Raise MemoryError, before allocating, when ``nbytes`` exceed available RAM.
+
+    ``what`` names the computation; ``advice`` ends the message (default: use
+    a tiled backend).
+    """
+    if nbytes < MEMORY_CHECK_FLOOR:
+        return
     available = psutil.virtual_memory().available
     if nbytes > available:
+        if advice is None:
+            advice = (f"use a tiled backend ({', '.join(repr(b) for b in TILED_BACKENDS)}), "
+                      "which needs O(n d) memory")
         raise MemoryError(
-            f"the reference {what} needs {nbytes:,} bytes ({nbytes / 2**30:.1f} GiB) "
-            f"for its n_q x n_k intermediates but only {available:,} bytes are "
-            f"available; use a tiled backend ({', '.join(repr(b) for b in TILED_BACKENDS)}), "
-            f"which needs O(n d) memory"
+            f"{what} needs {nbytes:,} bytes ({nbytes / 2**30:.1f} GiB) "
+            f"but only {available:,} bytes are available; {advice}"
         )
 
 
@@ -106,7 +118,7 @@ def softmax_weights(q, k, causal, scale):
     check_fits_in_memory(
         quadratic_bytes(batch, n_q, n_k, q.itemsize, arrays=1)
         + (2 * n_q * n_k if causal else 0),
-        "softmax attention",
+        "the reference softmax attention, for its n_q x n_k intermediates,",
     )
     scores = q @ k.transpose(0, 2, 1)
     scores *= scale
@@ -136,13 +148,19 @@ def softmax_forward(q, k, v, causal, scale):
     return _masked_matmul(weights, v, visible)
 
 
+def _check_kernel_matrix_fits(q, k):
+    """MemoryError unless the ``n_q x n_k`` kernel matrix (and its mask) fit."""
+    check_fits_in_memory(
+        quadratic_bytes(q.shape[0], q.shape[1], k.shape[1], q.itemsize, arrays=2),
+        "the reference causal linear attention, for its n_q x n_k intermediates,",
+    )
+
+
 def linear_kernel_matrix(q, k, feature_map_name, causal):
     """``φ(q) φ(k)ᵀ`` ``(B, n_q, n_k)``, zero where masked, with the mask."""
     batch, n_q, _ = q.shape
     n_k = k.shape[1]
-    check_fits_in_memory(
-        quadratic_bytes(batch, n_q, n_k, q.itemsize, arrays=2), "causal linear attention"
-    )
+    _check_kernel_matrix_fits(q, k)
     kernel = feature_map(q, feature_map_name) @ feature_map(k, feature_map_name).transpose(0, 2, 1)
     visible = causal_mask(n_q, n_k) if causal else None
     if visible is not None:
@@ -168,6 +186,8 @@ def linear_forward(q, k, v, feature_map_name, causal, eps, S0=None, z0=None):
     ``S0 (B, d_k, d_v)`` and ``z0 (B, d_k)`` are the state of keys that came
     before (seen by every query), or None for none.  Where the denominator is
     exactly 0 (``relu`` with no positive overlap and ``eps = 0``) the row is 0.
+    Causal, an ``n_q x n_k`` matrix that cannot fit is refused (MemoryError)
+    before any work is done.
 
     Returns
     -------
@@ -177,6 +197,8 @@ def linear_forward(q, k, v, feature_map_name, causal, eps, S0=None, z0=None):
     z : ndarray (B, d_k)
         ``z0 + Σ_j φ(k_j)``.
     """
+    if causal:
+        _check_kernel_matrix_fits(q, k)
     phi_q = feature_map(q, feature_map_name)
     phi_k = feature_map(k, feature_map_name)
     dtype = q.dtype

@@ -31,7 +31,7 @@ from numba import njit, prange
 
 from .config import JIT_PARALLEL, JIT_SERIAL, LINEAR_CHUNK, LINEAR_SEGMENT, LINEAR_STEP
 from ._exp import fast_exp
-from ._threads import single_threaded_blas
+from ._threads import launch
 
 #: Feature map name -> code passed to the kernels (a runtime argument, so one
 #: compiled kernel per dtype serves both).
@@ -250,8 +250,9 @@ def linear_forward(q, k, v, feature_map, causal, eps, S0=None, z0=None):
     nseg = len(bounds) - 1
     dS = np.zeros((B, nseg + 1, d_k, d_v), dtype)
     dz = np.zeros((B, nseg + 1, d_k), dtype)
-    with single_threaded_blas():
-        segment_states(k, v, bounds, code, consts, chunk, dS, dz)
+    work_items = B * max(nseg, -(-n_q // chunk))
+    with launch(work_items, B * (n_q + n_k) * d_k * d_v) as pick:
+        pick(segment_states)(k, v, bounds, code, consts, chunk, dS, dz)
         prefix_states(S0, z0, dS, dz)
-        out = chunk_outputs(q, k, v, bounds, first, causal, code, consts, chunk, dS, dz)
+        out = pick(chunk_outputs)(q, k, v, bounds, first, causal, code, consts, chunk, dS, dz)
     return out, dS[:, nseg].copy(), dz[:, nseg].copy()
