@@ -20,6 +20,7 @@ except ImportError as exc:
         f"with `pip install .`, which compiles them): {exc}"
     ) from exc
 from ._openmp import get_num_threads, openmp_enabled, set_num_threads
+from . import linear as _linear
 from .linear import CHUNK, linear_attention_forward
 from .softmax import BLOCK_K, BLOCK_Q, _build_features, online_softmax_forward
 
@@ -33,6 +34,9 @@ __all__ = [
     "BLOCK_Q",
     "BLOCK_K",
     "CHUNK",
+    "favor_query_features",
+    "favor_key_features",
+    "taylor_features",
 ]
 
 def vector_exp_enabled():
@@ -77,3 +81,20 @@ def linear_forward(q, k, v, feature_map, causal, eps, S0=None, z0=None):
         return linear_attention_forward(
             q, k, v, feature_map, causal, eps, S0, z0, get_num_threads()
         )
+
+
+def favor_query_features(x, w):
+    """FAVOR+ query features ``(B, n, m)`` (see ``linear.favor_query_features``)."""
+    with single_threaded_blas():
+        return _linear.favor_query_features(x, w, get_num_threads())
+
+
+def favor_key_features(x, w):
+    """FAVOR+ key features ``(B, n, m)`` and shifts ``(B,)`` (see ``linear.favor_key_features``)."""
+    with single_threaded_blas():
+        return _linear.favor_key_features(x, w, get_num_threads())
+
+
+def taylor_features(x):
+    """Taylor features ``(B, n, D)`` (see ``linear.taylor_features``)."""
+    return _linear.taylor_features(x, get_num_threads())
