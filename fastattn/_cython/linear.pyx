@@ -181,7 +181,7 @@ cdef void _causal_segment(const floating *q, const floating *k, const floating *
                           floating *out, floating *S, floating *z,
                           int n_q, int n_k, int d_k, int d_v, int code, floating eps,
                           int chunk, int c_begin, int c_end, int folded, bint last,
-                          floating *q_buf, floating *k_buf, floating *a_buf,
+                          bint v_finite, floating *q_buf, floating *k_buf, floating *a_buf,
                           floating *den) noexcept nogil:
     """Query chunks ``[c_begin, c_end)`` of one head, in order, from the state ``(S, z)``.
 
@@ -213,15 +213,25 @@ cdef void _causal_segment(const floating *q, const floating *k, const floating *
             for r in range(rows):
                 seen = min(max(i0 + r + off + 1, 0), n_k) - p0
                 arow = a_buf + <Py_ssize_t> r * width
-                orow = out + <Py_ssize_t> (i0 + r) * d_v
                 total = 0
                 for j in range(seen):
-                    a = arow[j]
-                    total = total + a
-                    vrow = v + <Py_ssize_t> (p0 + j) * d_v
-                    for c in range(d_v):
-                        orow[c] = orow[c] + a * vrow[c]
+                    total = total + arow[j]
                 den[r] = den[r] + total
+                if v_finite:
+                    for j in range(seen, width):
+                        arow[j] = 0
+                else:
+                    # Form only the terms the row sees: 0 * inf must not reach it.
+                    orow = out + <Py_ssize_t> (i0 + r) * d_v
+                    for j in range(seen):
+                        a = arow[j]
+                        vrow = v + <Py_ssize_t> (p0 + j) * d_v
+                        for c in range(d_v):
+                            orow[c] = orow[c] + a * vrow[c]
+            if v_finite:
+                # Masked weights are 0 and every value is finite: one GEMM.
+                gemm(False, False, rows, d_v, width, 1, a_buf, width,
+                     v + <Py_ssize_t> p0 * d_v, d_v, 1, out + <Py_ssize_t> i0 * d_v, d_v)
         for r in range(rows):
             _normalise_row(out + <Py_ssize_t> (i0 + r) * d_v, d_v, den[r] + eps)
     if last:
@@ -240,8 +250,12 @@ def _causal(
     double eps,
     int chunk,
     int n_threads,
+    bint v_finite,
 ):
     """Chunked causal linear attention, each head cut into ``S_seg.shape[1]`` segments.
+
+    ``v_finite``: every value is finite, so the diagonal term may be one GEMM
+    over weights zeroed where masked (else it forms only the visible terms).
 
     ``S_seg[b, 0], z_seg[b, 0]`` hold the initial state and the other
     segments' entries zeros on entry.  Pass 1 (parallel) sums each segment's
@@ -280,7 +294,7 @@ def _causal(
                             &S_seg[b, s, 0, 0], &z_seg[b, s, 0], n_q, n_k, d_k, d_v, code, e,
                             chunk, s * n_chunks // n_seg, (s + 1) * n_chunks // n_seg,
                             _segment_start(s, n_seg, n_chunks, chunk, n_q, n_k), s == n_seg - 1,
-                            buf, buf + chunk * d_k, buf + 2 * chunk * d_k,
+                            v_finite, buf, buf + chunk * d_k, buf + 2 * chunk * d_k,
                             buf + 2 * chunk * d_k + chunk * chunk)
 
 
@@ -343,7 +357,8 @@ def linear_attention_forward(q, k, v, feature_map, bint causal, double eps, S0=N
     if z0 is not None:
         z_seg[:, 0] = z0
     if causal:
-        _causal(q, k, v, out, S_seg, z_seg, workspace, code, eps, chunk, n_threads)
+        _causal(q, k, v, out, S_seg, z_seg, workspace, code, eps, chunk, n_threads,
+                bool(np.isfinite(v).all()))
         return out, S_seg[:, -1].copy(), z_seg[:, -1].copy()
     S, z = _noncausal(q, k, v, out, S_seg, z_seg, workspace, code, eps, chunk, n_threads)
     return out, S, z
