@@ -346,12 +346,12 @@ def test_state_across_pieces_equals_one_pass(backend, name, dtype, pieces):
 @pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
 def test_favor_state_carries_the_key_shift_between_pieces_of_different_scale(
         backend, dominant, causal):
-    # The keys of one piece are 3x longer, so their exponents sit far below
+    # The keys of one piece are 5x longer, so their exponents sit ~10 below
     # the other piece's and the two pieces' frames differ; two pieces still
     # equal one pass.  "dominant" is the piece of ordinary keys.
     q, k, v = make_qkv((2, 40, 6), d_v=3, seed=8)
-    k[:, 20:] *= 3.0 if dominant == "first" else 1.0
-    k[:, :20] *= 3.0 if dominant == "second" else 1.0
+    k[:, 20:] *= 5.0 if dominant == "first" else 1.0
+    k[:, :20] *= 5.0 if dominant == "second" else 1.0
     favor = fastattn.FavorFeatures(6, num_features=40, random_state=2)
     kwargs = dict(feature_map=favor, causal=causal, eps=0.0, backend=backend)
     first, state = fastattn.linear_attention(q[:, :20], k[:, :20], v[:, :20], return_state=True,
