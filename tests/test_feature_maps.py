@@ -480,3 +480,37 @@ def test_state_of_another_feature_dimension_is_refused_naming_D(backend, name, D
     with pytest.raises(ValueError, match=rf"initial_state\[0\] \(S\) must have shape \(2, {D}, 3\) "
                                          r"\(\.\.\., D, d_v\)"):
         fastattn.linear_attention(q, k, v, feature_map=name, initial_state=bad, backend=backend)
+
+
+@pytest.mark.parametrize("shape", [((), 0, 5, 3, 2), ((), 5, 0, 3, 2), ((0,), 4, 4, 3, 3),
+                                   ((), 4, 4, 3, 0), ((2,), 1, 1, 1, 1)], ids=_sid)
+@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+@pytest.mark.parametrize("name", MAPS)
+def test_empty_and_unit_sizes_for_every_map(backend, name, causal, shape):
+    lead, n_q, n_k, d_k, d_v = shape
+    q, k, v = make_qkv((*lead, n_q, d_k), n_k=n_k, d_v=d_v, seed=2)
+    feature_map, formula = _map_and_formula(name, d_k)
+    out, (S, z) = fastattn.linear_attention(q, k, v, feature_map=feature_map, causal=causal,
+                                            return_state=True, backend=backend)
+    assert out.shape == (*lead, n_q, d_v)
+    if 0 in (n_k, math.prod(lead)):
+        assert not out.any() and not S.any() and not z.any()
+        return
+    expected, (S_exp, z_exp) = formula(q, k, v, causal, 1e-6)
+    assert_close(out, expected)
+    assert_close(S, S_exp)
+    assert_close(z, z_exp)
+
+
+@pytest.mark.parametrize("name", MAPS)
+def test_float16_and_any_layout_for_every_map(backend, name):
+    q, k, v = make_qkv((3, 20, 4), d_v=3, seed=9)
+    feature_map, formula = _map_and_formula(name, 4)
+    expected, _ = formula(q, k, v, True, 1e-6)
+    half = fastattn.linear_attention(*(x.astype(np.float16) for x in (q, k, v)),
+                                     feature_map=feature_map, causal=True, backend=backend)
+    assert half.dtype == np.float16
+    assert_close(half.astype(np.float32), expected, dtype=np.float16)
+    strided = [np.asfortranarray(x)[:, ::-1][:, ::-1] for x in (q, k, v)]
+    assert_close(fastattn.linear_attention(*strided, feature_map=feature_map, causal=True,
+                                           backend=backend), expected)
