@@ -16,9 +16,12 @@ A backend is a module exposing::
 
     softmax_forward(q, k, v, causal, scale) -> out (B, n_q, d_v)
     linear_forward(q, k, v, feature_map, causal, eps, S0, z0) -> (out, S, z)
+    favor_query_features(x, w), favor_key_features(x, w), taylor_features(x)
 
 where ``S0 (B, d_k, d_v)`` and ``z0 (B, d_k)`` are None or arrays of the call's
-dtype, and ``S``, ``z`` are the state after the last key.  Importing a
+dtype, and ``S``, ``z`` are the state after the last key.  ``feature_map`` is
+``"elu"``, ``"relu"`` or ``"identity"`` (``q`` and ``k`` are features of
+dimension D, computed first by :mod:`fastattn.feature_maps`).  Importing a
 backend's module raises ImportError when it cannot run here.
 """
 

@@ -364,8 +364,7 @@ def linear_forward(module, spec, feats, q, k, v, causal, eps, S0, z0):
         return module.linear_forward(q, k, v, spec.name, causal, eps, S0, z0)
     phi_k = feats.k
     if feats.key_shift is None:
-        out, S, z = module.linear_forward(feats.q, phi_k, v, "identity", causal, eps, S0, z0)
-        return out, S, z
+        return module.linear_forward(feats.q, phi_k, v, "identity", causal, eps, S0, z0)
     fixed = spec.favor.state_shift
     shift = feats.key_shift
     if S0 is not None:
