@@ -17,9 +17,11 @@ import math
 import numpy as np
 import psutil
 
-#: Feature maps of linear attention, by name.  ``elu`` is ``elu(x) + 1``
-#: (Katharopoulos et al. 2020), which is positive for every finite input;
-#: ``relu`` is ``max(x, 0)``.
+#: Elementwise feature maps of linear attention, by name.  ``elu`` is
+#: ``elu(x) + 1`` (Katharopoulos et al. 2020), which is positive for every
+#: finite input; ``relu`` is ``max(x, 0)``.  The kernels also take
+#: ``"identity"``: the inputs are already features (FAVOR+, Taylor, a user's
+#: map; see :mod:`fastattn.feature_maps`).
 FEATURE_MAPS = ("elu", "relu")
 
 #: Backends that compute attention without any n_q x n_k array.
@@ -32,21 +34,73 @@ def feature_map(x, name):
     Parameters
     ----------
     x : ndarray of float32 or float64
-    name : {"elu", "relu"}
+    name : {"elu", "relu", "identity"}
         ``"elu"`` is ``elu(x) + 1`` (``x + 1`` for ``x > 0``, ``exp(x)``
         otherwise; strictly positive unless ``exp`` underflows), ``"relu"`` is
-        ``max(x, 0)``.
+        ``max(x, 0)``, ``"identity"`` is ``x`` itself (features computed
+        beforehand).
 
     Returns
     -------
     ndarray of the same shape and dtype as ``x``.
     """
+    if name == "identity":
+        return x
     if name == "elu":
         # exp is only evaluated where it is used, so large x raises no warning.
         return np.where(x > 0, x + 1, np.exp(np.minimum(x, 0)))
     if name == "relu":
         return np.maximum(x, 0)
     raise ValueError(f"feature_map must be one of {FEATURE_MAPS}, got {name!r}")
+
+
+def favor_query_features(x, w):
+    """FAVOR+ query features ``exp(x w − max_r (x w)_r) / √m``, one shift per row.
+
+    ``x (B, n, d_k)``, ``w = (ω / d_k^¼)ᵀ (d_k, m)`` of ``x``'s dtype.  The
+    row's largest feature is ``1/√m``; ``‖x'‖²/2``, constant along the row,
+    is part of the shift.  Choromanski et al. (2021); see
+    :class:`fastattn.FavorFeatures`.
+    """
+    e = x @ w
+    e -= e.max(axis=-1, keepdims=True)
+    e -= 0.5 * math.log(w.shape[1])
+    return np.exp(e, out=e)
+
+
+def favor_key_features(x, w):
+    """FAVOR+ key features ``exp(x w − ‖x‖²/(2√d_k) − c_b) / √m`` and the shifts ``c (B,)``.
+
+    ``c_b`` is the largest exponent of head ``b`` (NaN ignored; 0 when none
+    is finite), so the largest key feature of a head is ``1/√m`` and nothing
+    overflows.  Returns ``(features (B, n, m), c)`` with ``c`` float64.
+    """
+    d_k, m = w.shape
+    e = x @ w
+    e -= (np.einsum("bnd,bnd->bn", x, x) / (2 * math.sqrt(d_k)))[..., None]
+    with np.errstate(invalid="ignore"):
+        peak = np.where(np.isnan(e), -np.inf, e).max(axis=(1, 2), initial=-np.inf)
+    shift = np.where(np.isfinite(peak), peak, 0.0).astype(np.float64)
+    e -= (shift + 0.5 * math.log(m)).astype(e.dtype)[:, None, None]
+    return np.exp(e, out=e), shift
+
+
+def taylor_features(x):
+    """Second-order Taylor features ``[1, x / d_k^¼, sym(x xᵀ) / (√2 √d_k)]`` ``(B, n, D)``.
+
+    ``sym`` is the upper triangle of ``x xᵀ`` row by row, ``x_a x_b`` for
+    ``a <= b``, the off-diagonal terms times ``√2`` (they stand for both
+    ``x_a x_b`` and ``x_b x_a``), so ``φ(q)·φ(k) = 1 + s + s²/2`` exactly with
+    ``s = qᵀk / √d_k``.  ``D = 1 + d_k + d_k (d_k + 1) / 2``.  Based (Arora
+    et al., "Simple linear attention language models balance the
+    recall-throughput tradeoff", 2024).
+    """
+    d_k = x.shape[-1]
+    a, b = np.triu_indices(d_k)
+    weight = np.where(a == b, 1 / math.sqrt(2 * d_k), 1 / math.sqrt(d_k)).astype(x.dtype)
+    return np.concatenate(
+        [np.ones(x.shape[:-1] + (1,), x.dtype), x * x.dtype.type(d_k ** -0.25),
+         x[..., a] * x[..., b] * weight], axis=-1)
 
 
 def causal_mask(n_q, n_k):

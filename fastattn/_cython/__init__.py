@@ -22,6 +22,7 @@ except ImportError as exc:
         f"with `pip install .`, which compiles them): {exc}"
     ) from exc
 from ._openmp import get_num_threads, openmp_enabled, set_num_threads
+from . import linear as _linear
 from .linear import CHUNK, linear_attention_forward
 from .softmax import BLOCK_K, BLOCK_Q, _build_features, online_softmax_forward
 
@@ -35,6 +36,9 @@ __all__ = [
     "BLOCK_Q",
     "BLOCK_K",
     "CHUNK",
+    "favor_query_features",
+    "favor_key_features",
+    "taylor_features",
 ]
 
 def vector_exp_enabled():
@@ -89,3 +93,27 @@ def linear_forward(q, k, v, feature_map, causal, eps, S0=None, z0=None):
         return linear_attention_forward(q, k, v, feature_map, causal, eps, S0, z0, 1)
     with single_threaded_blas():
         return linear_attention_forward(q, k, v, feature_map, causal, eps, S0, z0, n_threads)
+
+
+def _feature_call(kernel, x, work, *args):
+    """``kernel(x, *args, n_threads)``, sharing ``x``'s rows out, for ``work`` multiply-adds."""
+    n_threads = kernel_threads(get_num_threads(), x.shape[0] * x.shape[1], work)
+    if n_threads == 1:
+        return kernel(x, *args, 1)
+    with single_threaded_blas():
+        return kernel(x, *args, n_threads)
+
+
+def favor_query_features(x, w):
+    """FAVOR+ query features ``(B, n, m)`` (see ``linear.favor_query_features``)."""
+    return _feature_call(_linear.favor_query_features, x, x.size * w.shape[1], w)
+
+
+def favor_key_features(x, w):
+    """FAVOR+ key features ``(B, n, m)`` and shifts ``(B,)`` (see ``linear.favor_key_features``)."""
+    return _feature_call(_linear.favor_key_features, x, x.size * w.shape[1], w)
+
+
+def taylor_features(x):
+    """Taylor features ``(B, n, D)`` (see ``linear.taylor_features``)."""
+    return _feature_call(_linear.taylor_features, x, x.size * x.shape[2])

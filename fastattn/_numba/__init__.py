@@ -4,6 +4,7 @@ Implements the backend interface of :mod:`fastattn._api`::
 
     softmax_forward(q, k, v, causal, scale) -> out (B, n_q, d_v)
     linear_forward(q, k, v, feature_map, causal, eps, S0, z0) -> (out, S, z)
+    favor_query_features(x, w), favor_key_features(x, w), taylor_features(x)
 
 plus :func:`set_num_threads` / :func:`get_num_threads` (one count for the
 whole process).  The kernels are compiled once per dtype (float32, float64)
@@ -27,7 +28,7 @@ import scipy.linalg.cython_blas  # noqa: F401
 
 from ._threads import get_num_threads, set_num_threads
 from .config import DISK_CACHE, NO_DISK_CACHE_REASON
-from .linear import linear_forward
+from .linear import favor_key_features, favor_query_features, linear_forward, taylor_features
 from .softmax import softmax_forward
 
 #: Why ``backend="auto"`` passes over this backend here, or None.
@@ -46,4 +47,7 @@ __all__ = [
     "set_num_threads",
     "get_num_threads",
     "AUTO_UNSUITABLE",
+    "favor_query_features",
+    "favor_key_features",
+    "taylor_features",
 ]
