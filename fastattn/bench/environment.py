@@ -89,7 +89,8 @@ def collect(threads=None):
     dict
         ``cpu_model``, ``cpu_flags``, ``cores_logical``, ``cores_usable``
         (affinity), ``memory_total_bytes``, ``memory_available_bytes``,
-        ``threads``, ``thread_counts`` (per backend and BLAS), ``blas`` (list
+        ``threads``, ``thread_counts`` (per backend and BLAS), ``thread_env``
+        (the ``*_NUM_THREADS`` variables set), ``blas`` (list
         of :func:`blas_info` dicts), ``python``, ``platform``, ``hostname``,
         ``versions`` (numpy, scipy, numba, cython, threadpoolctl, torch and
         fastattn; None when absent), ``backends`` (available),
@@ -116,6 +117,8 @@ def collect(threads=None):
         "memory_available_bytes": int(memory.available),
         "threads": threads,
         "thread_counts": fastattn.get_num_threads(),
+        "thread_env": {name: value for name, value in sorted(os.environ.items())
+                       if name.endswith("_NUM_THREADS") or name == "OMP_THREAD_LIMIT"},
         "blas": blas_info(),
         "numpy_config_blas": _numpy_blas_name(np),
         "python": sys.version.split()[0],

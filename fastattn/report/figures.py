@@ -1,7 +1,8 @@
 """Matplotlib figures of the report, returned as PNG bytes (Agg backend, no display).
 
 Every figure is drawn from :class:`~fastattn.report.analysis.Curve` objects
-or quality results; nothing here measures anything.  Colours follow the
+or quality results as they are (labels and fits included); nothing here
+measures, fits or labels anything.  Colours follow the
 backend (the same in every figure), line style the attention type: softmax
 solid with circles, linear dashed with squares.
 """
@@ -17,7 +18,8 @@ from matplotlib.colors import LogNorm  # noqa: E402
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter  # noqa: E402
 import numpy as np  # noqa: E402
 
-from .analysis import FIT_MIN_N, fit_exponent  # noqa: E402
+from ..bench.table import format_bytes, format_seconds  # noqa: E402
+from .analysis import FIT_MIN_N  # noqa: E402
 
 BACKEND_COLOURS = {
     "reference": "#6b6b6b",
@@ -73,21 +75,6 @@ def _n_axis(ax):
     ax.grid(True, which="major", alpha=0.3)
 
 
-def _seconds(x, _):
-    if x >= 1:
-        return f"{x:g} s"
-    if x >= 1e-3:
-        return f"{x * 1e3:g} ms"
-    return f"{x * 1e6:g} µs"
-
-
-def _bytes(x, _):
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if x >= size:
-            return f"{x / size:g} {unit}"
-    return f"{x:g} B"
-
-
 def _panel_grid(panels, ncols, height=5.4, width=5.6):
     nrows = max(1, -(-len(panels) // ncols))
     fig, axes = plt.subplots(nrows, ncols, figsize=(width * ncols, height * nrows),
@@ -106,8 +93,9 @@ def scaling_figure(panels, metric="time", ncols=2, title=None):
     panels : list of (str, list of Curve)
         Panel title and the curves drawn in it (e.g. non-causal, causal).
     metric : {"time", "memory"}
-        ``"time"``: median seconds with a min-max band, exponent fitted on
-        ``n >= 1024`` in the legend and drawn as a thin dotted line;
+        ``"time"``: median seconds with a min-max band; the curve's exponent
+        (fitted on ``n >= 1024``, :attr:`~fastattn.report.analysis.Curve.time_fit`)
+        in the legend and drawn as a thin dotted line;
         ``"memory"``: peak extra bytes of one call, with its exponent.
     ncols : int
         Panels per row.
@@ -128,8 +116,8 @@ def scaling_figure(panels, metric="time", ncols=2, title=None):
                 continue
             drawn = True
             style = STYLES.get(c.attention, {"linestyle": ":", "marker": "^"})
-            fit = fit_exponent(c.n, y)
-            label = (c.display or c.label) + (f"  n^{fit.format()}" if fit else "")
+            fit = c.time_fit if metric == "time" else c.memory_fit
+            label = c.label + (f"  n^{fit.format()}" if fit else "")
             ax.plot(c.n[use], y[use], color=colour(c.backend), label=label, markersize=4,
                     linewidth=1.6, **style, **_dtype_style(c))
             if metric == "time":
@@ -143,11 +131,11 @@ def scaling_figure(panels, metric="time", ncols=2, title=None):
         ax.set_yscale("log")
         if metric == "time":
             ax.yaxis.set_major_locator(LogLocator(base=10))
-            ax.yaxis.set_major_formatter(FuncFormatter(_seconds))
+            ax.yaxis.set_major_formatter(FuncFormatter(lambda x, _: format_seconds(x)))
         else:  # powers of two read as whole KiB / MiB / GiB
             ax.yaxis.set_major_locator(LogLocator(base=2, numticks=8))
             ax.yaxis.set_minor_locator(LogLocator(base=2, subs=(), numticks=8))
-            ax.yaxis.set_major_formatter(FuncFormatter(_bytes))
+            ax.yaxis.set_major_formatter(FuncFormatter(lambda x, _: format_bytes(x)))
         ax.axvspan(FIT_MIN_N, ax.get_xlim()[1], color="#f3f3f3", zorder=0)
         ax.set_title(panel_title, fontsize=11)
         if ax.get_legend_handles_labels()[0]:   # below the panel: the curves stay visible
@@ -185,7 +173,7 @@ def roofline_figure(panels, roofs, ncols=2):
             if not use.any():
                 continue
             ax.plot(c.n[use], c.gflops[use], color=colour(c.backend),
-                    label=(c.display or c.label), markersize=4, linewidth=1.6,
+                    label=c.label, markersize=4, linewidth=1.6,
                     **STYLES.get(c.attention, {"linestyle": ":", "marker": "^"}),
                     **_dtype_style(c))
         for i, (label, ns, values) in enumerate(roofs):
