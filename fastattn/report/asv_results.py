@@ -319,8 +319,9 @@ def _strip_comments(text):
 def branch_commits(results_dir):
     """The configured branch of the asv suite and the commits on it, from git.
 
-    asv.conf.json is looked for beside the results directory's parents and in
-    the current directory; its first ``branches`` entry is the branch.
+    asv.conf.json is looked for in the results directory's parents (asv's
+    default ``.asv/results`` sits under it); its first ``branches`` entry is
+    the branch.
 
     Returns
     -------
@@ -329,7 +330,7 @@ def branch_commits(results_dir):
         no asv.conf.json or git cannot list the branch.
     """
     here = Path(results_dir).resolve()
-    for folder in (*here.parents, Path.cwd()):
+    for folder in here.parents:
         conf = folder / "asv.conf.json"
         if conf.is_file():
             break
