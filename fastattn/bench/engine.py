@@ -417,7 +417,8 @@ def measure_point(spec, repeats=5, memory=True, check=True, seed=DEFAULT_SEED,
     dict
         ``status`` ("ok", "skipped" or "error"), ``reason`` and, when ok,
         the fields of :func:`time_call`, ``flops``, ``gflops``, ``peak_bytes``,
-        ``memory_method``, the check's fields, ``seed``, ``load_avg_1m`` and
+        ``memory_method`` (and ``peak_bytes_tracemalloc`` for the NumPy
+        reference, a cross-check), the check's fields, ``seed``, ``load_avg_1m`` and
         ``warmup_s``.
     """
     reason = why_skip(spec)
@@ -434,6 +435,8 @@ def measure_point(spec, repeats=5, memory=True, check=True, seed=DEFAULT_SEED,
         peak, method, estimate = peak_extra_bytes(call)
         if memory:
             fields.update(peak_bytes=peak, memory_method=method)
+            if spec["backend"] == "reference" and method == "hwm" and estimate < 1.0:
+                fields["peak_bytes_tracemalloc"] = peak_extra_bytes(call, "tracemalloc")[0]
         n_repeats = repeats
         if max_point_s is not None and estimate > 0:
             n_repeats = max(min(3, repeats), min(repeats, int(max_point_s / estimate)))

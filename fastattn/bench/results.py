@@ -21,7 +21,7 @@ measured; reports only ever read these files.  Each line is a JSON object with
     per call, one per repeat), ``median_s``, ``min_s``, ``max_s``, ``number``
     (calls per repeat), ``repeats``, ``flops``, ``gflops`` (at the median),
     ``roof_gflops``, ``roof_fraction``, ``peak_bytes`` (peak extra bytes of
-    the call), ``memory_method``, ``max_abs_err``, ``check_n``, ``check_tol``,
+    the call), ``memory_method``, ``peak_bytes_tracemalloc``, ``max_abs_err``, ``check_n``, ``check_tol``,
     ``check_ok``, ``seed``, ``load_avg_1m``, ``warmup_s``, ``started``,
     ``run_id``, ``thread_counts``, ``traceback``.
 
@@ -62,7 +62,7 @@ FIELD_TYPES = {
     "feature_map": "a name", "status": "one of " + ", ".join(STATUSES),
     "median_s": _NUMBER, "min_s": _NUMBER, "max_s": _NUMBER, "flops": _NUMBER,
     "gflops": _NUMBER, "roof_gflops": _NUMBER, "roof_fraction": _NUMBER,
-    "peak_bytes": _NUMBER, "max_abs_err": _NUMBER, "check_tol": _NUMBER,
+    "peak_bytes": _NUMBER, "peak_bytes_tracemalloc": _NUMBER, "max_abs_err": _NUMBER, "check_tol": _NUMBER,
     "load_avg_1m": _NUMBER, "gelem_s": _NUMBER, "started": _NUMBER, "warmup_s": _NUMBER,
     "times_s": "a list of numbers", "shape": "a list of positive ints",
 }
