@@ -509,6 +509,11 @@ def test_cli_resume_refuses_a_foreign_out_before_measuring(tmp_path, monkeypatch
     assert main(["report", "--resume", str(results), "--out", str(other)]) == 2
     assert "not a fastattn report" in capsys.readouterr().err
     assert other.read_text() == "<html>my notes</html>"
+    beside = results.with_suffix(".html")   # the default --out, beside the results
+    beside.write_text("<html>my page</html>")
+    assert main(["report", "--resume", str(results)]) == 2
+    assert "not a fastattn report" in capsys.readouterr().err
+    assert beside.read_text() == "<html>my page</html>"
 
 
 def test_cli_resume_refuses_a_read_only_results_file_before_measuring(tmp_path, monkeypatch,

@@ -153,11 +153,10 @@ def _resume_command(args, results):
                     + [text for text, given in options if given])
 
 
-def _measure(args):
-    """Run (or resume) the sweep; returns the results path."""
+def _measure(args, results):
+    """Run (or resume) the sweep into ``results``; returns its path."""
     from ..bench import sweep
 
-    results = args.resume or REPORTS_DIR / f"fastattn-{_timestamp()}.jsonl"
     if args.resume is not None and not results.is_file():
         raise ReportError(f"--resume {results}: no such results file")
     repeats = args.repeats or (QUICK_REPEATS if args.quick else DEFAULT_REPEATS)
@@ -253,9 +252,12 @@ def _run(args):
         records, history, source = _asv_records(args)
         out = args.out or REPORTS_DIR / f"fastattn-asv-{_timestamp()}.html"
     else:
-        results = args.from_ if args.from_ is not None else _measure(args)
-        records, source = _read_results(results), str(results)
+        results = args.from_ or args.resume or REPORTS_DIR / f"fastattn-{_timestamp()}.jsonl"
         out = args.out or Path(results).with_suffix(".html")
+        _check_output(out, protected)   # before measuring, whichever way out was named
+        if args.from_ is None:
+            _measure(args, results)
+        records, source = _read_results(results), str(results)
     _check_output(out, protected)
 
     from ..bench.results import atomic_write
