@@ -113,7 +113,8 @@ def _points(ns=(8, 16), backends=("reference",)):
 def test_sweep_writes_environment_roof_then_points(tmp_path):
     path = tmp_path / "r.jsonl"
     points = _points()
-    records = run_sweep(points, path, Options(repeats=2, roof_budget_s=0.01), threads=1, progress=None, isolate=False)
+    records = run_sweep(points, path, Options(repeats=2, roof_budget_s=0.01, min_time_s=0),
+                        threads=1, progress=None, isolate=False)
     assert len(records) == len(points)
     stored = read_records(path)
     assert stored[0]["record"] == "environment"
@@ -134,6 +135,16 @@ def test_sweep_writes_environment_roof_then_points(tmp_path):
                                                   point.causal)
         assert record["check_ok"] is True and record["max_abs_err"] < 1e-5
         assert record["peak_bytes"] is not None and record["memory_method"]
+
+
+def test_fast_calls_get_more_repeats_for_their_minimum(tmp_path):
+    # A fast call keeps being repeated for min_time_s (up to 100 repeats): the more
+    # repeats, the likelier one that load left alone.
+    record, = run_sweep([Point("linear", "reference", False, 8, d_k=4)], tmp_path / "f.jsonl",
+                        Options(repeats=2, roof=False, check=False, min_time_s=0.2),
+                        threads=1, progress=None, isolate=False)
+    assert 2 < record["repeats"] == len(record["times_s"]) <= 100
+    assert record["min_s"] == min(record["times_s"])
 
 
 def test_sweep_in_worker_process(tmp_path):

@@ -53,7 +53,12 @@ SETTLE_S = 0.2
 
 #: A timed repeat lasts at least this long (``number`` calls of a fast kernel),
 #: so the clock's resolution does not dominate.
-MIN_REPEAT_S = 1e-3
+MIN_REPEAT_S = 2e-4
+#: A fast call is repeated for at least this many seconds (at most
+#: :data:`MAX_REPEATS` times): the more repeats, the likelier one that load
+#: from other processes left alone, which the minimum then finds.
+MIN_TIME_S = 0.25
+MAX_REPEATS = 100
 
 #: GEMM shapes above this n are probed at this n (the rate is flat beyond it).
 MAX_PROBE_N = 4096
@@ -92,17 +97,22 @@ def make_call(spec, q, k, v):
                                          backend=backend)
 
 
-def time_call(call, repeats, estimate_s):
-    """Seconds per call of ``call()``: ``repeats`` :class:`timeit.Timer` repeats.
+def time_call(call, repeats, estimate_s, min_time_s=None, max_repeats=None):
+    """Seconds per call of ``call()``: at least ``repeats`` :class:`timeit.Timer` repeats.
 
     Parameters
     ----------
     call : callable
         Already warmed up (compilation is never timed).
     repeats : int
+        Repeats at least; more while the repeats so far took under
+        ``min_time_s`` (at most ``max_repeats``), so that a fast call gets many
+        chances of a repeat that other work on the machine did not slow down.
     estimate_s : float
         Seconds one call takes; a call faster than :data:`MIN_REPEAT_S` is run
         ``number`` times per repeat (a power of 2).
+    min_time_s : float, default :data:`MIN_TIME_S`
+    max_repeats : int, default :data:`MAX_REPEATS`
 
     Returns
     -------
@@ -111,12 +121,17 @@ def time_call(call, repeats, estimate_s):
         ``min_s``, ``max_s``, ``number``, ``repeats``.  ``timeit`` turns the
         garbage collector off while it times.
     """
+    min_time_s = MIN_TIME_S if min_time_s is None else min_time_s
+    max_repeats = max(repeats, MAX_REPEATS if max_repeats is None else max_repeats)
     number = 1
     while estimate_s * number < MIN_REPEAT_S and number < 1024:
         number *= 2
-    times = [t / number for t in timeit.Timer(call).repeat(repeat=repeats, number=number)]
+    timer, times = timeit.Timer(call), []
+    deadline = time.perf_counter() + min_time_s
+    while len(times) < repeats or (len(times) < max_repeats and time.perf_counter() < deadline):
+        times.append(timer.timeit(number) / number)
     return {"times_s": times, "median_s": float(np.median(times)), "min_s": min(times),
-            "max_s": max(times), "number": number, "repeats": repeats}
+            "max_s": max(times), "number": number, "repeats": len(times)}
 
 
 # ------------------------------------------------------------------- memory
@@ -392,7 +407,7 @@ def _load():
 
 
 def measure_point(spec, repeats=5, memory=True, check=True, seed=DEFAULT_SEED,
-                  references=None, max_point_s=None):
+                  references=None, max_point_s=None, min_time_s=None):
     """Measure one point; return the outcome fields of its record.
 
     Warm-up call (never timed), memory probe (:func:`peak_extra_bytes`, whose
@@ -411,6 +426,8 @@ def measure_point(spec, repeats=5, memory=True, check=True, seed=DEFAULT_SEED,
     max_point_s : float, optional
         Cap on the seconds of timed repeats: a slow call gets fewer repeats
         (never fewer than 3, nor more than ``repeats``).
+    min_time_s : float, optional
+        A fast call is repeated for this long at least (:func:`time_call`).
 
     Returns
     -------
@@ -440,7 +457,7 @@ def measure_point(spec, repeats=5, memory=True, check=True, seed=DEFAULT_SEED,
         n_repeats = repeats
         if max_point_s is not None and estimate > 0:
             n_repeats = max(min(3, repeats), min(repeats, int(max_point_s / estimate)))
-        fields.update(time_call(call, n_repeats, estimate))
+        fields.update(time_call(call, n_repeats, estimate, min_time_s))
         flops = attention_flops(spec["attention"], spec["n_q"], spec["n_k"], spec["d_k"],
                                 spec["d_v"], spec["causal"], spec["batch"], spec["heads"])
         fields.update(flops=flops, gflops=flops / fields["median_s"] / 1e9

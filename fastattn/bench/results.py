@@ -13,17 +13,11 @@ measured; reports only ever read these files.  Each line is a JSON object with
     ``[n, d, n]`` and ``gflops``, or ``"exp"`` with ``size`` and ``gelem_s``),
     ``dtype``, ``threads``, ``repeats``, ``load_avg_1m``.
 ``"point"``
-    One measured call.  Identity (:data:`POINT_KEYS`): ``attention``,
-    ``backend``, ``regime`` (``"prefill"``; older files lack it), ``causal``,
-    ``dtype``, ``batch``, ``heads``, ``n_q``, ``n_k``, ``d_k``, ``d_v``,
-    ``feature_map``, ``num_features``, ``threads``.  Outcome: ``status``
-    (``"ok"``, ``"skipped"``, ``"error"``), ``reason``, ``times_s`` (seconds
-    per call, one per repeat), ``median_s``, ``min_s``, ``max_s``, ``number``
-    (calls per repeat), ``repeats``, ``flops``, ``gflops`` (at the median),
-    ``roof_gflops``, ``roof_fraction``, ``peak_bytes`` (peak extra bytes of
-    the call), ``memory_method``, ``peak_bytes_tracemalloc``, ``max_abs_err``, ``check_n``, ``check_tol``,
-    ``check_ok``, ``seed``, ``load_avg_1m``, ``warmup_s``, ``started``,
-    ``run_id``, ``thread_counts``, ``traceback``.
+    One measured call: its identity (:data:`POINT_KEYS`; ``regime`` is
+    ``"prefill"`` where a file does not say) and its outcome: ``status``,
+    ``reason``, ``times_s`` (seconds per call, one per repeat), ``median_s``,
+    ``min_s``, ``max_s``, ``flops``, ``gflops``, ``peak_bytes``,
+    ``max_abs_err`` and the rest of :data:`FIELD_TYPES`.
 
 Every record a run writes carries that run's ``run_id``.  :func:`read_records`
 checks every field it knows (:data:`FIELD_TYPES`) and refuses a bad record

@@ -59,8 +59,8 @@ class Point:
     a feature map that has one (None otherwise).
     """
 
-    attention: str            # "softmax" | "linear"
-    backend: str              # a fastattn backend or a peer ("torch")
+    attention: str
+    backend: str              # a fastattn backend or a peer
     causal: bool
     n: int
     d_k: int = 64
@@ -127,6 +127,9 @@ class Options:
         Record each call's peak extra memory.
     check : bool, default True
         Compare each output with the float64 reference (``max_abs_err``).
+    min_time_s : float, default 0.25
+        A fast call is repeated for this long at least (up to 100 repeats), so
+        its fastest repeat is one that other work on the machine left alone.
     max_point_s : float or None, default 5.0
         Cap on the seconds of timed repeats per point: a slower call gets fewer
         repeats (never fewer than 3; the record's ``repeats`` says how many).
@@ -140,6 +143,7 @@ class Options:
     """
 
     repeats: int = 5
+    min_time_s: float = engine.MIN_TIME_S
     memory: bool = True
     check: bool = True
     max_point_s: float | None = 5.0
@@ -207,7 +211,8 @@ def _serve(task, state):
     options = payload["options"]
     outcome = engine.measure_point(payload["spec"], options.repeats, options.memory,
                                    options.check, references=state["references"],
-                                   max_point_s=options.max_point_s)
+                                   max_point_s=options.max_point_s,
+                                   min_time_s=options.min_time_s)
     if outcome["status"] == "ok":  # the counts in force right after the call
         outcome["thread_counts"] = {**_thread_counts(state["peers_only"]),
                                     **peers.peer_threads()}
@@ -275,8 +280,7 @@ class _Worker:
                           NUMBA_NUM_THREADS=str(max(self.threads, default_num_threads())))
         try:
             self.process = context.Process(target=_worker_main, daemon=True,
-                                           args=(child, self.threads, self.peers_only),
-                                           name="fastattn-bench-worker")
+                                           args=(child, self.threads, self.peers_only))
             self.process.start()
         finally:
             for name, value in saved.items():
@@ -315,17 +319,14 @@ class _Worker:
         return value
 
     def close(self):
-        if self.process is None:
-            return
-        try:
-            self.conn.send(None)
-        except OSError:
-            pass
-        self.process.join(timeout=2)
-        if self.process.is_alive():
-            self.process.terminate()
+        if self.process is not None:
+            try:
+                self.conn.send(None)
+            except OSError:
+                pass
             self.process.join(timeout=2)
-        self.process = None
+            self.process.terminate()  # a no-op once it has ended
+            self.process = None
 
 
 class _InProcess:

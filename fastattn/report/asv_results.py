@@ -43,11 +43,8 @@ SUITE_HEADS = 1
 SUITE_FEATURE_MAP = {"softmax": None, "linear": "elu"}
 
 #: asv benchmark name ``<attention>.<Class>.<method>`` -> the point field it fills.
-_METHOD_FIELDS = {
-    "time_forward": "median_s",
-    "track_peak_bytes": "peak_bytes",
-    "track_max_abs_error": "max_abs_err",
-}
+_METHOD_FIELDS = {"time_forward": "median_s", "track_peak_bytes": "peak_bytes",
+                  "track_max_abs_error": "max_abs_err"}
 _THREADS_BENCHMARK = "threads.Threads.track_threads"
 _VERSIONS_BENCHMARK = "threads.Versions.track_version"
 
@@ -81,9 +78,8 @@ def _is_number(value):
 
 def _iso(ms):
     """asv's commit date (milliseconds since the epoch, UTC) in ISO 8601."""
-    if ms is None:
-        return None
-    return datetime.datetime.fromtimestamp(ms / 1000, tz=datetime.timezone.utc).isoformat()
+    return None if ms is None else \
+        datetime.datetime.fromtimestamp(ms / 1000, tz=datetime.timezone.utc).isoformat()
 
 
 def _results_root(results_dir):
@@ -92,19 +88,15 @@ def _results_root(results_dir):
         raise AsvResultsError(f"no asv results directory at {root}")
     machines = sorted(p for p in root.iterdir() if (p / "machine.json").is_file())
     if not machines:
-        raise AsvResultsError(
-            f"{root} holds no asv machine directory (<machine>/machine.json); "
-            f"run `asv run` first, or pass asv's results_dir (.asv/results)"
-        )
+        raise AsvResultsError(f"{root} holds no asv machine directory (<machine>/machine.json); "
+                              "run `asv run` first, or pass asv's results_dir (.asv/results)")
     return root, machines
 
 
 def _benchmark_meta(root):
     """benchmarks.json without its version key (empty when the file is missing)."""
     path = root / "benchmarks.json"
-    if not path.is_file():
-        return {}
-    meta = _read_json(path)
+    meta = _read_json(path) if path.is_file() else {}
     return {k: v for k, v in meta.items() if isinstance(v, dict)}
 
 
@@ -177,43 +169,24 @@ def _threads_of(data, meta):
     """{component: threads} from the threads benchmark of a result file, and the requested count."""
     threads = {p["component"]: v for p, v, _ in _rows(data, _THREADS_BENCHMARK, meta)
                if v is not None and "component" in p}
-    requested = threads.get("requested")
-    if requested is None:
-        env = data.get("env_vars") or {}
-        value = str(env.get("OMP_NUM_THREADS", ""))
-        requested = int(value) if value.isdigit() else None
-    return threads, (int(requested) if requested is not None else None)
+    requested = threads.get("requested", str((data.get("env_vars") or {}).get("OMP_NUM_THREADS")))
+    return threads, int(requested) if str(requested).isdigit() or _is_number(requested) else None
 
 
 def _environment_record(machine, machine_info, data, thread_counts, threads):
     """An environment record; key names follow fastattn.bench.environment.collect()."""
-    return {
-        "schema": SCHEMA,
-        "record": "environment",
-        "source": "asv",
-        "machine": machine,
-        "commit": data.get("commit_hash"),
-        "git_commit": data.get("commit_hash"),
-        "date": _iso(data.get("date")),
-        "env_name": data.get("env_name"),
-        "cpu_model": machine_info.get("cpu"),
-        "arch": machine_info.get("arch"),
-        "platform": machine_info.get("os"),
-        "cores_logical": _int_or_none(machine_info.get("num_cpu")),
-        "memory_total_bytes": _int_or_none(machine_info.get("ram")),
-        "python": data.get("python"),
-        "versions": dict(data.get("requirements") or {}),
-        "env_vars": data.get("env_vars") or {},
-        "threads": threads,
-        "thread_counts": thread_counts,
-    }
+    def count(value):
+        return int(value) if str(value).isdigit() else None
 
-
-def _int_or_none(value):
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        return None
+    return {"schema": SCHEMA, "record": "environment", "source": "asv", "machine": machine,
+            "commit": data.get("commit_hash"), "git_commit": data.get("commit_hash"),
+            "date": _iso(data.get("date")), "env_name": data.get("env_name"),
+            "cpu_model": machine_info.get("cpu"), "arch": machine_info.get("arch"),
+            "platform": machine_info.get("os"), "cores_logical": count(machine_info.get("num_cpu")),
+            "memory_total_bytes": count(machine_info.get("ram")), "python": data.get("python"),
+            "versions": dict(data.get("requirements") or {}),
+            "env_vars": data.get("env_vars") or {}, "threads": threads,
+            "thread_counts": thread_counts}
 
 
 def _points_of(machine, data, meta):
@@ -240,75 +213,44 @@ def _points_of(machine, data, meta):
             point[field] = value
             point["benchmarks"][field] = name
             if field == "median_s":
-                _add_time_stats(point, value, stats)
+                _add_time_stats(point, stats)
     for point in points.values():
         failed = point.pop("failed")
         has_value = any(point.get(f) is not None for f in _METHOD_FIELDS.values())
         if failed:
-            point["status"] = "error"
-            point["reason"] = f"failed in asv: {', '.join(failed)} (see the asv run log)"
+            point.update(status="error", reason=f"failed in asv: {', '.join(failed)} "
+                                                "(see the asv run log)")
         elif has_value:
             point["status"] = "ok"
         else:
-            point["status"] = "skipped"
-            point["reason"] = (
-                "skipped in the benchmark's setup: backend not built here, or past the "
-                "bound of the quadratic reference (benchmarks/common.py)"
-            )
+            point.update(status="skipped", reason="skipped in the benchmark's setup: backend "
+                         "not built here, or past the bound of the quadratic reference "
+                         "(benchmarks/common.py)")
         if point["median_s"] and point["flops"]:
             point["gflops"] = point["flops"] / point["median_s"] / 1e9
     return points
 
 
 def _new_point(machine, data, attention, params, threads):
-    n = params.get("n")
-    causal = params.get("causal")
-    return {
-        "schema": SCHEMA,
-        "record": "point",
-        "source": "asv",
-        "machine": machine,
-        "commit": data.get("commit_hash"),
-        "date": _iso(data.get("date")),
-        "env_name": data.get("env_name"),
-        "attention": attention,
-        "backend": params.get("backend"),
-        "peer": False,
-        "causal": causal,
-        "dtype": params.get("dtype"),
-        "batch": SUITE_BATCH,
-        "heads": SUITE_HEADS,
-        "n_q": n,
-        "n_k": n,
-        "d_k": SUITE_D,
-        "d_v": SUITE_D,
-        "feature_map": SUITE_FEATURE_MAP[attention],
-        "threads": threads,
-        "status": None,
-        "reason": None,
-        "times_s": None,
-        "median_s": None,
-        "min_s": None,
-        "max_s": None,
-        "q25_s": None,
-        "q75_s": None,
-        "flops": _flops(attention, n, causal) if n else None,
-        "gflops": None,
-        "peak_bytes": None,
-        "memory_method": "rss-hwm",
-        "max_abs_err": None,
-        "benchmarks": {},
-        "failed": [],
-    }
+    n, causal = params.get("n"), params.get("causal")
+    return {"schema": SCHEMA, "record": "point", "source": "asv", "machine": machine,
+            "commit": data.get("commit_hash"), "date": _iso(data.get("date")),
+            "env_name": data.get("env_name"), "attention": attention,
+            "backend": params.get("backend"), "peer": False, "causal": causal,
+            "dtype": params.get("dtype"), "batch": SUITE_BATCH, "heads": SUITE_HEADS,
+            "n_q": n, "n_k": n, "d_k": SUITE_D, "d_v": SUITE_D,
+            "feature_map": SUITE_FEATURE_MAP[attention], "threads": threads, "status": None,
+            "reason": None, "times_s": None, "median_s": None, "min_s": None, "max_s": None,
+            "flops": _flops(attention, n, causal) if n else None, "gflops": None,
+            "peak_bytes": None, "memory_method": "rss-hwm", "max_abs_err": None,
+            "benchmarks": {}, "failed": []}
 
 
-def _add_time_stats(point, median, stats):
+def _add_time_stats(point, stats):
     samples = stats.get("samples")
     if isinstance(samples, list) and samples:
-        point["times_s"] = samples
-        point["min_s"], point["max_s"] = min(samples), max(samples)
-    point["q25_s"] = stats.get("stats_q_25")
-    point["q75_s"] = stats.get("stats_q_75")
+        point.update(times_s=samples, min_s=min(samples), max_s=max(samples))
+    point.update(q25_s=stats.get("stats_q_25"), q75_s=stats.get("stats_q_75"))
 
 
 def _strip_comments(text):
