@@ -473,3 +473,18 @@ def test_roof_is_the_best_probe_of_the_dtype_not_a_slow_one():
     assert roof_for(probes, "float32", 64) == 110.0
     assert roof_for(probes, "float64", 64) == 50.0
     assert roof_for(probes, "float16", 64) is None
+
+
+def test_idle_cores_leaves_out_the_cores_other_work_keeps_busy(monkeypatch):
+    import psutil
+
+    from fastattn.bench import sweep
+
+    monkeypatch.setattr(sweep, "default_num_threads", lambda: 2)
+    monkeypatch.setattr(psutil, "cpu_count", lambda logical=True: 2)
+    monkeypatch.setattr(psutil, "cpu_percent", lambda interval=None, percpu=False: [100.0, 3.0])
+    assert sweep.idle_cores() == 1          # one core kept busy by another process
+    monkeypatch.setattr(psutil, "cpu_percent", lambda interval=None, percpu=False: [2.0, 5.0])
+    assert sweep.idle_cores() == 2
+    monkeypatch.setattr(psutil, "cpu_percent", lambda interval=None, percpu=False: [100., 100.])
+    assert sweep.idle_cores() == 1          # never fewer than one thread

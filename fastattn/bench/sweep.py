@@ -155,6 +155,19 @@ class Options:
         check_count("repeats", self.repeats)
 
 
+def idle_cores(interval_s=0.5):
+    """Usable cores that other work left idle over the last ``interval_s`` seconds (at least 1).
+
+    With more threads than idle cores, each parallel region waits for a
+    thread the scheduler has put aside, and every call of a multi-threaded
+    kernel picks up tens of milliseconds whatever the statistic.
+    """
+    import psutil
+
+    busy = sum(psutil.cpu_percent(interval=interval_s, percpu=True)) / 100
+    return max(1, min(default_num_threads(), round(psutil.cpu_count() - busy)))
+
+
 def default_backends(peers_too=True):
     """Every fastattn backend that runs here (the reference first), then the installed peers."""
     names = sorted(_api.available_backends(), key=lambda b: b != "reference")

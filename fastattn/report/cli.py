@@ -17,6 +17,7 @@ import zipfile
 from pathlib import Path
 
 from .._argtypes import positive_int, thread_count
+from .._threads import default_num_threads
 from ..bench.results import ResultsFileError
 from ..bench.sweep import DEFAULT_NS
 
@@ -71,7 +72,8 @@ def add_parser(subparsers):
     add("--n", metavar="N", type=positive_int, nargs="+",
         help=f"sequence lengths to measure (default {' '.join(map(str, DEFAULT_NS))})")
     add("--threads", metavar="N", type=thread_count,
-        help="threads for every backend and BLAS (default: all cores)")
+        help="threads for every backend and BLAS (default: the usable cores, or those "
+             "other work leaves idle)")
     add("--repeats", metavar="R", type=positive_int,
         help=f"timed repeats per point (default {DEFAULT_REPEATS}, {QUICK_REPEATS} with --quick)")
     add("--quick", action="store_true",
@@ -169,12 +171,22 @@ def _measure(args, results):
               file=sys.stderr)
         print(f"  interrupted? continue with: {resume}", file=sys.stderr)
 
+    threads = args.threads
+    if threads is None and args.resume is not None:  # finish the grid on its own threads
+        threads = next((r["threads"] for r in _read_results(results)
+                        if r["record"] == "point"), None)
+    if threads is None and sweep.idle_cores() < default_num_threads():
+        threads = sweep.idle_cores()
+        print(f"fastattn report: other work keeps {default_num_threads() - threads} of "
+              f"{default_num_threads()} cores busy: measuring on {threads} thread(s), so no "
+              "kernel waits for a thread the scheduler put aside (--threads N to choose)",
+              file=sys.stderr)
     options = sweep.Options(repeats=repeats, memory=not args.quick,
                             max_point_s=QUICK_MAX_POINT_S if args.quick else MAX_POINT_S,
                             point_timeout_s=POINT_TIMEOUT_S)
     try:
         sweep.run_sweep(sweep_points(args.n, args.quick), results, options,
-                        threads=args.threads, progress="fastattn report", announce=announce)
+                        threads=threads, progress="fastattn report", announce=announce)
     except ResultsFileError as exc:
         raise ReportError(f"refusing {results}: {exc}") from None
     except KeyboardInterrupt:
