@@ -21,20 +21,12 @@ import numpy as np  # noqa: E402
 from ..bench.table import format_bytes, format_seconds  # noqa: E402
 from .analysis import FIT_MIN_N  # noqa: E402
 
-BACKEND_COLOURS = {
-    "reference": "#6b6b6b",
-    "numba": "#1f77b4",
-    "cython": "#2ca02c",
-    "torch": "#d62728",
-}
+BACKEND_COLOURS = {"reference": "#6b6b6b", "numba": "#1f77b4", "cython": "#2ca02c",
+                   "torch": "#d62728"}
 _EXTRA_COLOURS = ["#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf", "#bcbd22"]
-STYLES = {
-    "softmax": {"linestyle": "-", "marker": "o"},
-    "linear": {"linestyle": "--", "marker": "s"},
-}
+STYLES = {"softmax": {"linestyle": "-", "marker": "o"},
+          "linear": {"linestyle": "--", "marker": "s"}}
 DPI = 100
-
-
 _assigned_colours = {}
 
 
@@ -47,11 +39,21 @@ def colour(backend):
     return _assigned_colours[backend]
 
 
-def _dtype_style(curve):
-    """float64 curves drawn with hollow markers and thinner, fainter lines than float32."""
-    if curve.key.get("dtype") == "float64":
-        return {"markerfacecolor": "white", "alpha": 0.75}
-    return {}
+def _style(curve):
+    """Colour by backend, line by attention; float64 hollow and fainter than float32."""
+    return {"color": colour(curve.backend), "markersize": 4, "linewidth": 1.6,
+            **STYLES.get(curve.attention, {"linestyle": ":", "marker": "^"}),
+            **({"markerfacecolor": "white", "alpha": 0.75}
+               if curve.key.get("dtype") == "float64" else {})}
+
+
+def _finish(ax, title):
+    """The n axis, the panel title and the legend below the panel (the curves stay visible)."""
+    _n_axis(ax)
+    ax.set_title(title, fontsize=11)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7.5, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2,
+                  frameon=False)
 
 
 def to_png(fig):
@@ -115,11 +117,9 @@ def scaling_figure(panels, metric="time", ncols=2, title=None):
             if not use.any():
                 continue
             drawn = True
-            style = STYLES.get(c.attention, {"linestyle": ":", "marker": "^"})
             fit = c.time_fit if metric == "time" else c.memory_fit
-            label = c.label + (f"  n^{fit.format()}" if fit else "")
-            ax.plot(c.n[use], y[use], color=colour(c.backend), label=label, markersize=4,
-                    linewidth=1.6, **style, **_dtype_style(c))
+            ax.plot(c.n[use], y[use], label=c.label + (f"  n^{fit.format()}" if fit else ""),
+                    **_style(c))
             if metric == "time":
                 ax.fill_between(c.n[use], c.min_s[use], c.max_s[use], color=colour(c.backend),
                                 alpha=0.12, linewidth=0)
@@ -127,7 +127,6 @@ def scaling_figure(panels, metric="time", ncols=2, title=None):
                 xs = np.array([fit.n_min, fit.n_max], dtype=float)
                 ax.plot(xs, fit.predict(xs), color="black", linewidth=0.8, linestyle=":",
                         alpha=0.7)
-        _n_axis(ax)
         ax.set_yscale("log")
         if metric == "time":
             ax.yaxis.set_major_locator(LogLocator(base=10))
@@ -136,11 +135,8 @@ def scaling_figure(panels, metric="time", ncols=2, title=None):
             ax.yaxis.set_major_locator(LogLocator(base=2, numticks=8))
             ax.yaxis.set_minor_locator(LogLocator(base=2, subs=(), numticks=8))
             ax.yaxis.set_major_formatter(FuncFormatter(lambda x, _: format_bytes(x)))
+        _finish(ax, panel_title)
         ax.axvspan(FIT_MIN_N, ax.get_xlim()[1], color="#f3f3f3", zorder=0)
-        ax.set_title(panel_title, fontsize=11)
-        if ax.get_legend_handles_labels()[0]:   # below the panel: the curves stay visible
-            ax.legend(fontsize=7.5, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2,
-                      frameon=False)
     axes[0].set_ylabel("median time per call" if metric == "time" else "peak extra memory per call")
     if title:
         fig.suptitle(title, fontsize=12)
@@ -172,10 +168,7 @@ def roofline_figure(panels, roofs, ncols=2):
             use = np.isfinite(c.gflops) & (c.gflops > 0)
             if not use.any():
                 continue
-            ax.plot(c.n[use], c.gflops[use], color=colour(c.backend),
-                    label=c.label, markersize=4, linewidth=1.6,
-                    **STYLES.get(c.attention, {"linestyle": ":", "marker": "^"}),
-                    **_dtype_style(c))
+            ax.plot(c.n[use], c.gflops[use], label=c.label, **_style(c))
         for i, (label, ns, values) in enumerate(roofs):
             style = {"color": "black", "linewidth": 2.2 - 0.6 * i,
                      "linestyle": ["-", "-.", ":"][i % 3]}
@@ -183,13 +176,9 @@ def roofline_figure(panels, roofs, ncols=2):
                 ax.axhline(values[0], label=label, **style)
             else:
                 ax.plot(ns, values, label=label, **style)
-        _n_axis(ax)
         ax.set_yscale("log")
         ax.yaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))
-        ax.set_title(panel_title, fontsize=11)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7.5, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2,
-                      frameon=False)
+        _finish(ax, panel_title)
     axes[0].set_ylabel("achieved GFLOP/s (at the median time)")
     return to_png(fig)
 
