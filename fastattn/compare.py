@@ -326,22 +326,54 @@ def _check_seed_experiment(n, d, seed, n_by_n_arrays):
     )
 
 
+def gaussian_qkv(shape_q, n_k=None, d_v=None, dtype=np.float64, seed=0, scale=1.0):
+    """Seeded Gaussian ``q, k, v``: the one input factory of fastattn's experiments,
+    tests, bench and benchmarks.
+
+    Parameters
+    ----------
+    shape_q : tuple of int
+        ``(..., n_q, d_k)``, the shape of ``q``.
+    n_k, d_v : int, optional
+        Default ``n_q`` and ``d_k``; ``k`` is ``(..., n_k, d_k)``, ``v`` ``(..., n_k, d_v)``.
+    dtype : dtype, default float64
+    seed : int or sequence of int
+        Seed of ``numpy.random.RandomState`` (the stream ``np.random.seed``
+        gives); NumPy's global random state is not touched.
+    scale : float, default 1.0
+        Multiplies ``q`` and ``k`` (not ``v``).
+
+    Returns
+    -------
+    q, k, v : ndarray of ``dtype``
+        Drawn in float64 in the order q, k, v, scaled, then rounded to
+        ``dtype``, so every dtype holds the same numbers.
+    """
+    rng = np.random.RandomState(seed)
+    *lead, n_q, d_k = shape_q
+    n_k = n_q if n_k is None else n_k
+    d_v = d_k if d_v is None else d_v
+    q = rng.standard_normal((*lead, n_q, d_k)) * scale
+    k = rng.standard_normal((*lead, n_k, d_k)) * scale
+    v = rng.standard_normal((*lead, n_k, d_v))
+    return tuple(np.ascontiguousarray(x, dtype=dtype) for x in (q, k, v))
+
+
 def seed_inputs(n, d, seed=42):
     """The seed experiment's inputs: ``(q, k, v)``, each float32 of shape ``(n, d)``.
 
-    ``np.random.seed(seed)``, then ``q = randn(n, d) * 0.5``, ``k`` the same,
-    ``v = randn(n, d)``, each cast to float32 before any scaling.  Uses (and
-    reseeds) NumPy's global random state, exactly as the original experiment.
+    The numbers of ``np.random.seed(seed)``, then ``q = randn(n, d) * 0.5``,
+    ``k`` the same, ``v = randn(n, d)``, in float32 (:func:`gaussian_qkv`).
 
-    Raises ValueError for a bad ``n``, ``d`` or ``seed`` and MemoryError,
-    before drawing, when the inputs cannot fit, as :func:`compare` does.
+    Raises
+    ------
+    ValueError
+        For a bad ``n``, ``d`` or ``seed``, as :func:`compare` does.
+    MemoryError
+        Before drawing, when the inputs cannot fit, as :func:`compare` does.
     """
     _check_seed_experiment(n, d, seed, n_by_n_arrays=0)
-    np.random.seed(seed)
-    q = np.random.randn(n, d).astype(np.float32) * 0.5
-    k = np.random.randn(n, d).astype(np.float32) * 0.5
-    v = np.random.randn(n, d).astype(np.float32)
-    return q, k, v
+    return gaussian_qkv((n, d), dtype=np.float32, seed=seed, scale=0.5)
 
 
 def compare(n=64, d=32, seed=42):
