@@ -75,11 +75,11 @@ def make_call(spec, q, k, v):
     attention, backend, causal = spec["attention"], spec["backend"], spec["causal"]
     feature_map = spec.get("feature_map") or "elu"
     scale = reference.default_scale(q.shape[-1])
-    if backend == "torch":
+    if backend in peers.PEERS:
         heads = spec.get("heads", 1)
         if attention == "softmax":
-            return peers.torch_softmax_call(q, k, v, causal, scale, heads=heads)
-        return peers.torch_linear_call(q, k, v, causal, feature_map, heads=heads)
+            return peers.SOFTMAX_CALLS[backend](q, k, v, causal, scale, heads=heads)
+        return peers.LINEAR_CALLS[backend](q, k, v, causal, feature_map, heads=heads)
     if attention == "softmax":
         return lambda: _api.softmax_attention(q, k, v, causal=causal, scale=scale, backend=backend)
     return lambda: _api.linear_attention(
@@ -93,6 +93,10 @@ def why_skip(spec):
     if backend in peers.PEERS:
         if backend not in peers.available_peers():
             return f"{backend} is not installed; add it with: {peers.INSTALL_HINT[backend]}"
+        unsupported = peers.why_not(backend, spec["attention"], spec["dtype"], spec["d_k"],
+                                    spec["d_v"])
+        if unsupported:
+            return unsupported
     elif backend not in _api.available_backends():
         reasons = _api.unavailable_backends()
         return f"backend {backend!r} is not available here ({reasons.get(backend, 'unknown')})"

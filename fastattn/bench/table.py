@@ -111,7 +111,7 @@ def format_tables(records, baseline=None, backend_order=None):
                     err += " MISMATCH"
             rows.append((str(r["n_q"]), r["backend"], timing, gflops, roof,
                          format_bytes(r.get("peak_bytes")), ratio, err))
-        widths = [max(len(header[i]), *(len(row[i]) for row in rows if len(row) > 2 or i < 2))
+        widths = [max(len(header[i]), *(len(row[i]) for row in rows if len(row) > 3 or i < 2))
                   for i in range(len(header))]
         lines = [config_title(group[0]),
                  "  ".join(h.rjust(w) if i != 1 else h.ljust(w)
