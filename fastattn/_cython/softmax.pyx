@@ -23,6 +23,10 @@ from cython cimport floating
 from cython.parallel cimport parallel, prange, threadid
 
 from fastattn._cython._blas cimport gemm
+from fastattn._cython._microkernel cimport (
+    FASTATTN_MICROKERNEL, fastattn_exp_sum_avx512_f, fastattn_microkernel_ok, fastattn_output_f,
+    fastattn_pack_keys_f, fastattn_scores_f,
+)
 from fastattn._cython._vmath cimport FASTATTN_CLONES, FASTATTN_VECTOR_EXP, exp_sum, fexp, row_max
 
 #: Query rows per block (one work item).
@@ -31,6 +35,8 @@ BLOCK_Q = 256
 BLOCK_K = 256
 #: Rows per tile where the causal diagonal crosses a key block.
 cdef int DIAGONAL_ROWS = 64
+#: Keys per work item when packing k for the AVX-512 products (a multiple of 16).
+cdef int PACK_KEYS = 1024
 
 cdef double NEG_INF = -float("inf")
 
@@ -61,11 +67,14 @@ cdef void _tile(
     const floating *q, const floating *k, const floating *v, floating *out,
     int n_q, int n_k, int d_k, int d_v, int i0, int r0, int r1, int j0, int width,
     bint full, bint causal, floating scale, floating *s_buf, floating *m, floating *l,
+    float *kp,
 ) noexcept nogil:
     """Fold keys ``[j0, j0 + width)`` into rows ``i0 + [r0, r1)`` (online softmax step).
 
     ``full``: every row sees every key of the tile; otherwise each row sees a
     prefix of it (the causal diagonal) and the rest is never formed.
+    ``kp``: the key block from ``j0`` packed by ``fastattn_pack_keys_f``
+    (float32 with the AVX-512 products), else NULL (BLAS).
     """
     cdef int rows = r1 - r0
     cdef int r, ri, j, c, w, w_min
@@ -74,8 +83,16 @@ cdef void _tile(
     cdef floating *orow
     cdef const floating *vrow
 
-    gemm(False, True, rows, width, d_k, scale, q + <Py_ssize_t> (i0 + r0) * d_k, d_k,
-         k + <Py_ssize_t> j0 * d_k, d_k, 0, s_buf, width)
+    if floating is float:
+        if kp != NULL:
+            fastattn_scores_f(q + <Py_ssize_t> (i0 + r0) * d_k, d_k, kp, rows, width, d_k,
+                              scale, s_buf, width)
+        else:
+            gemm(False, True, rows, width, d_k, scale, q + <Py_ssize_t> (i0 + r0) * d_k, d_k,
+                 k + <Py_ssize_t> j0 * d_k, d_k, 0, s_buf, width)
+    else:
+        gemm(False, True, rows, width, d_k, scale, q + <Py_ssize_t> (i0 + r0) * d_k, d_k,
+             k + <Py_ssize_t> j0 * d_k, d_k, 0, s_buf, width)
     w_min = width
     for r in range(rows):
         ri = r0 + r
@@ -94,7 +111,13 @@ cdef void _tile(
         # All scores -inf so far: shift by 0 so exp gives 0, not NaN.
         shift = m_new if m_new != NEG_INF else 0
         alpha = fexp(m[ri] - shift)
-        l[ri] = l[ri] * alpha + exp_sum(srow, w, shift)
+        if floating is float:
+            if kp != NULL:
+                l[ri] = l[ri] * alpha + fastattn_exp_sum_avx512_f(srow, w, shift)
+            else:
+                l[ri] = l[ri] * alpha + exp_sum(srow, w, shift)
+        else:
+            l[ri] = l[ri] * alpha + exp_sum(srow, w, shift)
         m[ri] = m_new
         if alpha != 1:
             orow = out + <Py_ssize_t> (i0 + ri) * d_v
@@ -104,8 +127,16 @@ cdef void _tile(
     # p v: one GEMM, unless a masked value row is not finite (0 * inf is NaN).
     if full or _rows_finite(v + <Py_ssize_t> (j0 + w_min) * d_v,
                             <Py_ssize_t> (width - w_min) * d_v):
-        gemm(False, False, rows, d_v, width, 1, s_buf, width,
-             v + <Py_ssize_t> j0 * d_v, d_v, 1, out + <Py_ssize_t> (i0 + r0) * d_v, d_v)
+        if floating is float:
+            if kp != NULL:
+                fastattn_output_f(s_buf, width, v + <Py_ssize_t> j0 * d_v, d_v, rows, width, d_v,
+                                  out + <Py_ssize_t> (i0 + r0) * d_v, d_v)
+            else:
+                gemm(False, False, rows, d_v, width, 1, s_buf, width,
+                     v + <Py_ssize_t> j0 * d_v, d_v, 1, out + <Py_ssize_t> (i0 + r0) * d_v, d_v)
+        else:
+            gemm(False, False, rows, d_v, width, 1, s_buf, width,
+                 v + <Py_ssize_t> j0 * d_v, d_v, 1, out + <Py_ssize_t> (i0 + r0) * d_v, d_v)
     else:
         for r in range(rows):
             ri = r0 + r
@@ -122,18 +153,21 @@ cdef void _tile(
 cdef void _query_block(
     const floating *q, const floating *k, const floating *v, floating *out,
     int n_q, int n_k, int d_k, int d_v, int i0, int i1, bint causal,
-    floating scale, int block_k, floating *s_buf, floating *m, floating *l,
+    floating scale, int block_k, floating *s_buf, floating *m, floating *l, float *kp,
 ) noexcept nogil:
     """Rows ``[i0, i1)`` of one head's output.  ``q, k, v, out`` point at that head.
 
     A key block wholly visible to the query block is one tile; a block the
     causal diagonal crosses is cut into tiles of :data:`DIAGONAL_ROWS` rows,
     each only as wide as its last row sees, so little masked work is done.
+    ``kp``: this head's keys packed for the AVX-512 products
+    (``fastattn_pack_keys_f``), or NULL.
     """
     cdef int nr = i1 - i0
     cdef int r, c, kb, j0, bk, hi, lo, t, r0, r1, width
     cdef floating inv
     cdef floating *orow
+    cdef float *kp_block
 
     hi = _visible_end(i1 - 1, n_q, n_k, causal)   # keys seen by the last row
     lo = _visible_end(i0, n_q, n_k, causal)       # keys seen by every row
@@ -147,9 +181,10 @@ cdef void _query_block(
     for kb in range((hi + block_k - 1) // block_k):
         j0 = kb * block_k
         bk = min(block_k, hi - j0)
+        kp_block = kp + <Py_ssize_t> j0 * d_k if kp != NULL else NULL   # j0 % 16 == 0
         if j0 + bk <= lo:
             _tile(q, k, v, out, n_q, n_k, d_k, d_v, i0, 0, nr, j0, bk, True, causal,
-                  scale, s_buf, m, l)
+                  scale, s_buf, m, l, kp_block)
             continue
         for t in range((nr + DIAGONAL_ROWS - 1) // DIAGONAL_ROWS):
             r0 = t * DIAGONAL_ROWS
@@ -157,7 +192,7 @@ cdef void _query_block(
             width = min(_visible_end(i0 + r1 - 1, n_q, n_k, causal) - j0, bk)
             if width > 0:
                 _tile(q, k, v, out, n_q, n_k, d_k, d_v, i0, r0, r1, j0, width, False,
-                      causal, scale, s_buf, m, l)
+                      causal, scale, s_buf, m, l, kp_block)
 
     for r in range(nr):
         orow = out + <Py_ssize_t> (i0 + r) * d_v
@@ -187,9 +222,31 @@ def _online_softmax(
     cdef int n_blocks = (n_q + block_q - 1) // block_q
     cdef int n_items = n_batch * n_blocks
     cdef Py_ssize_t per_thread = <Py_ssize_t> block_q * block_k + 2 * block_q
-    cdef int item, b, blk, i0, i1
+    cdef int item, b, blk, i0, i1, j0
     cdef floating *buf = NULL   # per-thread workspace, set in each parallel block
     cdef floating s = <floating> scale
+    # float32 with AVX-512 and d_k, d_v multiples of 16: the tile's own
+    # products (see _microkernel.pxd); otherwise BLAS.  Key blocks must start
+    # on a panel of 16 keys.
+    cdef bint micro = (floating is float and FASTATTN_MICROKERNEL and d_k % 16 == 0
+                       and d_v % 16 == 0 and (block_k % 16 == 0 or block_k >= n_k)
+                       and n_k > 0 and fastattn_microkernel_ok())
+    # Every head's keys packed once (16-key panels), shared by its query blocks.
+    cdef Py_ssize_t head_kp = <Py_ssize_t> ((n_k + 15) // 16) * 16 * d_k
+    cdef int n_chunks = (n_k + PACK_KEYS - 1) // PACK_KEYS
+    cdef float[::1] kpack
+    cdef float *kp_all = NULL
+
+    if floating is float:
+        if micro:
+            kpack = np.empty(n_batch * head_kp, dtype=np.float32)
+            kp_all = &kpack[0]
+            with nogil, parallel(num_threads=min(n_threads, n_batch * n_chunks)):
+                for item in prange(n_batch * n_chunks, schedule="static"):
+                    b = item // n_chunks
+                    j0 = (item % n_chunks) * PACK_KEYS
+                    fastattn_pack_keys_f(&k[b, j0, 0], d_k, min(PACK_KEYS, n_k - j0), d_k,
+                                         kp_all + b * head_kp + <Py_ssize_t> j0 * d_k)
 
     # No more threads than work items: an idle thread only spins at the barrier.
     with nogil, parallel(num_threads=min(n_threads, n_items)):
@@ -202,7 +259,8 @@ def _online_softmax(
             i1 = min(i0 + block_q, n_q)
             _query_block(&q[b, 0, 0], &k[b, 0, 0], &v[b, 0, 0], &out[b, 0, 0],
                          n_q, n_k, d_k, d_v, i0, i1, causal, s, block_k,
-                         buf, buf + block_q * block_k, buf + block_q * block_k + block_q)
+                         buf, buf + block_q * block_k, buf + block_q * block_k + block_q,
+                         kp_all + b * head_kp if micro else NULL)
 
 
 def online_softmax_forward(q, k, v, bint causal, double scale, int n_threads=1):
@@ -245,5 +303,8 @@ def online_softmax_forward(q, k, v, bint causal, double scale, int n_threads=1):
 
 
 def _build_features():
-    """How the row kernels were compiled: vector exp (libmvec), AVX2 clones."""
-    return {"vector_exp": bool(FASTATTN_VECTOR_EXP), "avx2_clones": bool(FASTATTN_CLONES)}
+    """How the row kernels were compiled (vector exp through libmvec, x86-64-v3/v4
+    clones) and whether float32 tiles take the AVX-512 products on this CPU."""
+    return {"vector_exp": bool(FASTATTN_VECTOR_EXP), "avx2_clones": bool(FASTATTN_CLONES),
+            "avx512_tile_products_built": bool(FASTATTN_MICROKERNEL),
+            "avx512_tile_products": bool(FASTATTN_MICROKERNEL and fastattn_microkernel_ok())}
