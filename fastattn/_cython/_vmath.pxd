@@ -120,6 +120,19 @@ cdef extern from *:
         }
         return total;
     }
+    /* Whether x[0:n] are all finite: x * 0 is 0 for a finite x, NaN for inf or NaN */
+    FASTATTN_TARGETS static int fastattn_all_finite_f(const float *x, long n) {
+        float acc = 0;
+        #pragma omp simd reduction(+:acc)
+        for (long t = 0; t < n; t++) acc += x[t] * 0.0f;
+        return acc == 0;
+    }
+    FASTATTN_TARGETS static int fastattn_all_finite_d(const double *x, long n) {
+        double acc = 0;
+        #pragma omp simd reduction(+:acc)
+        for (long t = 0; t < n; t++) acc += x[t] * 0.0;
+        return acc == 0;
+    }
     /* Linear attention's feature map: relu max(x, 0) or elu(x) + 1, NaN kept.
        Branch-free so that the loop vectorises (exp of min(x, 0) is always
        computed, then selected). */
@@ -156,6 +169,8 @@ cdef extern from *:
     double fastattn_row_max_d(const double *s, int n) nogil
     float fastattn_exp_sum_f(float *s, int n, float shift) nogil
     double fastattn_exp_sum_d(double *s, int n, double shift) nogil
+    int fastattn_all_finite_f(const float *x, long n) nogil
+    int fastattn_all_finite_d(const double *x, long n) nogil
     void fastattn_feature_map_f(const float *x, long n, float *out, int relu) nogil
     void fastattn_feature_map_d(const double *x, long n, double *out, int relu) nogil
 
@@ -182,6 +197,14 @@ cdef inline floating exp_sum(floating *s, int n, floating shift) noexcept nogil:
         return fastattn_exp_sum_f(s, n, shift)
     else:
         return fastattn_exp_sum_d(s, n, shift)
+
+
+cdef inline bint all_finite(const floating *x, Py_ssize_t n) noexcept nogil:
+    """Whether ``x[0:n]`` holds no inf and no NaN (vectorised)."""
+    if floating is float:
+        return fastattn_all_finite_f(x, n)
+    else:
+        return fastattn_all_finite_d(x, n)
 
 
 cdef inline void feature_map(const floating *x, Py_ssize_t n, floating *out,

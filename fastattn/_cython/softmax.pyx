@@ -27,14 +27,16 @@ from fastattn._cython._microkernel cimport (
     FASTATTN_MICROKERNEL, fastattn_exp_sum_avx512_f, fastattn_microkernel_ok, fastattn_output_f,
     fastattn_pack_keys_f, fastattn_scores_f,
 )
-from fastattn._cython._vmath cimport FASTATTN_CLONES, FASTATTN_VECTOR_EXP, exp_sum, fexp, row_max
+from fastattn._cython._vmath cimport (
+    FASTATTN_CLONES, FASTATTN_VECTOR_EXP, all_finite, exp_sum, fexp, row_max,
+)
 
 #: Query rows per block (one work item).
 BLOCK_Q = 256
 #: Keys per block (one scores GEMM).
 BLOCK_K = 256
 #: Rows per tile where the causal diagonal crosses a key block.
-cdef int DIAGONAL_ROWS = 64
+cdef int DIAGONAL_ROWS = 32
 #: Keys per work item when packing k for the AVX-512 products (a multiple of 16).
 cdef int PACK_KEYS = 1024
 
@@ -54,27 +56,19 @@ cdef inline int _visible_end(int i, int n_q, int n_k, bint causal) noexcept nogi
     return end
 
 
-cdef inline bint _rows_finite(const floating *x, Py_ssize_t count) noexcept nogil:
-    """Whether ``count`` consecutive values are all finite (no NaN, no inf)."""
-    cdef Py_ssize_t t
-    cdef floating acc = 0
-    for t in range(count):
-        acc = acc + x[t] * 0      # inf * 0 and NaN * 0 are NaN
-    return acc == 0
-
-
 cdef void _tile(
     const floating *q, const floating *k, const floating *v, floating *out,
     int n_q, int n_k, int d_k, int d_v, int i0, int r0, int r1, int j0, int width,
     bint full, bint causal, floating scale, floating *s_buf, floating *m, floating *l,
-    float *kp,
+    float *kp, bint v_finite,
 ) noexcept nogil:
     """Fold keys ``[j0, j0 + width)`` into rows ``i0 + [r0, r1)`` (online softmax step).
 
     ``full``: every row sees every key of the tile; otherwise each row sees a
     prefix of it (the causal diagonal) and the rest is never formed.
     ``kp``: the key block from ``j0`` packed by ``fastattn_pack_keys_f``
-    (float32 with the AVX-512 products), else NULL (BLAS).
+    (float32 with the AVX-512 products), else NULL (BLAS).  ``v_finite``:
+    every value of the head is finite, so masked rows of v need no check.
     """
     cdef int rows = r1 - r0
     cdef int r, ri, j, c, w, w_min
@@ -125,8 +119,8 @@ cdef void _tile(
                 orow[c] = orow[c] * alpha
 
     # p v: one GEMM, unless a masked value row is not finite (0 * inf is NaN).
-    if full or _rows_finite(v + <Py_ssize_t> (j0 + w_min) * d_v,
-                            <Py_ssize_t> (width - w_min) * d_v):
+    if full or v_finite or all_finite(v + <Py_ssize_t> (j0 + w_min) * d_v,
+                                      <Py_ssize_t> (width - w_min) * d_v):
         if floating is float:
             if kp != NULL:
                 fastattn_output_f(s_buf, width, v + <Py_ssize_t> j0 * d_v, d_v, rows, width, d_v,
@@ -154,6 +148,7 @@ cdef void _query_block(
     const floating *q, const floating *k, const floating *v, floating *out,
     int n_q, int n_k, int d_k, int d_v, int i0, int i1, bint causal,
     floating scale, int block_k, floating *s_buf, floating *m, floating *l, float *kp,
+    bint v_finite,
 ) noexcept nogil:
     """Rows ``[i0, i1)`` of one head's output.  ``q, k, v, out`` point at that head.
 
@@ -161,7 +156,8 @@ cdef void _query_block(
     causal diagonal crosses is cut into tiles of :data:`DIAGONAL_ROWS` rows,
     each only as wide as its last row sees, so little masked work is done.
     ``kp``: this head's keys packed for the AVX-512 products
-    (``fastattn_pack_keys_f``), or NULL.
+    (``fastattn_pack_keys_f``), or NULL.  ``v_finite``: the head's values
+    are all finite.
     """
     cdef int nr = i1 - i0
     cdef int r, c, kb, j0, bk, hi, lo, t, r0, r1, width
@@ -184,7 +180,7 @@ cdef void _query_block(
         kp_block = kp + <Py_ssize_t> j0 * d_k if kp != NULL else NULL   # j0 % 16 == 0
         if j0 + bk <= lo:
             _tile(q, k, v, out, n_q, n_k, d_k, d_v, i0, 0, nr, j0, bk, True, causal,
-                  scale, s_buf, m, l, kp_block)
+                  scale, s_buf, m, l, kp_block, v_finite)
             continue
         for t in range((nr + DIAGONAL_ROWS - 1) // DIAGONAL_ROWS):
             r0 = t * DIAGONAL_ROWS
@@ -192,7 +188,7 @@ cdef void _query_block(
             width = min(_visible_end(i0 + r1 - 1, n_q, n_k, causal) - j0, bk)
             if width > 0:
                 _tile(q, k, v, out, n_q, n_k, d_k, d_v, i0, r0, r1, j0, width, False,
-                      causal, scale, s_buf, m, l, kp_block)
+                      causal, scale, s_buf, m, l, kp_block, v_finite)
 
     for r in range(nr):
         orow = out + <Py_ssize_t> (i0 + r) * d_v
@@ -203,6 +199,20 @@ cdef void _query_block(
             inv = 1 / l[r]
             for c in range(d_v):
                 orow[c] = orow[c] * inv
+
+
+def _aligned_empty(Py_ssize_t size):
+    """An uninitialised float32 array of ``size`` elements starting on a 64-byte boundary."""
+    raw = np.empty(size + 16, dtype=np.float32)
+    start = (-raw.ctypes.data % 64) // 4
+    return raw[start:start + size]
+
+
+def _aligned_copy(x):
+    """A C-contiguous float32 copy of ``x`` starting on a 64-byte boundary."""
+    out = _aligned_empty(x.size).reshape(x.shape)
+    out[...] = x
+    return out
 
 
 def _online_softmax(
@@ -236,17 +246,32 @@ def _online_softmax(
     cdef int n_chunks = (n_k + PACK_KEYS - 1) // PACK_KEYS
     cdef float[::1] kpack
     cdef float *kp_all = NULL
+    cdef const floating *v_all = &v[0, 0, 0] if v.shape[0] * n_k * d_v > 0 else NULL
 
     if floating is float:
         if micro:
-            kpack = np.empty(n_batch * head_kp, dtype=np.float32)
+            kpack = _aligned_empty(n_batch * head_kp)
             kp_all = &kpack[0]
+            # Rows of v at a 64-byte boundary: a 64-byte load that straddles two
+            # cache lines costs two (one pass over v here saves it in every tile).
+            if (<size_t> v_all) % 64 != 0:
+                v = _aligned_copy(np.asarray(v))
+                v_all = &v[0, 0, 0]
             with nogil, parallel(num_threads=min(n_threads, n_batch * n_chunks)):
                 for item in prange(n_batch * n_chunks, schedule="static"):
                     b = item // n_chunks
                     j0 = (item % n_chunks) * PACK_KEYS
                     fastattn_pack_keys_f(&k[b, j0, 0], d_k, min(PACK_KEYS, n_k - j0), d_k,
                                          kp_all + b * head_kp + <Py_ssize_t> j0 * d_k)
+
+    # Causal: whether each head's values are all finite, found once (else every
+    # tile the diagonal crosses checks its masked rows of v).
+    cdef unsigned char[::1] finite = np.zeros(max(n_batch, 1), dtype=np.uint8)
+    if causal:
+        with nogil, parallel(num_threads=min(n_threads, n_batch)):
+            for item in prange(n_batch, schedule="static"):
+                finite[item] = all_finite(v_all + <Py_ssize_t> item * n_k * d_v,
+                                          <Py_ssize_t> n_k * d_v)
 
     # No more threads than work items: an idle thread only spins at the barrier.
     with nogil, parallel(num_threads=min(n_threads, n_items)):
@@ -260,7 +285,7 @@ def _online_softmax(
             _query_block(&q[b, 0, 0], &k[b, 0, 0], &v[b, 0, 0], &out[b, 0, 0],
                          n_q, n_k, d_k, d_v, i0, i1, causal, s, block_k,
                          buf, buf + block_q * block_k, buf + block_q * block_k + block_q,
-                         kp_all + b * head_kp if micro else NULL)
+                         kp_all + b * head_kp if micro else NULL, finite[b])
 
 
 def online_softmax_forward(q, k, v, bint causal, double scale, int n_threads=1):
