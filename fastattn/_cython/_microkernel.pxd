@@ -25,6 +25,9 @@ cdef extern from *:
     #define FASTATTN_MICROKERNEL 1
     #define FA_AVX512 __attribute__((target("avx512f")))
     #define FA_INLINE static inline __attribute__((always_inline))
+    #ifndef FA_PV_KEYS
+    #define FA_PV_KEYS 256
+    #endif
 
     static int fastattn_microkernel_ok(void) {
         static int cached = -1;    /* a benign race: every thread finds the same */
@@ -139,8 +142,8 @@ cdef extern from *:
     /* o[r, :d_v] += sum_{j < width} p[r, j] v[j, :d_v] for r < rows (d_v a multiple of 16) */
     FA_AVX512 static void fastattn_output_f(const float *p0, int ldp, const float *v0, int ldv,
                                             int rows, int width, int d_v, float *o0, int ldo) {
-        for (int j = 0; j < width; j += 64) {
-            int w = width - j < 64 ? width - j : 64;
+        for (int j = 0; j < width; j += FA_PV_KEYS) {
+            int w = width - j < FA_PV_KEYS ? width - j : FA_PV_KEYS;
             for (int c0 = 0; c0 < d_v; c0 += 64) {
                 int nc = (d_v - c0) / 16 < 4 ? (d_v - c0) / 16 : 4;
                 const float *v = v0 + (size_t) j * ldv + c0;
