@@ -48,11 +48,13 @@ CASES = [
 ]
 
 
-#: float32 cases that take the AVX-512 tile products where the CPU has them
-#: (d_k and d_v multiples of 16): sizes around their 6-row groups, 16- and
-#: 64-key panels, 64-column chunks of v and the 1024-key packing chunks.
+#: Cases that take the AVX-512 tile products where the CPU has them (d_k and
+#: d_v multiples of 16 in float32, of 8 in float64): sizes around their 6-row
+#: groups, panels of 16 (8) keys, groups of 4 panels, 4-vector chunks of v and
+#: the 1024-key packing chunks.
 PRODUCT_CASES = [
     ((), 1, 1, 16, 16),
+    ((2,), 77, 300, 8, 24),      # float64 only: float32 takes BLAS
     ((2,), 7, 70, 16, 32),
     ((), 65, 63, 32, 16),
     ((3,), 300, 517, 64, 64),
@@ -101,7 +103,7 @@ def test_softmax_matches_reference(case, dtype, causal):
     assert_close(got, want, dtype, err_msg=case_id(case))
 
 
-def test_float32_tiles_take_the_avx512_products_where_the_cpu_has_them():
+def test_tiles_take_the_avx512_products_where_the_cpu_has_them():
     from fastattn._cython.softmax import _build_features
 
     features = _build_features()
@@ -115,9 +117,10 @@ def test_float32_tiles_take_the_avx512_products_where_the_cpu_has_them():
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f64"])
 @pytest.mark.parametrize("case", PRODUCT_CASES, ids=case_id)
-def test_softmax_tile_products_match_reference(case, causal):
-    q, k, v = _inputs(case, np.float32, seed=3)
+def test_softmax_tile_products_match_reference(case, dtype, causal):
+    q, k, v = _inputs(case, dtype, seed=3)
     before = cy.get_num_threads()
     for threads in (1, 2):
         cy.set_num_threads(threads)
@@ -126,7 +129,7 @@ def test_softmax_tile_products_match_reference(case, causal):
         finally:
             cy.set_num_threads(before)
         assert_close(got, reference64(fastattn.softmax_attention, q, k, v, causal=causal),
-                     np.float32, err_msg=f"{threads} threads")
+                     dtype, err_msg=f"{threads} threads")
 
 
 @pytest.mark.parametrize("feature_map", ["elu", "relu"])
@@ -232,7 +235,9 @@ def test_minilm_full_activations_reproduce_the_model_context():
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f64"])
 @pytest.mark.parametrize("what", ["k-nan", "v-nan", "v-inf", "k-inf"])
 @pytest.mark.parametrize("position", [5, BQ + 3, BK + BQ // 2])
-@pytest.mark.parametrize("d", [8, 16])   # 16: float32 takes the AVX-512 tile products
+# d=5: BLAS in both dtypes; 8: the AVX-512 tile products in float64; 16: in both
+@pytest.mark.parametrize("d", [5, 8, 16])
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the reference's NaN
 def test_causal_nonfinite_reaches_only_the_rows_that_see_it(dtype, what, position, d):
     n = 2 * BK + 7
     q, k, v = make_qkv((n, d), dtype=dtype, seed=7)

@@ -24,8 +24,7 @@ from cython.parallel cimport parallel, prange, threadid
 
 from fastattn._cython._blas cimport gemm
 from fastattn._cython._microkernel cimport (
-    FASTATTN_MICROKERNEL, fastattn_exp_sum_avx512_f, fastattn_microkernel_ok, fastattn_output_f,
-    fastattn_pack_keys_f, fastattn_scores_f,
+    FASTATTN_MICROKERNEL, exp_sum_avx512, fastattn_microkernel_ok, output, pack_keys, scores,
 )
 from fastattn._cython._vmath cimport (
     FASTATTN_CLONES, FASTATTN_VECTOR_EXP, all_finite, exp_sum, fexp, row_max,
@@ -60,14 +59,14 @@ cdef void _tile(
     const floating *q, const floating *k, const floating *v, floating *out,
     int n_q, int n_k, int d_k, int d_v, int i0, int r0, int r1, int j0, int width,
     bint full, bint causal, floating scale, floating *s_buf, floating *m, floating *l,
-    float *kp, bint v_finite,
+    floating *kp, bint v_finite,
 ) noexcept nogil:
     """Fold keys ``[j0, j0 + width)`` into rows ``i0 + [r0, r1)`` (online softmax step).
 
     ``full``: every row sees every key of the tile; otherwise each row sees a
     prefix of it (the causal diagonal) and the rest is never formed.
-    ``kp``: the key block from ``j0`` packed by ``fastattn_pack_keys_f``
-    (float32 with the AVX-512 products), else NULL (BLAS).  ``v_finite``:
+    ``kp``: the key block from ``j0`` packed by ``pack_keys`` (the AVX-512
+    products), else NULL (BLAS).  ``v_finite``:
     every value of the head is finite, so masked rows of v need no check.
     """
     cdef int rows = r1 - r0
@@ -77,13 +76,8 @@ cdef void _tile(
     cdef floating *orow
     cdef const floating *vrow
 
-    if floating is float:
-        if kp != NULL:
-            fastattn_scores_f(q + <Py_ssize_t> (i0 + r0) * d_k, d_k, kp, rows, width, d_k,
-                              scale, s_buf, width)
-        else:
-            gemm(False, True, rows, width, d_k, scale, q + <Py_ssize_t> (i0 + r0) * d_k, d_k,
-                 k + <Py_ssize_t> j0 * d_k, d_k, 0, s_buf, width)
+    if kp != NULL:
+        scores(q + <Py_ssize_t> (i0 + r0) * d_k, d_k, kp, rows, width, d_k, scale, s_buf, width)
     else:
         gemm(False, True, rows, width, d_k, scale, q + <Py_ssize_t> (i0 + r0) * d_k, d_k,
              k + <Py_ssize_t> j0 * d_k, d_k, 0, s_buf, width)
@@ -105,11 +99,8 @@ cdef void _tile(
         # All scores -inf so far: shift by 0 so exp gives 0, not NaN.
         shift = m_new if m_new != NEG_INF else 0
         alpha = fexp(m[ri] - shift)
-        if floating is float:
-            if kp != NULL:
-                l[ri] = l[ri] * alpha + fastattn_exp_sum_avx512_f(srow, w, shift)
-            else:
-                l[ri] = l[ri] * alpha + exp_sum(srow, w, shift)
+        if kp != NULL:
+            l[ri] = l[ri] * alpha + exp_sum_avx512(srow, w, shift)
         else:
             l[ri] = l[ri] * alpha + exp_sum(srow, w, shift)
         m[ri] = m_new
@@ -121,13 +112,9 @@ cdef void _tile(
     # p v: one GEMM, unless a masked value row is not finite (0 * inf is NaN).
     if full or v_finite or all_finite(v + <Py_ssize_t> (j0 + w_min) * d_v,
                                       <Py_ssize_t> (width - w_min) * d_v):
-        if floating is float:
-            if kp != NULL:
-                fastattn_output_f(s_buf, width, v + <Py_ssize_t> j0 * d_v, d_v, rows, width, d_v,
-                                  out + <Py_ssize_t> (i0 + r0) * d_v, d_v)
-            else:
-                gemm(False, False, rows, d_v, width, 1, s_buf, width,
-                     v + <Py_ssize_t> j0 * d_v, d_v, 1, out + <Py_ssize_t> (i0 + r0) * d_v, d_v)
+        if kp != NULL:
+            output(s_buf, width, v + <Py_ssize_t> j0 * d_v, d_v, rows, width, d_v,
+                   out + <Py_ssize_t> (i0 + r0) * d_v, d_v)
         else:
             gemm(False, False, rows, d_v, width, 1, s_buf, width,
                  v + <Py_ssize_t> j0 * d_v, d_v, 1, out + <Py_ssize_t> (i0 + r0) * d_v, d_v)
@@ -147,7 +134,7 @@ cdef void _tile(
 cdef void _query_block(
     const floating *q, const floating *k, const floating *v, floating *out,
     int n_q, int n_k, int d_k, int d_v, int i0, int i1, bint causal,
-    floating scale, int block_k, floating *s_buf, floating *m, floating *l, float *kp,
+    floating scale, int block_k, floating *s_buf, floating *m, floating *l, floating *kp,
     bint v_finite,
 ) noexcept nogil:
     """Rows ``[i0, i1)`` of one head's output.  ``q, k, v, out`` point at that head.
@@ -156,14 +143,14 @@ cdef void _query_block(
     causal diagonal crosses is cut into tiles of :data:`DIAGONAL_ROWS` rows,
     each only as wide as its last row sees, so little masked work is done.
     ``kp``: this head's keys packed for the AVX-512 products
-    (``fastattn_pack_keys_f``), or NULL.  ``v_finite``: the head's values
+    (``pack_keys``), or NULL.  ``v_finite``: the head's values
     are all finite.
     """
     cdef int nr = i1 - i0
     cdef int r, c, kb, j0, bk, hi, lo, t, r0, r1, width
     cdef floating inv
     cdef floating *orow
-    cdef float *kp_block
+    cdef floating *kp_block
 
     hi = _visible_end(i1 - 1, n_q, n_k, causal)   # keys seen by the last row
     lo = _visible_end(i0, n_q, n_k, causal)       # keys seen by every row
@@ -177,7 +164,7 @@ cdef void _query_block(
     for kb in range((hi + block_k - 1) // block_k):
         j0 = kb * block_k
         bk = min(block_k, hi - j0)
-        kp_block = kp + <Py_ssize_t> j0 * d_k if kp != NULL else NULL   # j0 % 16 == 0
+        kp_block = kp + <Py_ssize_t> j0 * d_k if kp != NULL else NULL   # j0 % lanes == 0
         if j0 + bk <= lo:
             _tile(q, k, v, out, n_q, n_k, d_k, d_v, i0, 0, nr, j0, bk, True, causal,
                   scale, s_buf, m, l, kp_block, v_finite)
@@ -201,16 +188,17 @@ cdef void _query_block(
                 orow[c] = orow[c] * inv
 
 
-def _aligned_empty(Py_ssize_t size):
-    """An uninitialised float32 array of ``size`` elements starting on a 64-byte boundary."""
-    raw = np.empty(size + 16, dtype=np.float32)
-    start = (-raw.ctypes.data % 64) // 4
+def _aligned_empty(Py_ssize_t size, dtype):
+    """An uninitialised 1-D array of ``size`` elements of ``dtype`` starting on a 64-byte boundary."""
+    itemsize = np.dtype(dtype).itemsize
+    raw = np.empty(size + 64 // itemsize, dtype=dtype)
+    start = (-raw.ctypes.data % 64) // itemsize
     return raw[start:start + size]
 
 
 def _aligned_copy(x):
-    """A C-contiguous float32 copy of ``x`` starting on a 64-byte boundary."""
-    out = _aligned_empty(x.size).reshape(x.shape)
+    """A C-contiguous copy of ``x`` starting on a 64-byte boundary."""
+    out = _aligned_empty(x.size, x.dtype).reshape(x.shape)
     out[...] = x
     return out
 
@@ -235,34 +223,34 @@ def _online_softmax(
     cdef int item, b, blk, i0, i1, j0
     cdef floating *buf = NULL   # per-thread workspace, set in each parallel block
     cdef floating s = <floating> scale
-    # float32 with AVX-512 and d_k, d_v multiples of 16: the tile's own
-    # products (see _microkernel.pxd); otherwise BLAS.  Key blocks must start
-    # on a panel of 16 keys.
-    cdef bint micro = (floating is float and FASTATTN_MICROKERNEL and d_k % 16 == 0
-                       and d_v % 16 == 0 and (block_k % 16 == 0 or block_k >= n_k)
+    # With AVX-512 and d_k, d_v multiples of the lanes (16 in float32, 8 in
+    # float64): the tile's own products (see _microkernel.pxd); otherwise
+    # BLAS.  Key blocks must start on a panel.
+    cdef int lanes = 16 if floating is float else 8
+    cdef bint micro = (FASTATTN_MICROKERNEL and d_k % lanes == 0 and d_v % lanes == 0
+                       and (block_k % lanes == 0 or block_k >= n_k)
                        and n_k > 0 and fastattn_microkernel_ok())
-    # Every head's keys packed once (16-key panels), shared by its query blocks.
-    cdef Py_ssize_t head_kp = <Py_ssize_t> ((n_k + 15) // 16) * 16 * d_k
+    # Every head's keys packed once (panels of lanes keys), shared by its query blocks.
+    cdef Py_ssize_t head_kp = <Py_ssize_t> ((n_k + lanes - 1) // lanes) * lanes * d_k
     cdef int n_chunks = (n_k + PACK_KEYS - 1) // PACK_KEYS
-    cdef float[::1] kpack
-    cdef float *kp_all = NULL
+    cdef floating[::1] kpack
+    cdef floating *kp_all = NULL
     cdef const floating *v_all = &v[0, 0, 0] if v.shape[0] * n_k * d_v > 0 else NULL
 
-    if floating is float:
-        if micro:
-            kpack = _aligned_empty(n_batch * head_kp)
-            kp_all = &kpack[0]
-            # Rows of v at a 64-byte boundary: a 64-byte load that straddles two
-            # cache lines costs two (one pass over v here saves it in every tile).
-            if (<size_t> v_all) % 64 != 0:
-                v = _aligned_copy(np.asarray(v))
-                v_all = &v[0, 0, 0]
-            with nogil, parallel(num_threads=min(n_threads, n_batch * n_chunks)):
-                for item in prange(n_batch * n_chunks, schedule="static"):
-                    b = item // n_chunks
-                    j0 = (item % n_chunks) * PACK_KEYS
-                    fastattn_pack_keys_f(&k[b, j0, 0], d_k, min(PACK_KEYS, n_k - j0), d_k,
-                                         kp_all + b * head_kp + <Py_ssize_t> j0 * d_k)
+    if micro:
+        kpack = _aligned_empty(n_batch * head_kp, np.float32 if floating is float else np.float64)
+        kp_all = &kpack[0]
+        # Rows of v at a 64-byte boundary: a 64-byte load that straddles two
+        # cache lines costs two (one pass over v here saves it in every tile).
+        if (<size_t> v_all) % 64 != 0:
+            v = _aligned_copy(np.asarray(v))
+            v_all = &v[0, 0, 0]
+        with nogil, parallel(num_threads=min(n_threads, n_batch * n_chunks)):
+            for item in prange(n_batch * n_chunks, schedule="static"):
+                b = item // n_chunks
+                j0 = (item % n_chunks) * PACK_KEYS
+                pack_keys(&k[b, j0, 0], d_k, min(PACK_KEYS, n_k - j0), d_k,
+                          kp_all + b * head_kp + <Py_ssize_t> j0 * d_k)
 
     # Causal: whether each head's values are all finite, found once (else every
     # tile the diagonal crosses checks its masked rows of v).
