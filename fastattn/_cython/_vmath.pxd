@@ -1,16 +1,22 @@
 # Row kernels of the online softmax, in C so that gcc vectorises them.
 #
-# * exp: glibc only declares the SIMD variants of exp/expf (libmvec) under
-#   -ffast-math, which would also assume there is no inf or NaN and break the
-#   causal mask and the propagation of non-finite inputs.  Declaring the
-#   variants here instead keeps IEEE semantics (-O3 -fno-math-errno) and still
-#   gets _ZGV?N?v_expf calls from the loops below.  Defining the macro
-#   FASTATTN_SCALAR_EXP turns this off, to measure the gain.
+# * exp of the softmax scores (exp_sum): written out as 2**t, a polynomial
+#   for the fraction and the exponent bits for the integer part, so gcc
+#   vectorises it inline with the sum (no call per vector).  The AVX-512
+#   tile (_microkernel.pxd) has its own, with vscalef.
+# * exp elsewhere (the elu feature map, fexp): glibc only declares the SIMD
+#   variants of exp/expf (libmvec) under -ffast-math, which would also assume
+#   there is no inf or NaN and break the causal mask and the propagation of
+#   non-finite inputs.  Declaring the variants here instead keeps IEEE
+#   semantics (-O3 -fno-math-errno) and still gets _ZGV?N?v_expf calls from
+#   the loops below.  Defining the macro FASTATTN_SCALAR_EXP turns this off,
+#   to measure the gain.
 # * max and sum: '#pragma omp simd reduction' (needs -fopenmp-simd, which
 #   -fopenmp implies) lets gcc vectorise the reductions without -ffast-math.
 #   A NaN score makes the row NaN whichever operand maxps keeps: exp(NaN - m)
 #   is NaN, or every exp(s - NaN) is.
-# * target_clones: an AVX2 copy of each row kernel beside the baseline
+# * target_clones: x86-64-v4 (AVX-512) and x86-64-v3 (AVX2 with FMA; plain
+#   "avx2" would leave FMA out) copies of each row kernel beside the baseline
 #   SSE2 one, picked at load time (glibc ifunc), so the build stays portable.
 #   FASTATTN_NO_CLONES turns it off.
 from cython cimport floating

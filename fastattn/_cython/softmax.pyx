@@ -2,7 +2,7 @@
 
 Queries are cut into blocks of :data:`BLOCK_Q` rows and keys into blocks of
 :data:`BLOCK_K`.  For a query block, each key block's scores
-``s = scale · q_blk k_blkᵀ`` come from one GEMM; every row keeps a running
+``s = scale · q_blk k_blkᵀ`` come from one product; every row keeps a running
 maximum ``m`` and sum ``l`` of ``exp(s - m)`` (online softmax, Milakov &
 Gimelshein 2018) and its output is rescaled by ``exp(m_old - m_new)`` before
 the next block's ``p v_blk`` GEMM adds to it, as in FlashAttention (Dao et al.
@@ -11,6 +11,14 @@ block the diagonal crosses ("partial" block) has its masked scores replaced by
 0 and, when a masked value row is not finite, its ``p v`` product formed row
 by row over the visible keys only, so a NaN or inf behind the mask never
 reaches a row (a GEMM would form ``0 · NaN``).
+
+The two products of a tile are the AVX-512 register-blocked kernels of
+:file:`_microkernel.pxd` when the CPU has AVX-512F and ``d_k``, ``d_v`` are
+multiples of 16 (float32) or 8 (float64): each head's keys are packed once
+into panels, q, p and v are read as they lie, and the scores' exp is
+``vscalef`` of a polynomial.  Otherwise they are BLAS GEMMs.  The packed keys
+(and a copy of v on a 64-byte boundary, when v is not on one) add
+``O(B n_k (d_k + d_v))`` memory, the size of the inputs.
 
 Work items are (batch, query block) pairs shared out by OpenMP with dynamic
 scheduling, the longest causal blocks first; BLAS runs single-threaded inside
