@@ -316,16 +316,14 @@ def jax_softmax_call(q, k, v, causal, scale, heads=1):
         heads``; copied to the device once, here.  The operator's
         ``(batch, n, heads, d)`` layout is formed inside the jitted function
         (XLA may fuse it), as is the output's way back.
-    causal : bool
-        ``is_causal`` is aligned at the top left, which equals fastattn's
-        bottom-right mask when ``n_q == n_k``.
-    scale : float
-    heads : int, default 1
+    causal, scale, heads
+        As in :func:`torch_softmax_call` (JAX's ``is_causal`` is aligned at
+        the top left too).
 
     Returns
     -------
     callable
-        Returns the output as an ndarray ``(B, n_q, d_v)``.
+        The output as an ndarray ``(B, n_q, d_v)``.
 
     Raises
     ------
