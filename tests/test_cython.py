@@ -48,6 +48,22 @@ CASES = [
 ]
 
 
+#: Cases that take the AVX-512 tile products where the CPU has them (d_k and
+#: d_v multiples of 16 in float32, of 8 in float64): sizes around their 6-row
+#: groups, panels of 16 (8) keys, groups of 4 panels, 4-vector chunks of v and
+#: the 1024-key packing chunks.
+PRODUCT_CASES = [
+    ((), 1, 1, 16, 16),
+    ((2,), 77, 300, 8, 24),      # float64 only: float32 takes BLAS
+    ((2,), 7, 70, 16, 32),
+    ((), 65, 63, 32, 16),
+    ((3,), 300, 517, 64, 64),
+    ((), 5, 1100, 48, 80),
+    ((), BQ + 1, BK + 17, 64, 128),
+    ((), 1000, 1000, 128, 128),
+]
+
+
 def case_id(case):
     lead, n_q, n_k, d_k, d_v = case
     batch = "x".join(map(str, lead)) or "none"
@@ -85,6 +101,35 @@ def test_softmax_matches_reference(case, dtype, causal):
     want = reference64(fastattn.softmax_attention, q, k, v, causal=causal)
     assert got.dtype == dtype
     assert_close(got, want, dtype, err_msg=case_id(case))
+
+
+def test_tiles_take_the_avx512_products_where_the_cpu_has_them():
+    from fastattn._cython.softmax import _build_features
+
+    features = _build_features()
+    if not features["avx512_tile_products_built"]:
+        pytest.skip("built without the AVX-512 products (not gcc on x86-64 Linux)")
+    try:
+        flags = open("/proc/cpuinfo").read().split()
+    except OSError:
+        pytest.skip("no /proc/cpuinfo")
+    assert features["avx512_tile_products"] == ("avx512f" in flags)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f64"])
+@pytest.mark.parametrize("case", PRODUCT_CASES, ids=case_id)
+def test_softmax_tile_products_match_reference(case, dtype, causal):
+    q, k, v = _inputs(case, dtype, seed=3)
+    before = cy.get_num_threads()
+    for threads in (1, 2):
+        cy.set_num_threads(threads)
+        try:
+            got = fastattn.softmax_attention(q, k, v, causal=causal, backend="cython")
+        finally:
+            cy.set_num_threads(before)
+        assert_close(got, reference64(fastattn.softmax_attention, q, k, v, causal=causal),
+                     dtype, err_msg=f"{threads} threads")
 
 
 @pytest.mark.parametrize("feature_map", ["elu", "relu"])
@@ -190,9 +235,12 @@ def test_minilm_full_activations_reproduce_the_model_context():
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f64"])
 @pytest.mark.parametrize("what", ["k-nan", "v-nan", "v-inf", "k-inf"])
 @pytest.mark.parametrize("position", [5, BQ + 3, BK + BQ // 2])
-def test_causal_nonfinite_reaches_only_the_rows_that_see_it(dtype, what, position):
+# d=5: BLAS in both dtypes; 8: the AVX-512 tile products in float64; 16: in both
+@pytest.mark.parametrize("d", [5, 8, 16])
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the reference's NaN
+def test_causal_nonfinite_reaches_only_the_rows_that_see_it(dtype, what, position, d):
     n = 2 * BK + 7
-    q, k, v = make_qkv((n, 8), dtype=dtype, seed=7)
+    q, k, v = make_qkv((n, d), dtype=dtype, seed=7)
     target, value = (k if what.startswith("k") else v), (np.nan if "nan" in what else np.inf)
     target[position, 1] = value
     for kind in ("softmax", "linear"):

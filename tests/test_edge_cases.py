@@ -314,6 +314,34 @@ def test_softmax_large_logits_are_finite_and_right(backend, dtype, scale):
         assert_close(out, softmax_oracle(q, k, v, causal, scale), dtype=dtype)
 
 
+#: (dtype, scale) where |q| · scale overflows the dtype but every logit q·k · scale is finite.
+SCALE_OVERFLOW = [(np.float32, 1e36), (np.float64, 1e306)]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype, scale", SCALE_OVERFLOW,
+                         ids=[f"{np.dtype(d).name}-scale{s:.0e}" for d, s in SCALE_OVERFLOW])
+def test_softmax_scale_times_q_may_overflow_where_the_logits_do_not(backend, dtype, scale, causal):
+    """Issue 14.1: q = 1000, so 1000 · scale is inf, while q·k · scale is at most 4.6e31 (4.6e301).
+
+    Such logits are one-hot on the largest (the next is 4e30 below it): rows
+    0 and 1 (whose largest logit is tied between keys 2 and 3) are the mean of
+    v[2] and v[3]; under the causal mask row 0 sees keys 0-2 only and is v[2].
+    """
+    q = np.full((2, 4), 1000.0)
+    k = np.array([[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11.5], [8, 9, 10, 11.5]]) * 1e-9
+    v = np.arange(12.0).reshape(4, 3)
+    q, k, v = (x.astype(dtype) for x in (q, k, v))
+    with np.errstate(over="ignore"):
+        assert np.isinf(q[0, 0] * dtype(scale))    # what scaling q first would form
+    out = fastattn.softmax_attention(q, k, v, causal=causal, scale=scale, backend=backend)
+    expected = np.array([[7.5, 8.5, 9.5], [7.5, 8.5, 9.5]])
+    if causal:
+        expected[0] = v[2]
+    np.testing.assert_array_equal(out, expected.astype(dtype))
+    assert_close(out, softmax_oracle(q, k, v, causal, scale), dtype=dtype)
+
+
 def test_float16_large_values_do_not_overflow(backend):
     """Logits of 8e4 overflow float16 (max 65504): they must be formed in float32."""
     q, k, v = _large_logit_inputs(np.float16, big=200.0)     # q·k up to 2e4, scale 4 -> 8e4

@@ -2,7 +2,7 @@
 
 Queries are cut into blocks of :data:`BLOCK_Q` rows and keys into blocks of
 :data:`BLOCK_K`.  For a query block, each key block's scores
-``s = scale · q_blk k_blkᵀ`` come from one GEMM; every row keeps a running
+``s = scale · q_blk k_blkᵀ`` come from one product; every row keeps a running
 maximum ``m`` and sum ``l`` of ``exp(s - m)`` (online softmax, Milakov &
 Gimelshein 2018) and its output is rescaled by ``exp(m_old - m_new)`` before
 the next block's ``p v_blk`` GEMM adds to it, as in FlashAttention (Dao et al.
@@ -11,6 +11,14 @@ block the diagonal crosses ("partial" block) has its masked scores replaced by
 0 and, when a masked value row is not finite, its ``p v`` product formed row
 by row over the visible keys only, so a NaN or inf behind the mask never
 reaches a row (a GEMM would form ``0 · NaN``).
+
+The two products of a tile are the AVX-512 register-blocked kernels of
+:file:`_microkernel.pxd` when the CPU has AVX-512F and ``d_k``, ``d_v`` are
+multiples of 16 (float32) or 8 (float64): each head's keys are packed once
+into panels, q, p and v are read as they lie, and the scores' exp is
+``vscalef`` of a polynomial.  Otherwise they are BLAS GEMMs.  The packed keys
+(and a copy of v on a 64-byte boundary, when v is not on one) add
+``O(B n_k (d_k + d_v))`` memory, the size of the inputs.
 
 Work items are (batch, query block) pairs shared out by OpenMP with dynamic
 scheduling, the longest causal blocks first; BLAS runs single-threaded inside
@@ -23,14 +31,25 @@ from cython cimport floating
 from cython.parallel cimport parallel, prange, threadid
 
 from fastattn._cython._blas cimport gemm
-from fastattn._cython._vmath cimport FASTATTN_CLONES, FASTATTN_VECTOR_EXP, exp_sum, fexp, row_max
+from fastattn._cython._microkernel cimport (
+    FASTATTN_MICROKERNEL, exp_sum_avx512, fastattn_microkernel_ok, output, pack_keys, scores,
+)
+from fastattn._cython._vmath cimport (
+    FASTATTN_CLONES, FASTATTN_VECTOR_EXP, all_finite, exp_sum, fexp, row_max,
+)
 
 #: Query rows per block (one work item).
 BLOCK_Q = 256
-#: Keys per block (one scores GEMM).
-BLOCK_K = 256
+#: Keys per block (one scores product).  A (256, 512) score tile is 512 KiB in
+#: float32: it, the query block, the packed keys and the output rows stay in
+#: a 2 MiB L2; 512 against 256 keys halves the per-tile work of every row
+#: (its maximum, alpha, rescaling), about 2 % at d=64 in a side-by-side run
+#: (1 thread, CPU time, loaded machine).
+BLOCK_K = 512
 #: Rows per tile where the causal diagonal crosses a key block.
-cdef int DIAGONAL_ROWS = 64
+cdef int DIAGONAL_ROWS = 32
+#: Keys per work item when packing k for the AVX-512 products (a multiple of 16).
+cdef int PACK_KEYS = 1024
 
 cdef double NEG_INF = -float("inf")
 
@@ -48,24 +67,19 @@ cdef inline int _visible_end(int i, int n_q, int n_k, bint causal) noexcept nogi
     return end
 
 
-cdef inline bint _rows_finite(const floating *x, Py_ssize_t count) noexcept nogil:
-    """Whether ``count`` consecutive values are all finite (no NaN, no inf)."""
-    cdef Py_ssize_t t
-    cdef floating acc = 0
-    for t in range(count):
-        acc = acc + x[t] * 0      # inf * 0 and NaN * 0 are NaN
-    return acc == 0
-
-
 cdef void _tile(
     const floating *q, const floating *k, const floating *v, floating *out,
     int n_q, int n_k, int d_k, int d_v, int i0, int r0, int r1, int j0, int width,
     bint full, bint causal, floating scale, floating *s_buf, floating *m, floating *l,
+    floating *kp, bint v_finite,
 ) noexcept nogil:
     """Fold keys ``[j0, j0 + width)`` into rows ``i0 + [r0, r1)`` (online softmax step).
 
     ``full``: every row sees every key of the tile; otherwise each row sees a
     prefix of it (the causal diagonal) and the rest is never formed.
+    ``kp``: the key block from ``j0`` packed by ``pack_keys`` (the AVX-512
+    products), else NULL (BLAS).  ``v_finite``:
+    every value of the head is finite, so masked rows of v need no check.
     """
     cdef int rows = r1 - r0
     cdef int r, ri, j, c, w, w_min
@@ -74,8 +88,11 @@ cdef void _tile(
     cdef floating *orow
     cdef const floating *vrow
 
-    gemm(False, True, rows, width, d_k, scale, q + <Py_ssize_t> (i0 + r0) * d_k, d_k,
-         k + <Py_ssize_t> j0 * d_k, d_k, 0, s_buf, width)
+    if kp != NULL:
+        scores(q + <Py_ssize_t> (i0 + r0) * d_k, d_k, kp, rows, width, d_k, scale, s_buf, width)
+    else:
+        gemm(False, True, rows, width, d_k, scale, q + <Py_ssize_t> (i0 + r0) * d_k, d_k,
+             k + <Py_ssize_t> j0 * d_k, d_k, 0, s_buf, width)
     w_min = width
     for r in range(rows):
         ri = r0 + r
@@ -94,7 +111,10 @@ cdef void _tile(
         # All scores -inf so far: shift by 0 so exp gives 0, not NaN.
         shift = m_new if m_new != NEG_INF else 0
         alpha = fexp(m[ri] - shift)
-        l[ri] = l[ri] * alpha + exp_sum(srow, w, shift)
+        if kp != NULL:
+            l[ri] = l[ri] * alpha + exp_sum_avx512(srow, w, shift)
+        else:
+            l[ri] = l[ri] * alpha + exp_sum(srow, w, shift)
         m[ri] = m_new
         if alpha != 1:
             orow = out + <Py_ssize_t> (i0 + ri) * d_v
@@ -102,10 +122,14 @@ cdef void _tile(
                 orow[c] = orow[c] * alpha
 
     # p v: one GEMM, unless a masked value row is not finite (0 * inf is NaN).
-    if full or _rows_finite(v + <Py_ssize_t> (j0 + w_min) * d_v,
-                            <Py_ssize_t> (width - w_min) * d_v):
-        gemm(False, False, rows, d_v, width, 1, s_buf, width,
-             v + <Py_ssize_t> j0 * d_v, d_v, 1, out + <Py_ssize_t> (i0 + r0) * d_v, d_v)
+    if full or v_finite or all_finite(v + <Py_ssize_t> (j0 + w_min) * d_v,
+                                      <Py_ssize_t> (width - w_min) * d_v):
+        if kp != NULL:
+            output(s_buf, width, v + <Py_ssize_t> j0 * d_v, d_v, rows, width, d_v,
+                   out + <Py_ssize_t> (i0 + r0) * d_v, d_v)
+        else:
+            gemm(False, False, rows, d_v, width, 1, s_buf, width,
+                 v + <Py_ssize_t> j0 * d_v, d_v, 1, out + <Py_ssize_t> (i0 + r0) * d_v, d_v)
     else:
         for r in range(rows):
             ri = r0 + r
@@ -122,18 +146,23 @@ cdef void _tile(
 cdef void _query_block(
     const floating *q, const floating *k, const floating *v, floating *out,
     int n_q, int n_k, int d_k, int d_v, int i0, int i1, bint causal,
-    floating scale, int block_k, floating *s_buf, floating *m, floating *l,
+    floating scale, int block_k, floating *s_buf, floating *m, floating *l, floating *kp,
+    bint v_finite,
 ) noexcept nogil:
     """Rows ``[i0, i1)`` of one head's output.  ``q, k, v, out`` point at that head.
 
     A key block wholly visible to the query block is one tile; a block the
     causal diagonal crosses is cut into tiles of :data:`DIAGONAL_ROWS` rows,
     each only as wide as its last row sees, so little masked work is done.
+    ``kp``: this head's keys packed for the AVX-512 products
+    (``pack_keys``), or NULL.  ``v_finite``: the head's values
+    are all finite.
     """
     cdef int nr = i1 - i0
     cdef int r, c, kb, j0, bk, hi, lo, t, r0, r1, width
     cdef floating inv
     cdef floating *orow
+    cdef floating *kp_block
 
     hi = _visible_end(i1 - 1, n_q, n_k, causal)   # keys seen by the last row
     lo = _visible_end(i0, n_q, n_k, causal)       # keys seen by every row
@@ -147,9 +176,10 @@ cdef void _query_block(
     for kb in range((hi + block_k - 1) // block_k):
         j0 = kb * block_k
         bk = min(block_k, hi - j0)
+        kp_block = kp + <Py_ssize_t> j0 * d_k if kp != NULL else NULL   # j0 % lanes == 0
         if j0 + bk <= lo:
             _tile(q, k, v, out, n_q, n_k, d_k, d_v, i0, 0, nr, j0, bk, True, causal,
-                  scale, s_buf, m, l)
+                  scale, s_buf, m, l, kp_block, v_finite)
             continue
         for t in range((nr + DIAGONAL_ROWS - 1) // DIAGONAL_ROWS):
             r0 = t * DIAGONAL_ROWS
@@ -157,7 +187,7 @@ cdef void _query_block(
             width = min(_visible_end(i0 + r1 - 1, n_q, n_k, causal) - j0, bk)
             if width > 0:
                 _tile(q, k, v, out, n_q, n_k, d_k, d_v, i0, r0, r1, j0, width, False,
-                      causal, scale, s_buf, m, l)
+                      causal, scale, s_buf, m, l, kp_block, v_finite)
 
     for r in range(nr):
         orow = out + <Py_ssize_t> (i0 + r) * d_v
@@ -168,6 +198,21 @@ cdef void _query_block(
             inv = 1 / l[r]
             for c in range(d_v):
                 orow[c] = orow[c] * inv
+
+
+def _aligned_empty(Py_ssize_t size, dtype):
+    """An uninitialised 1-D array of ``size`` elements of ``dtype`` starting on a 64-byte boundary."""
+    itemsize = np.dtype(dtype).itemsize
+    raw = np.empty(size + 64 // itemsize, dtype=dtype)
+    start = (-raw.ctypes.data % 64) // itemsize
+    return raw[start:start + size]
+
+
+def _aligned_copy(x):
+    """A C-contiguous copy of ``x`` starting on a 64-byte boundary."""
+    out = _aligned_empty(x.size, x.dtype).reshape(x.shape)
+    out[...] = x
+    return out
 
 
 def _online_softmax(
@@ -187,9 +232,46 @@ def _online_softmax(
     cdef int n_blocks = (n_q + block_q - 1) // block_q
     cdef int n_items = n_batch * n_blocks
     cdef Py_ssize_t per_thread = <Py_ssize_t> block_q * block_k + 2 * block_q
-    cdef int item, b, blk, i0, i1
+    cdef int item, b, blk, i0, i1, j0
     cdef floating *buf = NULL   # per-thread workspace, set in each parallel block
     cdef floating s = <floating> scale
+    # With AVX-512 and d_k, d_v multiples of the lanes (16 in float32, 8 in
+    # float64): the tile's own products (see _microkernel.pxd); otherwise
+    # BLAS.  Key blocks must start on a panel.
+    cdef int lanes = 16 if floating is float else 8
+    cdef bint micro = (FASTATTN_MICROKERNEL and d_k % lanes == 0 and d_v % lanes == 0
+                       and (block_k % lanes == 0 or block_k >= n_k)
+                       and n_k > 0 and fastattn_microkernel_ok())
+    # Every head's keys packed once (panels of lanes keys), shared by its query blocks.
+    cdef Py_ssize_t head_kp = <Py_ssize_t> ((n_k + lanes - 1) // lanes) * lanes * d_k
+    cdef int n_chunks = (n_k + PACK_KEYS - 1) // PACK_KEYS
+    cdef floating[::1] kpack
+    cdef floating *kp_all = NULL
+    cdef const floating *v_all = &v[0, 0, 0] if v.shape[0] * n_k * d_v > 0 else NULL
+
+    if micro:
+        kpack = _aligned_empty(n_batch * head_kp, np.float32 if floating is float else np.float64)
+        kp_all = &kpack[0]
+        # Rows of v at a 64-byte boundary: a 64-byte load that straddles two
+        # cache lines costs two (one pass over v here saves it in every tile).
+        if (<size_t> v_all) % 64 != 0:
+            v = _aligned_copy(np.asarray(v))
+            v_all = &v[0, 0, 0]
+        with nogil, parallel(num_threads=min(n_threads, n_batch * n_chunks)):
+            for item in prange(n_batch * n_chunks, schedule="static"):
+                b = item // n_chunks
+                j0 = (item % n_chunks) * PACK_KEYS
+                pack_keys(&k[b, j0, 0], d_k, min(PACK_KEYS, n_k - j0), d_k,
+                          kp_all + b * head_kp + <Py_ssize_t> j0 * d_k)
+
+    # Causal: whether each head's values are all finite, found once (else every
+    # tile the diagonal crosses checks its masked rows of v).
+    cdef unsigned char[::1] finite = np.zeros(max(n_batch, 1), dtype=np.uint8)
+    if causal:
+        with nogil, parallel(num_threads=min(n_threads, n_batch)):
+            for item in prange(n_batch, schedule="static"):
+                finite[item] = all_finite(v_all + <Py_ssize_t> item * n_k * d_v,
+                                          <Py_ssize_t> n_k * d_v)
 
     # No more threads than work items: an idle thread only spins at the barrier.
     with nogil, parallel(num_threads=min(n_threads, n_items)):
@@ -202,7 +284,8 @@ def _online_softmax(
             i1 = min(i0 + block_q, n_q)
             _query_block(&q[b, 0, 0], &k[b, 0, 0], &v[b, 0, 0], &out[b, 0, 0],
                          n_q, n_k, d_k, d_v, i0, i1, causal, s, block_k,
-                         buf, buf + block_q * block_k, buf + block_q * block_k + block_q)
+                         buf, buf + block_q * block_k, buf + block_q * block_k + block_q,
+                         kp_all + b * head_kp if micro else NULL, finite[b])
 
 
 def online_softmax_forward(q, k, v, bint causal, double scale, int n_threads=1):
@@ -245,5 +328,8 @@ def online_softmax_forward(q, k, v, bint causal, double scale, int n_threads=1):
 
 
 def _build_features():
-    """How the row kernels were compiled: vector exp (libmvec), AVX2 clones."""
-    return {"vector_exp": bool(FASTATTN_VECTOR_EXP), "avx2_clones": bool(FASTATTN_CLONES)}
+    """How the row kernels were compiled (vector exp through libmvec, x86-64-v3/v4
+    clones) and whether float32 tiles take the AVX-512 products on this CPU."""
+    return {"vector_exp": bool(FASTATTN_VECTOR_EXP), "avx2_clones": bool(FASTATTN_CLONES),
+            "avx512_tile_products_built": bool(FASTATTN_MICROKERNEL),
+            "avx512_tile_products": bool(FASTATTN_MICROKERNEL and fastattn_microkernel_ok())}

@@ -7,14 +7,17 @@ can see, keeping per row a running maximum ``m``, a running sum ``l`` of
 "Online normalizer calculation for softmax", 2018; Dao et al.,
 "FlashAttention", 2022)::
 
-    s     = (q_blk · scale) k_blkᵀ                   (BLAS gemm, one thread)
-    m'    = max(m, rowmax(s));  p = exp(s - m')     (vectorised fast exp)
+    s     = q_blk k_blkᵀ                             (BLAS gemm, one thread)
+    m'    = max(m, rowmax(scale s))                 (the logits, in place)
+    p     = exp(scale s - m')                       (vectorised fast exp)
     alpha = exp(m - m')
     l     = alpha l + rowsum(p);  acc = alpha acc + p v_blk
     out   = acc / l
 
-No ``n_q x n_k`` array exists: memory is ``O(B n d)`` plus a few blocks per
-thread.  Causal: key blocks wholly above the diagonal are skipped; in the
+The scale is applied to the scores, in the pass that finds their maximum, not
+to q: no scaled copy of q exists and ``|q| scale`` never overflows where the
+logits are finite.  No ``n_q x n_k`` array exists: memory
+is ``O(B n d)`` plus a few blocks per thread.  Causal: key blocks wholly above the diagonal are skipped; in the
 block that crosses it each row only forms the terms it sees when the block's
 values hold an inf or NaN (a masked ``0 * v`` would turn it into a NaN in a
 row that must not see it; with finite values the masked ``p`` are 0 and one
@@ -31,12 +34,15 @@ from ._threads import get_num_threads, launch
 
 
 @njit(**JIT_SERIAL)
-def _query_block(q, k, v, out, b, qb, causal, consts, qs, sbuf, acc, tmp, m, l, alpha):
-    """Online softmax of query block ``qb`` of head ``b`` into ``out[b]``."""
-    n_q, d_k = q.shape[1], q.shape[2]
+def _query_block(q, k, v, out, b, qb, causal, consts, sbuf, acc, tmp, m, l, alpha):
+    """Online softmax of query block ``qb`` of head ``b`` into ``out[b]``.
+
+    ``m`` holds the running maximum of the logits ``scale s`` (not of ``s``).
+    """
+    n_q = q.shape[1]
     n_k, d_v = k.shape[1], v.shape[2]
     scale, neg_inf, zero = consts[0], consts[1], consts[2]
-    bq, bk = qs.shape[0], sbuf.shape[0] // qs.shape[0]
+    bq, bk = m.shape[0], sbuf.shape[0] // m.shape[0]
     off = n_k - n_q
     i0 = qb * bq
     i1 = min(n_q, i0 + bq)
@@ -48,9 +54,7 @@ def _query_block(q, k, v, out, b, qb, causal, consts, qs, sbuf, acc, tmp, m, l, 
         l[i] = zero
         for c in range(d_v):
             acc[i, c] = zero
-        for c in range(d_k):
-            qs[i, c] = q[b, i0 + i, c] * scale
-    q_rows = qs[:rows]
+    q_rows = q[b, i0:i1]
     for j0 in range(0, hi, bk):
         j1 = min(hi, j0 + bk)
         cols = j1 - j0
@@ -66,9 +70,14 @@ def _query_block(q, k, v, out, b, qb, causal, consts, qs, sbuf, acc, tmp, m, l, 
                 for j in range(cols):
                     s[i, j] = zero
                 continue
+            # The logits, rounded once and stored: the largest then shifts
+            # to exactly 0 (an FMA of s * scale - max would keep the
+            # product's rounding error, which at |logit| ~ 1e300 is not small).
             mx = m[i]
             for j in range(lim):
-                mx = max(mx, s[i, j])
+                x = s[i, j] * scale
+                s[i, j] = x
+                mx = max(mx, x)
             # A row whose logits are all -inf so far keeps shift 0 (its p are 0).
             shift = mx if mx > neg_inf else zero
             total = zero
@@ -138,16 +147,15 @@ def online_softmax_forward(q, k, v, causal, consts, bq, bk):
     for item in prange(B * npairs):
         b = item // npairs
         t = item % npairs
-        qs = np.empty((bq, d_k), dtype=q.dtype)
         sbuf = np.empty(bq * bk, dtype=q.dtype)
         acc = np.empty((bq, d_v), dtype=q.dtype)
         tmp = np.empty((bq, d_v), dtype=q.dtype)
         m = np.empty(bq, dtype=q.dtype)
         l = np.empty(bq, dtype=q.dtype)
         alpha = np.empty(bq, dtype=q.dtype)
-        _query_block(q, k, v, out, b, t, causal, consts, qs, sbuf, acc, tmp, m, l, alpha)
+        _query_block(q, k, v, out, b, t, causal, consts, sbuf, acc, tmp, m, l, alpha)
         if causal and nb - 1 - t != t:
-            _query_block(q, k, v, out, b, nb - 1 - t, causal, consts, qs, sbuf, acc, tmp, m, l, alpha)
+            _query_block(q, k, v, out, b, nb - 1 - t, causal, consts, sbuf, acc, tmp, m, l, alpha)
     return out
 
 

@@ -80,14 +80,14 @@ def make_call(spec, q, k, v):
     """The no-argument callable that computes point ``spec`` on ``q, k, v``.
 
     fastattn backends are called through the public functions (validation and
-    dispatch included, as a user calls them); a peer through its builder
-    ``peers.<backend>_<attention>_call``.
+    dispatch included, as a user calls them); a peer through its builder in
+    ``peers.SOFTMAX_CALLS`` or ``peers.LINEAR_CALLS``.
     """
     attention, backend, causal = spec["attention"], spec["backend"], spec["causal"]
     feature_map = spec.get("feature_map") or "elu"
     scale = reference.default_scale(q.shape[-1])
     if backend in peers.PEERS:
-        build = getattr(peers, f"{backend}_{attention}_call")
+        build = (peers.SOFTMAX_CALLS if attention == "softmax" else peers.LINEAR_CALLS)[backend]
         option = scale if attention == "softmax" else feature_map
         return build(q, k, v, causal, option, heads=spec.get("heads", 1))
     if attention == "softmax":
@@ -337,6 +337,10 @@ def why_skip(spec):
     if backend in peers.PEERS:
         if backend not in peers.available_peers():
             return f"{backend} is not installed; add it with: {peers.INSTALL_HINT[backend]}"
+        unsupported = peers.why_not(backend, spec["attention"], spec["dtype"], spec["d_k"],
+                                    spec["d_v"])
+        if unsupported:
+            return unsupported
     elif backend not in _api.available_backends():
         reason = _api.unavailable_backends().get(backend, "unknown")
         return f"backend {backend!r} is not available here ({reason})"

@@ -80,7 +80,7 @@ def collect(threads=None):
         ``threads``, ``thread_counts`` (per backend and BLAS), ``thread_env``
         (the ``*_NUM_THREADS`` variables set), ``blas`` (list
         of :func:`blas_info` dicts), ``python``, ``platform``, ``hostname``,
-        ``versions`` (numpy, scipy, numba, cython, threadpoolctl, torch and
+        ``versions`` (numpy, scipy, numba, cython, threadpoolctl, the peers (torch, onnxruntime, onnx, jax, jaxlib) and
         fastattn; None when absent), ``backends`` (available),
         ``unavailable_backends`` (name to reason), ``peers``, ``absent_peers``
         (name to install hint), ``git_commit``.
@@ -121,6 +121,10 @@ def collect(threads=None):
             "cython": _version("Cython"),
             "threadpoolctl": _version("threadpoolctl"),
             "torch": _version("torch"),
+            "onnxruntime": _version("onnxruntime"),
+            "onnx": _version("onnx"),
+            "jax": _version("jax"),
+            "jaxlib": _version("jaxlib"),
         },
         "backends": list(fastattn.available_backends()),
         "unavailable_backends": fastattn.unavailable_backends(),

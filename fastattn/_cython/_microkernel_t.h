@@ -1,0 +1,149 @@
+/* AVX-512 products of the online-softmax tile, written once for one element
+ * type and included by _microkernel.pxd once per type, with FA_T (float or
+ * double), FA_L (lanes: 16 or 8) and FA_NAME(x) (x_f or x_d) defined, and
+ * the vector operations FA_V... mapped to that type's intrinsics.  See
+ * _microkernel.pxd for what each function does and why.
+ */
+
+/* kp[(p d + c) L + t] = k[(L p + t) ldk + c]: keys [0, width) in panels of L, zero past width */
+static void FA_NAME(fastattn_pack_keys)(const FA_T *k, int ldk, int width, int d, FA_T *kp) {
+    int panels = (width + FA_L - 1) / FA_L;
+    for (int p = 0; p < panels; p++) {
+        for (int t = 0; t < FA_L; t++) {
+            int j = FA_L * p + t;
+            FA_T *dst = kp + (size_t) p * d * FA_L + t;
+            if (j < width) {
+                const FA_T *src = k + (size_t) j * ldk;
+                for (int c = 0; c < d; c++) dst[(size_t) c * FA_L] = src[c];
+            } else {
+                for (int c = 0; c < d; c++) dst[(size_t) c * FA_L] = 0;
+            }
+        }
+    }
+}
+
+/* R rows x NP panels of scores; 'left' keys remain from this panel group's first */
+FA_AVX512 FA_INLINE void FA_NAME(fa_scores_block)(const FA_T *q, int ldq, const FA_T *kp, int d,
+                                                  FA_VT scale, FA_T *s, int lds, int left,
+                                                  const int R, const int NP) {
+    FA_VT acc[6][4];
+    for (int r = 0; r < R; r++)
+        for (int p = 0; p < NP; p++) acc[r][p] = FA_VZERO();
+    for (int c = 0; c < d; c++) {
+        FA_VT kv[4];
+        for (int p = 0; p < NP; p++) kv[p] = FA_VLOAD(kp + ((size_t) p * d + c) * FA_L);
+        for (int r = 0; r < R; r++) {
+            FA_VT qb = FA_VSET1(q[(size_t) r * ldq + c]);
+            for (int p = 0; p < NP; p++) acc[r][p] = FA_VFMADD(qb, kv[p], acc[r][p]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        for (int p = 0; p < NP; p++) {
+            int rest = left - FA_L * p;
+            FA_VT x = FA_VMUL(acc[r][p], scale);
+            FA_T *dst = s + (size_t) r * lds + FA_L * p;
+            if (rest >= FA_L) FA_VSTORE(dst, x);
+            else FA_VMSTORE(dst, (FA_MT) ((1u << rest) - 1u), x);
+        }
+    }
+}
+
+#define FA_SCORES_R(NP) \
+    switch (R) { \
+    case 6: FA_NAME(fa_scores_block)(q, ldq, kp, d, sc, s, lds, left, 6, NP); break; \
+    case 5: FA_NAME(fa_scores_block)(q, ldq, kp, d, sc, s, lds, left, 5, NP); break; \
+    case 4: FA_NAME(fa_scores_block)(q, ldq, kp, d, sc, s, lds, left, 4, NP); break; \
+    case 3: FA_NAME(fa_scores_block)(q, ldq, kp, d, sc, s, lds, left, 3, NP); break; \
+    case 2: FA_NAME(fa_scores_block)(q, ldq, kp, d, sc, s, lds, left, 2, NP); break; \
+    default: FA_NAME(fa_scores_block)(q, ldq, kp, d, sc, s, lds, left, 1, NP); break; \
+    }
+
+/* s[r, j] = scale q[r, :] . k[j, :] for r < rows, j < width (kp from fastattn_pack_keys) */
+FA_AVX512 static void FA_NAME(fastattn_scores)(const FA_T *q0, int ldq, const FA_T *kp0, int rows,
+                                               int width, int d, FA_T scale, FA_T *s0, int lds) {
+    FA_VT sc = FA_VSET1(scale);
+    for (int j = 0; j < width; j += 4 * FA_L) {
+        int left = width - j;
+        int np = (left + FA_L - 1) / FA_L;
+        const FA_T *kp = kp0 + (size_t) (j / FA_L) * d * FA_L;
+        for (int r0 = 0; r0 < rows; r0 += 6) {
+            int R = rows - r0 < 6 ? rows - r0 : 6;
+            const FA_T *q = q0 + (size_t) r0 * ldq;
+            FA_T *s = s0 + (size_t) r0 * lds + j;
+            if (np >= 4) { FA_SCORES_R(4) }
+            else if (np == 3) { FA_SCORES_R(3) }
+            else if (np == 2) { FA_SCORES_R(2) }
+            else { FA_SCORES_R(1) }
+        }
+    }
+}
+#undef FA_SCORES_R
+
+/* R rows x NC column vectors of o += p v over keys [0, width) */
+FA_AVX512 FA_INLINE void FA_NAME(fa_output_block)(const FA_T *p, int ldp, const FA_T *v, int ldv,
+                                                  int width, FA_T *o, int ldo, const int R,
+                                                  const int NC) {
+    FA_VT acc[6][4];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < NC; c++) acc[r][c] = FA_VLOAD(o + (size_t) r * ldo + FA_L * c);
+    for (int j = 0; j < width; j++) {
+        FA_VT vv[4];
+        for (int c = 0; c < NC; c++) vv[c] = FA_VLOAD(v + (size_t) j * ldv + FA_L * c);
+        for (int r = 0; r < R; r++) {
+            FA_VT pb = FA_VSET1(p[(size_t) r * ldp + j]);
+            for (int c = 0; c < NC; c++) acc[r][c] = FA_VFMADD(pb, vv[c], acc[r][c]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < NC; c++) FA_VSTORE(o + (size_t) r * ldo + FA_L * c, acc[r][c]);
+}
+
+#define FA_OUTPUT_R(NC) \
+    switch (R) { \
+    case 6: FA_NAME(fa_output_block)(p, ldp, v, ldv, width, o, ldo, 6, NC); break; \
+    case 5: FA_NAME(fa_output_block)(p, ldp, v, ldv, width, o, ldo, 5, NC); break; \
+    case 4: FA_NAME(fa_output_block)(p, ldp, v, ldv, width, o, ldo, 4, NC); break; \
+    case 3: FA_NAME(fa_output_block)(p, ldp, v, ldv, width, o, ldo, 3, NC); break; \
+    case 2: FA_NAME(fa_output_block)(p, ldp, v, ldv, width, o, ldo, 2, NC); break; \
+    default: FA_NAME(fa_output_block)(p, ldp, v, ldv, width, o, ldo, 1, NC); break; \
+    }
+
+/* o[r, :d_v] += sum_{j < width} p[r, j] v[j, :d_v] for r < rows (d_v a multiple of L) */
+FA_AVX512 static void FA_NAME(fastattn_output)(const FA_T *p0, int ldp, const FA_T *v0, int ldv,
+                                               int rows, int width, int d_v, FA_T *o0, int ldo) {
+    for (int c0 = 0; c0 < d_v; c0 += 4 * FA_L) {
+        int nc = (d_v - c0) / FA_L < 4 ? (d_v - c0) / FA_L : 4;
+        const FA_T *v = v0 + c0;
+        for (int r0 = 0; r0 < rows; r0 += 6) {
+            int R = rows - r0 < 6 ? rows - r0 : 6;
+            const FA_T *p = p0 + (size_t) r0 * ldp;
+            FA_T *o = o0 + (size_t) r0 * ldo + c0;
+            if (nc == 4) { FA_OUTPUT_R(4) }
+            else if (nc == 3) { FA_OUTPUT_R(3) }
+            else if (nc == 2) { FA_OUTPUT_R(2) }
+            else { FA_OUTPUT_R(1) }
+        }
+    }
+}
+#undef FA_OUTPUT_R
+
+/* s[j] = exp(s[j] - shift) in place for j < n, s[j] <= shift; returns the sum.
+ * exp(x) = 2**t, t = x log2(e) = e + f, e = round(t): 2**f by FA_EXP2_POLY,
+ * then vscalef multiplies by 2**e, which also gives 0 for t = -inf or far
+ * below the range and keeps NaN, so no clamp and no select are needed. */
+FA_AVX512 static FA_T FA_NAME(fastattn_exp_sum_avx512)(FA_T *s, int n, FA_T shift) {
+    const FA_VT log2e = FA_VSET1((FA_T) 1.4426950408889634), sh = FA_VSET1(shift);
+    FA_VT total = FA_VZERO();
+    for (int j = 0; j < n; j += FA_L) {
+        FA_MT k = n - j >= FA_L ? (FA_MT) ~0u : (FA_MT) ((1u << (n - j)) - 1u);
+        FA_VT t = FA_VMUL(FA_VSUB(FA_VMLOADZ(k, s + j), sh), log2e);
+        FA_VT e = FA_VROUND(t);
+        FA_VT f = FA_VSUB(t, e);
+        FA_VT p;
+        FA_EXP2_POLY(p, f);
+        p = FA_VSCALEF(p, e);
+        FA_VMSTORE(s + j, k, p);
+        total = FA_VMADD(total, k, total, p);
+    }
+    return FA_VREDUCE_ADD(total);
+}

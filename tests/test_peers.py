@@ -1,0 +1,145 @@
+"""The peers' call builders (fastattn.bench.peers): each output against the float64 reference.
+
+Every test that runs a peer skips when that peer is not installed; the
+registry tests run everywhere and import no peer.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import fastattn
+from fastattn.bench import peers
+
+from conftest import TOLERANCES, make_qkv, reference64
+
+SOFTMAX_PEERS = {
+    "torch": ("torch", (np.float32, np.float64)),
+    "onnxruntime": ("onnxruntime", (np.float32,)),
+    "jax": ("jax", (np.float32,)),  # its softmax is always float32
+}
+
+CASES = [
+    pytest.param(name, np.dtype(dtype), causal, batch, heads, n, d_k, d_v,
+                 id=f"{name}-{np.dtype(dtype).name}-{'causal' if causal else 'full'}"
+                    f"-B{batch}-H{heads}-n{n}-dk{d_k}-dv{d_v}")
+    for name, (_, dtypes) in SOFTMAX_PEERS.items()
+    for dtype in dtypes
+    for causal in (False, True)
+    # jax.nn.dot_product_attention takes d_v == d_k only
+    for batch, heads, n, d_k, d_v in ((1, 1, 37, 16, 16), (2, 3, 33, 8, 8 if name == "jax" else 5))
+]
+
+
+@pytest.mark.parametrize("name, dtype, causal, batch, heads, n, d_k, d_v", CASES)
+def test_peer_softmax_agrees_with_the_reference(name, dtype, causal, batch, heads, n, d_k, d_v):
+    pytest.importorskip(SOFTMAX_PEERS[name][0])
+    q, k, v = make_qkv((batch * heads, n, d_k), d_v=d_v, dtype=dtype, seed=batch + heads)
+    scale = 0.3
+    out = peers.SOFTMAX_CALLS[name](q, k, v, causal, scale, heads=heads)()
+    ref = reference64(fastattn.softmax_attention, q, k, v, causal=causal, scale=scale)
+    assert out.shape == (batch * heads, n, d_v) and out.dtype == dtype
+    tol = TOLERANCES[dtype]
+    np.testing.assert_allclose(out, ref, rtol=tol["rtol"], atol=tol["atol"])
+    # heads are kept apart: the same inputs as one head per batch entry agree too
+    if heads > 1:
+        single = peers.SOFTMAX_CALLS[name](q, k, v, causal, scale, heads=1)()
+        np.testing.assert_allclose(single, ref, rtol=tol["rtol"], atol=tol["atol"])
+
+
+@pytest.mark.parametrize("name", list(SOFTMAX_PEERS))
+def test_peer_softmax_refuses_a_causal_mask_it_aligns_differently(name):
+    pytest.importorskip(SOFTMAX_PEERS[name][0])
+    q, k, v = make_qkv((1, 4, 8), n_k=6, dtype=np.float32)
+    with pytest.raises(ValueError, match="n_q == n_k"):
+        peers.SOFTMAX_CALLS[name](q, k, v, True, 0.5)
+
+
+@pytest.mark.parametrize("name", list(SOFTMAX_PEERS))
+def test_peer_softmax_refuses_heads_that_do_not_divide_the_batch(name):
+    pytest.importorskip(SOFTMAX_PEERS[name][0])
+    q, k, v = make_qkv((4, 8, 8), dtype=np.float32)
+    with pytest.raises(ValueError, match="heads"):
+        peers.SOFTMAX_CALLS[name](q, k, v, False, 0.5, heads=3)
+
+
+def test_jax_refuses_d_v_other_than_d_k():
+    pytest.importorskip("jax")
+    q, k, v = make_qkv((1, 8, 8), d_v=5, dtype=np.float32)
+    with pytest.raises(ValueError, match="d_v == d_k"):
+        peers.jax_softmax_call(q, k, v, False, 0.5)
+
+
+@pytest.mark.parametrize("name", ["onnxruntime", "jax"])
+def test_float32_only_peers_refuse_float64(name):
+    pytest.importorskip(name)
+    q, k, v = make_qkv((1, 8, 8), dtype=np.float64)
+    with pytest.raises(TypeError, match="float32"):
+        peers.SOFTMAX_CALLS[name](q, k, v, False, 0.5)
+
+
+def test_every_peer_has_an_install_hint_and_a_softmax_builder():
+    assert set(peers.INSTALL_HINT) == set(peers.PEERS) == set(peers.SOFTMAX_CALLS)
+    assert set(peers.LINEAR_CALLS) <= set(peers.PEERS)
+    assert {"torch", "onnxruntime", "jax"} <= set(peers.PEERS)
+
+
+def test_absent_peers_name_the_command_that_adds_them(monkeypatch):
+    monkeypatch.setattr(peers, "_findable", lambda module: module not in ("onnx", "jax"))
+    assert peers.available_peers() == ("torch",)
+    absent = peers.absent_peers()
+    assert set(absent) == {"onnxruntime", "jax"}  # onnxruntime needs onnx to build its graph
+    assert "fastattn[peers]" in absent["onnxruntime"] and "jax" in absent["jax"]
+
+
+def test_listing_the_peers_imports_none_of_them():
+    code = ("import sys, json; from fastattn.bench import peers; "
+            "peers.set_peer_threads(1); "
+            "print(json.dumps([peers.available_peers(), peers.absent_peers(), peers.peer_threads(), "
+            "{n: peers.peer_version(n) for n in peers.PEERS}, "
+            "[m for m in ('torch', 'onnxruntime', 'onnx', 'jax') if m in sys.modules]]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    available, absent, threads, versions, imported = json.loads(out.stdout)
+    assert imported == []
+    assert set(available) | set(absent) == set(peers.PEERS)
+    assert set(threads) == set(available) and all(threads[n] == 1 for n in available)
+    assert all(isinstance(versions[name], str) for name in available)
+
+
+def _threads_in_a_fresh_process(name, n_threads):
+    """``peer_threads()[name]`` and the output check, after running that peer in a new process."""
+    code = f"""
+import json, numpy as np
+from fastattn.bench import peers
+peers.set_peer_threads({n_threads})
+q = np.random.default_rng(0).standard_normal((2, 16, 8)).astype(np.float32)
+out = peers.SOFTMAX_CALLS[{name!r}](q, q, q, False, 0.5, heads=2)()
+print(json.dumps(peers.peer_threads()[{name!r}]))
+"""
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", list(SOFTMAX_PEERS))
+def test_peer_threads_reports_the_count_set(name):
+    pytest.importorskip(SOFTMAX_PEERS[name][0])
+    assert _threads_in_a_fresh_process(name, 1) == 1
+    assert _threads_in_a_fresh_process(name, 2) == (2 if name != "jax" else peers._cpus())
+
+
+def test_one_jax_thread_goes_into_the_xla_flags_before_jax_starts(monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/nowhere")
+    monkeypatch.delitem(sys.modules, "jax", raising=False)
+    peers.set_peer_threads(1)
+    flags = os.environ["XLA_FLAGS"].split()
+    assert flags[0] == "--xla_dump_to=/nowhere"
+    assert set(peers._XLA_ONE_THREAD) <= set(flags)
+    peers.set_peer_threads(2)
+    assert os.environ["XLA_FLAGS"].split() == ["--xla_dump_to=/nowhere"]
