@@ -97,10 +97,10 @@ def test_absent_peers_name_the_command_that_adds_them(monkeypatch):
 
 
 def test_listing_the_peers_imports_none_of_them():
-    code = ("import sys, json; from fastattn.bench import peers; "
+    code = ("import sys, json; from fastattn.bench import environment, peers; "
             "peers.set_peer_threads(1); "
             "print(json.dumps([peers.available_peers(), peers.absent_peers(), peers.peer_threads(), "
-            "{n: peers.peer_version(n) for n in peers.PEERS}, "
+            "{n: environment._version(n) for n in peers.PEERS}, "
             "[m for m in ('torch', 'onnxruntime', 'onnx', 'jax') if m in sys.modules]]))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     available, absent, threads, versions, imported = json.loads(out.stdout)
