@@ -10,6 +10,8 @@ Public names:
 * :func:`available_backends`, :func:`set_num_threads`,
   :func:`get_num_threads`, :func:`num_threads` -- what runs here, on how many
   threads.
+* :class:`KVCache`, :class:`LinearAttentionState` -- what a decoder keeps
+  between generated tokens.
 """
 
 from ._api import (
@@ -21,6 +23,7 @@ from ._api import (
 )
 from ._threads import get_num_threads, num_threads, set_num_threads
 from .compare import Comparison, Quality, compare, compare_attention, quality
+from .generation import KVCache, LinearAttentionState
 
 __version__ = "0.1.0"
 
@@ -38,4 +41,6 @@ __all__ = [
     "quality",
     "Comparison",
     "Quality",
+    "KVCache",
+    "LinearAttentionState",
 ]

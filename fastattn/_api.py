@@ -28,7 +28,7 @@ import numbers
 
 import numpy as np
 
-from . import reference
+from . import _dispatch, reference
 
 #: Backend name -> module that implements it.  One lookup dispatches a call.
 BACKEND_MODULES = {
@@ -266,7 +266,7 @@ def softmax_attention(q, k, v, *, causal=False, scale=None, backend="auto"):
     scale = reference.default_scale(d_k) if scale is None else _check_positive_scalar(
         scale, "scale", allow_zero=False
     )
-    module = get_backend(backend)
+    module = _dispatch.backend_for_call(backend, "softmax", q, k, v, causal, dtype)
     n_q, d_v = q.shape[-2], v.shape[-1]
     out_shape = batch_shape + (n_q, d_v)
     if 0 in out_shape or k.shape[-2] == 0:
@@ -395,7 +395,7 @@ def linear_attention(
     eps = _check_positive_scalar(eps, "eps", allow_zero=True)
     d_k, d_v, n_q, n_k = q.shape[-1], v.shape[-1], q.shape[-2], k.shape[-2]
     S0, z0 = _check_state(initial_state, batch_shape, d_k, d_v, dtype)
-    module = get_backend(backend)
+    module = _dispatch.backend_for_call(backend, "linear", q, k, v, causal, dtype, feature_map)
     out_shape = batch_shape + (n_q, d_v)
     # With an empty dimension the reference is exact and forms no large array.
     kernel = reference if 0 in batch_shape or 0 in (n_q, n_k, d_v) else module

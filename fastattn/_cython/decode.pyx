@@ -1,4 +1,4 @@
-"""Split-key softmax attention for decoding (Flash-Decoding).
+"""Decode kernels: split-key softmax (Flash-Decoding) and the recurrent linear step.
 
 With few queries (a generated token) over many keys (a KV cache), the tiled
 kernel of :mod:`fastattn._cython.softmax` has one work item per head, and
@@ -19,6 +19,10 @@ In a key block the diagonal crosses, masked scores are replaced by 0 and, if
 a masked value row is not finite, ``p v`` is formed row by row over the
 visible keys only, so a NaN or inf behind the mask never reaches a row.  A
 row that sees no key is 0.
+
+:func:`recurrent_linear_step` is linear attention for one query and one key
+(a generated token) from a state: one serial pass over ``S`` that updates it
+and reads it, with no BLAS call and no thread pool woken.
 """
 
 import numpy as np
@@ -27,9 +31,11 @@ from cython cimport floating
 from cython.parallel cimport parallel, prange, threadid
 
 from fastattn._cython._blas cimport gemm
-from fastattn._cython._vmath cimport exp_sum, fexp, row_max
+from fastattn._cython._vmath cimport exp_sum, feature_map, fexp, row_max
 
+from fastattn._cython._openmp import get_num_threads
 from fastattn._dispatch import split_count
+from fastattn._threads import single_threaded_blas
 
 #: Keys per block inside a split (one scores GEMM and one ``p v`` GEMM).
 #: Measured here (float32, n_q=1, d=64, 2 threads, min of repeats, one
@@ -163,13 +169,14 @@ def _split_key_softmax(
     floating[:, :, ::1] part_l,
     floating[:, :, :, ::1] part_acc,
     floating[::1] workspace,
+    int n_k,
     bint causal,
     double scale,
     int block_k,
     int n_threads,
 ):
     cdef int n_batch = q.shape[0], n_q = q.shape[1], d_k = q.shape[2]
-    cdef int n_k = k.shape[1], d_v = v.shape[2]
+    cdef int d_v = v.shape[2]
     cdef int n_splits = part_m.shape[1]
     cdef int span = (n_k + n_splits - 1) // n_splits
     cdef int n_items = n_batch * n_splits
@@ -194,7 +201,8 @@ def _split_key_softmax(
                    n_splits, n_q, d_v, &out[b, 0, 0])
 
 
-def split_key_softmax_forward(q, k, v, bint causal, double scale, int n_threads=1, n_splits=None):
+def split_key_softmax_forward(q, k, v, bint causal, double scale, int n_threads=1, n_splits=None,
+                              n_k=None):
     """Softmax attention ``softmax(q kᵀ · scale) v`` with the keys split across threads.
 
     Parameters
@@ -214,6 +222,10 @@ def split_key_softmax_forward(q, k, v, bint causal, double scale, int n_threads=
     n_splits : int, optional
         Key ranges per head, from 1 to ``n_k``; default
         :func:`fastattn._dispatch.split_count` for ``n_threads``.
+    n_k : int, optional
+        Attend over the first ``n_k`` keys and values only (from 1 to
+        ``k.shape[1]``, default all): a preallocated KV cache passes its whole
+        buffer and the filled length, and nothing is copied.
 
     Returns
     -------
@@ -228,7 +240,8 @@ def split_key_softmax_forward(q, k, v, bint causal, double scale, int n_threads=
     """
     n_threads = max(1, n_threads)
     n_batch, n_q, _ = q.shape
-    n_k, d_v = k.shape[1], v.shape[2]
+    n_k = k.shape[1] if n_k is None else n_k
+    d_v = v.shape[2]
     if n_splits is None:
         n_splits = split_count(n_batch, n_k, n_threads)
     n_splits = max(1, min(int(n_splits), n_k))
@@ -239,6 +252,109 @@ def split_key_softmax_forward(q, k, v, bint causal, double scale, int n_threads=
     part_l = np.empty((n_batch, n_splits, n_q), dtype=dtype)
     part_acc = np.empty((n_batch, n_splits, n_q, d_v), dtype=dtype)
     workspace = np.empty(n_threads * n_q * block_k, dtype=dtype)
-    _split_key_softmax(q, k, v, out, part_m, part_l, part_acc, workspace, causal, scale,
-                       block_k, n_threads)
+    _split_key_softmax(q, k, v, out, part_m, part_l, part_acc, workspace, n_k, causal,
+                       scale, block_k, n_threads)
     return out
+
+
+cdef void _step(const floating *q, const floating *k, const floating *v,
+                const floating *S0, const floating *z0, int d_k, int d_v, bint relu,
+                floating eps, floating *S, floating *z, floating *out, floating *phi) noexcept nogil:
+    """One head: ``S = S0 + φ(k)ᵀ v``, ``z = z0 + φ(k)``, ``out = φ(q) S / (φ(q)·z + eps)``."""
+    cdef int a, c
+    cdef floating fk, fq, den = 0
+    cdef floating *srow
+    cdef const floating *s0row
+    feature_map(k, d_k, phi, relu)
+    feature_map(q, d_k, phi + d_k, relu)
+    for c in range(d_v):
+        out[c] = 0
+    for a in range(d_k):
+        fk = phi[a]
+        fq = phi[d_k + a]
+        z[a] = z0[a] + fk
+        den = den + fq * z[a]
+        srow = S + <Py_ssize_t> a * d_v
+        s0row = S0 + <Py_ssize_t> a * d_v
+        for c in range(d_v):
+            srow[c] = s0row[c] + fk * v[c]
+            out[c] = out[c] + fq * srow[c]
+    den = den + eps
+    # A zero denominator (relu with eps = 0) gives a zero row, as the reference.
+    fq = 1 / den if den != 0 else 0
+    for c in range(d_v):
+        out[c] = out[c] * fq
+
+
+def _recurrent_step(const floating[:, :, ::1] q, const floating[:, :, ::1] k,
+                    const floating[:, :, ::1] v, const floating[:, :, ::1] S0,
+                    const floating[:, ::1] z0, bint relu, double eps,
+                    floating[:, :, ::1] S, floating[:, ::1] z, floating[:, :, ::1] out,
+                    floating[::1] phi):
+    cdef int b, d_k = q.shape[2], d_v = v.shape[2]
+    with nogil:
+        for b in range(q.shape[0]):
+            _step(&q[b, 0, 0], &k[b, 0, 0], &v[b, 0, 0], &S0[b, 0, 0], &z0[b, 0], d_k, d_v,
+                  relu, <floating> eps, &S[b, 0, 0], &z[b, 0], &out[b, 0, 0], &phi[0])
+
+
+def recurrent_linear_step(q, k, v, feature_map, double eps, S0=None, z0=None):
+    """Linear attention for one query and one key from a state (a generated token).
+
+    ``S = S0 + φ(k)ᵀ v``, ``z = z0 + φ(k)``, ``out = φ(q) S / (φ(q)·z + eps)``
+    (Katharopoulos et al., "Transformers are RNNs", 2020), 0 where the
+    denominator is exactly 0.  With one query and one key, causal and
+    non-causal attention are the same.
+
+    Parameters
+    ----------
+    q : ndarray of shape (B, 1, d_k), float32 or float64, C-contiguous
+    k : ndarray of shape (B, 1, d_k), same dtype
+    v : ndarray of shape (B, 1, d_v), same dtype
+    feature_map : {"elu", "relu"}
+    eps : float
+    S0 : ndarray of shape (B, d_k, d_v), optional
+        State before the token (not modified); default zeros.
+    z0 : ndarray of shape (B, d_k), optional
+
+    Returns
+    -------
+    out : ndarray of shape (B, 1, d_v)
+    S : ndarray of shape (B, d_k, d_v)
+    z : ndarray of shape (B, d_k)
+
+    Raises
+    ------
+    ValueError
+        If ``feature_map`` is not "elu" or "relu".
+
+    Notes
+    -----
+    ``4 · B · d_k · d_v`` flops, serial, one pass over the state; memory: the
+    new state.
+    """
+    if feature_map not in ("elu", "relu"):
+        raise ValueError(f"feature_map must be 'elu' or 'relu', got {feature_map!r}")
+    n_batch, _, d_k = q.shape
+    d_v = v.shape[2]
+    dtype = q.dtype
+    if S0 is None:
+        S0 = np.zeros((n_batch, d_k, d_v), dtype=dtype)
+        z0 = np.zeros((n_batch, d_k), dtype=dtype)
+    S = np.empty((n_batch, d_k, d_v), dtype=dtype)
+    z = np.empty((n_batch, d_k), dtype=dtype)
+    out = np.empty((n_batch, 1, d_v), dtype=dtype)
+    phi = np.empty(2 * d_k, dtype=dtype)
+    _recurrent_step(q, k, v, S0, z0, feature_map == "relu", eps, S, z, out, phi)
+    return out, S, z
+
+
+def linear_forward(q, k, v, feature_map, causal, eps, S0=None, z0=None):
+    """The backend interface's ``linear_forward`` for one query and one key: :func:`recurrent_linear_step`."""
+    return recurrent_linear_step(q, k, v, feature_map, eps, S0, z0)
+
+
+def cache_softmax_forward(q, k, v, causal, scale, n_k):
+    """Softmax attention over the first ``n_k`` keys of ``k (B, capacity, d_k)`` (a KV cache), no copy."""
+    with single_threaded_blas():
+        return split_key_softmax_forward(q, k, v, causal, scale, get_num_threads(), None, n_k)

@@ -1,4 +1,4 @@
-"""Split-key softmax attention for decoding (Flash-Decoding) in Numba.
+"""Decode kernels in Numba: split-key softmax (Flash-Decoding) and the recurrent linear step.
 
 When a call has few queries (a generated token, see :func:`fastattn._dispatch.use_split_keys`)
 and many keys (a KV cache), the tiled kernel of :mod:`.softmax` has one work
@@ -19,26 +19,30 @@ in a key block the diagonal crosses, each row forms only the terms it sees
 (``p v`` is then formed row by row if a masked value is not finite, so a
 NaN or inf behind the mask never reaches a row), and a row that sees no key
 is 0.
+
+:func:`recurrent_linear_step` is linear attention for one query and one key
+(a generated token) from a state: one serial pass over ``S`` that updates it
+and reads it, with no BLAS call and no thread pool woken.
 """
 
 import numpy as np
 from numba import njit, prange
 
 from .._dispatch import split_count
-from .config import JIT_PARALLEL, SPLIT_KEYS_BLOCK_K
+from .config import JIT_PARALLEL, JIT_SERIAL, SPLIT_KEYS_BLOCK_K
 from ._exp import fast_exp_nonpositive
 from ._threads import get_num_threads, single_threaded_blas
 
 
 @njit(**JIT_PARALLEL)
-def split_key_softmax(q, k, v, causal, consts, n_splits, block_k):
-    """Split-key online softmax; see the module docstring.
+def split_key_softmax(q, k, v, n_k, causal, consts, n_splits, block_k):
+    """Split-key online softmax over the first ``n_k`` keys; see the module docstring.
 
     ``consts`` holds ``(scale, -inf, 0)`` in the dtype of ``q``.  Returns
     ``out (B, n_q, d_v)``.
     """
     B, n_q, d_k = q.shape
-    n_k, d_v = k.shape[1], v.shape[2]
+    d_v = v.shape[2]
     scale, neg_inf, zero = consts[0], consts[1], consts[2]
     off = n_k - n_q
     span = -(-n_k // n_splits)
@@ -146,7 +150,7 @@ def split_key_softmax(q, k, v, causal, consts, n_splits, block_k):
     return out
 
 
-def split_key_softmax_forward(q, k, v, causal, scale, n_splits=None):
+def split_key_softmax_forward(q, k, v, causal, scale, n_splits=None, n_k=None):
     """Softmax attention ``softmax(q kᵀ · scale) v`` with the keys split across threads.
 
     Parameters
@@ -164,6 +168,10 @@ def split_key_softmax_forward(q, k, v, causal, scale, n_splits=None):
     n_splits : int, optional
         Key ranges per head, from 1 to ``n_k``; default
         :func:`fastattn._dispatch.split_count` for the threads in use.
+    n_k : int, optional
+        Attend over the first ``n_k`` keys and values only (from 1 to
+        ``k.shape[1]``, default all): a preallocated KV cache passes its whole
+        buffer and the filled length, and nothing is copied.
 
     Returns
     -------
@@ -177,11 +185,106 @@ def split_key_softmax_forward(q, k, v, causal, scale, n_splits=None):
     (Dao, Haziza, Massa, Sizov 2023) over the online softmax of Milakov &
     Gimelshein (2018).
     """
-    batch, n_k = q.shape[0], k.shape[1]
+    batch = q.shape[0]
+    n_k = k.shape[1] if n_k is None else int(n_k)
     if n_splits is None:
         n_splits = split_count(batch, n_k, get_num_threads())
     n_splits = max(1, min(int(n_splits), n_k))
     consts = np.array([scale, -np.inf, 0.0], dtype=q.dtype)
     with single_threaded_blas():
-        return split_key_softmax(q, k, v, bool(causal), consts, n_splits,
+        return split_key_softmax(q, k, v, n_k, bool(causal), consts, n_splits,
                                   min(SPLIT_KEYS_BLOCK_K, -(-n_k // n_splits)))
+
+
+@njit(**JIT_SERIAL)
+def _recurrent_step(q, k, v, relu, eps, S0, z0):
+    """``S = S0 + φ(k)ᵀ v``, ``z = z0 + φ(k)``, ``out = φ(q) S / (φ(q)·z + eps)`` per head."""
+    B, _, d_k = q.shape
+    d_v = v.shape[2]
+    zero = q.dtype.type(0)
+    S = np.empty_like(S0)
+    z = np.empty_like(z0)
+    out = np.empty((B, 1, d_v), dtype=q.dtype)
+    phi_k = np.empty(d_k, dtype=q.dtype)
+    phi_q = np.empty(d_k, dtype=q.dtype)
+    for b in range(B):
+        for a in range(d_k):
+            x = k[b, 0, a]
+            y = q[b, 0, a]
+            if relu:
+                phi_k[a] = max(x, zero) if x == x else x
+                phi_q[a] = max(y, zero) if y == y else y
+            else:
+                phi_k[a] = x + 1 if x > zero else fast_exp_nonpositive(x)
+                phi_q[a] = y + 1 if y > zero else fast_exp_nonpositive(y)
+        den = zero
+        for c in range(d_v):
+            out[b, 0, c] = zero
+        for a in range(d_k):
+            fk = phi_k[a]
+            fq = phi_q[a]
+            z[b, a] = z0[b, a] + fk
+            den += fq * z[b, a]
+            for c in range(d_v):
+                S[b, a, c] = S0[b, a, c] + fk * v[b, 0, c]
+                out[b, 0, c] += fq * S[b, a, c]
+        den += eps
+        # A zero denominator (relu with eps = 0) gives a zero row, as the reference.
+        r = 1 / den if den != zero else zero
+        for c in range(d_v):
+            out[b, 0, c] *= r
+    return out, S, z
+
+
+def recurrent_linear_step(q, k, v, feature_map, eps, S0=None, z0=None):
+    """Linear attention for one query and one key from a state (a generated token).
+
+    ``S = S0 + φ(k)ᵀ v``, ``z = z0 + φ(k)``, ``out = φ(q) S / (φ(q)·z + eps)``
+    (Katharopoulos et al., "Transformers are RNNs", 2020), 0 where the
+    denominator is exactly 0.  With one query and one key, causal and
+    non-causal attention are the same.
+
+    Parameters
+    ----------
+    q : ndarray of shape (B, 1, d_k)
+        float32 or float64, C-contiguous (validated by :mod:`fastattn._api`).
+    k : ndarray of shape (B, 1, d_k)
+    v : ndarray of shape (B, 1, d_v)
+    feature_map : {"elu", "relu"}
+    eps : float
+    S0 : ndarray of shape (B, d_k, d_v), optional
+        State before the token (not modified); default zeros.
+    z0 : ndarray of shape (B, d_k), optional
+
+    Returns
+    -------
+    out : ndarray of shape (B, 1, d_v)
+    S : ndarray of shape (B, d_k, d_v)
+    z : ndarray of shape (B, d_k)
+
+    Raises
+    ------
+    ValueError
+        If ``feature_map`` is not "elu" or "relu".
+
+    Notes
+    -----
+    ``4 · B · d_k · d_v`` flops, serial (too little work to wake the
+    threads), one pass over the state.
+    """
+    if feature_map not in ("elu", "relu"):
+        raise ValueError(f"feature_map must be 'elu' or 'relu', got {feature_map!r}")
+    if S0 is None:
+        S0 = np.zeros((q.shape[0], q.shape[2], v.shape[2]), dtype=q.dtype)
+        z0 = np.zeros((q.shape[0], q.shape[2]), dtype=q.dtype)
+    return _recurrent_step(q, k, v, feature_map == "relu", q.dtype.type(eps), S0, z0)
+
+
+def linear_forward(q, k, v, feature_map, causal, eps, S0=None, z0=None):
+    """The backend interface's ``linear_forward`` for one query and one key: :func:`recurrent_linear_step`."""
+    return recurrent_linear_step(q, k, v, feature_map, eps, S0, z0)
+
+
+def cache_softmax_forward(q, k, v, causal, scale, n_k):
+    """Softmax attention over the first ``n_k`` keys of ``k (B, capacity, d_k)`` (a KV cache), no copy."""
+    return split_key_softmax_forward(q, k, v, causal, scale, n_k=n_k)
