@@ -7,8 +7,9 @@ one GEMM per 256 keys with a single row.  Here each head's keys are cut in
 every query of its head over its range only (Milakov & Gimelshein 2018),
 keeping its own running maximum ``m``, sum ``l`` and unnormalised output
 ``acc``, in key blocks of :data:`SPLIT_KEYS_BLOCK_K` keys (one GEMM for the
-scores and one for ``p v`` each, so every key and value is read from memory
-once).  The partial results are merged with the usual rescaling (Dao, Haziza,
+scores and one for ``p v`` each, GEMVs for a single query, which read the
+block in place where a one-row GEMM would first pack it; every key and value
+is read from memory once).  The partial results are merged with the usual rescaling (Dao, Haziza,
 Massa & Sizov, "Flash-Decoding for long-context inference", 2023)::
 
     M   = max_s m_s
@@ -32,18 +33,35 @@ from cython.parallel cimport parallel, prange, threadid
 
 from fastattn._cython._blas cimport gemm
 from fastattn._cython._vmath cimport exp_sum, feature_map, fexp, row_max
+from scipy.linalg.cython_blas cimport dgemv, sgemv
 
 from fastattn._cython._openmp import get_num_threads
 from fastattn._dispatch import split_count
 from fastattn._threads import single_threaded_blas
 
-#: Keys per block inside a split (one scores GEMM and one ``p v`` GEMM).
+#: Keys per block inside a split (one scores product and one ``p v`` product).
 #: Measured here (float32, n_q=1, d=64, 2 threads, min of repeats, one
-#: process): n_k=32768 one head 0.31 ms at 512 or 1024 keys, 0.63 at 2048;
-#: n_k=8192 eight heads 1.15 ms at 512 or 1024, 2.06 at 2048.
+#: process, loaded machine): with one-row GEMMs, n_k=32768 one head 0.31 ms
+#: at 512 or 1024 keys, 0.63 at 2048; with GEMV (now), 0.37-0.39 ms from 512
+#: to 4096 keys, and n_k=8192 eight heads 0.72-0.78 ms.
 SPLIT_KEYS_BLOCK_K = 1024
 
 cdef double NEG_INF = -float("inf")
+
+
+cdef inline void _gemv(bint trans, int m, int n, floating alpha, const floating *a,
+                       const floating *x, floating beta, floating *y) noexcept nogil:
+    """``y = alpha · op(A) x + beta · y`` for a column-major ``m x n`` matrix ``A`` (lda = m).
+
+    With one query, the scores (``trans``: ``k_blk q``) and ``p v_blk`` are
+    matrix-vector products; a GEMM of one row would pack the key block first.
+    """
+    cdef char t = b'T' if trans else b'N'
+    cdef int one = 1
+    if floating is float:
+        sgemv(&t, &m, &n, &alpha, <float *> a, &m, <float *> x, &one, &beta, y, &one)
+    else:
+        dgemv(&t, &m, &n, &alpha, <double *> a, &m, <double *> x, &one, &beta, y, &one)
 
 
 cdef inline bint _all_finite(const floating *x, Py_ssize_t count) noexcept nogil:
@@ -81,8 +99,11 @@ cdef void _key_range(
     j0 = j_lo
     while j0 < j_hi:
         width = min(block_k, j_hi - j0)
-        gemm(False, True, n_q, width, d_k, scale, q, d_k, k + <Py_ssize_t> j0 * d_k, d_k,
-             0, s_buf, width)
+        if n_q == 1:
+            _gemv(True, d_k, width, scale, k + <Py_ssize_t> j0 * d_k, q, 0, s_buf)
+        else:
+            gemm(False, True, n_q, width, d_k, scale, q, d_k, k + <Py_ssize_t> j0 * d_k, d_k,
+                 0, s_buf, width)
         # Every row sees every key of the block: row 0 sees keys j <= off.
         full = not causal or j0 + width - 1 <= off
         w_min = width
@@ -110,8 +131,11 @@ cdef void _key_range(
         # p v: one GEMM, unless a masked value row is not finite (0 * inf is NaN).
         if full or _all_finite(v + <Py_ssize_t> (j0 + w_min) * d_v,
                                <Py_ssize_t> (width - w_min) * d_v):
-            gemm(False, False, n_q, d_v, width, 1, s_buf, width,
-                 v + <Py_ssize_t> j0 * d_v, d_v, 1, acc, d_v)
+            if n_q == 1:
+                _gemv(False, d_v, width, 1, v + <Py_ssize_t> j0 * d_v, s_buf, 1, acc)
+            else:
+                gemm(False, False, n_q, d_v, width, 1, s_buf, width,
+                     v + <Py_ssize_t> j0 * d_v, d_v, 1, acc, d_v)
         else:
             for r in range(n_q):
                 w = min(max(r + off + 1 - j0, 0), width)
@@ -299,42 +323,16 @@ def _recurrent_step(const floating[:, :, ::1] q, const floating[:, :, ::1] k,
 
 
 def recurrent_linear_step(q, k, v, feature_map, double eps, S0=None, z0=None):
-    """Linear attention for one query and one key from a state (a generated token).
+    """One generated token of linear attention: ``(out, S, z)`` from the state ``(S0, z0)``.
 
-    ``S = S0 + φ(k)ᵀ v``, ``z = z0 + φ(k)``, ``out = φ(q) S / (φ(q)·z + eps)``
-    (Katharopoulos et al., "Transformers are RNNs", 2020), 0 where the
-    denominator is exactly 0.  With one query and one key, causal and
-    non-causal attention are the same.
-
-    Parameters
-    ----------
-    q : ndarray of shape (B, 1, d_k), float32 or float64, C-contiguous
-    k : ndarray of shape (B, 1, d_k), same dtype
-    v : ndarray of shape (B, 1, d_v), same dtype
-    feature_map : {"elu", "relu"}
-    eps : float
-    S0 : ndarray of shape (B, d_k, d_v), optional
-        State before the token (not modified); default zeros.
-    z0 : ndarray of shape (B, d_k), optional
-
-    Returns
-    -------
-    out : ndarray of shape (B, 1, d_v)
-    S : ndarray of shape (B, d_k, d_v)
-    z : ndarray of shape (B, d_k)
-
-    Raises
-    ------
-    ValueError
-        If ``feature_map`` is not "elu" or "relu".
-
-    Notes
-    -----
-    ``4 · B · d_k · d_v`` flops, serial, one pass over the state; memory: the
-    new state.
+    ``q, k (B, 1, d_k)`` and ``v (B, 1, d_v)`` of one dtype (float32 or
+    float64), C-contiguous; ``feature_map`` "elu" or "relu" (checked by
+    :mod:`fastattn._api`); ``S0 (B, d_k, d_v)`` and ``z0 (B, d_k)`` are
+    read, not written, and None means zeros.  Computes ``S = S0 + φ(k)ᵀ v``,
+    ``z = z0 + φ(k)``, ``out (B, 1, d_v) = φ(q) S / (φ(q)·z + eps)`` (0 where
+    the denominator is 0) in one serial pass over the state, ``4 · B · d_k ·
+    d_v`` flops; Katharopoulos et al. (2020).
     """
-    if feature_map not in ("elu", "relu"):
-        raise ValueError(f"feature_map must be 'elu' or 'relu', got {feature_map!r}")
     n_batch, _, d_k = q.shape
     d_v = v.shape[2]
     dtype = q.dtype

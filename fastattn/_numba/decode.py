@@ -169,9 +169,8 @@ def split_key_softmax_forward(q, k, v, causal, scale, n_splits=None, n_k=None):
         Key ranges per head, from 1 to ``n_k``; default
         :func:`fastattn._dispatch.split_count` for the threads in use.
     n_k : int, optional
-        Attend over the first ``n_k`` keys and values only (from 1 to
-        ``k.shape[1]``, default all): a preallocated KV cache passes its whole
-        buffer and the filled length, and nothing is copied.
+        Keys in use, ``1 <= n_k <= k.shape[1]`` (default all): the filled
+        length of a KV cache whose whole buffer is passed, uncopied.
 
     Returns
     -------
@@ -252,6 +251,7 @@ def recurrent_linear_step(q, k, v, feature_map, eps, S0=None, z0=None):
     v : ndarray of shape (B, 1, d_v)
     feature_map : {"elu", "relu"}
     eps : float
+        Added to the denominator.
     S0 : ndarray of shape (B, d_k, d_v), optional
         State before the token (not modified); default zeros.
     z0 : ndarray of shape (B, d_k), optional
@@ -262,18 +262,12 @@ def recurrent_linear_step(q, k, v, feature_map, eps, S0=None, z0=None):
     S : ndarray of shape (B, d_k, d_v)
     z : ndarray of shape (B, d_k)
 
-    Raises
-    ------
-    ValueError
-        If ``feature_map`` is not "elu" or "relu".
-
     Notes
     -----
     ``4 · B · d_k · d_v`` flops, serial (too little work to wake the
-    threads), one pass over the state.
+    threads), one pass over the state.  ``feature_map`` is checked by
+    :mod:`fastattn._api`, not here.
     """
-    if feature_map not in ("elu", "relu"):
-        raise ValueError(f"feature_map must be 'elu' or 'relu', got {feature_map!r}")
     if S0 is None:
         S0 = np.zeros((q.shape[0], q.shape[2], v.shape[2]), dtype=q.dtype)
         z0 = np.zeros((q.shape[0], q.shape[2]), dtype=q.dtype)
