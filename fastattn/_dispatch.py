@@ -6,6 +6,8 @@ Pure Python, no backend imported here: the rules read only the call's shape.
 import importlib
 import math
 
+from . import _api  # only its functions are used, at call time (_api imports this module)
+
 #: Softmax calls with at most this many queries are decode steps: the
 #: fast backends split each head's keys across threads (Flash-Decoding).
 SPLIT_KEYS_MAX_N_Q = 16
@@ -150,7 +152,7 @@ def shape_class(kind, n_q, n_k, causal):
     return (kind, regime, bool(causal))
 
 
-def auto_backend(kind, batch, n_q, n_k, d_k, d_v, causal, dtype, available):
+def auto_backend(kind, batch, n_q, n_k, d_k, d_v, causal, dtype, available=None):
     """The backend ``backend="auto"`` runs for a call of this shape.
 
     Parameters
@@ -162,19 +164,21 @@ def auto_backend(kind, batch, n_q, n_k, d_k, d_v, causal, dtype, available):
     causal : bool
     dtype : numpy.dtype
         Computation dtype (float32 or float64).
-    available : sequence of str
-        Backends that can run here (:func:`fastattn.available_backends`).
+    available : sequence of str, optional
+        Backends that can run here; default :func:`fastattn.available_backends`
+        (asked one backend at a time, in the rule's order).
 
     Returns
     -------
     str
         The first backend of ``AUTO_RULE[shape_class(kind, n_q, n_k, causal)]``
-        in ``available``; the rule ends with ``"reference"``, which always is.
+        that is available; the rule ends with ``"reference"``, which always is.
     """
-    for name in AUTO_RULE[shape_class(kind, n_q, n_k, causal)]:
-        if name in available:
+    rule = AUTO_RULE[shape_class(kind, n_q, n_k, causal)]
+    for name in rule:
+        if (_api._load(name) is not None) if available is None else (name in available):
             return name
-    return available[-1]
+    return "reference"
 
 
 def use_recurrent_step(backend, kind, n_q, n_k, feature_map):
@@ -195,13 +199,14 @@ def backend_name_for_call(backend, kind, q, k, v, causal, dtype):
     ValueError
         As :func:`fastattn._api.get_backend`, for an unknown or unavailable backend.
     """
-    from . import _api
-
     if backend == "auto":
         return auto_backend(kind, math.prod(q.shape[:-2]), q.shape[-2], k.shape[-2], q.shape[-1],
-                            v.shape[-1], causal, dtype, _api.available_backends())
+                            v.shape[-1], causal, dtype)
     _api.get_backend(backend)
     return backend
+
+
+_step_modules = {}
 
 
 def backend_for_call(backend, kind, q, k, v, causal, dtype, feature_map=None):
@@ -215,9 +220,10 @@ def backend_for_call(backend, kind, q, k, v, causal, dtype, feature_map=None):
     ValueError
         As :func:`fastattn._api.get_backend`, for an unknown or unavailable backend.
     """
-    from . import _api
-
     name = backend_name_for_call(backend, kind, q, k, v, causal, dtype)
     if use_recurrent_step(name, kind, q.shape[-2], k.shape[-2], feature_map):
-        return importlib.import_module(RECURRENT_STEP_MODULES[name])
-    return _api.get_backend(name)
+        module = _step_modules.get(name)
+        if module is None:
+            module = _step_modules[name] = importlib.import_module(RECURRENT_STEP_MODULES[name])
+        return module
+    return _api._load(name)
