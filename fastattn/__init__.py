@@ -7,6 +7,10 @@ Public names:
 * :func:`attention_weights` -- the explicit weight matrix of either;
 * :func:`compare`, :func:`compare_attention`, :func:`quality` -- how far
   linear attention lands from softmax attention;
+* :func:`weight_quality`, :func:`row_kl_divergence`, :func:`row_entropy` --
+  how its rows of weights differ from softmax's;
+* :class:`FavorFeatures` -- FAVOR+ random features with a chosen ``m`` and
+  seed, for ``feature_map=`` (see :mod:`fastattn.feature_maps`);
 * :func:`available_backends`, :func:`set_num_threads`,
   :func:`get_num_threads`, :func:`num_threads` -- what runs here, on how many
   threads.
@@ -23,6 +27,8 @@ from ._api import (
 )
 from ._threads import get_num_threads, num_threads, set_num_threads
 from .compare import Comparison, Quality, compare, compare_attention, quality
+from .compare import WeightQuality, row_entropy, row_kl_divergence, weight_quality
+from .feature_maps import FavorFeatures
 from .generation import KVCache, LinearAttentionState
 
 __version__ = "0.1.0"
@@ -41,6 +47,11 @@ __all__ = [
     "quality",
     "Comparison",
     "Quality",
+    "FavorFeatures",
+    "weight_quality",
+    "WeightQuality",
+    "row_kl_divergence",
+    "row_entropy",
     "KVCache",
     "LinearAttentionState",
 ]

@@ -16,10 +16,17 @@ A backend is a module exposing::
 
     softmax_forward(q, k, v, causal, scale) -> out (B, n_q, d_v)
     linear_forward(q, k, v, feature_map, causal, eps, S0, z0) -> (out, S, z)
+    favor_query_features(x, w), favor_key_features(x, w), taylor_features(x)
 
 where ``S0 (B, d_k, d_v)`` and ``z0 (B, d_k)`` are None or arrays of the call's
-dtype, and ``S``, ``z`` are the state after the last key.  Importing a
-backend's module raises ImportError when it cannot run here.
+dtype, and ``S``, ``z`` are the state after the last key.  ``feature_map`` is
+``"elu"``, ``"relu"`` or ``"identity"`` (``q`` and ``k`` are features of
+dimension D, computed first by :mod:`fastattn.feature_maps`).  Importing a
+backend's module raises ImportError when it cannot run here; a module that
+runs but should not be picked by ``backend="auto"`` (Numba without a
+writable disk cache) says why in ``AUTO_UNSUITABLE``.  A backend may expose
+``set_num_threads``/``get_num_threads``; :mod:`fastattn._threads` applies
+the process-wide count when it loads.
 """
 
 import importlib
@@ -28,7 +35,7 @@ import numbers
 
 import numpy as np
 
-from . import _dispatch, reference
+from . import _dispatch, _threads, feature_maps, reference
 
 #: Backend name -> module that implements it.  One lookup dispatches a call.
 BACKEND_MODULES = {
@@ -49,6 +56,7 @@ _COMPUTE_DTYPES = {
 
 _loaded = {}
 _unavailable = {}
+_not_for_auto = {}   # name -> why ``auto`` passes over a backend that runs (e.g. no disk cache)
 
 
 def _load(name):
@@ -67,7 +75,16 @@ def _load(name):
         _unavailable[name] = f"{BACKEND_MODULES[name]} does not define {missing}"
         return None
     _loaded[name] = module
+    _threads.backend_loaded(module)
+    reason = getattr(module, "AUTO_UNSUITABLE", None)
+    if reason:
+        _not_for_auto[name] = reason
     return module
+
+
+def loaded_backends():
+    """The backend modules imported so far (importing none)."""
+    return list(_loaded.values())
 
 
 def available_backends():
@@ -78,7 +95,8 @@ def available_backends():
     tuple of str
         A subset of ``("cython", "numba", "reference")``; ``"reference"`` is
         always present.  A compiled backend is missing when its extension was
-        not built; a JIT backend when Numba cannot be imported.
+        not built; a JIT backend when Numba cannot be imported.  This imports
+        every backend.
     """
     return tuple(name for name in AUTO_ORDER if _load(name) is not None)
 
@@ -97,6 +115,10 @@ def unavailable_backends():
 def get_backend(backend):
     """The module implementing ``backend`` (``"auto"`` resolves to the fastest).
 
+    ``"auto"`` passes over a backend that runs but says it should not be
+    picked (its ``AUTO_UNSUITABLE``, e.g. Numba without a disk cache, which
+    would compile in every process).
+
     Raises
     ------
     ValueError
@@ -104,7 +126,7 @@ def get_backend(backend):
         (the message lists the available backends and why this one is not).
     """
     if backend == "auto":
-        return _load(available_backends()[0])
+        return _load(next(b for b in available_backends() if b not in _not_for_auto))
     if not isinstance(backend, str) or backend not in BACKEND_MODULES:
         raise ValueError(
             f"backend must be 'auto' or one of {sorted(BACKEND_MODULES)}, got {backend!r}; "
@@ -121,7 +143,7 @@ def get_backend(backend):
 
 def _native(dtype):
     """``dtype`` in this machine's byte order (``>f4`` -> ``float32``)."""
-    return dtype.newbyteorder("=")
+    return dtype if dtype.isnative else dtype.newbyteorder("=")
 
 
 def _check_float_array(x, name):
@@ -170,7 +192,10 @@ def _check_qkv(q, k, v):
         )
     if q.shape[-1] == 0:
         raise ValueError(f"d_k must be at least 1; got q {q.shape} and k {k.shape}")
-    result = np.result_type(_native(q.dtype), _native(k.dtype), _native(v.dtype))
+    if q.dtype == k.dtype == v.dtype:
+        result = _native(q.dtype)
+    else:
+        result = np.result_type(_native(q.dtype), _native(k.dtype), _native(v.dtype))
     return q.shape[:-2], _COMPUTE_DTYPES[result], result
 
 
@@ -179,6 +204,9 @@ def _as_kernel_input(x, dtype):
     x = np.asarray(x)  # a subclass (np.matrix, np.memmap) computes as the plain array
     if x.ndim != 3:
         x = x.reshape((math.prod(x.shape[:-2]),) + x.shape[-2:])
+    flags = x.flags
+    if x.dtype == dtype and flags.c_contiguous and flags.aligned and flags.writeable:
+        return x
     return np.require(x, dtype=dtype, requirements=["C", "A", "W"])
 
 
@@ -190,6 +218,23 @@ def _check_positive_scalar(value, name, allow_zero):
         bound = ">= 0" if allow_zero else "> 0"
         raise ValueError(f"{name} must be a finite number {bound}, got {value!r}")
     return value
+
+
+#: The largest finite value of each computation dtype.
+_LARGEST = {dt: float(np.finfo(dt).max) for dt in (np.dtype(np.float32), np.dtype(np.float64))}
+
+
+def _check_scale(scale, d_k, dtype):
+    """``scale`` as a float (default ``1 / sqrt(d_k)``), finite and > 0 in the computation ``dtype``."""
+    if scale is None:
+        return reference.default_scale(d_k)
+    scale = _check_positive_scalar(scale, "scale", allow_zero=False)
+    if scale > _LARGEST[dtype]:
+        raise ValueError(
+            f"scale must be finite in the computation dtype {dtype} (at most "
+            f"{_LARGEST[dtype]:.8g}), got {scale!r}, which is inf in {dtype}"
+        )
+    return scale
 
 
 def _check_bool(value, name):
@@ -239,7 +284,8 @@ def softmax_attention(q, k, v, *, causal=False, scale=None, backend="auto"):
         is not a bool, or ``scale`` is not a real number.
     ValueError
         If the shapes disagree (the message names them), ``scale`` is not
-        finite and positive, or ``backend`` is unknown or unavailable.
+        finite and positive (in the computation dtype: ``1e39`` is inf in
+        float32), or ``backend`` is unknown or unavailable.
     MemoryError
         With ``backend="reference"``, before allocating, when the ``n_q x n_k``
         intermediates (about ``3 · B · n_q · n_k · itemsize`` bytes) exceed the
@@ -262,10 +308,7 @@ def softmax_attention(q, k, v, *, causal=False, scale=None, backend="auto"):
     """
     batch_shape, dtype, result = _check_qkv(q, k, v)
     causal = _check_bool(causal, "causal")
-    d_k = q.shape[-1]
-    scale = reference.default_scale(d_k) if scale is None else _check_positive_scalar(
-        scale, "scale", allow_zero=False
-    )
+    scale = _check_scale(scale, q.shape[-1], dtype)
     module = _dispatch.backend_for_call(backend, "softmax", q, k, v, causal, dtype)
     n_q, d_v = q.shape[-2], v.shape[-1]
     out_shape = batch_shape + (n_q, d_v)
@@ -278,7 +321,8 @@ def softmax_attention(q, k, v, *, causal=False, scale=None, backend="auto"):
     return out.reshape(out_shape).astype(result, copy=False)
 
 
-def _check_state(initial_state, batch_shape, d_k, d_v, dtype):
+def _check_state(initial_state, batch_shape, d_k, d_v, dtype, dim_name="d_k"):
+    """``initial_state`` as kernel arrays; ``d_k`` is the feature dimension, named ``dim_name``."""
     if initial_state is None:
         return None, None
     if not isinstance(initial_state, (tuple, list)) or len(initial_state) != 2:
@@ -289,8 +333,8 @@ def _check_state(initial_state, batch_shape, d_k, d_v, dtype):
         )
     S, z = initial_state
     for x, name, shape, dims in (
-        (S, "initial_state[0] (S)", batch_shape + (d_k, d_v), "(..., d_k, d_v)"),
-        (z, "initial_state[1] (z)", batch_shape + (d_k,), "(..., d_k)"),
+        (S, "initial_state[0] (S)", batch_shape + (d_k, d_v), f"(..., {dim_name}, d_v)"),
+        (z, "initial_state[1] (z)", batch_shape + (d_k,), f"(..., {dim_name})"),
     ):
         _check_float_array(x, name)
         if x.shape != shape:
@@ -328,21 +372,40 @@ def linear_attention(
         Keys; the leading dims ``...`` equal those of ``q``.
     v : ndarray of shape (..., n_k, d_v)
         Values.
-    feature_map : {"elu", "relu"}, default "elu"
-        ``"elu"``: ``φ(x) = elu(x) + 1`` (always positive); ``"relu"``:
-        ``φ(x) = max(x, 0)``.
+    feature_map : {"elu", "relu", "favor", "taylor"}, FavorFeatures or callable, default "elu"
+        ``φ`` of ``d_k`` to ``D`` features (:mod:`fastattn.feature_maps`):
+
+        * ``"elu"``: ``elu(x) + 1`` (always positive), ``D = d_k``;
+        * ``"relu"``: ``max(x, 0)``, ``D = d_k``;
+        * ``"favor"``: FAVOR+ positive orthogonal random features,
+          ``exp(ω x' − ‖x'‖²/2) / √m`` with ``x' = x / d_k^¼``, unbiased for
+          ``exp(qᵀk / √d_k)`` (Choromanski et al. 2021), with the default
+          ``m`` and seed of :class:`fastattn.FavorFeatures`, ``D = m``;
+          pass a ``FavorFeatures(d_k, num_features=m, random_state=seed)``
+          to choose them.  Stabilised by a shift per query row and one per
+          head for the keys, which cancel in the ratio;
+        * ``"taylor"``: ``[1, x / d_k^¼, sym(x xᵀ) / (√2 √d_k)]``, whose kernel
+          is ``1 + s + s²/2 >= 1/2`` with ``s = qᵀk / √d_k`` (Based, Arora et
+          al. 2024), ``D = 1 + d_k + d_k (d_k + 1) / 2``;
+        * a callable ``f``: ``f(x)`` for ``x`` of shape ``(..., n, d_k)`` (the
+          leading dims of the call, computation dtype) returns finite,
+          non-negative float features of shape ``(..., n, D)``; it is
+          applied to ``q`` and to ``k``.
     causal : bool, default False
         Bottom-right aligned mask, as in :func:`softmax_attention`.
     eps : float, default 1e-6
         Added to the denominator; finite and >= 0.
     initial_state : tuple (S, z), optional
         State of keys that came before this call, seen by every query:
-        ``S`` of shape ``(..., d_k, d_v)`` and ``z`` of shape ``(..., d_k)``.
-        Default: no earlier keys (zeros).
+        ``S`` of shape ``(..., D, d_v)`` and ``z`` of shape ``(..., D)``
+        (``D = d_k`` for ``"elu"`` and ``"relu"``).  Default: no earlier
+        keys (zeros).
     return_state : bool, default False
         Also return the state after the last key of this call.  Running a
         sequence in pieces, passing each piece's state to the next, equals
-        one pass over the whole sequence.
+        one pass over the whole sequence.  FAVOR+ keeps its state in a fixed
+        reference frame, ``FavorFeatures.state_shift``, so states of pieces
+        add and never overflow (see :class:`fastattn.FavorFeatures`).
     backend : {"auto", "reference", "numba", "cython"}, default "auto"
         ``"reference"`` is the NumPy specification (its causal form is the
         masked ``n_q x n_k`` quadratic form); ``"numba"`` and ``"cython"``
@@ -354,27 +417,33 @@ def linear_attention(
     out : ndarray of shape (..., n_q, d_v)
         Same dtype rules as :func:`softmax_attention`.
     state : tuple (S, z), only if ``return_state``
-        ``S`` of shape ``(..., d_k, d_v)``, ``z`` of shape ``(..., d_k)``, in
+        ``S`` of shape ``(..., D, d_v)``, ``z`` of shape ``(..., D)``, in
         the computation dtype (float32 or float64).
 
     Raises
     ------
     TypeError
-        Non-array or non-float inputs, a malformed ``initial_state``, or
-        non-bool flags.
+        Non-array or non-float inputs, a malformed ``initial_state``,
+        non-bool flags, or a callable ``feature_map`` that returns no array
+        or no float array.
     ValueError
         Shapes that disagree (named in the message), an unknown
-        ``feature_map`` or ``backend``, a negative or non-finite ``eps``, or a
-        state of the wrong shape.
+        ``feature_map`` or ``backend``, a ``FavorFeatures`` of another
+        ``d_k``, a callable ``feature_map`` whose features have the wrong
+        shape or are negative or not finite, a negative or non-finite
+        ``eps``, or a state of the wrong shape.
     MemoryError
         With ``backend="reference"`` and ``causal=True``, before allocating,
         when the ``n_q x n_k`` intermediates exceed the available memory.
 
     Notes
     -----
-    Non-causal: ``O(B · n · d_k · d_v)`` time, ``4 · n · d_k · d_v`` flops per
-    head.  Causal, chunked with chunk ``c``: ``O(B · n · (c + d_k) · d_v)``.
-    Memory ``O(B · (n · d + d_k · d_v))`` for the fast backends.
+    Non-causal: ``O(B · n · D · d_v)`` time, ``4 · n · D · d_v`` flops per
+    head.  Causal, chunked with chunk ``c``: ``O(B · n · (c + D) · d_v)``.
+    Memory ``O(B · (n · d + D · d_v))`` for the fast backends with ``"elu"``
+    and ``"relu"`` (applied chunk by chunk inside the kernels), and
+    ``O(B · n · (D + d_v))`` with the other maps, whose features are
+    computed first (FAVOR+: one ``n x d_k x m`` GEMM and ``n · m`` exps).
 
     Examples
     --------
@@ -388,25 +457,36 @@ def linear_attention(
     batch_shape, dtype, result = _check_qkv(q, k, v)
     causal = _check_bool(causal, "causal")
     return_state = _check_bool(return_state, "return_state")
-    if feature_map not in reference.FEATURE_MAPS:
-        raise ValueError(
-            f"feature_map must be one of {list(reference.FEATURE_MAPS)}, got {feature_map!r}"
-        )
-    eps = _check_positive_scalar(eps, "eps", allow_zero=True)
     d_k, d_v, n_q, n_k = q.shape[-1], v.shape[-1], q.shape[-2], k.shape[-2]
-    S0, z0 = _check_state(initial_state, batch_shape, d_k, d_v, dtype)
+    spec = feature_maps.resolve(feature_map, d_k)
+    eps = _check_positive_scalar(eps, "eps", allow_zero=True)
+    D = spec.num_features(d_k)
+    if D is not None:
+        S0, z0 = _check_state(initial_state, batch_shape, D, d_v, dtype, _dim_name(spec))
     module = _dispatch.backend_for_call(backend, "linear", q, k, v, causal, dtype, feature_map)
     out_shape = batch_shape + (n_q, d_v)
-    # With an empty dimension the reference is exact and forms no large array.
-    kernel = reference if 0 in batch_shape or 0 in (n_q, n_k, d_v) else module
-    out, S, z = kernel.linear_forward(
-        _as_kernel_input(q, dtype), _as_kernel_input(k, dtype), _as_kernel_input(v, dtype),
-        feature_map, causal, eps, S0, z0,
+    empty = 0 in batch_shape or 0 in (n_q, n_k, d_v)
+    # With an empty dimension the non-causal reference is exact (with no keys,
+    # no queries or no values causal and non-causal agree) and costs
+    # O(size of the inputs): no n_q x n_k array, whatever backend was asked.
+    kernel = reference if empty else module
+    qq, kk = _as_kernel_input(q, dtype), _as_kernel_input(k, dtype)
+    feats = feature_maps.features(kernel, spec, qq, kk, batch_shape)
+    if D is None:  # a user's map: D is known once it has run
+        D = feats.num_features
+        S0, z0 = _check_state(initial_state, batch_shape, D, d_v, dtype, _dim_name(spec))
+    out, S, z = feature_maps.linear_forward(
+        kernel, spec, feats, qq, kk, _as_kernel_input(v, dtype), causal and not empty, eps, S0, z0
     )
     out = out.reshape(out_shape).astype(result, copy=False)
     if not return_state:
         return out
-    return out, (S.reshape(batch_shape + (d_k, d_v)), z.reshape(batch_shape + (d_k,)))
+    return out, (S.reshape(batch_shape + (D, d_v)), z.reshape(batch_shape + (D,)))
+
+
+def _dim_name(spec):
+    """How the state's feature dimension is named in messages: ``d_k`` or ``D``."""
+    return "d_k" if spec.name in feature_maps.ELEMENTWISE else "D"
 
 
 def attention_weights(
@@ -426,11 +506,13 @@ def attention_weights(
     causal : bool, default False
         Bottom-right aligned mask; masked weights are 0.
     scale : float, optional
-        Softmax only; default ``1 / sqrt(d_k)``.
-    feature_map : {"elu", "relu"}, default "elu"
-        Linear only.
+        Softmax only (refused with ``kind="linear"``, which has no scale);
+        default ``1 / sqrt(d_k)``.
+    feature_map : {"elu", "relu", "favor", "taylor"}, FavorFeatures or callable, default "elu"
+        Linear only, as :func:`linear_attention` (no initial state); checked
+        whatever the kind.
     eps : float, default 1e-6
-        Linear only.
+        Linear only; checked whatever the kind.
 
     Returns
     -------
@@ -440,8 +522,9 @@ def attention_weights(
     Raises
     ------
     TypeError, ValueError
-        As :func:`softmax_attention` and :func:`linear_attention`, and for an
-        unknown ``kind``.
+        As :func:`softmax_attention` and :func:`linear_attention` (every
+        option is checked, whatever the kind), for an unknown ``kind``, and
+        for a ``scale`` given with ``kind="linear"``.
     MemoryError
         When the ``n_q x n_k`` matrix does not fit in available memory.
 
@@ -457,16 +540,14 @@ def attention_weights(
     v = np.broadcast_to(np.zeros((), q.dtype), k.shape[:-1] + (1,))
     batch_shape, dtype, _ = _check_qkv(q, k, v)
     causal = _check_bool(causal, "causal")
-    if kind == "softmax":
-        scale = reference.default_scale(q.shape[-1]) if scale is None else _check_positive_scalar(
-            scale, "scale", allow_zero=False
+    if kind == "linear" and scale is not None:
+        raise ValueError(
+            f"scale applies to kind='softmax' only (linear attention has no scale), got {scale!r}"
         )
-    else:
-        if feature_map not in reference.FEATURE_MAPS:
-            raise ValueError(
-                f"feature_map must be one of {list(reference.FEATURE_MAPS)}, got {feature_map!r}"
-            )
-        eps = _check_positive_scalar(eps, "eps", allow_zero=True)
+    # Every option is checked whatever the kind: a bad one is never ignored.
+    scale = _check_scale(scale, q.shape[-1], dtype)
+    spec = feature_maps.resolve(feature_map, q.shape[-1])
+    eps = _check_positive_scalar(eps, "eps", allow_zero=True)
     n_q, n_k = q.shape[-2], k.shape[-2]
     out_shape = batch_shape + (n_q, n_k)
     if 0 in out_shape:
@@ -475,5 +556,9 @@ def attention_weights(
     if kind == "softmax":
         weights, _ = reference.softmax_weights(qq, kk, causal, scale)
     else:
-        weights = reference.linear_weights(qq, kk, feature_map, causal, eps)
+        feats = feature_maps.features(reference, spec, qq, kk, batch_shape)
+        if feats is None:
+            weights = reference.linear_weights(qq, kk, spec.name, causal, eps)
+        else:
+            weights = reference.linear_weights(feats.q, feats.k, "identity", causal, eps)
     return weights.reshape(out_shape)

@@ -165,8 +165,10 @@ def auto_backend(kind, batch, n_q, n_k, d_k, d_v, causal, dtype, available=None)
     dtype : numpy.dtype
         Computation dtype (float32 or float64).
     available : sequence of str, optional
-        Backends that can run here; default :func:`fastattn.available_backends`
-        (asked one backend at a time, in the rule's order).
+        Backends that may be picked; default those that run here and do not
+        say they are unsuitable for ``auto`` (``AUTO_UNSUITABLE``, e.g. Numba
+        without a disk cache), asked one at a time in the rule's order, so
+        only the backend picked and those before it are imported.
 
     Returns
     -------
@@ -176,7 +178,8 @@ def auto_backend(kind, batch, n_q, n_k, d_k, d_v, causal, dtype, available=None)
     """
     rule = AUTO_RULE[shape_class(kind, n_q, n_k, causal)]
     for name in rule:
-        if (_api._load(name) is not None) if available is None else (name in available):
+        if (name in available) if available is not None else (
+                _api._load(name) is not None and name not in _api._not_for_auto):
             return name
     return "reference"
 

@@ -6,12 +6,23 @@ row per query):
 * cosine similarity, the mean over rows of ``cos(out_softmax_i, out_linear_i)``;
 * mean squared error, the mean over all elements of ``(out_linear - out_softmax)²``;
 * magnitude ratio, ``‖out_linear‖_F / ‖out_softmax‖_F``.
+
+Metrics on two weight matrices of shape ``(..., n_q, n_k)`` (what each
+attention applies to ``v``, from :func:`fastattn.attention_weights`), row by
+row, each row normalised to a distribution over the keys:
+
+* KL divergence of the approximation's row from the reference's,
+  ``KL(P_i ‖ Q_i) = Σ_j P_ij ln(P_ij / Q_ij)`` in nats (:func:`row_kl_divergence`);
+* entropy of each row, ``H(P_i) = −Σ_j P_ij ln P_ij`` in nats
+  (:func:`row_entropy`), of the approximation against the reference's.
 """
 
 from dataclasses import dataclass
 
 import numpy as np
+from scipy.special import entr, rel_entr
 
+from . import reference
 from ._api import attention_weights, linear_attention, softmax_attention
 
 
@@ -96,6 +107,146 @@ def quality(reference_out, approx_out):
     )
 
 
+def _weight_rows(x, name):
+    """``x`` as float64 rows normalised to sum 1, and the mask of rows that are distributions."""
+    x = np.asarray(x)
+    if x.dtype.kind not in "fiu":
+        raise TypeError(f"{name} must hold real numbers, got dtype {x.dtype}")
+    if x.ndim < 1:
+        raise ValueError(f"{name} must have at least 1 dimension (..., n_k), got shape {x.shape}")
+    x = x.astype(np.float64)
+    if (x < 0).any():
+        raise ValueError(f"{name} must be non-negative attention weights; "
+                         f"got {np.count_nonzero(x < 0)} negative entries (min {x.min()!r})")
+    total = x.sum(axis=-1, keepdims=True)
+    # A row of zeros (a query that sees no key, or relu with no overlap) is no distribution.
+    valid = total[..., 0] != 0
+    with np.errstate(invalid="ignore", divide="ignore"):
+        rows = np.where(total != 0, x / total, np.nan)
+    return rows, valid
+
+
+def _check_same_shape(a, b, names):
+    if np.shape(a) != np.shape(b):
+        raise ValueError(f"{names[0]} and {names[1]} must have the same shape, got "
+                         f"{np.shape(a)} and {np.shape(b)}")
+
+
+def row_kl_divergence(reference_weights, approx_weights):
+    """KL divergence ``KL(P_i ‖ Q_i)`` of each row of ``approx_weights`` from ``reference_weights``.
+
+    Parameters
+    ----------
+    reference_weights : ndarray of shape (..., n_q, n_k)
+        Usually softmax attention's weights; non-negative.
+    approx_weights : ndarray of the same shape
+        Usually linear attention's weights; non-negative.
+
+    Returns
+    -------
+    ndarray of shape (..., n_q), float64, in nats
+        ``Σ_j P_ij ln(P_ij / Q_ij)`` with each row normalised to sum 1
+        (``0 ln 0 = 0``).  ``inf`` where the approximation gives 0 weight to
+        a key the reference weighs (or its row is all zeros); NaN where the
+        reference row is all zeros (no distribution) or holds a NaN.
+
+    Raises
+    ------
+    TypeError
+        If the weights are not real-valued.
+    ValueError
+        If a matrix is 0-d, has negative entries, or the shapes differ.
+    """
+    _check_same_shape(reference_weights, approx_weights, ("reference_weights", "approx_weights"))
+    p, p_valid = _weight_rows(reference_weights, "reference_weights")
+    q, q_valid = _weight_rows(approx_weights, "approx_weights")
+    q = np.where(q_valid[..., None], q, 0.0)  # an all-zero approximation puts 0 everywhere
+    kl = rel_entr(p, q).sum(axis=-1)
+    return np.where(p_valid, kl, np.nan)
+
+
+def row_entropy(weights):
+    """Entropy ``H_i = −Σ_j P_ij ln P_ij`` of each row of ``weights``, in nats.
+
+    Parameters
+    ----------
+    weights : ndarray of shape (..., n_q, n_k)
+        Non-negative; each row is normalised to sum 1 first.
+
+    Returns
+    -------
+    ndarray of shape (..., n_q), float64
+        Between 0 (all weight on one key) and ``ln n_k`` (uniform); NaN for
+        a row of zeros (no distribution) or a row holding a NaN.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As :func:`row_kl_divergence`.
+    """
+    p, valid = _weight_rows(weights, "weights")
+    return np.where(valid, entr(p).sum(axis=-1), np.nan)
+
+
+@dataclass(frozen=True)
+class WeightQuality:
+    """How an approximation's attention rows differ from the reference's.
+
+    Attributes
+    ----------
+    kl_divergence : float
+        Mean over the reference's rows (those that are distributions) of
+        :func:`row_kl_divergence`, in nats; 0 is identical, ``inf`` when a
+        row gives 0 weight to a key the reference weighs.
+    entropy : float
+        Mean :func:`row_entropy` of the approximation's rows (those that are
+        distributions), in nats.
+    reference_entropy : float
+        The same for the reference's rows; higher ``entropy`` means flatter
+        (more uniform) rows than the reference.
+    """
+
+    kl_divergence: float
+    entropy: float
+    reference_entropy: float
+
+    def format(self):
+        """One line: KL divergence and both entropies, to 4 significant places."""
+        return (f"row KL {self.kl_divergence:.4g} nats  row entropy {self.entropy:.4g} "
+                f"(reference {self.reference_entropy:.4g}) nats")
+
+
+def weight_quality(reference_weights, approx_weights):
+    """Mean row KL divergence and entropies of ``approx_weights`` against ``reference_weights``.
+
+    Parameters
+    ----------
+    reference_weights, approx_weights : ndarray of shape (..., n_q, n_k)
+        As :func:`row_kl_divergence`.
+
+    Returns
+    -------
+    WeightQuality
+        Means over rows that are distributions; a NaN weight makes its
+        row's metrics NaN, and the means then NaN as well.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As :func:`row_kl_divergence`.
+    """
+    kl = row_kl_divergence(reference_weights, approx_weights)
+    _, p_valid = _weight_rows(reference_weights, "reference_weights")
+    _, q_valid = _weight_rows(approx_weights, "approx_weights")
+    h_ref, h_approx = row_entropy(reference_weights), row_entropy(approx_weights)
+
+    def mean(values, valid):
+        return float(np.mean(values[valid])) if valid.any() else float("nan")
+
+    return WeightQuality(kl_divergence=mean(kl, p_valid), entropy=mean(h_approx, q_valid),
+                         reference_entropy=mean(h_ref, p_valid))
+
+
 @dataclass(frozen=True)
 class Comparison:
     """Softmax against linear attention on one set of q, k, v.
@@ -107,6 +258,8 @@ class Comparison:
     softmax_output, linear_output : ndarray of shape (..., n_q, d_v)
     softmax_weights, linear_weights : ndarray of shape (..., n_q, n_k)
         The weight matrices each mechanism applies to ``v``.
+    weight_quality : WeightQuality
+        Linear attention's rows of weights against softmax attention's.
     """
 
     quality: Quality
@@ -114,6 +267,7 @@ class Comparison:
     linear_output: np.ndarray
     softmax_weights: np.ndarray
     linear_weights: np.ndarray
+    weight_quality: WeightQuality = None
 
 
 def compare_attention(q, k, v, *, causal=False, scale=None, feature_map="elu", eps=1e-6,
@@ -132,7 +286,7 @@ def compare_attention(q, k, v, *, causal=False, scale=None, feature_map="elu", e
     -------
     Comparison
         The weights come from :func:`fastattn.attention_weights` and take
-        ``O(n_q · n_k)`` memory.
+        ``O(n_q · n_k)`` memory; ``.weight_quality`` compares their rows.
 
     Raises
     ------
@@ -142,31 +296,84 @@ def compare_attention(q, k, v, *, causal=False, scale=None, feature_map="elu", e
     soft = softmax_attention(q, k, v, causal=causal, scale=scale, backend=backend)
     lin = linear_attention(q, k, v, feature_map=feature_map, causal=causal, eps=eps,
                            backend=backend)
+    soft_w = attention_weights(q, k, kind="softmax", causal=causal, scale=scale)
+    lin_w = attention_weights(q, k, kind="linear", causal=causal, feature_map=feature_map, eps=eps)
     return Comparison(
         quality=quality(soft, lin),
         softmax_output=soft,
         linear_output=lin,
-        softmax_weights=attention_weights(q, k, kind="softmax", causal=causal, scale=scale),
-        linear_weights=attention_weights(q, k, kind="linear", causal=causal,
-                                         feature_map=feature_map, eps=eps),
+        softmax_weights=soft_w,
+        linear_weights=lin_w,
+        weight_quality=weight_quality(soft_w, lin_w),
     )
+
+
+def _check_seed_experiment(n, d, seed, n_by_n_arrays):
+    """Validate the seed experiment's arguments; MemoryError if it cannot fit."""
+    for value, name in ((n, "n"), (d, "d")):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) \
+            or not 0 <= seed < 2**32:
+        raise ValueError(f"seed must be an int from 0 to 2**32 - 1, got {seed!r}")
+    n, d = int(n), int(d)
+    # One input's float64 draws, the three float32 inputs, the n x n float32 arrays.
+    reference.check_fits_in_memory(
+        n * d * (8 + 3 * 4) + n_by_n_arrays * n * n * 4,
+        f"the seed experiment with n={n}, d={d}",
+        advice="choose a smaller n" + (" (it holds n x n weight matrices)" if n_by_n_arrays else "")
+        + " or d",
+    )
+
+
+def gaussian_qkv(shape_q, n_k=None, d_v=None, dtype=np.float64, seed=0, scale=1.0):
+    """Seeded Gaussian ``q, k, v``: the one input factory of fastattn's experiments,
+    tests, bench and benchmarks.
+
+    Parameters
+    ----------
+    shape_q : tuple of int
+        ``(..., n_q, d_k)``, the shape of ``q``.
+    n_k, d_v : int, optional
+        Default ``n_q`` and ``d_k``; ``k`` is ``(..., n_k, d_k)``, ``v`` ``(..., n_k, d_v)``.
+    dtype : dtype, default float64
+    seed : int or sequence of int
+        Seed of ``numpy.random.RandomState`` (the stream ``np.random.seed``
+        gives); NumPy's global random state is not touched.
+    scale : float, default 1.0
+        Multiplies ``q`` and ``k`` (not ``v``).
+
+    Returns
+    -------
+    q, k, v : ndarray of ``dtype``
+        Drawn in float64 in the order q, k, v, scaled, then rounded to
+        ``dtype``, so every dtype holds the same numbers.
+    """
+    rng = np.random.RandomState(seed)
+    *lead, n_q, d_k = shape_q
+    n_k = n_q if n_k is None else n_k
+    d_v = d_k if d_v is None else d_v
+    q = rng.standard_normal((*lead, n_q, d_k)) * scale
+    k = rng.standard_normal((*lead, n_k, d_k)) * scale
+    v = rng.standard_normal((*lead, n_k, d_v))
+    return tuple(np.ascontiguousarray(x, dtype=dtype) for x in (q, k, v))
 
 
 def seed_inputs(n, d, seed=42):
     """The seed experiment's inputs: ``(q, k, v)``, each float32 of shape ``(n, d)``.
 
-    ``np.random.seed(seed)``, then ``q = randn(n, d) * 0.5``, ``k`` the same,
-    ``v = randn(n, d)``, each cast to float32 before any scaling.  Uses (and
-    reseeds) NumPy's global random state, exactly as the original experiment.
+    The numbers of ``np.random.seed(seed)``, then ``q = randn(n, d) * 0.5``,
+    ``k`` the same, ``v = randn(n, d)``, in float32 (:func:`gaussian_qkv`).
+
+    Raises
+    ------
+    ValueError
+        For a bad ``n``, ``d`` or ``seed``, as :func:`compare` does.
+    MemoryError
+        Before drawing, when the inputs cannot fit, as :func:`compare` does.
     """
-    for value, name in ((n, "n"), (d, "d")):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
-    np.random.seed(seed)
-    q = np.random.randn(n, d).astype(np.float32) * 0.5
-    k = np.random.randn(n, d).astype(np.float32) * 0.5
-    v = np.random.randn(n, d).astype(np.float32)
-    return q, k, v
+    _check_seed_experiment(n, d, seed, n_by_n_arrays=0)
+    return gaussian_qkv((n, d), dtype=np.float32, seed=seed, scale=0.5)
 
 
 def compare(n=64, d=32, seed=42):
@@ -193,7 +400,14 @@ def compare(n=64, d=32, seed=42):
     Raises
     ------
     ValueError
-        If ``n`` or ``d`` is not a positive int.
+        If ``n`` or ``d`` is not a positive int, or ``seed`` not an int from
+        0 to ``2**32 - 1``.
+    MemoryError
+        Before any work, when the inputs and the ``n x n`` weight matrices
+        (about ``16 n²`` bytes) cannot fit in the available memory; the
+        message names ``n`` and ``d`` and the bytes needed.
     """
+    # The softmax scores and the two weight matrices kept in the result.
+    _check_seed_experiment(n, d, seed, n_by_n_arrays=3)
     q, k, v = seed_inputs(n, d, seed)
     return compare_attention(q, k, v, backend="reference")

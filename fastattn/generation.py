@@ -20,7 +20,7 @@ import numbers
 
 import numpy as np
 
-from . import _api, _dispatch, reference
+from . import _api, _dispatch
 
 #: Backend -> module whose ``cache_softmax_forward(q, k, v, causal, scale, n_k)``
 #: attends over the first ``n_k`` keys of a preallocated buffer.
@@ -222,9 +222,7 @@ class KVCache:
         if (name not in _CACHE_MODULES or dtype != self.dtype or n_q > _dispatch.SPLIT_KEYS_MAX_N_Q
                 or 0 in q.shape or self.length == 0):
             return _api.softmax_attention(q, keys, values, causal=causal, scale=scale, backend=name)
-        scale = reference.default_scale(self.d_k) if scale is None else _api._check_positive_scalar(
-            scale, "scale", allow_zero=False
-        )
+        scale = _api._check_scale(scale, self.d_k, dtype)
         B = math.prod(batch_shape)
         out = importlib.import_module(_CACHE_MODULES[name]).cache_softmax_forward(
             _api._as_kernel_input(q, dtype),

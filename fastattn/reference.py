@@ -17,9 +17,11 @@ import math
 import numpy as np
 import psutil
 
-#: Feature maps of linear attention, by name.  ``elu`` is ``elu(x) + 1``
-#: (Katharopoulos et al. 2020), which is positive for every finite input;
-#: ``relu`` is ``max(x, 0)``.
+#: Elementwise feature maps of linear attention, by name.  ``elu`` is
+#: ``elu(x) + 1`` (Katharopoulos et al. 2020), which is positive for every
+#: finite input; ``relu`` is ``max(x, 0)``.  The kernels also take
+#: ``"identity"``: the inputs are already features (FAVOR+, Taylor, a user's
+#: map; see :mod:`fastattn.feature_maps`).
 FEATURE_MAPS = ("elu", "relu")
 
 #: Backends that compute attention without any n_q x n_k array.
@@ -32,21 +34,73 @@ def feature_map(x, name):
     Parameters
     ----------
     x : ndarray of float32 or float64
-    name : {"elu", "relu"}
+    name : {"elu", "relu", "identity"}
         ``"elu"`` is ``elu(x) + 1`` (``x + 1`` for ``x > 0``, ``exp(x)``
         otherwise; strictly positive unless ``exp`` underflows), ``"relu"`` is
-        ``max(x, 0)``.
+        ``max(x, 0)``, ``"identity"`` is ``x`` itself (features computed
+        beforehand).
 
     Returns
     -------
     ndarray of the same shape and dtype as ``x``.
     """
+    if name == "identity":
+        return x
     if name == "elu":
         # exp is only evaluated where it is used, so large x raises no warning.
         return np.where(x > 0, x + 1, np.exp(np.minimum(x, 0)))
     if name == "relu":
         return np.maximum(x, 0)
     raise ValueError(f"feature_map must be one of {FEATURE_MAPS}, got {name!r}")
+
+
+def favor_query_features(x, w):
+    """FAVOR+ query features ``exp(x w − max_r (x w)_r) / √m``, one shift per row.
+
+    ``x (B, n, d_k)``, ``w = (ω / d_k^¼)ᵀ (d_k, m)`` of ``x``'s dtype.  The
+    row's largest feature is ``1/√m``; ``‖x'‖²/2``, constant along the row,
+    is part of the shift.  Choromanski et al. (2021); see
+    :class:`fastattn.FavorFeatures`.
+    """
+    e = x @ w
+    e -= e.max(axis=-1, keepdims=True)
+    e -= 0.5 * math.log(w.shape[1])
+    return np.exp(e, out=e)
+
+
+def favor_key_features(x, w):
+    """FAVOR+ key features ``exp(x w − ‖x‖²/(2√d_k) − c_b) / √m`` and the shifts ``c (B,)``.
+
+    ``c_b`` is the largest exponent of head ``b`` (NaN ignored; 0 when none
+    is finite), so the largest key feature of a head is ``1/√m`` and nothing
+    overflows.  Returns ``(features (B, n, m), c)`` with ``c`` float64.
+    """
+    d_k, m = w.shape
+    e = x @ w
+    e -= (np.einsum("bnd,bnd->bn", x, x) / (2 * math.sqrt(d_k)))[..., None]
+    with np.errstate(invalid="ignore"):
+        peak = np.where(np.isnan(e), -np.inf, e).max(axis=(1, 2), initial=-np.inf)
+    shift = np.where(np.isfinite(peak), peak, 0.0).astype(np.float64)
+    e -= (shift + 0.5 * math.log(m)).astype(e.dtype)[:, None, None]
+    return np.exp(e, out=e), shift
+
+
+def taylor_features(x):
+    """Second-order Taylor features ``[1, x / d_k^¼, sym(x xᵀ) / (√2 √d_k)]`` ``(B, n, D)``.
+
+    ``sym`` is the upper triangle of ``x xᵀ`` row by row, ``x_a x_b`` for
+    ``a <= b``, the off-diagonal terms times ``√2`` (they stand for both
+    ``x_a x_b`` and ``x_b x_a``), so ``φ(q)·φ(k) = 1 + s + s²/2`` exactly with
+    ``s = qᵀk / √d_k``.  ``D = 1 + d_k + d_k (d_k + 1) / 2``.  Based (Arora
+    et al., "Simple linear attention language models balance the
+    recall-throughput tradeoff", 2024).
+    """
+    d_k = x.shape[-1]
+    a, b = np.triu_indices(d_k)
+    weight = np.where(a == b, 1 / math.sqrt(2 * d_k), 1 / math.sqrt(d_k)).astype(x.dtype)
+    return np.concatenate(
+        [np.ones(x.shape[:-1] + (1,), x.dtype), x * x.dtype.type(d_k ** -0.25),
+         x[..., a] * x[..., b] * weight], axis=-1)
 
 
 def causal_mask(n_q, n_k):
@@ -62,15 +116,27 @@ def quadratic_bytes(batch, n_q, n_k, itemsize, arrays=1):
     return int(batch) * int(n_q) * int(n_k) * int(itemsize) * int(arrays)
 
 
-def check_fits_in_memory(nbytes, what):
-    """Raise MemoryError, before allocating, when ``nbytes`` exceed available RAM."""
+#: Bytes below which no memory check is made: any machine has them, and
+#: asking the system (psutil) costs more than a small call itself.
+MEMORY_CHECK_FLOOR = 1 << 20
+
+
+def check_fits_in_memory(nbytes, what, advice=None):
+    """Raise MemoryError, before allocating, when ``nbytes`` exceed available RAM.
+
+    ``what`` names the computation; ``advice`` ends the message (default: use
+    a tiled backend).
+    """
+    if nbytes < MEMORY_CHECK_FLOOR:
+        return
     available = psutil.virtual_memory().available
     if nbytes > available:
+        if advice is None:
+            advice = (f"use a tiled backend ({', '.join(repr(b) for b in TILED_BACKENDS)}), "
+                      "which needs O(n d) memory")
         raise MemoryError(
-            f"the reference {what} needs {nbytes:,} bytes ({nbytes / 2**30:.1f} GiB) "
-            f"for its n_q x n_k intermediates but only {available:,} bytes are "
-            f"available; use a tiled backend ({', '.join(repr(b) for b in TILED_BACKENDS)}), "
-            f"which needs O(n d) memory"
+            f"{what} needs {nbytes:,} bytes ({nbytes / 2**30:.1f} GiB) "
+            f"but only {available:,} bytes are available; {advice}"
         )
 
 
@@ -106,7 +172,7 @@ def softmax_weights(q, k, causal, scale):
     check_fits_in_memory(
         quadratic_bytes(batch, n_q, n_k, q.itemsize, arrays=1)
         + (2 * n_q * n_k if causal else 0),
-        "softmax attention",
+        "the reference softmax attention, for its n_q x n_k intermediates,",
     )
     scores = q @ k.transpose(0, 2, 1)
     scores *= scale
@@ -136,13 +202,19 @@ def softmax_forward(q, k, v, causal, scale):
     return _masked_matmul(weights, v, visible)
 
 
+def _check_kernel_matrix_fits(q, k):
+    """MemoryError unless the ``n_q x n_k`` kernel matrix (and its mask) fit."""
+    check_fits_in_memory(
+        quadratic_bytes(q.shape[0], q.shape[1], k.shape[1], q.itemsize, arrays=2),
+        "the reference causal linear attention, for its n_q x n_k intermediates,",
+    )
+
+
 def linear_kernel_matrix(q, k, feature_map_name, causal):
     """``φ(q) φ(k)ᵀ`` ``(B, n_q, n_k)``, zero where masked, with the mask."""
     batch, n_q, _ = q.shape
     n_k = k.shape[1]
-    check_fits_in_memory(
-        quadratic_bytes(batch, n_q, n_k, q.itemsize, arrays=2), "causal linear attention"
-    )
+    _check_kernel_matrix_fits(q, k)
     kernel = feature_map(q, feature_map_name) @ feature_map(k, feature_map_name).transpose(0, 2, 1)
     visible = causal_mask(n_q, n_k) if causal else None
     if visible is not None:
@@ -168,6 +240,8 @@ def linear_forward(q, k, v, feature_map_name, causal, eps, S0=None, z0=None):
     ``S0 (B, d_k, d_v)`` and ``z0 (B, d_k)`` are the state of keys that came
     before (seen by every query), or None for none.  Where the denominator is
     exactly 0 (``relu`` with no positive overlap and ``eps = 0``) the row is 0.
+    Causal, an ``n_q x n_k`` matrix that cannot fit is refused (MemoryError)
+    before any work is done.
 
     Returns
     -------
@@ -177,6 +251,8 @@ def linear_forward(q, k, v, feature_map_name, causal, eps, S0=None, z0=None):
     z : ndarray (B, d_k)
         ``z0 + Σ_j φ(k_j)``.
     """
+    if causal:
+        _check_kernel_matrix_fits(q, k)
     phi_q = feature_map(q, feature_map_name)
     phi_k = feature_map(k, feature_map_name)
     dtype = q.dtype

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import fastattn
+from fastattn.compare import gaussian_qkv as make_qkv  # noqa: F401  (the one input factory)
 
 #: One tolerance table per dtype (computation dtype of the kernel under test).
 TOLERANCES = {
@@ -35,18 +36,6 @@ def assert_close(actual, desired, dtype=None, err_msg="", scale=1.0):
     np.testing.assert_allclose(
         actual, desired, rtol=tol["rtol"] * scale, atol=tol["atol"] * scale, err_msg=err_msg
     )
-
-
-def make_qkv(shape_q, n_k=None, d_v=None, dtype=np.float64, seed=0, scale=1.0):
-    """Seeded Gaussian q, k, v: q of ``shape_q = (..., n_q, d_k)``."""
-    rng = np.random.default_rng(seed)
-    *lead, n_q, d_k = shape_q
-    n_k = n_q if n_k is None else n_k
-    d_v = d_k if d_v is None else d_v
-    q = rng.standard_normal((*lead, n_q, d_k)) * scale
-    k = rng.standard_normal((*lead, n_k, d_k)) * scale
-    v = rng.standard_normal((*lead, n_k, d_v))
-    return q.astype(dtype), k.astype(dtype), v.astype(dtype)
 
 
 def reference64(fn, q, k, v, **kwargs):

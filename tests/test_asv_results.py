@@ -193,3 +193,77 @@ def test_suite_constants_agree_with_benchmarks():
     finally:
         sys.path.remove(str(ROOT))
     assert (common.D, common.BATCH) == (asv_results.SUITE_D, asv_results.SUITE_BATCH)
+
+
+def _suite_params(quick):
+    import os
+    import subprocess
+
+    code = ("import json; from benchmarks import common, softmax, linear, threads\n"
+            "print(json.dumps([repr(c.params) for c in (softmax.SoftmaxAttention, "
+            "softmax.SoftmaxAccuracy, linear.LinearAttention, threads.Threads)]))")
+    env = dict(os.environ, FASTATTN_ASV_QUICK="1" if quick else "0")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, check=True,
+                         capture_output=True, text=True).stdout
+    return json.loads(out)
+
+
+def test_quick_mode_keeps_the_recorded_suite_description():
+    # asv rewrites benchmarks.json from the parameters on every run: a quick run must
+    # describe the same suite, or asv publish drops the recorded results.
+    quick, full = _suite_params(True), _suite_params(False)
+    assert quick == full
+    assert "causal=True" in full[0] and "n=01024" in full[0] and "n=16384" in full[0]
+
+
+def test_readable_parameters_are_decoded():
+    assert asv_results._decode_param("causal=True") is True
+    assert asv_results._decode_param("n=01024") == 1024
+    assert asv_results._decode_param("'numba'") == "numba"
+    assert asv_results._decode_param("256") == 256
+
+
+def _git(repo, *args):
+    import subprocess
+
+    return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True,
+                          text=True, env={"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t",
+                                          "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t",
+                                          "HOME": str(repo)}).stdout.strip()
+
+
+def test_report_takes_the_newest_commit_on_the_configured_branch(results_dir, tmp_path):
+    repo = tmp_path
+    _git(repo, "init", "-q", "-b", "main")
+    (repo / "asv.conf.json").write_text('{\n// comment\n"repo": ".", "branches": ["main"]}')
+    _git(repo, "add", "asv.conf.json")
+    _git(repo, "commit", "-qm", "one")
+    on_main = _git(repo, "rev-parse", "HEAD")
+    _git(repo, "checkout", "-qb", "scratch")
+    _git(repo, "commit", "-q", "--allow-empty", "-m", "two")
+    scratch = _git(repo, "rev-parse", "HEAD")
+    box = results_dir / "box"
+    for path, commit, date in ((box / "aaaaaaaa-env.json", on_main, 1_700_000_000_000),
+                               (box / "bbbbbbbb-env.json", scratch, 1_700_086_400_000)):
+        data = json.loads(path.read_text())
+        path.write_text(json.dumps(dict(data, commit_hash=commit, date=date)))
+    env, = [r for r in load_asv_points(results_dir) if r["record"] == "environment"]
+    assert env["commit"] == on_main and "newest on branch main" in env["chosen"]
+    env, = [r for r in load_asv_points(results_dir, commit=scratch[:8])
+            if r["record"] == "environment"]
+    assert env["commit"] == scratch and "as asked" in env["chosen"]
+    with pytest.raises(AsvResultsError, match="no results of commit"):
+        load_asv_points(results_dir, commit="0000000")
+
+
+def test_library_versions_are_read_from_the_suite(results_dir):
+    path = results_dir / "box" / "bbbbbbbb-env.json"
+    data = json.loads(path.read_text())
+    data["results"]["threads.Versions.track_version"] = [[2.004006], [["'numpy'"]], "1", 0, 0.1]
+    path.write_text(json.dumps(data))
+    meta = json.loads((results_dir / "benchmarks.json").read_text())
+    meta["threads.Versions.track_version"] = {"param_names": ["library"],
+                                              "params": [["'numpy'"]], "unit": "version"}
+    (results_dir / "benchmarks.json").write_text(json.dumps(meta))
+    env, = [r for r in load_asv_points(results_dir) if r["record"] == "environment"]
+    assert env["versions"]["numpy"] == "2.4.6"

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 import fastattn
-from fastattn.bench import _measure, memory, peers
+from fastattn.bench import engine, peers
 from fastattn.bench.flops import attention_flops, visible_pairs
 from fastattn.bench.results import SCHEMA, ResultsFileError, read_records
-from fastattn.bench.sweep import Point, default_grid, run_sweep
+from fastattn.bench.sweep import Options, Point, default_grid, run_sweep
 from fastattn.cli import main
 
 HAVE_TORCH = "torch" in peers.available_peers()
@@ -35,7 +35,7 @@ def _mask(n_q, n_k, causal):
 
 
 @pytest.mark.parametrize("n_q,n_k", [(1, 1), (7, 7), (5, 9), (9, 5), (64, 64), (33, 100)])
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
 def test_softmax_flops_count_visible_pairs(n_q, n_k, causal):
     d_k, d_v = 3, 5
     pairs = int(_mask(n_q, n_k, causal).sum())
@@ -92,6 +92,11 @@ def test_point_normalises_and_validates():
         Point("softmax", "reference", True, 8, dtype="float16")
 
 
+def test_point_labels_say_non_causal_not_full():
+    assert Point("softmax", "reference", False, 8).label().startswith("softmax non-causal n=8")
+    assert " full " not in Point("linear", "reference", False, 8).label()
+
+
 def test_default_grid_puts_backends_of_one_shape_together():
     grid = default_grid(backends=["reference", "torch"], ns=(8, 16))
     assert len(grid) == 2 * 2 * 2 * 2
@@ -108,8 +113,8 @@ def _points(ns=(8, 16), backends=("reference",)):
 def test_sweep_writes_environment_roof_then_points(tmp_path):
     path = tmp_path / "r.jsonl"
     points = _points()
-    records = run_sweep(points, path, threads=1, repeats=2, progress=False, isolate=False,
-                        roof_budget_s=0.01)
+    records = run_sweep(points, path, Options(repeats=2, roof_budget_s=0.01, min_time_s=0),
+                        threads=1, progress=None, isolate=False)
     assert len(records) == len(points)
     stored = read_records(path)
     assert stored[0]["record"] == "environment"
@@ -132,34 +137,42 @@ def test_sweep_writes_environment_roof_then_points(tmp_path):
         assert record["peak_bytes"] is not None and record["memory_method"]
 
 
+def test_fast_calls_get_more_repeats_for_their_minimum(tmp_path):
+    # A fast call keeps being repeated for min_time_s (up to 100 repeats): the more
+    # repeats, the likelier one that load left alone.
+    record, = run_sweep([Point("linear", "reference", False, 8, d_k=4)], tmp_path / "f.jsonl",
+                        Options(repeats=2, roof=False, check=False, min_time_s=0.2),
+                        threads=1, progress=None, isolate=False)
+    assert 2 < record["repeats"] == len(record["times_s"]) <= 100
+    assert record["min_s"] == min(record["times_s"])
+
+
 def test_sweep_in_worker_process(tmp_path):
     # (the worker with a peer is exercised by test_cli_shows_torch_beside_the_reference)
     points = default_grid(backends=["reference"], ns=(16,), d_k=8)
-    records = run_sweep(points, tmp_path / "w.jsonl", threads=1, repeats=1, progress=False,
-                        roof_budget_s=0.01)
+    records = run_sweep(points, tmp_path / "w.jsonl", Options(repeats=1, roof_budget_s=0.01), threads=1, progress=None)
     assert [r["backend"] for r in records] == [p.backend for p in points]
     for r in records:
         assert r["status"] == "ok", r.get("reason")
         assert r["check_ok"] is True, (r["backend"], r["max_abs_err"])
         assert r["peer"] is False
-        assert r["memory_method"] == ("hwm" if memory.hwm_available() else "tracemalloc")
+        assert r["memory_method"] == ("hwm" if HWM else "tracemalloc")
 
 
 def test_skips_what_cannot_run_and_says_why(tmp_path):
     points = [Point("softmax", "numba", False, 8), Point("softmax", "reference", False, 8)]
     if "numba" in fastattn.available_backends():
         points[0] = Point("softmax", "reference", False, 2**22)  # 3 n^2 floats: 192 TiB
-    records = run_sweep(points, tmp_path / "s.jsonl", threads=1, repeats=1, progress=False,
-                        isolate=False, roof_budget_s=0.01)
+    records = run_sweep(points, tmp_path / "s.jsonl", Options(repeats=1, roof_budget_s=0.01), threads=1, progress=None,
+                        isolate=False)
     assert records[0]["status"] == "skipped" and records[0]["reason"]
     assert records[1]["status"] == "ok"
 
 
 def test_absent_peer_is_skipped_with_install_hint(tmp_path, monkeypatch):
     monkeypatch.setattr(peers, "available_peers", lambda: ())
-    records = run_sweep([Point("softmax", "torch", False, 8)], tmp_path / "p.jsonl",
-                        threads=1, repeats=1, progress=False, isolate=False,
-                        roof_budget_s=0.01)
+    records = run_sweep([Point("softmax", "torch", False, 8)], tmp_path / "p.jsonl", Options(repeats=1, roof_budget_s=0.01),
+                        threads=1, progress=None, isolate=False)
     assert records[0]["status"] == "skipped"
     assert "pip install" in records[0]["reason"]
 
@@ -167,15 +180,13 @@ def test_absent_peer_is_skipped_with_install_hint(tmp_path, monkeypatch):
 def test_resume_keeps_finished_points_and_drops_a_cut_line(tmp_path):
     path = tmp_path / "r.jsonl"
     points = _points(ns=(8, 16, 32))
-    first = run_sweep(points, path, threads=1, repeats=1, progress=False, isolate=False,
-                      roof_budget_s=0.01)
+    first = run_sweep(points, path, Options(repeats=1, roof_budget_s=0.01), threads=1, progress=None, isolate=False)
     # Simulate a run killed after 3 points, in the middle of writing the 4th.
     lines = path.read_text().splitlines(keepends=True)
     header = [ln for ln in lines if json.loads(ln)["record"] != "point"]
     kept = [ln for ln in lines if json.loads(ln)["record"] == "point"][:3]
     path.write_text("".join(header + kept) + '{"schema": "fastattn.res')
-    second = run_sweep(points, path, threads=1, repeats=1, progress=False, isolate=False,
-                       roof_budget_s=0.01)
+    second = run_sweep(points, path, Options(repeats=1, roof_budget_s=0.01), threads=1, progress=None, isolate=False)
     assert len(second) == len(points)
     assert [r["started"] for r in second[:3]] == [r["started"] for r in first[:3]]
     assert len({r["run_id"] for r in second[:3]}) == 1
@@ -184,17 +195,17 @@ def test_resume_keeps_finished_points_and_drops_a_cut_line(tmp_path):
     assert len(stored) == len(points)  # nothing measured twice
     # A third run finds everything and measures nothing.
     before = path.read_bytes()
-    run_sweep(points, path, threads=1, repeats=1, progress=False, isolate=False)
+    run_sweep(points, path, Options(repeats=1), threads=1, progress=None, isolate=False)
     assert path.read_bytes() == before
 
 
 def test_resume_after_a_real_interrupt(tmp_path):
     path = tmp_path / "i.jsonl"
     script = textwrap.dedent(f"""
-        from fastattn.bench.sweep import default_grid, run_sweep
+        from fastattn.bench.sweep import Options, default_grid, run_sweep
         points = default_grid(backends=["reference"], ns=[8 * i for i in range(1, 200)], d_k=4)
-        run_sweep(points, {str(path)!r}, threads=1, repeats=1, memory=False,
-                  progress=False, isolate=False, roof=False)
+        run_sweep(points, {str(path)!r}, Options(repeats=1, memory=False, roof=False), threads=1,
+                  progress=None, isolate=False)
     """)
     proc = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE)
     deadline = time.time() + 60
@@ -212,8 +223,8 @@ def test_resume_after_a_real_interrupt(tmp_path):
     done = [r for r in read_records(path) if r["record"] == "point"]
     assert 3 <= len(done) < 4 * 199
     points = default_grid(backends=["reference"], ns=[8 * i for i in range(1, 200)], d_k=4)
-    records = run_sweep(points[: len(done) + 2], path, threads=1, repeats=1, memory=False,
-                        progress=False, isolate=False, roof_budget_s=0.01)
+    records = run_sweep(points[: len(done) + 2], path, Options(repeats=1, memory=False, roof_budget_s=0.01), threads=1,
+                        progress=None, isolate=False)
     assert [r["started"] for r in records[: len(done)]] == [r["started"] for r in done]
     assert all(r["status"] == "ok" for r in records)
 
@@ -227,74 +238,68 @@ def test_refuses_a_foreign_results_file_and_leaves_it(tmp_path, content):
     path = tmp_path / "foreign.jsonl"
     path.write_text(content)
     with pytest.raises(ResultsFileError, match="not a fastattn"):
-        run_sweep(_points(ns=(8,)), path, threads=1, progress=False, isolate=False)
+        run_sweep(_points(ns=(8,)), path, threads=1, progress=None, isolate=False)
     assert path.read_text() == content
     with pytest.raises(ResultsFileError):
-        run_sweep(_points(ns=(8,)), path, threads=1, progress=False, isolate=False,
+        run_sweep(_points(ns=(8,)), path, threads=1, progress=None, isolate=False,
                   resume=False)
     assert path.read_text() == content
 
 
 def test_refuses_a_corrupt_line_in_the_middle(tmp_path):
     path = tmp_path / "c.jsonl"
-    run_sweep(_points(ns=(8,)), path, threads=1, repeats=1, progress=False, isolate=False,
-              roof_budget_s=0.01)
+    run_sweep(_points(ns=(8,)), path, Options(repeats=1, roof_budget_s=0.01), threads=1,
+              progress=None, isolate=False)
     lines = path.read_text().splitlines(keepends=True)
     lines.insert(1, "{broken\n")
     path.write_text("".join(lines))
     before = path.read_bytes()
     with pytest.raises(ResultsFileError, match=":2"):
-        run_sweep(_points(ns=(8, 16)), path, threads=1, progress=False, isolate=False)
+        run_sweep(_points(ns=(8, 16)), path, threads=1, progress=None, isolate=False)
     assert path.read_bytes() == before
 
 
 def test_run_sweep_validates_arguments(tmp_path):
     with pytest.raises(TypeError, match="Point"):
-        run_sweep([("softmax", "reference")], tmp_path / "x.jsonl", progress=False)
+        run_sweep([("softmax", "reference")], tmp_path / "x.jsonl", progress=None)
     with pytest.raises(ValueError, match="threads"):
-        run_sweep(_points(), tmp_path / "x.jsonl", threads=0, progress=False)
+        run_sweep(_points(), tmp_path / "x.jsonl", threads=0, progress=None)
     assert not (tmp_path / "x.jsonl").exists()
 
 
 # ---------------------------------------------------------------- accuracy check
 
 def test_check_flags_an_output_that_disagrees():
-    spec = {"attention": "softmax", "backend": "reference", "causal": True, "n": 16,
-            "d_k": 8, "d_v": 8, "batch": 1, "heads": 1, "dtype": "float32",
-            "feature_map": None}
-    q, k, v = _measure.make_inputs(16, 8, 8, 1, "float32")
+    spec = Point("softmax", "reference", True, 16, d_k=8, d_v=8).spec()
+    q, k, v = engine.make_inputs(spec)
     good = fastattn.softmax_attention(q, k, v, causal=True, backend="reference")
-    refs = _measure.ReferenceCache()
-    assert _measure.check_accuracy(spec, good, refs, _measure.DEFAULT_SEED)["check_ok"]
+    refs = engine.ReferenceCache()
+    assert engine.check_accuracy(spec, good, refs)["check_ok"]
     bad = good.copy()
     bad[0, 5, 3] += 0.01
-    result = _measure.check_accuracy(spec, bad, refs, _measure.DEFAULT_SEED)
+    result = engine.check_accuracy(spec, bad, refs)
     assert result["check_ok"] is False
     assert result["max_abs_err"] == pytest.approx(0.01, rel=1e-3)
 
 
 def test_check_at_a_smaller_n_when_the_reference_does_not_fit():
-    spec = {"attention": "softmax", "backend": "reference", "causal": False, "n": 64,
-            "d_k": 4, "d_v": 4, "batch": 1, "heads": 1, "dtype": "float64",
-            "feature_map": None}
-    q, k, v = _measure.make_inputs(64, 4, 4, 1, "float64")
+    spec = Point("softmax", "reference", False, 64, d_k=4, d_v=4, dtype="float64").spec()
+    q, k, v = engine.make_inputs(spec)
     out = fastattn.softmax_attention(q, k, v, backend="reference")
     # 4 arrays of n^2 float64: 32 KiB at n=32 fits 40 KiB, 128 KiB at n=64 does not
-    result = _measure.check_accuracy(spec, out, _measure.ReferenceCache(),
-                                     _measure.DEFAULT_SEED, max_bytes=40 * 2**10)
+    result = engine.check_accuracy(spec, out, engine.ReferenceCache(), max_bytes=40 * 2**10)
     assert result["check_n"] == 32
     assert result["check_ok"] and result["max_abs_err"] < 1e-12
 
 
 @pytest.mark.skipif(not HAVE_TORCH, reason="torch is not installed")
 @pytest.mark.parametrize("attention", ["softmax", "linear"])
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
 def test_torch_peers_agree_with_the_reference(attention, causal):
-    spec = {"attention": attention, "backend": "torch", "causal": causal, "n": 33,
-            "d_k": 8, "d_v": 5, "batch": 2, "heads": 3, "dtype": "float64",
-            "feature_map": "elu" if attention == "linear" else None}
-    q, k, v = _measure.make_inputs(33, 8, 5, 6, "float64")
-    out = _measure.make_call(spec, q, k, v)()
+    spec = Point(attention, "torch", causal, 33, d_k=8, d_v=5, batch=2, heads=3,
+                 dtype="float64").spec()
+    q, k, v = engine.make_inputs(spec)
+    out = engine.make_call(spec, q, k, v)()
     if attention == "softmax":
         ref = fastattn.softmax_attention(q, k, v, causal=causal, backend="reference")
     else:
@@ -304,62 +309,68 @@ def test_torch_peers_agree_with_the_reference(attention, causal):
 
 # ---------------------------------------------------------------- memory probe
 
-def _reference_softmax_call(n):
-    q, k, v = _measure.make_inputs(n, 64, 64, 1, "float32")
-    call = lambda: fastattn.softmax_attention(q, k, v, backend="reference")  # noqa: E731
+def _warm(call):
     call()  # warm-up
     return call
 
 
-@pytest.mark.skipif(not memory.hwm_available(), reason="no /proc/self/clear_refs here")
+def _reference_softmax_call(n):
+    q, k, v = engine.make_inputs(Point("softmax", "reference", False, n).spec())
+    return _warm(lambda: fastattn.softmax_attention(q, k, v, backend="reference"))
+
+
+HWM = engine.hwm_available()
+
+
+@pytest.mark.skipif(not HWM, reason="no /proc/self/clear_refs here")
 def test_memory_probe_sees_the_quadratic_reference_grow_as_n_squared():
     small, large = 1024, 2048
-    peak_small = memory.peak_extra_hwm(_reference_softmax_call(small))
-    peak_large = memory.peak_extra_hwm(_reference_softmax_call(large))
+    peak_small, method, _ = engine.peak_extra_bytes(_reference_softmax_call(small))
+    peak_large, _, _ = engine.peak_extra_bytes(_reference_softmax_call(large))
+    assert method == "hwm"
     matrix = large * large * 4  # one float32 n x n array
     # The reference holds between 1 and 6 such arrays at its peak, never the interpreter.
     assert matrix <= peak_large <= 6 * matrix
     assert 3.0 <= peak_large / peak_small <= 5.0
     # tracemalloc sees the same NumPy buffers
-    peak_traced = memory.peak_extra_tracemalloc(_reference_softmax_call(large))
+    peak_traced, method, _ = engine.peak_extra_bytes(_reference_softmax_call(large),
+                                                     "tracemalloc")
+    assert method == "tracemalloc"
     assert peak_traced == pytest.approx(peak_large, rel=0.25)
 
 
-@pytest.mark.skipif(not memory.hwm_available(), reason="no /proc/self/clear_refs here")
+@pytest.mark.skipif(not HWM, reason="no /proc/self/clear_refs here")
 def test_memory_probe_sees_linear_attention_stay_linear():
     n = 4096
-    q, k, v = _measure.make_inputs(n, 64, 64, 1, "float32")
-    call = lambda: fastattn.linear_attention(q, k, v, backend="reference")  # noqa: E731
-    call()
-    peak = memory.peak_extra_hwm(call)
+    q, k, v = engine.make_inputs(Point("linear", "reference", False, n).spec())
+    peak, _, _ = engine.peak_extra_bytes(
+        _warm(lambda: fastattn.linear_attention(q, k, v, backend="reference")))
     assert peak >= n * 64 * 4  # at least the output
     assert peak < n * n * 4 / 4  # far below one n x n array
 
 
-def test_fresh_process_probe_agrees_on_the_quadratic_reference():
-    # The reference holds one n x n float32 array at its peak; the fresh-process
-    # probe is a lower bound (start-up pages it reuses are not counted).
+@pytest.mark.skipif(not HWM, reason="no /proc/self/clear_refs here")
+def test_the_sweep_worker_probe_agrees_on_the_quadratic_reference(tmp_path):
+    # (was: the fresh-process probe; the one probe now runs in the sweep's worker)
     n = 4096
-    spec = {"attention": "softmax", "backend": "reference", "causal": False, "n": n,
-            "d_k": 64, "d_v": 64, "batch": 1, "heads": 1, "dtype": "float32",
-            "feature_map": None}
-    peak = _measure.peak_extra_fresh_process(spec, threads=1)
-    assert 0.5 * n * n * 4 <= peak <= 3 * n * n * 4
+    record, = run_sweep([Point("softmax", "reference", False, n)], tmp_path / "m.jsonl",
+                        Options(repeats=1, check=False, roof=False), threads=1, progress=None)
+    assert record["memory_method"] == "hwm"
+    assert 0.5 * n * n * 4 <= record["peak_bytes"] <= 6 * n * n * 4
 
 
 def test_a_point_past_its_timeout_is_an_error_and_the_sweep_goes_on(tmp_path):
     # 100 repeats of a ~0.1 s call cannot finish in 2 s; of a ~2 ms repeat they can.
     points = [Point("softmax", "reference", False, 4096),
               Point("softmax", "reference", False, 8)]
-    records = run_sweep(points, tmp_path / "t.jsonl", threads=1, repeats=100, progress=False,
-                        roof=False, point_timeout_s=2.0, check=False, memory=False)
+    records = run_sweep(points, tmp_path / "t.jsonl", Options(repeats=100, memory=False, check=False, roof=False, point_timeout_s=2.0), threads=1, progress=None)
     assert records[0]["status"] == "error" and "timed out" in records[0]["reason"]
     assert records[1]["status"] == "ok"
 
 
 def test_tracemalloc_probe_counts_an_allocation():
     nbytes = 8 * 2**20
-    peak = memory.peak_extra_tracemalloc(lambda: np.ones(nbytes // 8))
+    peak, _, _ = engine.peak_extra_bytes(lambda: np.ones(nbytes // 8), "tracemalloc")
     assert nbytes <= peak < nbytes + 2**20
 
 
@@ -454,12 +465,26 @@ def test_cli_refuses_a_directory_as_out(capsys, tmp_path):
 
 
 def test_roof_is_the_best_probe_of_the_dtype_not_a_slow_one():
-    from fastattn.bench.roof import roof_for
-
+    roof_for = engine.roof_for
     probes = [{"dtype": "float32", "shape": [n, 64, n], "gflops": g}
               for n, g in ((256, 0.5), (1024, 90.0), (4096, 110.0))]
     probes.append({"dtype": "float64", "shape": [4096, 64, 4096], "gflops": 50.0})
     probes.append({"dtype": "float32", "shape": [4096, 128, 4096], "gflops": 300.0})
-    assert roof_for(probes, "float32", 256, 64) == 110.0
-    assert roof_for(probes, "float64", 256, 64) == 50.0
-    assert roof_for(probes, "float16", 256, 64) is None
+    assert roof_for(probes, "float32", 64) == 110.0
+    assert roof_for(probes, "float64", 64) == 50.0
+    assert roof_for(probes, "float16", 64) is None
+
+
+def test_idle_cores_leaves_out_the_cores_other_work_keeps_busy(monkeypatch):
+    import psutil
+
+    from fastattn.bench import sweep
+
+    monkeypatch.setattr(sweep, "default_num_threads", lambda: 2)
+    monkeypatch.setattr(psutil, "cpu_count", lambda logical=True: 2)
+    monkeypatch.setattr(psutil, "cpu_percent", lambda interval=None, percpu=False: [100.0, 3.0])
+    assert sweep.idle_cores() == 1          # one core kept busy by another process
+    monkeypatch.setattr(psutil, "cpu_percent", lambda interval=None, percpu=False: [2.0, 5.0])
+    assert sweep.idle_cores() == 2
+    monkeypatch.setattr(psutil, "cpu_percent", lambda interval=None, percpu=False: [100., 100.])
+    assert sweep.idle_cores() == 1          # never fewer than one thread

@@ -370,7 +370,8 @@ def test_cli_asv_two_machines_and_history(tmp_path, monkeypatch, capsys):
                 "value": 0.02 + 0.001 * i, "unit": "seconds"}
                for m in ("box-a", "box-b") for i, c in enumerate("abc")]
     fake = types.ModuleType("fastattn.report.asv_results")
-    fake.load_asv_points = lambda directory: [r for r in records if r["record"] != "roof"]
+    fake.load_asv_points = lambda directory, commit=None: [r for r in records
+                                                           if r["record"] != "roof"]
     fake.load_asv_history = lambda directory, benchmark=None: history
     monkeypatch.setitem(sys.modules, "fastattn.report.asv_results", fake)
     out = tmp_path / "asv.html"
@@ -388,8 +389,9 @@ def test_cli_asv_missing_module_is_explained(tmp_path, monkeypatch, capsys):
     assert "fastattn.report.asv_results" in capsys.readouterr().err
 
 
-def test_interrupted_quick_run_prints_a_resume_command_with_its_grid(tmp_path, monkeypatch,
-                                                                      capsys):
+def test_interrupted_quick_run_prints_a_resume_command_as_invoked(tmp_path, monkeypatch, capsys):
+    # The hint repeats the program as it was invoked (a venv need not be active), the
+    # grid options and --out.
     from fastattn.bench import sweep
 
     def interrupted(*args, **kwargs):
@@ -397,7 +399,149 @@ def test_interrupted_quick_run_prints_a_resume_command_with_its_grid(tmp_path, m
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sweep, "run_sweep", interrupted)
-    assert main(["report", "--quick", "--threads", "1"]) == 130
+    monkeypatch.setattr(sys, "argv", [".venv/bin/fastattn", "report"])
+    assert main(["report", "--quick", "--threads", "1", "--out", "my report.html"]) == 130
     err = capsys.readouterr().err
-    assert "continue with\n  fastattn report --resume reports/fastattn-" in err
-    assert err.rstrip().splitlines()[-2].strip().endswith("--quick --threads 1")
+    assert "continue with\n  .venv/bin/fastattn report --resume reports/fastattn-" in err
+    assert err.rstrip().splitlines()[-2].strip().endswith(
+        "--quick --threads 1 --out 'my report.html'")
+
+
+def test_resume_says_how_many_points_are_left_and_names_the_report(tmp_path, monkeypatch,
+                                                                   capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["report", "--quick", "--n", "128", "256"]) == 0
+    results = tmp_path / capsys.readouterr().out.strip()
+    results = results.with_suffix(".jsonl")
+    lines = results.read_text().splitlines(keepends=True)
+    points = [ln for ln in lines if '"record": "point"' in ln]
+    kept = [ln for ln in lines if ln not in points[-2:]]
+    results.write_text("".join(kept))
+    assert main(["report", "--resume", str(results), "--quick", "--n", "128", "256"]) == 0
+    err = capsys.readouterr().err
+    assert f"measuring 2 points into {results} ({len(points) - 2} already there)" in err
+    assert "fastattn report:" in err and "fastattn bench:" not in err   # the progress bar
+
+
+def test_a_record_without_its_fields_is_refused_with_file_and_line(tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    records = synthetic_records(ns=(1024, 2048))
+    write_jsonl(bad, records[:3] + [{"schema": SCHEMA, "record": "point"}] + records[3:])
+    assert main(["report", "--from", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert f"{bad}:4" in err and "without attention" in err and "Traceback" not in err
+    assert not bad.with_suffix(".html").exists()
+
+
+@pytest.mark.parametrize("field,value", [("n_q", "big"), ("median_s", "fast"),
+                                         ("causal", "yes"), ("threads", 0)])
+def test_a_corrupt_field_is_refused_with_file_line_and_field(tmp_path, capsys, field, value):
+    records = synthetic_records(ns=(1024, 2048))
+    index = next(i for i, r in enumerate(records) if r["record"] == "point"
+                 and r["status"] == "ok")
+    records[index] = dict(records[index], **{field: value})
+    bad = write_jsonl(tmp_path / "bad.jsonl", records)
+    assert main(["report", "--from", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert f"{bad}:{index + 1} has {field} = {value!r}" in err
+    assert not bad.with_suffix(".html").exists()
+
+
+def test_a_truncated_middle_line_is_called_corrupt_not_foreign(tmp_path, capsys):
+    lines = [json.dumps(r) + "\n" for r in synthetic_records(ns=(1024, 2048))]
+    lines[5] = lines[5][:40] + "\n"
+    path = tmp_path / "cut.jsonl"
+    path.write_text("".join(lines))
+    assert main(["report", "--from", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}:6 is corrupt" in err and "not a fastattn results file" not in err
+
+
+def test_minilm_that_is_not_an_npz_is_refused_in_plain_words(tmp_path, capsys):
+    readme = tmp_path / "README.md"
+    readme.write_text("# notes\n")
+    assert main(["report", "--quick", "--minilm", str(readme)]) == 2
+    err = capsys.readouterr().err
+    assert "not an .npz archive" in err and "pickle" not in err
+    assert not (tmp_path / "reports").exists()
+
+
+def test_report_without_points_does_not_print_empty_settings():
+    html = build_report(synthetic_records()[:2], quality=None).html
+    assert "No point was measured" in html
+    assert "not recorded thread" not in html and "dtype ," not in html
+
+
+def test_environment_does_not_contradict_the_backends():
+    html = build_report(synthetic_records(), quality=None).html
+    env = [dict(r, versions={**r["versions"], "cython": None}, backends=["reference", "cython"])
+           for r in synthetic_records() if r["record"] == "environment"]
+    html = build_report(env + synthetic_records()[1:], quality=None).html
+    assert "<th class=\"l\">Cython</th><td class=\"l\">not installed" not in html
+    assert "Cython (compiler, needed only to build)" in html
+
+
+def test_busy_machine_fits_use_the_fastest_repeat():
+    # Medians dragged by load (x3 at random n), minima clean: the fit follows the minima.
+    records = synthetic_records(backends=("numba",))
+    rng = np.random.default_rng(3)
+    for r in records:
+        if r["record"] == "point" and r["status"] == "ok":
+            t = r["median_s"]
+            r.update(min_s=t, median_s=t * float(rng.uniform(1, 3)), max_s=t * 4,
+                     times_s=[t, t * 2, t * 4])
+    curves = analysis.curves(analysis.split_records(records)[2])
+    assert {c.statistic for c in curves} == {"min"}
+    for c in curves:
+        assert c.time_fit.slope == pytest.approx(analysis.EXPECTED_TIME_EXPONENT[c.attention],
+                                                 abs=1e-9)
+    html = build_report(records, quality=None).html
+    assert "Fits and crossovers use the fastest repeat" in html
+
+
+def test_cli_resume_refuses_a_foreign_out_before_measuring(tmp_path, monkeypatch, capsys):
+    from fastattn.bench import sweep
+
+    monkeypatch.setattr(sweep, "run_sweep", lambda *a, **k: pytest.fail("measured"))
+    results = write_jsonl(tmp_path / "run.jsonl", synthetic_records(ns=(1024, 2048)))
+    other = tmp_path / "notes.html"
+    other.write_text("<html>my notes</html>")
+    assert main(["report", "--resume", str(results), "--out", str(other)]) == 2
+    assert "not a fastattn report" in capsys.readouterr().err
+    assert other.read_text() == "<html>my notes</html>"
+    beside = results.with_suffix(".html")   # the default --out, beside the results
+    beside.write_text("<html>my page</html>")
+    assert main(["report", "--resume", str(results)]) == 2
+    assert "not a fastattn report" in capsys.readouterr().err
+    assert beside.read_text() == "<html>my page</html>"
+
+
+def test_cli_resume_refuses_a_read_only_results_file_before_measuring(tmp_path, monkeypatch,
+                                                                      capsys):
+    import os
+
+    from fastattn.bench import sweep
+
+    monkeypatch.setattr(sweep, "run_sweep", lambda *a, **k: pytest.fail("measured"))
+    results = write_jsonl(tmp_path / "run.jsonl", synthetic_records(ns=(1024, 2048)))
+    results.chmod(0o444)
+    before = os.stat(results)
+    assert main(["report", "--resume", str(results), "--quick"]) == 2
+    assert "read-only" in capsys.readouterr().err
+    after = os.stat(results)
+    assert (after.st_mode, after.st_ino) == (before.st_mode, before.st_ino)
+
+
+def test_cli_keeps_the_users_tmp_file_and_a_symlinked_report(tmp_path, capsys):
+    results = write_jsonl(tmp_path / "run.jsonl", synthetic_records(ns=(1024, 2048)))
+    target = tmp_path / "real.html"
+    target.write_text(f"<!DOCTYPE html>{REPORT_MARKER} older")
+    target.chmod(0o640)
+    link = tmp_path / "link.html"
+    link.symlink_to(target)
+    mine = tmp_path / "link.html.tmp"
+    mine.write_text("my own temp file")
+    assert main(["report", "--from", str(results), "--out", str(link)]) == 0
+    assert link.is_symlink() and "older" not in target.read_text()
+    assert oct(target.stat().st_mode & 0o777) == oct(0o640)
+    assert mine.read_text() == "my own temp file"

@@ -235,7 +235,7 @@ def test_last_record_missing_only_its_newline_is_kept(good_file):
     assert [r.get("n_q") for r in read_records(good_file)][-1] == 512
     writer = ResultsWriter(good_file)
     assert (
-        "softmax", "reference", False, "float32", 1, 1, 512, 512, 64, 64, None, 1
+        "softmax", "reference", "prefill", False, "float32", 1, 1, 512, 512, 64, 64, None, None, 1
     ) in writer.done_keys()
     writer.write("point", **_point(1024))
     assert [r.get("n_q") for r in read_records(good_file)][-2:] == [512, 1024]
@@ -245,7 +245,7 @@ def test_resume_reports_finished_points(good_file):
     ResultsWriter(good_file).write("point", **_point(512, status="error", reason="boom"))
     ResultsWriter(good_file).write("point", **_point(1024, status="skipped", reason="memory"))
     keys = ResultsWriter(good_file).done_keys()
-    assert {key[6] for key in keys} == {128, 256, 1024}      # n_q; the error is retried
+    assert {key[7] for key in keys} == {128, 256, 1024}      # n_q; the error is retried
 
 
 def test_fresh_start_replaces_a_results_file_atomically(good_file, monkeypatch):
@@ -273,3 +273,60 @@ def test_dropping_a_partial_tail_is_atomic(good_file, monkeypatch):
         ResultsWriter(good_file)
     assert good_file.read_bytes() == before
     assert len(read_records(good_file)) == 4
+
+
+# ---------------------------------------------------------------------------
+# The user's files: never deleted, never re-moded, symlinks kept.
+# ---------------------------------------------------------------------------
+
+def test_atomic_rewrites_leave_the_users_tmp_file_alone(good_file):
+    mine = good_file.with_name(good_file.name + ".tmp")
+    mine.write_text("my own notes")
+    with open(good_file, "a") as handle:
+        handle.write('{"schema": "fastattn.res')     # a partial tail to cut
+    ResultsWriter(good_file)
+    ResultsWriter(good_file, resume=False)
+    assert mine.read_text() == "my own notes"
+    assert sorted(p.name for p in good_file.parent.iterdir()) == sorted([good_file.name, mine.name])
+
+
+def test_a_symlinked_results_file_is_written_through_and_keeps_its_mode(good_file):
+    good_file.chmod(0o640)
+    link = good_file.with_name("link.jsonl")
+    link.symlink_to(good_file)
+    with open(good_file, "a") as handle:
+        handle.write('{"schema": "fastattn.res')
+    writer = ResultsWriter(link)
+    writer.write("point", **_point(512))
+    ResultsWriter(link, resume=False).write("point", **_point(1024))
+    assert link.is_symlink()
+    assert [r["n_q"] for r in read_records(good_file)] == [1024]
+    assert good_file.stat().st_mode & 0o777 == 0o640
+
+
+def test_a_read_only_results_file_is_refused_unchanged(good_file):
+    good_file.chmod(0o444)
+    before = os.stat(good_file)
+    data = good_file.read_bytes()
+    for resume in (True, False):
+        with pytest.raises(ResultsFileError, match="read-only"):
+            ResultsWriter(good_file, resume=resume)
+    after = os.stat(good_file)
+    assert (after.st_mode, after.st_ino, good_file.read_bytes()) == \
+        (before.st_mode, before.st_ino, data)
+
+
+@pytest.mark.parametrize("record,message", [
+    ({"record": "point"}, "without attention"),
+    ({"record": "point", **_point(4), "n_q": "big"}, "n_q = 'big'"),
+    ({"record": "point", **_point(4), "median_s": "fast"}, "median_s = 'fast'"),
+    ({"record": "point", **_point(4), "status": "great"}, "status = 'great'"),
+    ({"record": "roof", "dtype": "float32", "gflops": "lots"}, "gflops = 'lots'"),
+    ({"record": "point", **_point(4), "times_s": [1, "x"]}, "times_s"),
+], ids=["no-fields", "n_q-text", "median-text", "bad-status", "roof-gflops", "times-text"])
+def test_every_record_is_checked_on_reading(tmp_path, record, message):
+    path = tmp_path / "r.jsonl"
+    path.write_text(_line("environment", cpu="x") + json.dumps({"schema": SCHEMA, **record})
+                    + "\n")
+    with pytest.raises(ResultsFileError, match=f"r.jsonl:2 .*{message}"):
+        read_records(path)

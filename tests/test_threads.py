@@ -6,6 +6,7 @@ with the child's stderr instead of killing the test session.
 """
 
 import subprocess
+import threading
 import sys
 import textwrap
 
@@ -115,3 +116,78 @@ def test_results_do_not_depend_on_the_thread_count(backend, dtype):
         for out, exp, ref1 in zip(outs, expected, outputs[1]):
             assert_close(out, exp, dtype=dtype, err_msg=f"{n_threads} threads vs the oracle")
             assert_close(out, ref1, dtype=dtype, err_msg=f"{n_threads} threads vs 1 thread")
+
+
+def test_the_thread_count_reaches_numba_in_every_python_thread(monkeypatch):
+    """Numba's own count is per Python thread; fastattn's is process-wide."""
+    numba = pytest.importorskip("numba")
+    if "numba" not in fastattn.available_backends() or numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("needs the numba backend with at least 2 threads")
+    from fastattn._numba import _threads as numba_threads
+
+    # A call on one thread may run a kernel's serial twin instead of setting
+    # Numba's count: record when it does.
+    serial = []
+    real_twin = getattr(numba_threads, "serial_twin", None)
+    monkeypatch.setattr(numba_threads, "serial_twin",
+                        lambda kernel: (serial.append(kernel), real_twin(kernel))[1], raising=False)
+    q, k, v = make_qkv((4, 300, 16), dtype=np.float32, seed=72)   # enough work to run in parallel
+    seen = {}
+
+    def call():
+        fastattn.softmax_attention(q, k, v, backend="numba")
+        # The threads the kernel ran on in this Python thread.
+        seen["numba"] = 1 if serial else numba.get_num_threads()
+        seen["reported"] = fastattn.get_num_threads()["numba"]
+
+    for n_threads in (1, 2):
+        serial.clear()
+        with fastattn.num_threads(n_threads):
+            worker = threading.Thread(target=call)
+            worker.start()
+            worker.join()
+        assert seen == {"numba": n_threads, "reported": n_threads}, f"after set_num_threads({n_threads})"
+
+
+def _count_blas_calls(monkeypatch):
+    """Count every call that sets a BLAS library's threads, and refuse threadpoolctl's limit()."""
+    import threadpoolctl
+
+    calls = []
+    for cls in {type(lib) for lib in threadpoolctl.ThreadpoolController().lib_controllers}:
+        real = cls.set_num_threads
+        monkeypatch.setattr(cls, "set_num_threads",
+                            lambda self, n, real=real: (calls.append(n), real(self, n))[1])
+
+    def no_limit(*args, **kwargs):
+        raise AssertionError("a threadpoolctl limit was made during a kernel call")
+
+    monkeypatch.setattr(threadpoolctl.ThreadpoolController, "limit", no_limit)
+    monkeypatch.setattr(threadpoolctl, "threadpool_limits", no_limit)
+    return calls
+
+
+def test_a_call_too_small_to_split_leaves_blas_and_the_pools_alone(fast_backend, monkeypatch):
+    q, k, v = make_qkv((1, 64), dtype=np.float32, seed=73)      # the trivial call: n = 1, d = 64
+    fastattn.softmax_attention(q, k, v, backend=fast_backend)    # loads everything first
+    with fastattn.num_threads(2):
+        calls = _count_blas_calls(monkeypatch)
+        for _ in range(3):
+            fastattn.softmax_attention(q, k, v, backend=fast_backend)
+            fastattn.linear_attention(q, k, v, causal=True, backend=fast_backend)
+        assert calls == [], f"BLAS threads were set {len(calls)} times for calls of 1 query"
+
+
+def test_a_parallel_call_holds_blas_at_one_thread_without_a_limit_object(fast_backend, monkeypatch):
+    from fastattn import _threads
+
+    q, k, v = make_qkv((4, 300, 16), dtype=np.float32, seed=74)
+    fastattn.softmax_attention(q, k, v, backend=fast_backend)
+    with fastattn.num_threads(2):
+        if fastattn.get_num_threads()[fast_backend] < 2:
+            pytest.skip(f"{fast_backend} cannot run 2 threads here")
+        calls = _count_blas_calls(monkeypatch)
+        fastattn.softmax_attention(q, k, v, backend=fast_backend)
+        # Held at 1 during the call, back to 2 after (no threadpoolctl limit object).
+        assert calls and set(calls) == {1, 2} and calls[-1] == 2, calls
+        assert _threads.blas_threads() == 2

@@ -302,3 +302,78 @@ def test_tiled_backends_run_where_the_reference_cannot(little_memory, fast):
     for causal in (False, True):
         assert np.all(np.isfinite(fastattn.softmax_attention(q, k, v, causal=causal, backend=fast)))
         assert np.all(np.isfinite(fastattn.linear_attention(q, k, v, causal=causal, backend=fast)))
+
+
+def test_empty_value_dim_never_forms_an_n_by_n_array(little_memory, backend):
+    """d_v = 0, causal, with state: O(size of the inputs), whatever backend is asked."""
+    from oracles import linear_oracle
+
+    q, k, _ = make_qkv((2048, 4), dtype=np.float32, seed=5)
+    v = np.ones((2048, 0), np.float32)
+    assert 2048 * 2048 * 4 > 16 * little_memory      # one n x n float32 array would not fit
+    tracemalloc.start()
+    try:
+        out, (S, z) = fastattn.linear_attention(q, k, v, causal=True, return_state=True,
+                                                backend=backend)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert out.shape == (2048, 0) and S.shape == (4, 0) and z.shape == (4,)
+    _, _, z_exp = linear_oracle(q, k, v, "elu", True)
+    np.testing.assert_allclose(z, z_exp, rtol=1e-5)
+    assert peak < 8 * q.nbytes, f"allocated {peak:,} bytes for inputs of {q.nbytes:,}"
+
+
+def test_causal_linear_reference_refuses_before_any_work(little_memory):
+    """The n x n check comes before the feature maps (each as large as q)."""
+    q, k, v = make_qkv((2048, 64), dtype=np.float32, seed=6)
+    tracemalloc.start()
+    try:
+        with pytest.raises(MemoryError, match="causal linear attention"):
+            fastattn.linear_attention(q, k, v, causal=True, backend="reference")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < q.nbytes / 4, f"allocated {peak:,} bytes (q is {q.nbytes:,}) before refusing"
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["float32", "float16-in-float32"])
+@pytest.mark.parametrize("kind", ["softmax", "weights"])
+def test_scale_infinite_in_the_dtype_is_refused(backend, kind, dtype):
+    """1e39 is a finite Python float but inf in float32 (every logit would be NaN)."""
+    q, k, v = (x.astype(dtype) for x in (Q, K, V))
+    kwargs = {"backend": backend} if kind != "weights" else {}
+    _raises(ValueError, lambda: _call(kind, q, k, v, scale=1e39, **kwargs),
+            "scale", "float32", "1e+39")
+    # The largest float32 is still a valid scale, and float64 takes 1e39.
+    assert np.all(np.isfinite(_call(kind, Q, K, V, scale=1e39, **kwargs)))
+
+
+@pytest.mark.parametrize("options, fragments", [
+    ({"kind": "softmax", "feature_map": "bogus"}, ["feature_map must be one of", "'bogus'"]),
+    ({"kind": "softmax", "eps": -1.0}, ["eps", ">= 0"]),
+    ({"kind": "softmax", "eps": "small"}, ["eps must be a real number"]),
+    ({"kind": "linear", "scale": 2.0}, ["scale applies to kind='softmax' only", "2.0"]),
+    ({"kind": "linear", "scale": np.inf}, ["scale applies to kind='softmax' only"]),
+], ids=["softmax-feature_map", "softmax-eps", "softmax-eps-type", "linear-scale", "linear-scale-inf"])
+def test_attention_weights_checks_options_of_the_other_kind(options, fragments):
+    exc = TypeError if options.get("eps") == "small" else ValueError
+    _raises(exc, lambda: fastattn.attention_weights(Q, K, **options), *fragments)
+
+
+@pytest.mark.parametrize("seed", [-1, 2**32, 1.5, "42", None, True, [1, 2]], ids=repr)
+def test_compare_refuses_a_bad_seed_naming_it(seed):
+    _raises(ValueError, lambda: fastattn.compare(8, 4, seed=seed), "seed must be an int", repr(seed))
+
+
+@pytest.mark.parametrize("n, d", [(10**9, 8), (10**6, 4)], ids=["n1e9-d8-inputs", "n1e6-d4-n-by-n"])
+def test_compare_refuses_a_size_that_cannot_fit_before_drawing(n, d):
+    tracemalloc.start()
+    try:
+        message = _raises(MemoryError, lambda: fastattn.compare(n, d), f"n={n}", f"d={d}",
+                          "choose a smaller n")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert _bytes(message)[0] >= 4 * n * n, message
+    assert peak < 1 << 20, f"allocated {peak:,} bytes before refusing"

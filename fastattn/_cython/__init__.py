@@ -6,11 +6,13 @@ dispatch in :mod:`fastattn._api` falls back to another backend.
 
 The kernels parallelise over heads and blocks with OpenMP and call SciPy's
 BLAS (``scipy.linalg.cython_blas``) from inside the parallel region, so each
-call holds BLAS at one thread (through threadpoolctl) to keep the OpenMP
-threads and the BLAS threads from oversubscribing the cores.
+parallel call holds BLAS at one thread (see :mod:`fastattn._threads`) to keep
+the OpenMP threads and the BLAS threads from oversubscribing the cores.  A
+call too small to split, or made in a child forked after the OpenMP pool
+started, runs on one thread without waking the pool.
 """
 
-from .._threads import single_threaded_blas
+from .._threads import kernel_threads, single_threaded_blas
 
 try:
     from . import _blas, _openmp, linear, softmax  # noqa: F401  (compiled extensions)
@@ -20,6 +22,7 @@ except ImportError as exc:
         f"with `pip install .`, which compiles them): {exc}"
     ) from exc
 from ._openmp import get_num_threads, openmp_enabled, set_num_threads
+from . import linear as _linear
 from .linear import CHUNK, linear_attention_forward
 from .softmax import BLOCK_K, BLOCK_Q, _build_features, online_softmax_forward
 
@@ -33,6 +36,9 @@ __all__ = [
     "BLOCK_Q",
     "BLOCK_K",
     "CHUNK",
+    "favor_query_features",
+    "favor_key_features",
+    "taylor_features",
 ]
 
 def vector_exp_enabled():
@@ -60,8 +66,14 @@ def softmax_forward(q, k, v, causal, scale):
     -------
     out : ndarray of shape (B, n_q, d_v)
     """
+    n_batch, n_q, d_k = q.shape
+    n_k, d_v = k.shape[1], v.shape[2]
+    n_threads = kernel_threads(get_num_threads(), n_batch * -(-n_q // BLOCK_Q),
+                               n_batch * n_q * n_k * (d_k + d_v))
+    if n_threads == 1:
+        return online_softmax_forward(q, k, v, causal, scale, 1)
     with single_threaded_blas():
-        return online_softmax_forward(q, k, v, causal, scale, get_num_threads())
+        return online_softmax_forward(q, k, v, causal, scale, n_threads)
 
 
 def linear_forward(q, k, v, feature_map, causal, eps, S0=None, z0=None):
@@ -73,7 +85,35 @@ def linear_forward(q, k, v, feature_map, causal, eps, S0=None, z0=None):
     S : ndarray of shape (B, d_k, d_v)
     z : ndarray of shape (B, d_k)
     """
+    n_batch, n_q, d_k = q.shape
+    n_k, d_v = k.shape[1], v.shape[2]
+    n_threads = kernel_threads(get_num_threads(), n_batch * -(-(n_q if causal else n_k) // CHUNK),
+                               n_batch * (n_q + n_k) * d_k * d_v)
+    if n_threads == 1:
+        return linear_attention_forward(q, k, v, feature_map, causal, eps, S0, z0, 1)
     with single_threaded_blas():
-        return linear_attention_forward(
-            q, k, v, feature_map, causal, eps, S0, z0, get_num_threads()
-        )
+        return linear_attention_forward(q, k, v, feature_map, causal, eps, S0, z0, n_threads)
+
+
+def _feature_call(kernel, x, work, *args):
+    """``kernel(x, *args, n_threads)``, sharing ``x``'s rows out, for ``work`` multiply-adds."""
+    n_threads = kernel_threads(get_num_threads(), x.shape[0] * x.shape[1], work)
+    if n_threads == 1:
+        return kernel(x, *args, 1)
+    with single_threaded_blas():
+        return kernel(x, *args, n_threads)
+
+
+def favor_query_features(x, w):
+    """FAVOR+ query features ``(B, n, m)`` (see ``linear.favor_query_features``)."""
+    return _feature_call(_linear.favor_query_features, x, x.size * w.shape[1], w)
+
+
+def favor_key_features(x, w):
+    """FAVOR+ key features ``(B, n, m)`` and shifts ``(B,)`` (see ``linear.favor_key_features``)."""
+    return _feature_call(_linear.favor_key_features, x, x.size * w.shape[1], w)
+
+
+def taylor_features(x):
+    """Taylor features ``(B, n, D)`` (see ``linear.taylor_features``)."""
+    return _feature_call(_linear.taylor_features, x, x.size * x.shape[2])

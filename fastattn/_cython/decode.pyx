@@ -37,7 +37,7 @@ from scipy.linalg.cython_blas cimport dgemv, sgemv
 
 from fastattn._cython._openmp import get_num_threads
 from fastattn._dispatch import split_count
-from fastattn._threads import single_threaded_blas
+from fastattn._threads import kernel_threads, single_threaded_blas
 
 #: Keys per block inside a split (one scores product and one ``p v`` product).
 #: Measured here (float32, n_q=1, d=64, 2 threads, min of repeats, one
@@ -225,7 +225,7 @@ def _split_key_softmax(
                    n_splits, n_q, d_v, &out[b, 0, 0])
 
 
-def split_key_softmax_forward(q, k, v, bint causal, double scale, int n_threads=1, n_splits=None,
+def split_key_softmax_forward(q, k, v, bint causal, double scale, n_threads=None, n_splits=None,
                               n_k=None):
     """Softmax attention ``softmax(q kᵀ · scale) v`` with the keys split across threads.
 
@@ -241,8 +241,11 @@ def split_key_softmax_forward(q, k, v, bint causal, double scale, int n_threads=
         ``j <= i + n_k - n_q``; a row that sees no key is 0.
     scale : float
         Multiplies the logits.
-    n_threads : int, default 1
-        OpenMP threads; ignored in a build without OpenMP.
+    n_threads : int, optional
+        OpenMP threads at most; default the backend's count.  Fewer run when
+        the call is too small to split (:func:`fastattn._threads.kernel_threads`),
+        with BLAS held at one thread while several do; ignored in a build
+        without OpenMP.
     n_splits : int, optional
         Key ranges per head, from 1 to ``n_k``; default
         :func:`fastattn._dispatch.split_count` for ``n_threads``.
@@ -262,13 +265,14 @@ def split_key_softmax_forward(q, k, v, bint causal, double scale, int n_threads=
     SPLIT_KEYS_BLOCK_K`` for the scores of ``T`` threads.  Flash-Decoding
     (Dao et al. 2023) over the online softmax of Milakov & Gimelshein (2018).
     """
-    n_threads = max(1, n_threads)
-    n_batch, n_q, _ = q.shape
+    n_threads = get_num_threads() if n_threads is None else max(1, n_threads)
+    n_batch, n_q, d_k = q.shape
     n_k = k.shape[1] if n_k is None else n_k
     d_v = v.shape[2]
     if n_splits is None:
         n_splits = split_count(n_batch, n_k, n_threads)
     n_splits = max(1, min(int(n_splits), n_k))
+    n_threads = kernel_threads(n_threads, n_batch * n_splits, n_batch * n_q * n_k * (d_k + d_v))
     block_k = min(SPLIT_KEYS_BLOCK_K, (n_k + n_splits - 1) // n_splits)
     dtype = q.dtype
     out = np.empty((n_batch, n_q, d_v), dtype=dtype)
@@ -276,8 +280,13 @@ def split_key_softmax_forward(q, k, v, bint causal, double scale, int n_threads=
     part_l = np.empty((n_batch, n_splits, n_q), dtype=dtype)
     part_acc = np.empty((n_batch, n_splits, n_q, d_v), dtype=dtype)
     workspace = np.empty(n_threads * n_q * block_k, dtype=dtype)
-    _split_key_softmax(q, k, v, out, part_m, part_l, part_acc, workspace, n_k, causal,
-                       scale, block_k, n_threads)
+    if n_threads == 1:
+        _split_key_softmax(q, k, v, out, part_m, part_l, part_acc, workspace, n_k, causal,
+                           scale, block_k, 1)
+    else:
+        with single_threaded_blas():
+            _split_key_softmax(q, k, v, out, part_m, part_l, part_acc, workspace, n_k, causal,
+                               scale, block_k, n_threads)
     return out
 
 
@@ -354,5 +363,4 @@ def linear_forward(q, k, v, feature_map, causal, eps, S0=None, z0=None):
 
 def cache_softmax_forward(q, k, v, causal, scale, n_k):
     """Softmax attention over the first ``n_k`` keys of ``k (B, capacity, d_k)`` (a KV cache), no copy."""
-    with single_threaded_blas():
-        return split_key_softmax_forward(q, k, v, causal, scale, get_num_threads(), None, n_k)
+    return split_key_softmax_forward(q, k, v, causal, scale, None, None, n_k)

@@ -28,11 +28,35 @@ import numpy as np
 from cython cimport floating
 from cython.parallel cimport parallel, prange, threadid
 
+from libc.math cimport log, sqrt
+
 from fastattn._cython._blas cimport gemm
+from fastattn._cython._vmath cimport exp_sum, row_max
 from fastattn._cython._vmath cimport feature_map as _feature_map
 
 #: Rows per chunk: the width of the causal diagonal term and of the buffers.
 CHUNK = 64
+
+cdef enum:
+    RELU = 1
+    IDENTITY = 2
+    _FEATURE_BLOCK = 128
+
+#: Rows per work item of the feature kernels (FAVOR+, Taylor).
+FEATURE_BLOCK = _FEATURE_BLOCK
+
+#: Feature map name -> code passed to the kernels.  ``identity``: the inputs
+#: are features already (FAVOR+, Taylor, a user's map), of any dimension D.
+FEATURE_MAP_CODES = {"elu": 0, "relu": RELU, "identity": IDENTITY}
+
+
+cdef inline const floating *_features(const floating *x, Py_ssize_t n, floating *buf,
+                                      int code) noexcept nogil:
+    """``φ(x[0:n])``: ``x`` itself for the identity map, else written into ``buf``."""
+    if code == IDENTITY:
+        return x
+    _feature_map(x, n, buf, code == RELU)
+    return buf
 
 
 cdef inline void _normalise_row(floating *row, int d_v, floating denominator) noexcept nogil:
@@ -49,15 +73,16 @@ cdef inline void _normalise_row(floating *row, int d_v, floating denominator) no
 
 
 cdef void _fold_keys(const floating *k, const floating *v, int j0, int j1,
-                     int d_k, int d_v, bint relu, int chunk,
-                     floating *S, floating *z, floating *phi) noexcept nogil:
+                     int d_k, int d_v, int code, int chunk,
+                     floating *S, floating *z, floating *buf) noexcept nogil:
     """``S += φ(k[j0:j1])ᵀ v[j0:j1]``, ``z += Σ φ(k[j0:j1])``, ``chunk`` keys at a time."""
     cdef int t, c0, rows, j, a
     cdef double acc
+    cdef const floating *phi
     for t in range((j1 - j0 + chunk - 1) // chunk if j1 > j0 else 0):
         c0 = j0 + t * chunk
         rows = min(chunk, j1 - c0)
-        _feature_map(k + <Py_ssize_t> c0 * d_k, <Py_ssize_t> rows * d_k, phi, relu)
+        phi = _features(k + <Py_ssize_t> c0 * d_k, <Py_ssize_t> rows * d_k, buf, code)
         gemm(True, False, d_k, d_v, rows, 1, phi, d_k,
              v + <Py_ssize_t> c0 * d_v, d_v, 1, S, d_v)
         # z gains one chunk sum (taken in double) per chunk, not one key at a
@@ -69,14 +94,15 @@ cdef void _fold_keys(const floating *k, const floating *v, int j0, int j1,
             z[a] = z[a] + <floating> acc
 
 
-cdef void _query_chunk(const floating *q, int i0, int i1, int d_k, int d_v,
-                       bint relu, const floating *S, const floating *z,
-                       floating *out, floating *phi, floating *den) noexcept nogil:
-    """``out[i0:i1] = φ(q) S`` (unnormalised) and ``den = φ(q) · z``."""
+cdef const floating *_query_chunk(const floating *q, int i0, int i1, int d_k, int d_v,
+                                  int code, const floating *S, const floating *z,
+                                  floating *out, floating *buf, floating *den) noexcept nogil:
+    """``out[i0:i1] = φ(q) S`` (unnormalised) and ``den = φ(q) · z``; returns ``φ(q[i0:i1])``."""
     cdef int rows = i1 - i0, r, a
     cdef floating acc
-    cdef floating *prow
-    _feature_map(q + <Py_ssize_t> i0 * d_k, <Py_ssize_t> rows * d_k, phi, relu)
+    cdef const floating *prow
+    cdef const floating *phi = _features(q + <Py_ssize_t> i0 * d_k, <Py_ssize_t> rows * d_k,
+                                         buf, code)
     gemm(False, False, rows, d_v, d_k, 1, phi, d_k, S, d_v, 0,
          out + <Py_ssize_t> i0 * d_v, d_v)
     for r in range(rows):
@@ -85,6 +111,7 @@ cdef void _query_chunk(const floating *q, int i0, int i1, int d_k, int d_v,
         for a in range(d_k):
             acc = acc + prow[a] * z[a]
         den[r] = acc
+    return phi
 
 
 def _noncausal(
@@ -95,7 +122,7 @@ def _noncausal(
     floating[:, :, :, ::1] S_seg,
     floating[:, :, ::1] z_seg,
     floating[::1] workspace,
-    bint relu,
+    int code,
     double eps,
     int chunk,
     int n_threads,
@@ -123,7 +150,7 @@ def _noncausal(
             b = item // n_seg
             s = item % n_seg
             _fold_keys(&k[b, 0, 0], &v[b, 0, 0], s * n_k // n_seg, (s + 1) * n_k // n_seg,
-                       d_k, d_v, relu, chunk, &S_seg[b, s, 0, 0], &z_seg[b, s, 0], buf)
+                       d_k, d_v, code, chunk, &S_seg[b, s, 0, 0], &z_seg[b, s, 0], buf)
     S_arr = np.asarray(S_seg).sum(axis=1)
     z_arr = np.asarray(z_seg).sum(axis=1)
     S, z = S_arr, z_arr
@@ -133,7 +160,7 @@ def _noncausal(
             b = item // n_chunks
             i0 = (item % n_chunks) * chunk
             i1 = min(i0 + chunk, n_q)
-            _query_chunk(&q[b, 0, 0], i0, i1, d_k, d_v, relu, &S[b, 0, 0], &z[b, 0],
+            _query_chunk(&q[b, 0, 0], i0, i1, d_k, d_v, code, &S[b, 0, 0], &z[b, 0],
                          &out[b, 0, 0], buf, buf + chunk * d_k)
             for r in range(i1 - i0):
                 _normalise_row(&out[b, i0 + r, 0], d_v, buf[chunk * d_k + r] + <floating> eps)
@@ -152,9 +179,9 @@ cdef inline int _segment_start(int s, int n_segments, int n_chunks, int chunk,
 
 cdef void _causal_segment(const floating *q, const floating *k, const floating *v,
                           floating *out, floating *S, floating *z,
-                          int n_q, int n_k, int d_k, int d_v, bint relu, floating eps,
+                          int n_q, int n_k, int d_k, int d_v, int code, floating eps,
                           int chunk, int c_begin, int c_end, int folded, bint last,
-                          floating *phi_q, floating *phi_k, floating *a_buf,
+                          bint v_finite, floating *q_buf, floating *k_buf, floating *a_buf,
                           floating *den) noexcept nogil:
     """Query chunks ``[c_begin, c_end)`` of one head, in order, from the state ``(S, z)``.
 
@@ -167,6 +194,8 @@ cdef void _causal_segment(const floating *q, const floating *k, const floating *
     cdef floating *arow
     cdef floating *orow
     cdef const floating *vrow
+    cdef const floating *phi_q
+    cdef const floating *phi_k
     for t in range(c_begin, c_end):
         i0 = t * chunk
         i1 = min(i0 + chunk, n_q)
@@ -174,29 +203,39 @@ cdef void _causal_segment(const floating *q, const floating *k, const floating *
         # Keys [0, p0) are seen by every query of the chunk, [p0, p1) by some.
         p0 = min(max(i0 + off + 1, 0), n_k)
         p1 = min(max(i1 + off, 0), n_k)
-        _fold_keys(k, v, folded, p0, d_k, d_v, relu, chunk, S, z, phi_k)
+        _fold_keys(k, v, folded, p0, d_k, d_v, code, chunk, S, z, k_buf)
         folded = p0
-        _query_chunk(q, i0, i1, d_k, d_v, relu, S, z, out, phi_q, den)
+        phi_q = _query_chunk(q, i0, i1, d_k, d_v, code, S, z, out, q_buf, den)
         width = p1 - p0
         if width > 0:
-            _feature_map(k + <Py_ssize_t> p0 * d_k, <Py_ssize_t> width * d_k, phi_k, relu)
+            phi_k = _features(k + <Py_ssize_t> p0 * d_k, <Py_ssize_t> width * d_k, k_buf, code)
             gemm(False, True, rows, width, d_k, 1, phi_q, d_k, phi_k, d_k, 0, a_buf, width)
             for r in range(rows):
                 seen = min(max(i0 + r + off + 1, 0), n_k) - p0
                 arow = a_buf + <Py_ssize_t> r * width
-                orow = out + <Py_ssize_t> (i0 + r) * d_v
                 total = 0
                 for j in range(seen):
-                    a = arow[j]
-                    total = total + a
-                    vrow = v + <Py_ssize_t> (p0 + j) * d_v
-                    for c in range(d_v):
-                        orow[c] = orow[c] + a * vrow[c]
+                    total = total + arow[j]
                 den[r] = den[r] + total
+                if v_finite:
+                    for j in range(seen, width):
+                        arow[j] = 0
+                else:
+                    # Form only the terms the row sees: 0 * inf must not reach it.
+                    orow = out + <Py_ssize_t> (i0 + r) * d_v
+                    for j in range(seen):
+                        a = arow[j]
+                        vrow = v + <Py_ssize_t> (p0 + j) * d_v
+                        for c in range(d_v):
+                            orow[c] = orow[c] + a * vrow[c]
+            if v_finite:
+                # Masked weights are 0 and every value is finite: one GEMM.
+                gemm(False, False, rows, d_v, width, 1, a_buf, width,
+                     v + <Py_ssize_t> p0 * d_v, d_v, 1, out + <Py_ssize_t> i0 * d_v, d_v)
         for r in range(rows):
             _normalise_row(out + <Py_ssize_t> (i0 + r) * d_v, d_v, den[r] + eps)
     if last:
-        _fold_keys(k, v, folded, n_k, d_k, d_v, relu, chunk, S, z, phi_k)
+        _fold_keys(k, v, folded, n_k, d_k, d_v, code, chunk, S, z, k_buf)
 
 
 def _causal(
@@ -207,12 +246,16 @@ def _causal(
     floating[:, :, :, ::1] S_seg,
     floating[:, :, ::1] z_seg,
     floating[::1] workspace,
-    bint relu,
+    int code,
     double eps,
     int chunk,
     int n_threads,
+    bint v_finite,
 ):
     """Chunked causal linear attention, each head cut into ``S_seg.shape[1]`` segments.
+
+    ``v_finite``: every value is finite, so the diagonal term may be one GEMM
+    over weights zeroed where masked (else it forms only the visible terms).
 
     ``S_seg[b, 0], z_seg[b, 0]`` hold the initial state and the other
     segments' entries zeros on entry.  Pass 1 (parallel) sums each segment's
@@ -238,7 +281,7 @@ def _causal(
                 _fold_keys(&k[b, 0, 0], &v[b, 0, 0],
                            _segment_start(s, n_seg, n_chunks, chunk, n_q, n_k),
                            _segment_start(s + 1, n_seg, n_chunks, chunk, n_q, n_k),
-                           d_k, d_v, relu, chunk, &S_seg[b, s + 1, 0, 0], &z_seg[b, s + 1, 0], buf)
+                           d_k, d_v, code, chunk, &S_seg[b, s + 1, 0, 0], &z_seg[b, s + 1, 0], buf)
         np.cumsum(S_seg, axis=1, out=np.asarray(S_seg))
         np.cumsum(z_seg, axis=1, out=np.asarray(z_seg))
 
@@ -248,10 +291,10 @@ def _causal(
             b = item // n_seg
             s = item % n_seg
             _causal_segment(&q[b, 0, 0], &k[b, 0, 0], &v[b, 0, 0], &out[b, 0, 0],
-                            &S_seg[b, s, 0, 0], &z_seg[b, s, 0], n_q, n_k, d_k, d_v, relu, e,
+                            &S_seg[b, s, 0, 0], &z_seg[b, s, 0], n_q, n_k, d_k, d_v, code, e,
                             chunk, s * n_chunks // n_seg, (s + 1) * n_chunks // n_seg,
                             _segment_start(s, n_seg, n_chunks, chunk, n_q, n_k), s == n_seg - 1,
-                            buf, buf + chunk * d_k, buf + 2 * chunk * d_k,
+                            v_finite, buf, buf + chunk * d_k, buf + 2 * chunk * d_k,
                             buf + 2 * chunk * d_k + chunk * chunk)
 
 
@@ -264,8 +307,9 @@ def linear_attention_forward(q, k, v, feature_map, bint causal, double eps, S0=N
     q : ndarray of shape (B, n_q, d_k), float32 or float64, C-contiguous
     k : ndarray of shape (B, n_k, d_k), same dtype
     v : ndarray of shape (B, n_k, d_v), same dtype
-    feature_map : {"elu", "relu"}
-        ``elu(x) + 1`` or ``max(x, 0)``.
+    feature_map : {"elu", "relu", "identity"}
+        ``elu(x) + 1``, ``max(x, 0)``, or ``x`` (``q`` and ``k`` are
+        features already, of any dimension ``D`` in place of ``d_k``).
     causal : bool
         Bottom-right aligned mask (query ``i`` sees key ``j <= i + n_k - n_q``).
     eps : float
@@ -292,8 +336,8 @@ def linear_attention_forward(q, k, v, feature_map, bint causal, double eps, S0=N
     outputs: ``T · (2 CHUNK d_k + CHUNK² + CHUNK)`` elements for ``T``
     threads.  Katharopoulos et al., "Transformers are RNNs" (ICML 2020).
     """
-    if feature_map not in ("elu", "relu"):
-        raise ValueError(f"feature_map must be 'elu' or 'relu', got {feature_map!r}")
+    if feature_map not in FEATURE_MAP_CODES:
+        raise ValueError(f"feature_map must be one of {list(FEATURE_MAP_CODES)}, got {feature_map!r}")
     n_threads = max(1, n_threads)
     n_batch, n_q, d_k = q.shape
     d_v = v.shape[2]
@@ -302,7 +346,7 @@ def linear_attention_forward(q, k, v, feature_map, bint causal, double eps, S0=N
     chunk = CHUNK
     per_thread = 2 * chunk * d_k + chunk * chunk + chunk
     workspace = np.empty(n_threads * per_thread, dtype)
-    relu = feature_map == "relu"
+    code = FEATURE_MAP_CODES[feature_map]
     # Fewer heads than threads: cut each head into segments run in parallel.
     n_chunks = -(-(n_q if causal else k.shape[1]) // chunk)
     n_seg = max(1, min(-(-n_threads // n_batch), n_chunks)) if n_batch < n_threads else 1
@@ -313,7 +357,132 @@ def linear_attention_forward(q, k, v, feature_map, bint causal, double eps, S0=N
     if z0 is not None:
         z_seg[:, 0] = z0
     if causal:
-        _causal(q, k, v, out, S_seg, z_seg, workspace, relu, eps, chunk, n_threads)
+        _causal(q, k, v, out, S_seg, z_seg, workspace, code, eps, chunk, n_threads,
+                bool(np.isfinite(v).all()))
         return out, S_seg[:, -1].copy(), z_seg[:, -1].copy()
-    S, z = _noncausal(q, k, v, out, S_seg, z_seg, workspace, relu, eps, chunk, n_threads)
+    S, z = _noncausal(q, k, v, out, S_seg, z_seg, workspace, code, eps, chunk, n_threads)
     return out, S, z
+
+
+def _favor_exponents(
+    const floating[:, :, ::1] x,
+    const floating[:, ::1] w,
+    bint is_query,
+    floating[:, :, ::1] out,
+    double[:, ::1] peaks,
+    int n_threads,
+):
+    """``out = x w`` block by block (GEMM); queries: then ``exp(out − row max − ln(m)/2)``;
+    keys: ``out −= ‖x‖²/(2√d_k)`` and ``peaks[b, t]`` = the block's largest exponent (NaN ignored)."""
+    cdef int B = x.shape[0], n = x.shape[1], d_k = x.shape[2], m = w.shape[1]
+    cdef int nblk = peaks.shape[1]
+    cdef int item, b, t, i0, rows, i, r, a
+    cdef floating half_ln_m = <floating> (0.5 * log(m))
+    cdef floating norm_coef = <floating> (0.5 / sqrt(d_k))
+    cdef floating sq, er
+    cdef double peak
+    cdef floating *row
+    cdef const floating *xrow
+    with nogil, parallel(num_threads=max(1, min(n_threads, B * nblk))):
+        for item in prange(B * nblk, schedule="static"):
+            b = item // nblk
+            t = item % nblk
+            i0 = t * _FEATURE_BLOCK
+            rows = min(n, i0 + _FEATURE_BLOCK) - i0
+            gemm(False, False, rows, m, d_k, 1, &x[b, i0, 0], d_k, &w[0, 0], m, 0,
+                 &out[b, i0, 0], m)
+            peak = -1.0 / 0.0
+            for i in range(rows):
+                row = &out[b, i0 + i, 0]
+                if is_query:
+                    exp_sum(row, m, row_max(row, m) + half_ln_m)
+                else:
+                    xrow = &x[b, i0 + i, 0]
+                    sq = 0
+                    for a in range(d_k):
+                        sq = sq + xrow[a] * xrow[a]
+                    sq = sq * norm_coef
+                    for r in range(m):
+                        er = row[r] - sq
+                        row[r] = er
+                        if er > peak:
+                            peak = er
+            peaks[b, t] = peak
+
+
+def _favor_shift_exp(floating[:, :, ::1] out, const double[::1] shift, double half_ln_m,
+                     int n_threads):
+    """``out[b] = exp(out[b] − shift[b] − ln(m)/2)`` in place (vector exp)."""
+    cdef int B = out.shape[0], n = out.shape[1], m = out.shape[2]
+    cdef int item, b
+    with nogil, parallel(num_threads=max(1, min(n_threads, B * n))):
+        for item in prange(B * n, schedule="static"):
+            b = item // n
+            exp_sum(&out[b, item % n, 0], m, <floating> (shift[b] + half_ln_m))
+
+
+def favor_query_features(x, w, int n_threads=1):
+    """FAVOR+ query features ``(B, n, m)``: ``exp(x w − row max) / √m``.
+
+    ``x (B, n, d_k)``, ``w = (ω / d_k^¼)ᵀ (d_k, m)`` of ``x``'s dtype, both
+    C-contiguous; see :func:`fastattn.reference.favor_query_features`.
+    """
+    B, n, _ = x.shape
+    out = np.empty((B, n, w.shape[1]), x.dtype)
+    peaks = np.empty((B, -(-n // FEATURE_BLOCK)))
+    _favor_exponents(x, w, True, out, peaks, n_threads)
+    return out
+
+
+def favor_key_features(x, w, int n_threads=1):
+    """FAVOR+ key features ``(B, n, m)`` and the shift per head ``c (B,)`` float64.
+
+    ``exp(x w − ‖x‖²/(2√d_k) − c_b) / √m`` with ``c_b`` the largest exponent
+    of head ``b``; see :func:`fastattn.reference.favor_key_features`.
+    """
+    B, n, _ = x.shape
+    m = w.shape[1]
+    out = np.empty((B, n, m), x.dtype)
+    peaks = np.full((B, -(-n // FEATURE_BLOCK)), -np.inf)
+    _favor_exponents(x, w, False, out, peaks, n_threads)
+    peak = peaks.max(axis=1, initial=-np.inf)
+    shift = np.where(np.isfinite(peak), peak, 0.0)
+    _favor_shift_exp(out, shift, 0.5 * np.log(m), n_threads)
+    return out, shift
+
+
+def _taylor(const floating[:, :, ::1] x, floating[:, :, ::1] out, int n_threads):
+    cdef int B = x.shape[0], n = x.shape[1], d_k = x.shape[2]
+    cdef int item, a, a2, p
+    cdef floating c1 = <floating> (d_k ** -0.25)
+    cdef floating c_diag = <floating> (1 / sqrt(2.0 * d_k))
+    cdef floating c_off = <floating> (1 / sqrt(<double> d_k))
+    cdef floating xa, xs
+    cdef const floating *row
+    cdef floating *o
+    with nogil, parallel(num_threads=max(1, min(n_threads, B * n))):
+        for item in prange(B * n, schedule="static"):
+            row = &x[item // n, item % n, 0]
+            o = &out[item // n, item % n, 0]
+            o[0] = 1
+            for a in range(d_k):
+                o[1 + a] = row[a] * c1
+            p = 1 + d_k
+            for a in range(d_k):
+                xa = row[a]
+                o[p] = xa * xa * c_diag
+                xs = xa * c_off
+                for a2 in range(a + 1, d_k):
+                    o[p + a2 - a] = xs * row[a2]
+                p = p + d_k - a
+
+
+def taylor_features(x, int n_threads=1):
+    """Second-order Taylor features ``(B, n, 1 + d_k + d_k (d_k + 1) / 2)``.
+
+    See :func:`fastattn.reference.taylor_features` (the specification).
+    """
+    B, n, d_k = x.shape
+    out = np.empty((B, n, 1 + d_k + d_k * (d_k + 1) // 2), x.dtype)
+    _taylor(x, out, n_threads)
+    return out

@@ -240,7 +240,8 @@ def online_softmax_forward(q, k, v, bint causal, double scale, int n_threads=1):
     n_threads = max(1, n_threads)
     n_batch, n_q, _ = q.shape
     if use_split_keys(n_q, k.shape[1]):
-        return split_key_softmax_forward(q, k, v, causal, scale, n_threads)
+        # Its own thread count: the caller's was fitted to query blocks, of which a decode step has one.
+        return split_key_softmax_forward(q, k, v, causal, scale)
     block_q = min(BLOCK_Q, n_q)
     block_k = min(BLOCK_K, k.shape[1])
     out = np.empty((n_batch, n_q, v.shape[2]), dtype=q.dtype)

@@ -10,6 +10,31 @@ functions.  It deliberately leaves out ``nnan`` and ``ninf``: masks produce
 "no inf/NaN" may fold the very comparisons that handle them.
 """
 
+import numba
+
+
+def _probe():  # pragma: no cover - never called, only decorated
+    pass
+
+
+def _disk_cache():
+    """Whether Numba can cache kernels of this package on disk, and if not why.
+
+    Numba needs a writable ``__pycache__`` beside the sources, or a writable
+    user cache (``NUMBA_CACHE_DIR``, else under ``HOME``); an install that is
+    read-only to its user (another user's, a container's) has neither.
+    """
+    try:
+        numba.njit(cache=True)(_probe)
+    except RuntimeError as exc:     # "cannot cache function ...: no locator available"
+        return False, str(exc)
+    return True, None
+
+
+#: Whether the kernels are cached on disk (``cache=True``); without a
+#: writable cache they are compiled in every process instead.
+DISK_CACHE, NO_DISK_CACHE_REASON = _disk_cache()
+
 #: LLVM fast-math flags of every kernel (never ``fastmath=True``, which
 #: implies ``nnan`` and ``ninf``).
 FASTMATH = {"nsz", "arcp", "contract", "afn", "reassoc"}
@@ -21,13 +46,13 @@ FASTMATH = {"nsz", "arcp", "contract", "afn", "reassoc"}
 FASTMATH_ELEMENTARY = {"nsz", "arcp", "contract"}
 
 #: Options of the parallel kernels.
-JIT_PARALLEL = {"cache": True, "nogil": True, "parallel": True, "fastmath": set(FASTMATH)}
+JIT_PARALLEL = {"cache": DISK_CACHE, "nogil": True, "parallel": True, "fastmath": set(FASTMATH)}
 
 #: Options of the serial helpers (inlined into the kernels by LLVM).
-JIT_SERIAL = {"cache": True, "nogil": True, "fastmath": set(FASTMATH)}
+JIT_SERIAL = {"cache": DISK_CACHE, "nogil": True, "fastmath": set(FASTMATH)}
 
 #: Options of the elementary functions.
-JIT_ELEMENTARY = {"cache": True, "nogil": True, "fastmath": set(FASTMATH_ELEMENTARY)}
+JIT_ELEMENTARY = {"cache": DISK_CACHE, "nogil": True, "fastmath": set(FASTMATH_ELEMENTARY)}
 
 #: Softmax: rows of q per block (one thread works on one query block at a
 #: time) and keys per block.  A (BLOCK_Q, BLOCK_K) score tile (256 KiB in

@@ -31,7 +31,7 @@ from numba import njit, prange
 from .._dispatch import split_count
 from .config import JIT_PARALLEL, JIT_SERIAL, SPLIT_KEYS_BLOCK_K
 from ._exp import fast_exp_nonpositive
-from ._threads import get_num_threads, single_threaded_blas
+from ._threads import get_num_threads, launch
 
 
 @njit(**JIT_PARALLEL)
@@ -190,9 +190,10 @@ def split_key_softmax_forward(q, k, v, causal, scale, n_splits=None, n_k=None):
         n_splits = split_count(batch, n_k, get_num_threads())
     n_splits = max(1, min(int(n_splits), n_k))
     consts = np.array([scale, -np.inf, 0.0], dtype=q.dtype)
-    with single_threaded_blas():
-        return split_key_softmax(q, k, v, n_k, bool(causal), consts, n_splits,
-                                  min(SPLIT_KEYS_BLOCK_K, -(-n_k // n_splits)))
+    block_k = min(SPLIT_KEYS_BLOCK_K, -(-n_k // n_splits))
+    work = batch * q.shape[1] * n_k * (q.shape[2] + v.shape[2])
+    with launch(batch * n_splits, work) as pick:
+        return pick(split_key_softmax)(q, k, v, n_k, bool(causal), consts, n_splits, block_k)
 
 
 @njit(**JIT_SERIAL)

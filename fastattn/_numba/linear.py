@@ -30,17 +30,23 @@ import numpy as np
 from numba import njit, prange
 
 from .config import JIT_PARALLEL, JIT_SERIAL, LINEAR_CHUNK, LINEAR_SEGMENT, LINEAR_STEP
-from ._exp import fast_exp
-from ._threads import single_threaded_blas
+from ._exp import fast_exp, fast_exp_nonpositive
+from ._threads import launch
 
 #: Feature map name -> code passed to the kernels (a runtime argument, so one
-#: compiled kernel per dtype serves both).
-FEATURE_MAP_CODES = {"elu": 0, "relu": 1}
+#: compiled kernel per dtype serves them all).  ``identity``: the inputs are
+#: features already (FAVOR+, Taylor, a user's map; see
+#: :mod:`fastattn.feature_maps`), of any dimension D.
+FEATURE_MAP_CODES = {"elu": 0, "relu": 1, "identity": 2}
+
+#: Rows per work item of the feature kernels (FAVOR+, Taylor).
+FEATURE_BLOCK = 128
 
 
 @njit(**JIT_SERIAL)
 def _feature_map(x, out, code, one, zero):
-    """``out = φ(x)`` for a 2-D block: ``elu(x) + 1`` (code 0) or ``max(x, 0)`` (code 1).
+    """``out = φ(x)`` for a 2-D block: ``elu(x) + 1`` (code 0), ``max(x, 0)``
+    (code 1) or ``x`` (code 2, features computed beforehand).
 
     NaN stays NaN (as in the reference); ``elu`` of ``-inf`` is 0.
     """
@@ -50,11 +56,136 @@ def _feature_map(x, out, code, one, zero):
             for c in range(cols):
                 xi = x[i, c]
                 out[i, c] = xi + one if xi > zero else fast_exp(xi)
-    else:
+    elif code == 1:
         for i in range(rows):
             for c in range(cols):
                 xi = x[i, c]
                 out[i, c] = zero if xi <= zero else xi
+    else:
+        out[:, :] = x
+
+
+@njit(**JIT_PARALLEL)
+def _favor_exponents(x, w, is_query, out, peaks):
+    """``out = x w`` block by block; queries: ``out -= row max + ln(m)/2`` then
+    ``exp``; keys: ``out -= ‖x‖²/(2√d_k)`` and ``peaks[b, t]`` = the block's
+    largest exponent (NaN ignored)."""
+    B, n, d_k = x.shape
+    m = w.shape[1]
+    nblk = peaks.shape[1]
+    half_ln_m = x.dtype.type(0.5 * np.log(m))
+    norm_coef = x.dtype.type(0.5 / np.sqrt(d_k))
+    for item in prange(B * nblk):
+        b = item // nblk
+        t = item % nblk
+        i0 = t * FEATURE_BLOCK
+        i1 = min(n, i0 + FEATURE_BLOCK)
+        e = np.dot(x[b, i0:i1], w)
+        peak = -np.inf
+        for i in range(i1 - i0):
+            row = e[i]
+            if is_query:
+                top = row[0]
+                for r in range(m):
+                    top = max(top, row[r])
+                top += half_ln_m
+                for r in range(m):
+                    out[b, i0 + i, r] = fast_exp_nonpositive(row[r] - top)
+            else:
+                sq = x.dtype.type(0)
+                for a in range(d_k):
+                    sq += x[b, i0 + i, a] * x[b, i0 + i, a]
+                sq *= norm_coef
+                for r in range(m):
+                    er = row[r] - sq
+                    out[b, i0 + i, r] = er
+                    if er > peak:
+                        peak = er
+        peaks[b, t] = peak
+
+
+@njit(**JIT_PARALLEL)
+def _favor_shift_exp(out, shift, half_ln_m):
+    """``out[b] = exp(out[b] − shift[b] − ln(m)/2)`` in place."""
+    B, n, m = out.shape
+    for item in prange(B * n):
+        b = item // n
+        i = item % n
+        c = out.dtype.type(shift[b] + half_ln_m)
+        row = out[b, i]
+        for r in range(m):
+            row[r] = fast_exp_nonpositive(row[r] - c)
+
+
+def favor_query_features(x, w):
+    """FAVOR+ query features ``(B, n, m)``: ``exp(x w − row max) / √m``.
+
+    ``x (B, n, d_k)``, ``w = (ω / d_k^¼)ᵀ (d_k, m)`` of ``x``'s dtype; see
+    :func:`fastattn.reference.favor_query_features` (the specification).
+    """
+    B, n, _ = x.shape
+    out = np.empty((B, n, w.shape[1]), x.dtype)
+    peaks = np.empty((B, -(-n // FEATURE_BLOCK)))
+    with launch(peaks.size, x.size * w.shape[1]) as pick:
+        pick(_favor_exponents)(x, w, True, out, peaks)
+    return out
+
+
+def favor_key_features(x, w):
+    """FAVOR+ key features ``(B, n, m)`` and the shift per head ``c (B,)`` float64.
+
+    ``exp(x w − ‖x‖²/(2√d_k) − c_b) / √m`` with ``c_b`` the largest exponent of
+    head ``b``; see :func:`fastattn.reference.favor_key_features`.
+    """
+    B, n, _ = x.shape
+    m = w.shape[1]
+    out = np.empty((B, n, m), x.dtype)
+    peaks = np.full((B, -(-n // FEATURE_BLOCK)), -np.inf)
+    with launch(peaks.size, x.size * m) as pick:
+        pick(_favor_exponents)(x, w, False, out, peaks)
+    peak = peaks.max(axis=1, initial=-np.inf)
+    shift = np.where(np.isfinite(peak), peak, 0.0)
+    with launch(B * n, out.size) as pick:
+        pick(_favor_shift_exp)(out, shift, 0.5 * np.log(m))
+    return out, shift
+
+
+@njit(**JIT_PARALLEL)
+def _taylor_features(x, out):
+    B, n, d_k = x.shape
+    one = x.dtype.type(1)
+    c1 = x.dtype.type(d_k ** -0.25)
+    c_diag = x.dtype.type(1 / np.sqrt(2 * d_k))
+    c_off = x.dtype.type(1 / np.sqrt(d_k))
+    for item in prange(B * n):
+        b = item // n
+        i = item % n
+        row = x[b, i]
+        o = out[b, i]
+        o[0] = one
+        for a in range(d_k):
+            o[1 + a] = row[a] * c1
+        p = 1 + d_k
+        for a in range(d_k):
+            xa = row[a]
+            o[p] = xa * xa * c_diag
+            p += 1
+            xs = xa * c_off
+            for a2 in range(a + 1, d_k):
+                o[p] = xs * row[a2]
+                p += 1
+
+
+def taylor_features(x):
+    """Second-order Taylor features ``(B, n, 1 + d_k + d_k (d_k + 1) / 2)``.
+
+    See :func:`fastattn.reference.taylor_features` (the specification).
+    """
+    B, n, d_k = x.shape
+    out = np.empty((B, n, 1 + d_k + d_k * (d_k + 1) // 2), x.dtype)
+    with launch(B * n, out.size) as pick:
+        pick(_taylor_features)(x, out)
+    return out
 
 
 @njit(**JIT_PARALLEL)
@@ -210,8 +341,9 @@ def linear_forward(q, k, v, feature_map, causal, eps, S0=None, z0=None):
         float32 or float64, C-contiguous (validated by :mod:`fastattn._api`).
     k : ndarray of shape (B, n_k, d_k)
     v : ndarray of shape (B, n_k, d_v)
-    feature_map : {"elu", "relu"}
-        ``elu(x) + 1`` or ``max(x, 0)``.
+    feature_map : {"elu", "relu", "identity"}
+        ``elu(x) + 1``, ``max(x, 0)``, or ``x`` (``q`` and ``k`` are
+        features already, of any dimension ``D`` in place of ``d_k``).
     causal : bool
         Bottom-right aligned mask (``j <= i + n_k - n_q``).
     eps : float
@@ -250,8 +382,9 @@ def linear_forward(q, k, v, feature_map, causal, eps, S0=None, z0=None):
     nseg = len(bounds) - 1
     dS = np.zeros((B, nseg + 1, d_k, d_v), dtype)
     dz = np.zeros((B, nseg + 1, d_k), dtype)
-    with single_threaded_blas():
-        segment_states(k, v, bounds, code, consts, chunk, dS, dz)
+    work_items = B * max(nseg, -(-n_q // chunk))
+    with launch(work_items, B * (n_q + n_k) * d_k * d_v) as pick:
+        pick(segment_states)(k, v, bounds, code, consts, chunk, dS, dz)
         prefix_states(S0, z0, dS, dz)
-        out = chunk_outputs(q, k, v, bounds, first, causal, code, consts, chunk, dS, dz)
+        out = pick(chunk_outputs)(q, k, v, bounds, first, causal, code, consts, chunk, dS, dz)
     return out, dS[:, nseg].copy(), dz[:, nseg].copy()

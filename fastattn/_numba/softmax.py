@@ -29,7 +29,7 @@ from .config import JIT_PARALLEL, JIT_SERIAL, SOFTMAX_BLOCK_K, SOFTMAX_BLOCK_Q, 
 from ._exp import fast_exp_nonpositive
 from .._dispatch import use_split_keys
 from .decode import split_key_softmax_forward
-from ._threads import get_num_threads, single_threaded_blas
+from ._threads import get_num_threads, launch
 
 
 @njit(**JIT_SERIAL)
@@ -195,5 +195,6 @@ def softmax_forward(q, k, v, causal, scale):
     # tile the same size, so BLAS is not called for tiny products.
     block_k = SOFTMAX_BLOCK_K * max(1, block_q // n_q)
     block_k = min(block_k, max(SOFTMAX_BLOCK_K, n_k))
-    with single_threaded_blas():
-        return online_softmax_forward(q, k, v, bool(causal), consts, block_q, block_k)
+    work = batch * n_q * n_k * (q.shape[2] + v.shape[2])
+    with launch(work_items(block_q), work) as pick:
+        return pick(online_softmax_forward)(q, k, v, bool(causal), consts, block_q, block_k)

@@ -1,18 +1,17 @@
 """``fastattn bench``: every kernel side by side with its peers and the machine's roof."""
 
-import argparse
 import sys
 import time
 from pathlib import Path
 
 from .. import _api
-from .._argtypes import positive_int as _positive_int
-from .._argtypes import thread_count
+from .._argtypes import positive_int, thread_count
+from .results import ResultsFileError
 
 
 def add_parser(subparsers):
     """Register ``fastattn bench`` and its options."""
-    from .sweep import DEFAULT_NS
+    from .sweep import DEFAULT_NS, FEATURE_MAPS
 
     parser = subparsers.add_parser(
         "bench",
@@ -27,49 +26,40 @@ def add_parser(subparsers):
             "written beside it); running again with the same --out resumes."
         ),
     )
-    parser.add_argument("--kind", choices=("softmax", "linear", "both"), default="both",
-                        help="attention type (default both)")
-    parser.add_argument("--backends", nargs="+", metavar="NAME",
-                        help="fastattn backends and peers to measure (default: every "
-                             "available backend and installed peer)")
-    parser.add_argument("--n", nargs="+", type=_positive_int, metavar="N",
-                        default=list(DEFAULT_NS),
-                        help=f"sequence lengths n_q = n_k (default {' '.join(map(str, DEFAULT_NS))})")
-    parser.add_argument("--d-k", type=_positive_int, default=64, help="key head dim (default 64)")
-    parser.add_argument("--d-v", type=_positive_int, default=None,
-                        help="value head dim (default: d_k)")
-    parser.add_argument("--batch", type=_positive_int, default=1, help="batch size (default 1)")
-    parser.add_argument("--heads", type=_positive_int, default=1, help="heads (default 1)")
-    parser.add_argument("--dtype", nargs="+", choices=("float32", "float64"),
-                        default=["float32"], help="dtype(s) (default float32)")
-    parser.add_argument("--causal", choices=("yes", "no", "both"), default="both",
-                        help="causal mask (default both)")
-    parser.add_argument("--feature-map", choices=("elu", "relu"), default="elu",
-                        help="feature map of linear attention (default elu)")
-    parser.add_argument("--threads", type=thread_count, default=None,
-                        help="threads for every backend, BLAS and peers (default: usable cores)")
-    parser.add_argument("--repeats", type=_positive_int, default=5,
-                        help="timed repeats per point after a warm-up (default 5)")
-    parser.add_argument("--baseline", default=None, metavar="NAME",
-                        help="backend the ratio column compares with (default reference)")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="results file (JSON lines; default results/bench-<time>.jsonl); "
-                             "an existing one is resumed; a CSV (.csv) and a JSON summary "
-                             "(.summary.json) of the tables are written beside it")
-    parser.add_argument("--fresh", action="store_true",
-                        help="start --out afresh instead of resuming it")
-    parser.add_argument("--no-memory", action="store_true", help="skip the memory probe")
-    parser.add_argument("--no-check", action="store_true",
-                        help="skip the check against the float64 reference")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add = parser.add_argument
+    add("--kind", choices=("softmax", "linear", "both"), default="both",
+        help="attention type (default both)")
+    add("--backends", nargs="+", metavar="NAME",
+        help="fastattn backends and peers to measure (default: every available backend "
+             "and installed peer)")
+    add("--n", nargs="+", type=positive_int, metavar="N", default=list(DEFAULT_NS),
+        help=f"sequence lengths n_q = n_k (default {' '.join(map(str, DEFAULT_NS))})")
+    add("--d-k", type=positive_int, default=64, help="key head dim (default 64)")
+    add("--d-v", type=positive_int, default=None, help="value head dim (default: d_k)")
+    add("--batch", type=positive_int, default=1, help="batch size (default 1)")
+    add("--heads", type=positive_int, default=1, help="heads (default 1)")
+    add("--dtype", nargs="+", choices=("float32", "float64"), default=["float32"],
+        help="dtype(s) (default float32)")
+    add("--causal", choices=("yes", "no", "both"), default="both",
+        help="causal mask (default both)")
+    add("--feature-map", choices=FEATURE_MAPS, default=FEATURE_MAPS[0],
+        help=f"feature map of linear attention (default {FEATURE_MAPS[0]})")
+    add("--threads", type=thread_count, default=None,
+        help="threads for every backend, BLAS and peers (default: usable cores)")
+    add("--repeats", type=positive_int, default=5,
+        help="timed repeats per point after a warm-up (default 5)")
+    add("--baseline", default=None, metavar="NAME",
+        help="backend the ratio column compares with (default reference)")
+    add("--out", type=Path, default=None,
+        help="results file (JSON lines; default results/bench-<time>.jsonl); an existing "
+             "one is resumed; a CSV (.csv) and a JSON summary (.summary.json) of the "
+             "tables are written beside it")
+    add("--fresh", action="store_true", help="start --out afresh instead of resuming it")
+    add("--no-memory", action="store_true", help="skip the memory probe")
+    add("--no-check", action="store_true", help="skip the check against the float64 reference")
+    add("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(func=run)
     return parser
-
-
-def _usable_cores():
-    from .._threads import default_num_threads
-
-    return default_num_threads()
 
 
 class BenchUsageError(ValueError):
@@ -93,121 +83,93 @@ def resolve_backends(requested):
     from . import peers
     from .sweep import default_backends, known_backends
 
-    available = default_backends()
-    absent = peers.absent_peers()
+    available, absent = default_backends(), peers.absent_peers()
     if not requested:
         return available, absent
-    names = []
-    for item in requested:
-        names += [name for name in item.split(",") if name]
+    names = list(dict.fromkeys(n for item in requested for n in item.split(",") if n))
+    here = f"available here: {', '.join(available)}"
     for name in names:
         if name not in known_backends():
-            raise BenchUsageError(
-                f"unknown backend {name!r}; available here: {', '.join(available)}"
-                + (f" (known but absent: {', '.join(sorted(set(known_backends()) - set(available)))})"
-                   if set(known_backends()) - set(available) else "")
-            )
+            gone = sorted(set(known_backends()) - set(available))
+            raise BenchUsageError(f"unknown backend {name!r}; {here}"
+                                  + (f" (known but absent: {', '.join(gone)})" if gone else ""))
         if name in absent:
-            raise BenchUsageError(
-                f"peer {name!r} is not installed; add it with: {absent[name]}; "
-                f"available here: {', '.join(available)}"
-            )
+            raise BenchUsageError(f"peer {name!r} is not installed; add it with: "
+                                  f"{absent[name]}; {here}")
         if name not in available:
             reason = _api.unavailable_backends().get(name, "not available")
-            raise BenchUsageError(
-                f"backend {name!r} cannot run here ({reason}); available here: "
-                f"{', '.join(available)}"
-            )
-    return list(dict.fromkeys(names)), {k: v for k, v in absent.items() if k not in names}
+            raise BenchUsageError(f"backend {name!r} cannot run here ({reason}); {here}")
+    return names, {k: v for k, v in absent.items() if k not in names}
 
 
 def run(args):
     """Run ``fastattn bench`` with parsed ``args``; return the exit code."""
     try:
         return _run(args)
-    except BenchUsageError as exc:
+    except (BenchUsageError, ResultsFileError) as exc:
         print(f"fastattn bench: error: {exc}", file=sys.stderr)
         return 2
 
 
-def _run(args):
-    from .results import ResultsFileError, read_records
-    from .sweep import default_grid, run_sweep
-    from .table import check_csv_target, check_summary_target, format_tables, write_csv, \
-        write_summary
+def _plan(args):
+    """The grid, the results path and the baseline; refuses what cannot be written, first."""
+    from .results import check_writable, read_records
+    from .sweep import default_grid
+    from .table import check_target
 
     backends, absent = resolve_backends(args.backends)
-    baseline = args.baseline
-    if baseline is None:
-        baseline = "reference" if "reference" in backends else backends[0]
-    elif baseline not in backends:
+    baseline = args.baseline or ("reference" if "reference" in backends else backends[0])
+    if baseline not in backends:
         raise BenchUsageError(
-            f"--baseline {baseline!r} is not among the measured backends: {', '.join(backends)}"
-        )
-    attentions = ("softmax", "linear") if args.kind == "both" else (args.kind,)
-    causal = {"yes": (True,), "no": (False,), "both": (False, True)}[args.causal]
-    points = default_grid(
-        attentions=attentions, backends=backends, ns=sorted(set(args.n)), causal=causal,
-        d_k=args.d_k, d_v=args.d_v or args.d_k, batch=args.batch, heads=args.heads,
-        dtype=args.dtype, feature_map=args.feature_map,
-    )
+            f"--baseline {baseline!r} is not among the measured backends: {', '.join(backends)}")
     out = args.out or Path("results") / time.strftime("bench-%Y%m%d-%H%M%S.jsonl")
     if out.suffix == ".csv":
         raise BenchUsageError(f"--out names the JSON-lines results file, got {out}")
-    if out.is_dir():
-        raise BenchUsageError(f"--out {out} is a directory; give a file name, e.g. {out / 'bench.jsonl'}")
-    try:  # refuse foreign files before measuring anything
-        if out.exists():
-            read_records(out)
-        check_csv_target(out.with_suffix(".csv"))
-        check_summary_target(out.with_suffix(".summary.json"))
-    except ResultsFileError as exc:
-        print(f"fastattn bench: error: {exc}", file=sys.stderr)
-        return 2
+    check_writable(out, "results file")
+    if out.exists():
+        read_records(out)
+    check_target(out.with_suffix(".csv"), "csv")
+    check_target(out.with_suffix(".summary.json"), "summary")
+    points = default_grid(
+        attentions=("softmax", "linear") if args.kind == "both" else (args.kind,),
+        backends=backends, ns=sorted(set(args.n)), d_k=args.d_k, d_v=args.d_v or args.d_k,
+        causal={"yes": (True,), "no": (False,), "both": (False, True)}[args.causal],
+        batch=args.batch, heads=args.heads, dtype=args.dtype, feature_map=args.feature_map)
+    return points, out, backends, baseline, absent
+
+
+def _run(args):
+    from .._threads import default_num_threads
+    from .sweep import Options, run_sweep
+    from .table import format_tables, write_csv, write_summary
+
+    points, out, backends, baseline, absent = _plan(args)
     for name, hint in absent.items():
         print(f"{name} is not installed, so it is not compared; add it with: {hint}")
-    try:
-        records = run_sweep(points, out, threads=args.threads, repeats=args.repeats,
-                            memory=not args.no_memory, check=not args.no_check,
-                            resume=not args.fresh, progress=not args.no_progress)
-    except ResultsFileError as exc:
-        print(f"fastattn bench: error: {exc}", file=sys.stderr)
-        return 2
+    options = Options(repeats=args.repeats, memory=not args.no_memory, check=not args.no_check)
+    records = run_sweep(points, out, options, threads=args.threads, resume=not args.fresh,
+                        progress=None if args.no_progress else "fastattn bench")
     print()
     print(format_tables(records, baseline=baseline, backend_order=backends))
-    roofs = [r for r in read_records(out) if r["record"] == "roof"]
-    gemm = {}
-    for r in roofs:  # the latest run's probe of each kind wins
-        key = (r.get("probe"), r.get("dtype"), tuple(r.get("shape") or ()))
-        gemm[key] = r
-    lines = []
-    for (probe, dtype, shape), r in sorted(gemm.items(), key=lambda kv: str(kv[0])):
-        if probe == "gemm":
-            lines.append(f"{dtype} GEMM {shape[0]}x{shape[1]} @ {shape[1]}x{shape[2]}: "
-                         f"{r['gflops']:.1f} GFLOP/s")
-        elif probe == "exp":
-            lines.append(f"{dtype} exp (NumPy, 1 thread): {r['gelem_s']:.2f} G elem/s")
-    if lines:
-        print("\nroof (same run, same threads):\n  " + "\n  ".join(lines))
+    roofs = sorted({(r["dtype"], r["d_k"], r["roof_gflops"]) for r in records
+                    if r.get("roof_gflops")})
+    if roofs:
+        print("\nroof (GEMM n x d @ d x n, best probe of this run, same threads):\n  "
+              + "\n  ".join(f"{dt}, d={d}: {g:.1f} GFLOP/s" for dt, d, g in roofs))
     loads = [r["load_avg_1m"] for r in records if r.get("load_avg_1m") is not None]
-    cores = _usable_cores()
+    cores = default_num_threads()
     if loads and max(loads) > cores:
         print(f"\nnote: the machine was busy while measuring (1-minute load average up to "
               f"{max(loads):.1f} on {cores} usable cores): times are noisy; compare the "
-              "ratios measured side by side in one run, and repeat."
+              "ratios measured side by side in one run (and the min column), and repeat."
               + (" With more threads than idle cores, multi-threaded BLAS and OpenMP wait "
                  "for descheduled threads: --threads 1 gives steadier numbers."
                  if (args.threads or cores) > 1 else ""))
     mismatched = [r for r in records if r.get("check_ok") is False]
     if mismatched:
         print(f"\n{len(mismatched)} point(s) disagree with the float64 reference (MISMATCH).")
-    all_points = [r for r in read_records(out) if r["record"] == "point"]
-    try:
-        csv_path = write_csv(all_points, out.with_suffix(".csv"))
-        summary_path = write_summary(records, out.with_suffix(".summary.json"), baseline)
-    except ResultsFileError as exc:
-        print(f"fastattn bench: error: {exc}", file=sys.stderr)
-        return 2
+    csv_path = write_csv(records, out.with_suffix(".csv"))
+    summary_path = write_summary(records, out.with_suffix(".summary.json"), baseline, backends)
     print(f"\nresults: {out}\ncsv:     {csv_path}\nsummary: {summary_path}")
     for name, hint in absent.items():
         print(f"note: {name} is absent; to compare with it: {hint}")

@@ -9,29 +9,21 @@ import sys
 from pathlib import Path
 
 
-def _cpu_model():
+def _cpuinfo(prefix):
+    """The value of the first /proc/cpuinfo line starting with ``prefix`` (Linux), or None."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as handle:
-            for line in handle:
-                if line.lower().startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+            return next((line.split(":", 1)[1].strip() for line in handle
+                         if line.lower().startswith(prefix)), None)
     except OSError:
-        pass
-    return platform.processor() or platform.machine()
+        return None
 
 
 def _cpu_flags():
-    """SIMD features the kernels care about, from /proc/cpuinfo (Linux)."""
+    """SIMD features the kernels care about."""
+    flags = set((_cpuinfo("flags") or "").split())
     wanted = ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512_vnni")
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as handle:
-            for line in handle:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return [f for f in wanted if f in flags]
-    except OSError:
-        pass
-    return None
+    return [f for f in wanted if f in flags] if flags else None
 
 
 def _version(distribution):
@@ -47,10 +39,8 @@ def _git_commit():
     if not (root / ".git").exists():
         return None
     try:
-        out = subprocess.run(
-            ["git", "-C", str(root), "rev-parse", "HEAD"],
-            capture_output=True, text=True, timeout=5, check=True,
-        )
+        out = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"],
+                             capture_output=True, text=True, timeout=5, check=True)
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() or None
@@ -70,10 +60,8 @@ def blas_info():
 
     keys = ("internal_api", "version", "architecture", "threading_layer",
             "num_threads", "filepath", "prefix")
-    return [
-        {key: info.get(key) for key in keys}
-        for info in threadpool_info() if info.get("user_api") == "blas"
-    ]
+    return [{key: info.get(key) for key in keys}
+            for info in threadpool_info() if info.get("user_api") == "blas"]
 
 
 def collect(threads=None):
@@ -89,7 +77,8 @@ def collect(threads=None):
     dict
         ``cpu_model``, ``cpu_flags``, ``cores_logical``, ``cores_usable``
         (affinity), ``memory_total_bytes``, ``memory_available_bytes``,
-        ``threads``, ``thread_counts`` (per backend and BLAS), ``blas`` (list
+        ``threads``, ``thread_counts`` (per backend and BLAS), ``thread_env``
+        (the ``*_NUM_THREADS`` variables set), ``blas`` (list
         of :func:`blas_info` dicts), ``python``, ``platform``, ``hostname``,
         ``versions`` (numpy, scipy, numba, cython, threadpoolctl, torch and
         fastattn; None when absent), ``backends`` (available),
@@ -108,7 +97,7 @@ def collect(threads=None):
         usable = os.cpu_count()
     memory = psutil.virtual_memory()
     return {
-        "cpu_model": _cpu_model(),
+        "cpu_model": _cpuinfo("model name") or platform.processor() or platform.machine(),
         "cpu_flags": _cpu_flags(),
         "cores_logical": os.cpu_count(),
         "cores_usable": usable,
@@ -116,6 +105,8 @@ def collect(threads=None):
         "memory_available_bytes": int(memory.available),
         "threads": threads,
         "thread_counts": fastattn.get_num_threads(),
+        "thread_env": {name: value for name, value in sorted(os.environ.items())
+                       if name.endswith("_NUM_THREADS") or name == "OMP_THREAD_LIMIT"},
         "blas": blas_info(),
         "numpy_config_blas": _numpy_blas_name(np),
         "python": sys.version.split()[0],

@@ -9,10 +9,12 @@ PyTorch on CPU, when importable (an optional extra, never a dependency):
   and the causal cumulative-sum form, which materialises the running state
   ``cumsum_j φ(k_j)ᵀ v_j`` of shape ``(B, n, d_k, d_v)``.
 
-A peer is checked against the float64 reference like any backend.
+A peer is checked against the float64 reference like any backend.  A peer
+``NAME`` in :data:`PEERS` provides ``NAME_softmax_call(q, k, v, causal, scale,
+heads=1)`` and ``NAME_linear_call(q, k, v, causal, feature_map, heads=1)``
+builders; :func:`fastattn.bench.engine.make_call` finds them by name.
 """
 
-import importlib.metadata
 import importlib.util
 import sys
 
@@ -64,14 +66,6 @@ def absent_peers():
     """
     have = available_peers()
     return {name: INSTALL_HINT[name] for name in PEERS if name not in have}
-
-
-def peer_version(name):
-    """Installed version of peer ``name`` (from its metadata, without importing it), or None."""
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
 def set_peer_threads(n_threads):

@@ -1,9 +1,16 @@
-"""Plain-text tables and CSV export of point records."""
+"""Units, plain-text tables, CSV and the JSON summary of point records.
+
+The formatting functions here are the only ones in fastattn: the bench's
+tables, the report's page and its figures all use them.
+"""
 
 import csv
 import io
-import os
+import json
+import math
 from pathlib import Path
+
+from .results import ResultsFileError, atomic_write, check_writable, to_json
 
 #: Columns of the CSV written beside a results file, in order.
 CSV_COLUMNS = (
@@ -13,54 +20,125 @@ CSV_COLUMNS = (
     "peak_bytes", "memory_method", "peak_bytes_tracemalloc", "max_abs_err", "check_n",
     "check_ok", "run_id",
 )
+#: Schema tag of the JSON summary ``fastattn bench`` writes beside its results.
+SUMMARY_SCHEMA = "fastattn.bench-summary/1"
 
 #: Fields that make one table: points that differ only in n and backend.
-CONFIG_KEYS = ("attention", "causal", "dtype", "d_k", "d_v", "batch", "heads",
-               "feature_map", "threads")
+CONFIG_KEYS = ("attention", "regime", "causal", "dtype", "d_k", "d_v", "batch", "heads",
+               "feature_map", "num_features", "threads")
+
+MISSING = "–"
+
+
+def _missing(value):
+    return value is None or (isinstance(value, float) and not math.isfinite(value))
 
 
 def format_seconds(seconds):
-    """``0.00123`` -> ``"1.23 ms"``."""
-    if seconds is None:
-        return "-"
-    for unit, factor in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+    """Seconds to ``"812 µs"``, ``"12.3 ms"``, ``"1.41 s"``; ``"–"`` for missing."""
+    if _missing(seconds):
+        return MISSING
+    for unit, factor in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
         if seconds >= factor:
             return f"{seconds / factor:.3g} {unit}"
     return f"{seconds / 1e-9:.3g} ns"
 
 
 def format_bytes(nbytes):
-    """``3 * 2**20`` -> ``"3.0 MiB"``."""
-    if nbytes is None:
-        return "-"
-    for unit, factor in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if nbytes >= factor:
-            return f"{nbytes / factor:.1f} {unit}"
-    return f"{nbytes} B"
+    """Bytes to ``"72 MiB"``, ``"1.5 GiB"``; ``"–"`` for missing."""
+    if _missing(nbytes):
+        return MISSING
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(nbytes) >= size:
+            value = nbytes / size
+            return f"{value:.3g} {unit}" if value < 100 else f"{value:.0f} {unit}"
+    return f"{nbytes:.0f} B"
+
+
+def format_percent(fraction):
+    """A fraction to ``"43%"``, ``"0.11%"``; ``""`` for missing."""
+    if _missing(fraction):
+        return ""
+    return f"{100 * fraction:.0f}%" if fraction >= 0.095 else f"{100 * fraction:.2g}%"
+
+
+def format_number(value, digits=3):
+    """A float to ``digits`` significant places; ``"–"`` for missing."""
+    return MISSING if _missing(value) else f"{value:.{digits}g}"
+
+
+def mask_name(causal):
+    """``"causal"`` or ``"non-causal"``: the one word for a mask in every table and figure."""
+    return "causal" if causal else "non-causal"
 
 
 def config_title(record):
     """Heading of the table a record belongs to."""
-    mask = "causal" if record["causal"] else "not causal"
-    if record["d_k"] == record["d_v"]:
-        dims = f"d={record['d_k']}"
-    else:
-        dims = f"d_k={record['d_k']} d_v={record['d_v']}"
+    dims = (f"d={record['d_k']}" if record["d_k"] == record["d_v"]
+            else f"d_k={record['d_k']} d_v={record['d_v']}")
     fmap = f", feature map {record['feature_map']}" if record.get("feature_map") else ""
-    return (f"{record['attention']} attention, {mask}, {record['dtype']}, {dims}, "
-            f"batch {record['batch']} x heads {record['heads']}{fmap}, "
-            f"{record['threads']} thread{'s' if record['threads'] != 1 else ''}")
+    threads = record["threads"]
+    return (f"{record['attention']} attention, {mask_name(record['causal'])}, "
+            f"{record['dtype']}, {dims}, batch {record['batch']} x heads {record['heads']}"
+            f"{fmap}, {threads} thread{'s' if threads != 1 else ''}")
 
 
-def _group(records):
+def _groups(records):
     groups = {}
     for record in records:
-        key = tuple(record.get(k) for k in CONFIG_KEYS)
-        groups.setdefault(key, []).append(record)
-    return groups
+        groups.setdefault(tuple(record.get(k) for k in CONFIG_KEYS), []).append(record)
+    return list(groups.values())
 
 
-def format_tables(records, baseline=None, backend_order=None):
+def _ratio(base, record):
+    ref = base.get(record["n_q"])
+    return ref / record["median_s"] if ref and record.get("median_s") else None
+
+
+def summarise(records, baseline=None, backend_order=()):
+    """The tables of :func:`format_tables` as data: one entry per configuration.
+
+    Returns
+    -------
+    dict
+        ``schema``, ``baseline`` and ``configurations``: a list of
+        ``{"title", "config": {...}, "rows": [...]}`` where each row has ``n``,
+        ``backend``, ``status``, ``reason``, ``median_s``, ``min_s``, ``max_s``,
+        ``gflops``, ``roof_fraction``, ``peak_bytes``, ``vs_baseline``
+        (baseline median / median), ``max_abs_err``, ``check_n``, ``check_ok``.
+    """
+    configurations = []
+    for group in _groups(records):
+        order = list(backend_order) + [r["backend"] for r in group]
+        group = sorted(group, key=lambda r: (r["n_q"], order.index(r["backend"])))
+        base = {r["n_q"]: r.get("median_s") for r in group
+                if r["backend"] == baseline and r.get("status") == "ok"}
+        rows = [{"n": r["n_q"], "vs_baseline": _ratio(base, r),
+                 **{k: r.get(k) for k in ("backend", "status", "reason", "median_s", "min_s",
+                                          "max_s", "gflops", "roof_fraction", "peak_bytes",
+                                          "max_abs_err", "check_n", "check_ok")}}
+                for r in group]
+        configurations.append({"title": config_title(group[0]), "rows": rows,
+                               "config": {k: group[0].get(k) for k in CONFIG_KEYS}})
+    return {"schema": SUMMARY_SCHEMA, "baseline": baseline, "configurations": configurations}
+
+
+def _cells(row):
+    if row["status"] != "ok":
+        return [str(row["n"]), row["backend"], f"{row['status']}: {row['reason'] or ''}"]
+    err = MISSING if row["max_abs_err"] is None else f"{row['max_abs_err']:.1e}"
+    if row["check_n"] and row["check_n"] != row["n"]:
+        err += f" (n={row['check_n']})"
+    if row["check_ok"] is False:
+        err += " MISMATCH"
+    return [str(row["n"]), row["backend"],
+            f"{format_seconds(row['median_s'])} ({format_seconds(row['min_s'])}-"
+            f"{format_seconds(row['max_s'])})", format_number(row["gflops"]),
+            format_percent(row["roof_fraction"]) or MISSING, format_bytes(row["peak_bytes"]),
+            MISSING if row["vs_baseline"] is None else f"{row['vs_baseline']:.2f}x", err]
+
+
+def format_tables(records, baseline=None, backend_order=()):
     """One text table per configuration: every backend at every n, side by side.
 
     Parameters
@@ -68,185 +146,71 @@ def format_tables(records, baseline=None, backend_order=None):
     records : list of dict
         Point records.
     baseline : str, optional
-        Backend the ratio column compares with: ``baseline time / time``,
-        so above 1 is faster than the baseline.
-    backend_order : list of str, optional
+        Backend the ratio column compares with: ``baseline time / time``, so
+        above 1 is faster than the baseline.
+    backend_order : sequence of str
         Row order of backends within one n (default: order of appearance).
 
     Returns
     -------
     str
     """
+    ratio_title = f"vs {baseline}" if baseline else "ratio"
+    header = ["n", "backend", "median (min-max)", "GFLOP/s", "% roof", "peak extra",
+              ratio_title, "max err"]
     out = []
-    for group in _group(records).values():
-        order = list(backend_order or [])
-        for record in group:
-            if record["backend"] not in order:
-                order.append(record["backend"])
-        group = sorted(group, key=lambda r: (r["n_q"], order.index(r["backend"])))
-        base = {r["n_q"]: r.get("median_s") for r in group
-                if r["backend"] == baseline and r.get("status") == "ok"}
-        ratio_title = f"vs {baseline}" if baseline else "ratio"
-        header = ("n", "backend", "median (min-max)", "GFLOP/s", "% roof",
-                  "peak extra", ratio_title, "max err")
-        rows = []
-        for r in group:
-            if r.get("status") != "ok":
-                status = r.get("status", "?")
-                rows.append((str(r["n_q"]), r["backend"], f"{status}: {r.get('reason') or ''}"))
-                continue
-            timing = (f"{format_seconds(r['median_s'])} "
-                      f"({format_seconds(r['min_s'])}-{format_seconds(r['max_s'])})")
-            gflops = f"{r['gflops']:.3g}" if r.get("gflops") else "-"
-            roof = f"{100 * r['roof_fraction']:.1f}%" if r.get("roof_fraction") else "-"
-            ref = base.get(r["n_q"])
-            ratio = f"{ref / r['median_s']:.2f}x" if ref and r.get("median_s") else "-"
-            if r.get("max_abs_err") is None:
-                err = "-"
-            else:
-                err = f"{r['max_abs_err']:.1e}"
-                if r.get("check_n") and r["check_n"] != r["n_q"]:
-                    err += f" (n={r['check_n']})"
-                if r.get("check_ok") is False:
-                    err += " MISMATCH"
-            rows.append((str(r["n_q"]), r["backend"], timing, gflops, roof,
-                         format_bytes(r.get("peak_bytes")), ratio, err))
-        widths = [max(len(header[i]), *(len(row[i]) for row in rows if len(row) > 2 or i < 2))
+    for config in summarise(records, baseline, backend_order)["configurations"]:
+        rows = [_cells(row) for row in config["rows"]]
+        widths = [max([len(header[i])] + [len(r[i]) for r in rows if len(r) > 3 or i < 2])
                   for i in range(len(header))]
-        lines = [config_title(group[0]),
-                 "  ".join(h.rjust(w) if i != 1 else h.ljust(w)
-                           for i, (h, w) in enumerate(zip(header, widths)))]
-        lines.append("  ".join("-" * w for w in widths))
-        for row in rows:
-            if len(row) == 3:  # skipped or error: the reason spans the row
-                lines.append(f"{row[0].rjust(widths[0])}  {row[1].ljust(widths[1])}  {row[2]}")
-                continue
-            lines.append("  ".join(c.rjust(w) if i != 1 else c.ljust(w)
-                                   for i, (c, w) in enumerate(zip(row, widths))))
-        out.append("\n".join(lines))
+
+        def line(cells):
+            if len(cells) == 3:  # skipped or error: the reason spans the row
+                return f"{cells[0].rjust(widths[0])}  {cells[1].ljust(widths[1])}  {cells[2]}"
+            return "  ".join(c.ljust(w) if i == 1 else c.rjust(w)
+                             for i, (c, w) in enumerate(zip(cells, widths)))
+
+        out.append("\n".join([config["title"], line(header), "  ".join("-" * w for w in widths)]
+                             + [line(r) for r in rows]))
     if baseline:
         out.append(f"{ratio_title}: {baseline}'s median time / this median time "
                    "(above 1 is faster than the baseline).")
     return "\n\n".join(out)
 
 
-def _atomic_write_text(path, text):
+def check_target(path, kind):
+    """Refuse (ResultsFileError) to replace ``path`` unless it is a ``kind`` ("csv" or
+    "summary") file this module wrote, or it is missing; also when it is read-only."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w", encoding="utf-8", newline="") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-
-
-def check_csv_target(path):
-    """Raise ResultsFileError if ``path`` exists and is not a CSV :func:`write_csv` wrote."""
-    from .results import ResultsFileError
-
-    path = Path(path)
-    if path.exists():
-        with open(path, encoding="utf-8", errors="replace") as handle:
-            first = handle.readline().strip()
-        if first and first != ",".join(CSV_COLUMNS):
-            raise ResultsFileError(
-                f"{path} exists and is not a fastattn results CSV; not overwriting it"
-            )
-
-
-def check_summary_target(path):
-    """Raise ResultsFileError if ``path`` exists and is not a summary :func:`write_summary` wrote."""
-    import json
-
-    from .results import ResultsFileError
-
-    path = Path(path)
-    if path.exists():
+    if not path.exists():
+        return
+    check_writable(path, kind)
+    text = path.read_text(encoding="utf-8", errors="replace")
+    if kind == "csv":
+        ours = text.split("\n", 1)[0].strip() in ("", ",".join(CSV_COLUMNS))
+    else:
         try:
-            ours = json.loads(path.read_text(encoding="utf-8")).get("schema") == SUMMARY_SCHEMA
+            ours = json.loads(text).get("schema") == SUMMARY_SCHEMA
         except (ValueError, AttributeError):
             ours = False
-        if not ours:
-            raise ResultsFileError(
-                f"{path} exists and is not a fastattn bench summary; not overwriting it"
-            )
+    if not ours:
+        what = "results CSV" if kind == "csv" else "bench summary"
+        raise ResultsFileError(f"{path} exists and is not a fastattn {what}; not overwriting it")
 
 
 def write_csv(records, path):
-    """Write point records as CSV (:data:`CSV_COLUMNS`), atomically.
-
-    Raises
-    ------
-    ResultsFileError
-        If ``path`` exists and is not a CSV this module wrote (its header
-        differs); it is left unchanged.
-    """
-    path = Path(path)
-    check_csv_target(path)
+    """Write point records as CSV (:data:`CSV_COLUMNS`), atomically; refuse a foreign file."""
+    check_target(path, "csv")
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, fieldnames=CSV_COLUMNS, extrasaction="ignore",
                             lineterminator="\n")
     writer.writeheader()
-    for record in records:
-        writer.writerow({k: record.get(k) for k in CSV_COLUMNS})
-    _atomic_write_text(path, buffer.getvalue())
-    return path
+    writer.writerows({k: r.get(k) for k in CSV_COLUMNS} for r in records)
+    return atomic_write(path, buffer.getvalue())
 
 
-#: Schema tag of the JSON summary ``fastattn bench`` writes beside its results.
-SUMMARY_SCHEMA = "fastattn.bench-summary/1"
-
-
-def summarise(records, baseline=None):
-    """The tables of :func:`format_tables` as data: one entry per configuration.
-
-    Returns
-    -------
-    dict
-        ``schema``, ``baseline`` and ``configurations``: a list of
-        ``{"title", "config": {...}, "rows": [...]}`` where each row has
-        ``n``, ``backend``, ``status``, ``reason``, ``median_s``, ``min_s``,
-        ``max_s``, ``gflops``, ``roof_fraction``, ``peak_bytes``,
-        ``vs_baseline`` (baseline median / median) and ``max_abs_err``,
-        ``check_ok``.
-    """
-    configurations = []
-    for group in _group(records).values():
-        base = {r["n_q"]: r.get("median_s") for r in group
-                if r["backend"] == baseline and r.get("status") == "ok"}
-        rows = []
-        for r in sorted(group, key=lambda r: r["n_q"]):
-            ref = base.get(r["n_q"])
-            rows.append({
-                "n": r["n_q"], "backend": r["backend"], "status": r.get("status"),
-                "reason": r.get("reason"), "median_s": r.get("median_s"),
-                "min_s": r.get("min_s"), "max_s": r.get("max_s"), "gflops": r.get("gflops"),
-                "roof_fraction": r.get("roof_fraction"), "peak_bytes": r.get("peak_bytes"),
-                "vs_baseline": (ref / r["median_s"]) if ref and r.get("median_s") else None,
-                "max_abs_err": r.get("max_abs_err"), "check_ok": r.get("check_ok"),
-            })
-        configurations.append({
-            "title": config_title(group[0]),
-            "config": {k: group[0].get(k) for k in CONFIG_KEYS},
-            "rows": rows,
-        })
-    return {"schema": SUMMARY_SCHEMA, "baseline": baseline, "configurations": configurations}
-
-
-def write_summary(records, path, baseline=None):
-    """Write :func:`summarise` as JSON, atomically; refuse to replace a foreign file.
-
-    Raises
-    ------
-    ResultsFileError
-        If ``path`` exists and is not a summary this module wrote.
-    """
-    import json
-
-    from .results import _clean
-
-    path = Path(path)
-    check_summary_target(path)
-    text = json.dumps(_clean(summarise(records, baseline)), indent=1, sort_keys=True)
-    _atomic_write_text(path, text + "\n")
-    return path
+def write_summary(records, path, baseline=None, backend_order=()):
+    """Write :func:`summarise` as JSON, atomically; refuse a foreign file."""
+    check_target(path, "summary")
+    summary = summarise(records, baseline, backend_order)
+    return atomic_write(path, to_json(summary, indent=1, sort_keys=True) + "\n")

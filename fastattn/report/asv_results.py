@@ -14,7 +14,8 @@ repr strings per parameter and ``result`` one value per combination, in the
 order of ``itertools.product(*params)``; a combination skipped in ``setup``
 (NotImplementedError) is NaN, one that failed is ``null``.
 
-:func:`load_asv_points` turns the latest commit of each machine into
+:func:`load_asv_points` turns one commit of each machine (the newest on the
+branch asv.conf.json configures, or one named) into
 ``"point"`` records of :mod:`fastattn.bench.results` (plus ``"machine"``,
 ``"commit"``), one per attention x backend x causal x dtype x n, joining the
 ``time_forward``, ``track_peak_bytes`` and ``track_max_abs_error`` benchmarks
@@ -29,6 +30,7 @@ import itertools
 import json
 import math
 import re
+import subprocess
 from pathlib import Path
 
 from ..bench.results import SCHEMA
@@ -41,12 +43,10 @@ SUITE_HEADS = 1
 SUITE_FEATURE_MAP = {"softmax": None, "linear": "elu"}
 
 #: asv benchmark name ``<attention>.<Class>.<method>`` -> the point field it fills.
-_METHOD_FIELDS = {
-    "time_forward": "median_s",
-    "track_peak_bytes": "peak_bytes",
-    "track_max_abs_error": "max_abs_err",
-}
+_METHOD_FIELDS = {"time_forward": "median_s", "track_peak_bytes": "peak_bytes",
+                  "track_max_abs_error": "max_abs_err"}
 _THREADS_BENCHMARK = "threads.Threads.track_threads"
+_VERSIONS_BENCHMARK = "threads.Versions.track_version"
 
 
 class AsvResultsError(ValueError):
@@ -62,9 +62,11 @@ def _read_json(path):
 
 
 def _decode_param(text):
-    """An asv parameter repr (``"'reference'"``, ``"256"``, ``"True"``) as a Python value."""
+    """An asv parameter repr (``"'reference'"``, ``"256"``, ``"causal=True"``) as a Python value."""
+    name, sep, value = str(text).partition("=")
+    value = value if sep and name.isidentifier() else text
     try:
-        return ast.literal_eval(text)
+        return int(value) if value.isdigit() else ast.literal_eval(value)
     except (ValueError, SyntaxError):
         return text
 
@@ -76,9 +78,8 @@ def _is_number(value):
 
 def _iso(ms):
     """asv's commit date (milliseconds since the epoch, UTC) in ISO 8601."""
-    if ms is None:
-        return None
-    return datetime.datetime.fromtimestamp(ms / 1000, tz=datetime.timezone.utc).isoformat()
+    return None if ms is None else \
+        datetime.datetime.fromtimestamp(ms / 1000, tz=datetime.timezone.utc).isoformat()
 
 
 def _results_root(results_dir):
@@ -87,19 +88,15 @@ def _results_root(results_dir):
         raise AsvResultsError(f"no asv results directory at {root}")
     machines = sorted(p for p in root.iterdir() if (p / "machine.json").is_file())
     if not machines:
-        raise AsvResultsError(
-            f"{root} holds no asv machine directory (<machine>/machine.json); "
-            f"run `asv run` first, or pass asv's results_dir (.asv/results)"
-        )
+        raise AsvResultsError(f"{root} holds no asv machine directory (<machine>/machine.json); "
+                              "run `asv run` first, or pass asv's results_dir (.asv/results)")
     return root, machines
 
 
 def _benchmark_meta(root):
     """benchmarks.json without its version key (empty when the file is missing)."""
     path = root / "benchmarks.json"
-    if not path.is_file():
-        return {}
-    meta = _read_json(path)
+    meta = _read_json(path) if path.is_file() else {}
     return {k: v for k, v in meta.items() if isinstance(v, dict)}
 
 
@@ -161,14 +158,9 @@ def _rows(data, name, meta):
 
 
 def _flops(attention, n, causal):
-    """Flops of one suite call by fastattn's one formula (fastattn.bench.flops), or None.
+    """Flops of one suite call by fastattn's one formula (:mod:`fastattn.bench.flops`)."""
+    from ..bench.flops import attention_flops
 
-    None when that module is not there (it comes with the bench sweep).
-    """
-    try:
-        from ..bench.flops import attention_flops
-    except ImportError:
-        return None
     return attention_flops(attention, n, n, SUITE_D, SUITE_D, causal,
                            batch=SUITE_BATCH, heads=SUITE_HEADS)
 
@@ -177,43 +169,24 @@ def _threads_of(data, meta):
     """{component: threads} from the threads benchmark of a result file, and the requested count."""
     threads = {p["component"]: v for p, v, _ in _rows(data, _THREADS_BENCHMARK, meta)
                if v is not None and "component" in p}
-    requested = threads.get("requested")
-    if requested is None:
-        env = data.get("env_vars") or {}
-        value = str(env.get("OMP_NUM_THREADS", ""))
-        requested = int(value) if value.isdigit() else None
-    return threads, (int(requested) if requested is not None else None)
+    requested = threads.get("requested", str((data.get("env_vars") or {}).get("OMP_NUM_THREADS")))
+    return threads, int(requested) if str(requested).isdigit() or _is_number(requested) else None
 
 
 def _environment_record(machine, machine_info, data, thread_counts, threads):
     """An environment record; key names follow fastattn.bench.environment.collect()."""
-    return {
-        "schema": SCHEMA,
-        "record": "environment",
-        "source": "asv",
-        "machine": machine,
-        "commit": data.get("commit_hash"),
-        "git_commit": data.get("commit_hash"),
-        "date": _iso(data.get("date")),
-        "env_name": data.get("env_name"),
-        "cpu_model": machine_info.get("cpu"),
-        "arch": machine_info.get("arch"),
-        "platform": machine_info.get("os"),
-        "cores_logical": _int_or_none(machine_info.get("num_cpu")),
-        "memory_total_bytes": _int_or_none(machine_info.get("ram")),
-        "python": data.get("python"),
-        "versions": data.get("requirements") or {},
-        "env_vars": data.get("env_vars") or {},
-        "threads": threads,
-        "thread_counts": thread_counts,
-    }
+    def count(value):
+        return int(value) if str(value).isdigit() else None
 
-
-def _int_or_none(value):
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        return None
+    return {"schema": SCHEMA, "record": "environment", "source": "asv", "machine": machine,
+            "commit": data.get("commit_hash"), "git_commit": data.get("commit_hash"),
+            "date": _iso(data.get("date")), "env_name": data.get("env_name"),
+            "cpu_model": machine_info.get("cpu"), "arch": machine_info.get("arch"),
+            "platform": machine_info.get("os"), "cores_logical": count(machine_info.get("num_cpu")),
+            "memory_total_bytes": count(machine_info.get("ram")), "python": data.get("python"),
+            "versions": dict(data.get("requirements") or {}),
+            "env_vars": data.get("env_vars") or {}, "threads": threads,
+            "thread_counts": thread_counts}
 
 
 def _points_of(machine, data, meta):
@@ -240,129 +213,169 @@ def _points_of(machine, data, meta):
             point[field] = value
             point["benchmarks"][field] = name
             if field == "median_s":
-                _add_time_stats(point, value, stats)
+                _add_time_stats(point, stats)
     for point in points.values():
         failed = point.pop("failed")
         has_value = any(point.get(f) is not None for f in _METHOD_FIELDS.values())
         if failed:
-            point["status"] = "error"
-            point["reason"] = f"failed in asv: {', '.join(failed)} (see the asv run log)"
+            point.update(status="error", reason=f"failed in asv: {', '.join(failed)} "
+                                                "(see the asv run log)")
         elif has_value:
             point["status"] = "ok"
         else:
-            point["status"] = "skipped"
-            point["reason"] = (
-                "skipped in the benchmark's setup: backend not built here, or past the "
-                "bound of the quadratic reference (benchmarks/common.py)"
-            )
+            point.update(status="skipped", reason="skipped in the benchmark's setup: backend "
+                         "not built here, or past the bound of the quadratic reference "
+                         "(benchmarks/common.py)")
         if point["median_s"] and point["flops"]:
             point["gflops"] = point["flops"] / point["median_s"] / 1e9
     return points
 
 
 def _new_point(machine, data, attention, params, threads):
-    n = params.get("n")
-    causal = params.get("causal")
-    return {
-        "schema": SCHEMA,
-        "record": "point",
-        "source": "asv",
-        "machine": machine,
-        "commit": data.get("commit_hash"),
-        "date": _iso(data.get("date")),
-        "env_name": data.get("env_name"),
-        "attention": attention,
-        "backend": params.get("backend"),
-        "peer": False,
-        "causal": causal,
-        "dtype": params.get("dtype"),
-        "batch": SUITE_BATCH,
-        "heads": SUITE_HEADS,
-        "n_q": n,
-        "n_k": n,
-        "d_k": SUITE_D,
-        "d_v": SUITE_D,
-        "feature_map": SUITE_FEATURE_MAP[attention],
-        "threads": threads,
-        "status": None,
-        "reason": None,
-        "times_s": None,
-        "median_s": None,
-        "min_s": None,
-        "max_s": None,
-        "q25_s": None,
-        "q75_s": None,
-        "flops": _flops(attention, n, causal) if n else None,
-        "gflops": None,
-        "peak_bytes": None,
-        "memory_method": "rss-hwm",
-        "max_abs_err": None,
-        "benchmarks": {},
-        "failed": [],
-    }
+    n, causal = params.get("n"), params.get("causal")
+    return {"schema": SCHEMA, "record": "point", "source": "asv", "machine": machine,
+            "commit": data.get("commit_hash"), "date": _iso(data.get("date")),
+            "env_name": data.get("env_name"), "attention": attention,
+            "backend": params.get("backend"), "peer": False, "causal": causal,
+            "dtype": params.get("dtype"), "batch": SUITE_BATCH, "heads": SUITE_HEADS,
+            "n_q": n, "n_k": n, "d_k": SUITE_D, "d_v": SUITE_D,
+            "feature_map": SUITE_FEATURE_MAP[attention], "threads": threads, "status": None,
+            "reason": None, "times_s": None, "median_s": None, "min_s": None, "max_s": None,
+            "flops": _flops(attention, n, causal) if n else None, "gflops": None,
+            "peak_bytes": None, "memory_method": "rss-hwm", "max_abs_err": None,
+            "benchmarks": {}, "failed": []}
 
 
-def _add_time_stats(point, median, stats):
+def _add_time_stats(point, stats):
     samples = stats.get("samples")
     if isinstance(samples, list) and samples:
-        point["times_s"] = samples
-        point["min_s"], point["max_s"] = min(samples), max(samples)
-    point["q25_s"] = stats.get("stats_q_25")
-    point["q75_s"] = stats.get("stats_q_75")
+        point.update(times_s=samples, min_s=min(samples), max_s=max(samples))
+    point.update(q25_s=stats.get("stats_q_25"), q75_s=stats.get("stats_q_75"))
 
 
-def load_asv_points(results_dir):
-    """Point records of the latest commit of each machine, and its environment.
+def _strip_comments(text):
+    """asv.conf.json allows ``//`` comment lines; JSON does not."""
+    return "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("//"))
+
+
+def branch_commits(results_dir):
+    """The configured branch of the asv suite and the commits on it, from git.
+
+    asv.conf.json is looked for in the results directory's parents (asv's
+    default ``.asv/results`` sits under it); its first ``branches`` entry is
+    the branch.
+
+    Returns
+    -------
+    (str, set of str) or (None, None)
+        The branch and the full hashes reachable from it; None when there is
+        no asv.conf.json or git cannot list the branch.
+    """
+    here = Path(results_dir).resolve()
+    for folder in here.parents:
+        conf = folder / "asv.conf.json"
+        if conf.is_file():
+            break
+    else:
+        return None, None
+    try:
+        config = json.loads(_strip_comments(conf.read_text(encoding="utf-8")))
+        branch = (config.get("branches") or ["main"])[0]
+        repo = (conf.parent / config.get("repo", ".")).resolve()
+        out = subprocess.run(["git", "-C", str(repo), "rev-list", branch], text=True,
+                             capture_output=True, timeout=30, check=True).stdout
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return None, None
+    return branch, set(out.split())
+
+
+def _choose(runs, commit, branch, on_branch):
+    """The result files of the commit to report, and a sentence saying which and why."""
+    if commit is not None:
+        chosen = [r for r in runs if str(r[0].get("commit_hash", "")).startswith(commit)]
+        if not chosen:
+            raise AsvResultsError(f"no results of commit {commit!r} here; recorded: "
+                                  + ", ".join(sorted({r[0]["commit_hash"][:8] for r in runs})))
+        why = "as asked (--asv-commit)"
+    elif on_branch is not None:
+        chosen = [r for r in runs if r[0].get("commit_hash") in on_branch]
+        if not chosen:
+            raise AsvResultsError(f"no results of a commit on branch {branch!r}; pass "
+                                  "--asv-commit to pick one")
+        why = f"the newest on branch {branch}"
+    else:
+        chosen, why = runs, "the newest by date (the configured branch could not be read)"
+    latest = chosen[-1][0]["commit_hash"]
+    return ([data for data, _ in chosen if data["commit_hash"] == latest],
+            f"commit {latest[:8]}, {why}")
+
+
+def load_asv_points(results_dir, commit=None):
+    """Point records of one commit of each machine, and its environment.
 
     Parameters
     ----------
     results_dir : str or Path
         asv's results directory (``results_dir`` of asv.conf.json, ``.asv/results``
         here), or a merge of several machines' results directories.
+    commit : str, optional
+        The commit to report (a hash or its prefix).  Default: the newest
+        commit (by commit date) on the branch asv.conf.json configures
+        (:func:`branch_commits`), else the newest of all.
 
     Returns
     -------
     list of dict
         Per machine: one ``"environment"`` record (``machine``, ``commit``,
-        ``cpu_model``, ``cores_logical``, ``memory_total_bytes``, ``python``,
-        ``env_vars``, ``threads`` (requested), ``thread_counts`` (per
-        component)), then one ``"point"`` record (schema of
+        ``chosen`` (which commit and why), ``cpu_model``, ``cores_logical``,
+        ``memory_total_bytes``, ``python``, ``env_vars``, ``threads``,
+        ``thread_counts`` (per component), ``versions`` (the suite's
+        ``track_version`` benchmark)), then one ``"point"`` record (schema of
         :mod:`fastattn.bench.results`) per attention x backend x causal x dtype
         x n of the suite, with extra keys ``machine``, ``commit``, ``date``
-        (ISO 8601, the commit's date), ``env_name``, ``source`` ``"asv"`` and
-        ``benchmarks`` (field -> asv benchmark name).  ``median_s`` is asv's
-        result (median of the samples), ``peak_bytes`` the call's peak extra
-        RSS, ``max_abs_err`` the error against the float64 reference (only on
-        the points at the accuracy benchmarks' n).  Combinations that did not run
-        have ``status`` ``"skipped"``; those where a benchmark raised
-        ``"error"`` (``reason`` names the benchmarks).  The latest commit is the one with the
-        newest commit date; when it was run in several environments, each
-        gives its own records.
+        (ISO 8601), ``env_name``, ``source`` ``"asv"`` and ``benchmarks``
+        (field -> asv benchmark name).  ``median_s`` is asv's result (median
+        of its samples); ``times_s``, ``min_s`` and ``max_s`` only when asv kept
+        the samples (``asv run --record-samples``); ``peak_bytes`` the call's
+        peak extra RSS; ``max_abs_err`` only at the accuracy benchmarks' n.
+        Combinations that did not run have ``status`` ``"skipped"``; those
+        where a benchmark raised ``"error"``.
 
     Raises
     ------
     AsvResultsError
-        If ``results_dir`` holds no ``<machine>/machine.json`` or a result file
-        is not asv's.
+        If ``results_dir`` holds no ``<machine>/machine.json``, a result file
+        is not asv's, or no result file is of the commit asked for.
     """
     root, machines = _results_root(results_dir)
     meta = _benchmark_meta(root)
+    branch, on_branch = (None, None) if commit is not None else branch_commits(root)
     records = []
     for machine_dir in machines:
         machine_info = _read_json(machine_dir / "machine.json")
         runs = _result_files(machine_dir)
         if not runs:
             continue
-        latest_commit = runs[-1][0].get("commit_hash")
-        latest = [data for data, _ in runs if data.get("commit_hash") == latest_commit]
+        latest, chosen = _choose(runs, commit, branch, on_branch)
         for data in latest:
             thread_counts, threads = _threads_of(data, meta)
-            records.append(
-                _environment_record(machine_dir.name, machine_info, data, thread_counts, threads)
-            )
+            env = _environment_record(machine_dir.name, machine_info, data, thread_counts,
+                                      threads)
+            env["versions"].update(_versions_of(data, meta))
+            records.append(dict(env, chosen=chosen))
             points = _points_of(machine_dir.name, data, meta)
             records.extend(points[key] for key in sorted(points, key=_sort_key))
     return records
+
+
+def _versions_of(data, meta):
+    """{library: "major.minor.patch"} from the suite's version benchmark."""
+    versions = {}
+    for params, value, _ in _rows(data, _VERSIONS_BENCHMARK, meta):
+        if value is not None and "library" in params:
+            major, rest = divmod(round(value * 1e6), 10**6)
+            versions[params["library"]] = f"{major}.{rest // 1000}.{rest % 1000}"
+    return versions
 
 
 def _sort_key(key):

@@ -9,24 +9,23 @@ measuring, ``--resume`` continues an interrupted run, ``--asv`` reads an asv
 results directory instead.
 """
 
-import argparse
 import datetime as _dt
 import importlib
+import shlex
 import sys
+import zipfile
 from pathlib import Path
 
-from .._argtypes import positive_int as _positive_int
-from .._argtypes import thread_count
+from .._argtypes import positive_int, thread_count
+from .._threads import default_num_threads
+from ..bench.results import ResultsFileError
+from ..bench.sweep import DEFAULT_NS
 
-#: The default sweep: n from 128 to 8192 (every power of two), sized so that
-#: the whole run takes a few minutes on a 2-core machine.
-DEFAULT_NS = (128, 256, 512, 1024, 2048, 4096, 8192)
 DEFAULT_REPEATS = 5
 #: Seconds of timed repeats a point may take: slower calls (the reference at
 #: n = 8192) get fewer repeats, never fewer than 3, so the run stays in budget.
 MAX_POINT_S = 3.0
-#: A point still running after this long is recorded as an error (a hung or
-#: swapping kernel costs one point, not the run).
+#: A point still running after this long is recorded as an error.
 POINT_TIMEOUT_S = 300.0
 #: ``--quick``: a tiny grid for tests and CI (still reaches n >= 1024 twice,
 #: so every exponent has a two-point fit).
@@ -54,6 +53,7 @@ def add_parser(subparsers):
             "path."
         ),
     )
+    add = parser.add_argument
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--from", dest="from_", metavar="RESULTS", type=Path,
                         help="build the report from this results file without measuring")
@@ -61,29 +61,30 @@ def add_parser(subparsers):
                         help="continue an interrupted run: measure only the points missing "
                              "from this results file, then build the report")
     source.add_argument("--asv", metavar="DIR", type=Path,
-                        help="build the report from an asv results directory (latest commit "
-                             "of each machine) instead of measuring")
-    parser.add_argument("--history", metavar="BENCHMARK",
-                        help="with --asv: also plot this benchmark across commits")
-    parser.add_argument("--out", metavar="HTML", type=Path,
-                        help="where to write the report (default: beside the results file, "
-                             "under reports/)")
-    parser.add_argument("--n", metavar="N", type=_positive_int, nargs="+",
-                        help=f"sequence lengths to measure (default {' '.join(map(str, DEFAULT_NS))})")
-    parser.add_argument("--threads", metavar="N", type=thread_count,
-                        help="threads for every backend and BLAS (default: all cores)")
-    parser.add_argument("--repeats", metavar="R", type=_positive_int,
-                        help=f"timed repeats per point (default {DEFAULT_REPEATS}, "
-                             f"{QUICK_REPEATS} with --quick)")
-    parser.add_argument("--quick", action="store_true",
-                        help=f"a tiny grid (n = {' '.join(map(str, QUICK_NS))}, "
-                             f"{QUICK_REPEATS} repeats, no memory probe): for tests and CI")
-    parser.add_argument("--readme-image", metavar="PNG", type=Path,
-                        help="also write the time-against-n figure to this PNG "
-                             "(a copy is always written beside the report)")
-    parser.add_argument("--minilm", metavar="NPZ", type=Path,
-                        help="MiniLM activations for the quality section (default: "
-                             "../shared/data/minilm when found, else the shipped slice)")
+                        help="build the report from an asv results directory instead of "
+                             "measuring: the newest commit on asv.conf.json's branch")
+    add("--asv-commit", metavar="REV",
+        help="with --asv: the commit (a hash or its prefix) to report instead")
+    add("--history", metavar="BENCHMARK",
+        help="with --asv: also plot this benchmark across commits")
+    add("--out", metavar="HTML", type=Path,
+        help="where to write the report (default: beside the results file, under reports/)")
+    add("--n", metavar="N", type=positive_int, nargs="+",
+        help=f"sequence lengths to measure (default {' '.join(map(str, DEFAULT_NS))})")
+    add("--threads", metavar="N", type=thread_count,
+        help="threads for every backend and BLAS (default: the usable cores, or those "
+             "other work leaves idle)")
+    add("--repeats", metavar="R", type=positive_int,
+        help=f"timed repeats per point (default {DEFAULT_REPEATS}, {QUICK_REPEATS} with --quick)")
+    add("--quick", action="store_true",
+        help=f"a tiny grid (n = {' '.join(map(str, QUICK_NS))}, {QUICK_REPEATS} repeats, no "
+             "memory probe): for tests and CI")
+    add("--readme-image", metavar="PNG", type=Path,
+        help="also write the time-against-n figure to this PNG (a copy is always written "
+             "beside the report)")
+    add("--minilm", metavar="NPZ", type=Path,
+        help="MiniLM activations for the quality section (default: ../shared/data/minilm "
+             "when found, else the shipped slice)")
     parser.set_defaults(func=run)
     return parser
 
@@ -93,16 +94,19 @@ def _timestamp():
 
 
 def _check_output(out, protected=()):
-    """Refuse to write over anything that is not an earlier fastattn report."""
+    """Refuse to write over anything that is not an earlier fastattn report, before any work."""
+    from ..bench.results import check_writable
     from .build import REPORT_MARKER
 
     out = Path(out)
     for path in protected:
         if path is not None and out.resolve() == Path(path).resolve():
             raise ReportError(f"--out {out} is the results file; choose another path for the report")
+    try:
+        check_writable(out, "report")
+    except ResultsFileError as exc:
+        raise ReportError(str(exc)) from None
     if out.exists():
-        if out.is_dir():
-            raise ReportError(f"--out {out} is a directory; give a file name such as {out / 'report.html'}")
         with open(out, "rb") as handle:
             head = handle.read(4096).decode("utf-8", errors="replace")
         if REPORT_MARKER not in head:
@@ -110,7 +114,7 @@ def _check_output(out, protected=()):
 
 
 def _read_results(path):
-    from ..bench.results import ResultsFileError, read_records
+    from ..bench.results import read_records
 
     try:
         records = read_records(path)
@@ -124,57 +128,65 @@ def _read_results(path):
 
 
 def sweep_points(ns, quick=False):
-    """The default grid of the report's sweep.
+    """The report's grid: every backend and peer, softmax and linear, causal and not, d = 64.
 
-    Parameters
-    ----------
-    ns : sequence of int or None
-        Sequence lengths; None for the default (:data:`DEFAULT_NS`, or
-        :data:`QUICK_NS` with ``quick``).
-    quick : bool
-
-    Returns
-    -------
-    list of fastattn.bench.sweep.Point
-        Every available backend and peer, softmax and linear (elu+1), causal
-        and not, d_k = d_v = 64, float32, batch 1, one head.
+    ``ns`` None gives :data:`~fastattn.bench.sweep.DEFAULT_NS` (:data:`QUICK_NS` with ``quick``).
     """
     from ..bench import sweep
 
-    ns = tuple(ns) if ns else (QUICK_NS if quick else DEFAULT_NS)
-    return sweep.default_grid(ns=ns)
+    return sweep.default_grid(ns=tuple(ns) if ns else (QUICK_NS if quick else DEFAULT_NS))
 
 
-def _measure(args):
-    """Run (or resume) the sweep; returns the results path."""
+def _command():
+    """How this program was invoked, to print commands the user can paste."""
+    argv0 = sys.argv[0] if sys.argv and sys.argv[0] else "fastattn"
+    if argv0.endswith(".py") or argv0 == "-c" or argv0 == "-m":
+        return f"{shlex.quote(sys.executable)} -m fastattn.cli"
+    return shlex.quote(argv0)
+
+
+def _resume_command(args, results):
+    """The command that finishes this run's grid, as the user invoked this one."""
+    options = [("--quick", args.quick), (f"--n {' '.join(map(str, args.n or ()))}", args.n),
+               (f"--threads {args.threads}", args.threads),
+               (f"--repeats {args.repeats}", args.repeats),
+               (f"--out {shlex.quote(str(args.out))}", args.out)]
+    return " ".join([_command(), "report", "--resume", shlex.quote(str(results))]
+                    + [text for text, given in options if given])
+
+
+def _measure(args, results):
+    """Run (or resume) the sweep into ``results``; returns its path."""
     from ..bench import sweep
-    from ..bench.results import ResultsFileError
 
-    if args.resume is not None:
-        results = args.resume
-        if not results.is_file():
-            raise ReportError(f"--resume {results}: no such results file")
-    else:
-        results = REPORTS_DIR / f"fastattn-{_timestamp()}.jsonl"
-    points = sweep_points(args.n, args.quick)
+    if args.resume is not None and not results.is_file():
+        raise ReportError(f"--resume {results}: no such results file")
     repeats = args.repeats or (QUICK_REPEATS if args.quick else DEFAULT_REPEATS)
-    print(f"fastattn report: measuring {len(points)} points into {results} "
-          f"(up to {repeats} timed repeats each{', quick grid' if args.quick else ''})", file=sys.stderr)
-    # The resume command repeats the grid options, so it finishes the same grid.
-    resume = f"fastattn report --resume {results}" + "".join(
-        option for option, given in (
-            (" --quick", args.quick),
-            (f" --n {' '.join(map(str, args.n or ()))}", args.n),
-            (f" --threads {args.threads}", args.threads),
-            (f" --repeats {args.repeats}", args.repeats),
-        ) if given
-    )
-    print(f"  interrupted? continue with: {resume}", file=sys.stderr)
+    resume = _resume_command(args, results)
+
+    def announce(todo, done):
+        print(f"fastattn report: measuring {todo} points into {results}"
+              + (f" ({done} already there)" if done else "")
+              + f" (up to {repeats} timed repeats each{', quick grid' if args.quick else ''})",
+              file=sys.stderr)
+        print(f"  interrupted? continue with: {resume}", file=sys.stderr)
+
+    threads = args.threads
+    if threads is None and args.resume is not None:  # finish the grid on its own threads
+        threads = next((r["threads"] for r in _read_results(results)
+                        if r["record"] == "point"), None)
+    if threads is None and sweep.idle_cores() < default_num_threads():
+        threads = sweep.idle_cores()
+        print(f"fastattn report: other work keeps {default_num_threads() - threads} of "
+              f"{default_num_threads()} cores busy: measuring on {threads} thread(s), so no "
+              "kernel waits for a thread the scheduler put aside (--threads N to choose)",
+              file=sys.stderr)
+    options = sweep.Options(repeats=repeats, memory=not args.quick,
+                            max_point_s=QUICK_MAX_POINT_S if args.quick else MAX_POINT_S,
+                            point_timeout_s=POINT_TIMEOUT_S)
     try:
-        sweep.run_sweep(points, results, threads=args.threads, repeats=repeats,
-                        memory=not args.quick, check=True, resume=True, progress=True,
-                        max_point_s=QUICK_MAX_POINT_S if args.quick else MAX_POINT_S,
-                        point_timeout_s=POINT_TIMEOUT_S)
+        sweep.run_sweep(sweep_points(args.n, args.quick), results, options,
+                        threads=threads, progress="fastattn report", announce=announce)
     except ResultsFileError as exc:
         raise ReportError(f"refusing {results}: {exc}") from None
     except KeyboardInterrupt:
@@ -184,35 +196,29 @@ def _measure(args):
     return results
 
 
-def _asv_records(directory, history_benchmark):
+def _asv_records(args):
     try:
-        # import_module looks in sys.modules first, unlike `from . import`,
-        # which would take the package attribute of an earlier import.
+        # import_module looks in sys.modules first, unlike `from . import`.
         asv_results = importlib.import_module("fastattn.report.asv_results")
     except ImportError as exc:
-        raise ReportError(
-            "--asv needs fastattn.report.asv_results (it comes with the asv suite) and it "
-            f"cannot be imported here: {exc}") from None
+        raise ReportError("--asv needs fastattn.report.asv_results (it comes with the asv "
+                          f"suite) and it cannot be imported here: {exc}") from None
+    directory = args.asv
     if not Path(directory).is_dir():
         raise ReportError(f"--asv {directory}: no such directory (asv writes its results to "
                           ".asv/results by default)")
-    from ..bench.results import SCHEMA
-
     try:
-        loaded = asv_results.load_asv_points(directory)
-        history = (None if history_benchmark is None
-                   else asv_results.load_asv_history(directory, history_benchmark))
+        records = asv_results.load_asv_points(directory, commit=args.asv_commit)
+        history = (None if args.history is None
+                   else asv_results.load_asv_history(directory, args.history))
     except (OSError, ValueError) as exc:   # asv_results.AsvResultsError is a ValueError
         raise ReportError(f"cannot read asv results in {directory}: {exc}") from None
-    records = []
-    for record in loaded:
-        record = dict(record)
-        record.setdefault("schema", SCHEMA)
-        record.setdefault("record", "point" if "attention" in record else "environment")
-        records.append(record)
     if not records:
         raise ReportError(f"no asv results found in {directory}")
-    return records, history
+    chosen = "; ".join(dict.fromkeys(f"{r.get('machine')}: {r['chosen']}" for r in records
+                                     if r.get("record") == "environment" and r.get("chosen")))
+    print(f"fastattn report: {chosen}", file=sys.stderr)
+    return records, history, f"asv results in {directory}; {chosen}"
 
 
 def run(args):
@@ -224,55 +230,64 @@ def run(args):
         return 2
 
 
+def _check_minilm(path):
+    """Refuse a file that is not an .npz of MiniLM activations, before measuring."""
+    from ..data import load_minilm
+
+    if path.is_file() and not zipfile.is_zipfile(path):
+        raise ReportError(f"--minilm {path}: not an .npz archive (expected NumPy's .npz of "
+                          "MiniLM activations q, k, v, as in ../shared/data/minilm)")
+    try:
+        load_minilm(path)
+    except (OSError, ValueError) as exc:
+        raise ReportError(f"--minilm: {exc}") from None
+
+
 def _run(args):
-    if args.history is not None and args.asv is None:
-        raise ReportError("--history needs --asv DIR")
+    if (args.history or args.asv_commit) is not None and args.asv is None:
+        raise ReportError(f"{'--history' if args.history else '--asv-commit'} needs --asv DIR")
     if args.minilm is not None:
-        # Refuse a bad file before measuring, not after.
-        from ..data import load_minilm
+        _check_minilm(args.minilm)
+    protected = (args.from_, args.resume)
+    if args.out is not None:
+        _check_output(args.out, protected)
+    if args.resume is not None and args.resume.exists():
+        from ..bench.results import check_writable
 
         try:
-            load_minilm(args.minilm)
-        except (OSError, ValueError) as exc:
-            raise ReportError(f"--minilm: {exc}") from None
-    if args.out is not None:
-        _check_output(args.out, (args.from_, args.resume))
+            _read_results(args.resume)
+            check_writable(args.resume, "results file")
+        except ResultsFileError as exc:
+            raise ReportError(f"--resume: {exc}") from None
     history = None
     if args.asv is not None:
-        records, history = _asv_records(args.asv, args.history)
-        source = f"asv results in {args.asv}"
+        records, history, source = _asv_records(args)
         out = args.out or REPORTS_DIR / f"fastattn-asv-{_timestamp()}.html"
     else:
-        results = args.from_ if args.from_ is not None else _measure(args)
-        records = _read_results(results)
-        source = str(results)
+        results = args.from_ or args.resume or REPORTS_DIR / f"fastattn-{_timestamp()}.jsonl"
         out = args.out or Path(results).with_suffix(".html")
-    out = Path(out)
-    _check_output(out, (args.from_, args.resume))
+        _check_output(out, protected)   # before measuring, whichever way out was named
+        if args.from_ is None:
+            _measure(args, results)
+        records, source = _read_results(results), str(results)
+    _check_output(out, protected)
 
+    from ..bench.results import atomic_write
     from .build import build_report
     from .quality import compute_quality
 
     try:
         quality = compute_quality("auto" if args.minilm is None else args.minilm)
-    except (OSError, ValueError) as exc:
-        raise ReportError(f"quality section: {exc}") from None
-    try:
         report = build_report(records, source=source, quality=quality, history=history,
                               history_benchmark=args.history)
-    except ValueError as exc:
+    except (OSError, ValueError) as exc:
         raise ReportError(str(exc)) from None
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(report.html, encoding="utf-8")
-    tmp.replace(out)
-    images = [out.with_name(out.stem + "-scaling.png")]
-    if args.readme_image is not None:
-        images.append(args.readme_image)
-    if report.scaling_png:
-        for image in images:
-            image.parent.mkdir(parents=True, exist_ok=True)
-            image.write_bytes(report.scaling_png)
-            print(f"scaling figure: {image}", file=sys.stderr)
+    atomic_write(out, report.html)
+    for image in [out.with_name(out.stem + "-scaling.png")] + (
+            [args.readme_image] if args.readme_image else []):
+        image.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(image, report.scaling_png)
+        print(f"scaling figure: {image}", file=sys.stderr)
     print(out)
     return 0

@@ -1,7 +1,8 @@
 """Matplotlib figures of the report, returned as PNG bytes (Agg backend, no display).
 
 Every figure is drawn from :class:`~fastattn.report.analysis.Curve` objects
-or quality results; nothing here measures anything.  Colours follow the
+or quality results as they are (labels and fits included); nothing here
+measures, fits or labels anything.  Colours follow the
 backend (the same in every figure), line style the attention type: softmax
 solid with circles, linear dashed with squares.
 """
@@ -17,22 +18,15 @@ from matplotlib.colors import LogNorm  # noqa: E402
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter  # noqa: E402
 import numpy as np  # noqa: E402
 
-from .analysis import FIT_MIN_N, fit_exponent  # noqa: E402
+from ..bench.table import format_bytes, format_seconds  # noqa: E402
+from .analysis import FIT_MIN_N  # noqa: E402
 
-BACKEND_COLOURS = {
-    "reference": "#6b6b6b",
-    "numba": "#1f77b4",
-    "cython": "#2ca02c",
-    "torch": "#d62728",
-}
+BACKEND_COLOURS = {"reference": "#6b6b6b", "numba": "#1f77b4", "cython": "#2ca02c",
+                   "torch": "#d62728"}
 _EXTRA_COLOURS = ["#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf", "#bcbd22"]
-STYLES = {
-    "softmax": {"linestyle": "-", "marker": "o"},
-    "linear": {"linestyle": "--", "marker": "s"},
-}
+STYLES = {"softmax": {"linestyle": "-", "marker": "o"},
+          "linear": {"linestyle": "--", "marker": "s"}}
 DPI = 100
-
-
 _assigned_colours = {}
 
 
@@ -45,11 +39,21 @@ def colour(backend):
     return _assigned_colours[backend]
 
 
-def _dtype_style(curve):
-    """float64 curves drawn with hollow markers and thinner, fainter lines than float32."""
-    if curve.key.get("dtype") == "float64":
-        return {"markerfacecolor": "white", "alpha": 0.75}
-    return {}
+def _style(curve):
+    """Colour by backend, line by attention; float64 hollow and fainter than float32."""
+    return {"color": colour(curve.backend), "markersize": 4, "linewidth": 1.6,
+            **STYLES.get(curve.attention, {"linestyle": ":", "marker": "^"}),
+            **({"markerfacecolor": "white", "alpha": 0.75}
+               if curve.key.get("dtype") == "float64" else {})}
+
+
+def _finish(ax, title):
+    """The n axis, the panel title and the legend below the panel (the curves stay visible)."""
+    _n_axis(ax)
+    ax.set_title(title, fontsize=11)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7.5, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2,
+                  frameon=False)
 
 
 def to_png(fig):
@@ -73,21 +77,6 @@ def _n_axis(ax):
     ax.grid(True, which="major", alpha=0.3)
 
 
-def _seconds(x, _):
-    if x >= 1:
-        return f"{x:g} s"
-    if x >= 1e-3:
-        return f"{x * 1e3:g} ms"
-    return f"{x * 1e6:g} µs"
-
-
-def _bytes(x, _):
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if x >= size:
-            return f"{x / size:g} {unit}"
-    return f"{x:g} B"
-
-
 def _panel_grid(panels, ncols, height=5.4, width=5.6):
     nrows = max(1, -(-len(panels) // ncols))
     fig, axes = plt.subplots(nrows, ncols, figsize=(width * ncols, height * nrows),
@@ -106,8 +95,9 @@ def scaling_figure(panels, metric="time", ncols=2, title=None):
     panels : list of (str, list of Curve)
         Panel title and the curves drawn in it (e.g. non-causal, causal).
     metric : {"time", "memory"}
-        ``"time"``: median seconds with a min-max band, exponent fitted on
-        ``n >= 1024`` in the legend and drawn as a thin dotted line;
+        ``"time"``: median seconds with a min-max band; the curve's exponent
+        (fitted on ``n >= 1024``, :attr:`~fastattn.report.analysis.Curve.time_fit`)
+        in the legend and drawn as a thin dotted line;
         ``"memory"``: peak extra bytes of one call, with its exponent.
     ncols : int
         Panels per row.
@@ -127,11 +117,9 @@ def scaling_figure(panels, metric="time", ncols=2, title=None):
             if not use.any():
                 continue
             drawn = True
-            style = STYLES.get(c.attention, {"linestyle": ":", "marker": "^"})
-            fit = fit_exponent(c.n, y)
-            label = (c.display or c.label) + (f"  n^{fit.format()}" if fit else "")
-            ax.plot(c.n[use], y[use], color=colour(c.backend), label=label, markersize=4,
-                    linewidth=1.6, **style, **_dtype_style(c))
+            fit = c.time_fit if metric == "time" else c.memory_fit
+            ax.plot(c.n[use], y[use], label=c.label + (f"  n^{fit.format()}" if fit else ""),
+                    **_style(c))
             if metric == "time":
                 ax.fill_between(c.n[use], c.min_s[use], c.max_s[use], color=colour(c.backend),
                                 alpha=0.12, linewidth=0)
@@ -139,20 +127,16 @@ def scaling_figure(panels, metric="time", ncols=2, title=None):
                 xs = np.array([fit.n_min, fit.n_max], dtype=float)
                 ax.plot(xs, fit.predict(xs), color="black", linewidth=0.8, linestyle=":",
                         alpha=0.7)
-        _n_axis(ax)
         ax.set_yscale("log")
         if metric == "time":
             ax.yaxis.set_major_locator(LogLocator(base=10))
-            ax.yaxis.set_major_formatter(FuncFormatter(_seconds))
+            ax.yaxis.set_major_formatter(FuncFormatter(lambda x, _: format_seconds(x)))
         else:  # powers of two read as whole KiB / MiB / GiB
             ax.yaxis.set_major_locator(LogLocator(base=2, numticks=8))
             ax.yaxis.set_minor_locator(LogLocator(base=2, subs=(), numticks=8))
-            ax.yaxis.set_major_formatter(FuncFormatter(_bytes))
+            ax.yaxis.set_major_formatter(FuncFormatter(lambda x, _: format_bytes(x)))
+        _finish(ax, panel_title)
         ax.axvspan(FIT_MIN_N, ax.get_xlim()[1], color="#f3f3f3", zorder=0)
-        ax.set_title(panel_title, fontsize=11)
-        if ax.get_legend_handles_labels()[0]:   # below the panel: the curves stay visible
-            ax.legend(fontsize=7.5, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2,
-                      frameon=False)
     axes[0].set_ylabel("median time per call" if metric == "time" else "peak extra memory per call")
     if title:
         fig.suptitle(title, fontsize=12)
@@ -184,10 +168,7 @@ def roofline_figure(panels, roofs, ncols=2):
             use = np.isfinite(c.gflops) & (c.gflops > 0)
             if not use.any():
                 continue
-            ax.plot(c.n[use], c.gflops[use], color=colour(c.backend),
-                    label=(c.display or c.label), markersize=4, linewidth=1.6,
-                    **STYLES.get(c.attention, {"linestyle": ":", "marker": "^"}),
-                    **_dtype_style(c))
+            ax.plot(c.n[use], c.gflops[use], label=c.label, **_style(c))
         for i, (label, ns, values) in enumerate(roofs):
             style = {"color": "black", "linewidth": 2.2 - 0.6 * i,
                      "linestyle": ["-", "-.", ":"][i % 3]}
@@ -195,13 +176,9 @@ def roofline_figure(panels, roofs, ncols=2):
                 ax.axhline(values[0], label=label, **style)
             else:
                 ax.plot(ns, values, label=label, **style)
-        _n_axis(ax)
         ax.set_yscale("log")
         ax.yaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))
-        ax.set_title(panel_title, fontsize=11)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7.5, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2,
-                      frameon=False)
+        _finish(ax, panel_title)
     axes[0].set_ylabel("achieved GFLOP/s (at the median time)")
     return to_png(fig)
 

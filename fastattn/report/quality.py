@@ -89,7 +89,6 @@ class QualityResults:
     minilm_full: bool
     heatmaps: list = field(default_factory=list)
     provenance: dict = field(default_factory=dict)
-    rendered: dict = field(default_factory=dict, repr=False)   # figures, filled by the report
 
 
 def _row_entropy(weights):

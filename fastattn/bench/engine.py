@@ -1,0 +1,475 @@
+"""The measuring engine: inputs, the call, timing, memory, the roof and the check.
+
+One of each, used by ``fastattn bench``, ``fastattn report`` and the asv suite
+(``benchmarks/``):
+
+* :func:`make_inputs` -- seeded Gaussian q, k, v (:func:`fastattn.compare.gaussian_qkv`);
+* :func:`make_call` -- the no-argument call of a point (public API or a peer);
+* :func:`time_call` -- :class:`timeit.Timer` repeats after a warm-up;
+* :func:`peak_extra_bytes` -- peak extra memory of one call;
+* :func:`probe_roof` and :func:`roof_for` -- the GEMM roof and the rule that
+  matches a point to it;
+* :func:`measure_point` -- all of it for one point, as the fields of its record.
+
+A point is a dict of the :class:`~fastattn.bench.sweep.Point` fields
+(``attention``, ``backend``, ``regime``, ``causal``, ``n_q``, ``n_k``, ``d_k``,
+``d_v``, ``batch``, ``heads``, ``dtype``, ``feature_map``, ``num_features``).
+"""
+
+import ctypes
+import ctypes.util
+import gc
+import math
+import os
+import time
+import timeit
+import tracemalloc
+import traceback
+
+import numpy as np
+
+from .. import _api, reference
+from ..compare import gaussian_qkv
+from . import peers
+from .flops import attention_flops
+
+#: Seed of every sweep's inputs (each point derives its own stream from it).
+DEFAULT_SEED = 20260
+
+#: A point is flagged when ``max_abs_err > CHECK_TOL[dtype] * max(1, max |reference|)``.
+CHECK_TOL = {"float32": 1e-4, "float64": 1e-9}
+
+#: The float64 reference of the check may take at most this many bytes of
+#: intermediates (and a quarter of the available memory); above it the point
+#: is checked at a smaller n (``check_n``).
+CHECK_MAX_BYTES = 5 * 2**29  # 2.5 GiB
+
+#: Fraction of the available memory a measured call may be predicted to need.
+MEMORY_HEADROOM = 0.7
+
+#: Seconds of idling before each point, so worker threads of other runtimes
+#: (OpenBLAS spins ~0.1 s after a job) are asleep when the timing starts.
+SETTLE_S = 0.2
+
+#: A timed repeat lasts at least this long (``number`` calls of a fast kernel),
+#: so the clock's resolution does not dominate.
+MIN_REPEAT_S = 2e-4
+#: A fast call is repeated for at least this many seconds (at most
+#: :data:`MAX_REPEATS` times): the more repeats, the likelier one that load
+#: from other processes left alone, which the minimum then finds.
+MIN_TIME_S = 0.25
+MAX_REPEATS = 100
+
+#: GEMM shapes above this n are probed at this n (the rate is flat beyond it).
+MAX_PROBE_N = 4096
+
+
+def make_inputs(spec, seed=DEFAULT_SEED):
+    """Seeded Gaussian ``q (B, n_q, d_k)``, ``k (B, n_k, d_k)``, ``v (B, n_k, d_v)``.
+
+    ``B = batch * heads``; the stream is keyed by the seed and the shape, so
+    every backend and dtype of a shape sees the same numbers.
+    """
+    b = spec["batch"] * spec["heads"]
+    shape = (b, spec["n_q"], spec["n_k"], spec["d_k"], spec["d_v"])
+    return gaussian_qkv((b, spec["n_q"], spec["d_k"]), spec["n_k"], spec["d_v"],
+                        dtype=spec["dtype"], seed=[seed, *shape])
+
+
+def make_call(spec, q, k, v):
+    """The no-argument callable that computes point ``spec`` on ``q, k, v``.
+
+    fastattn backends are called through the public functions (validation and
+    dispatch included, as a user calls them); a peer through its builder
+    ``peers.<backend>_<attention>_call``.
+    """
+    attention, backend, causal = spec["attention"], spec["backend"], spec["causal"]
+    feature_map = spec.get("feature_map") or "elu"
+    scale = reference.default_scale(q.shape[-1])
+    if backend in peers.PEERS:
+        build = getattr(peers, f"{backend}_{attention}_call")
+        option = scale if attention == "softmax" else feature_map
+        return build(q, k, v, causal, option, heads=spec.get("heads", 1))
+    if attention == "softmax":
+        return lambda: _api.softmax_attention(q, k, v, causal=causal, scale=scale,
+                                              backend=backend)
+    return lambda: _api.linear_attention(q, k, v, causal=causal, feature_map=feature_map,
+                                         backend=backend)
+
+
+def time_call(call, repeats, estimate_s, min_time_s=None, max_repeats=None):
+    """Seconds per call of ``call()``: at least ``repeats`` :class:`timeit.Timer` repeats.
+
+    Parameters
+    ----------
+    call : callable
+        Already warmed up (compilation is never timed).
+    repeats : int
+        Repeats at least; more while the repeats so far took under
+        ``min_time_s`` (at most ``max_repeats``), so that a fast call gets many
+        chances of a repeat that other work on the machine did not slow down.
+    estimate_s : float
+        Seconds one call takes; a call faster than :data:`MIN_REPEAT_S` is run
+        ``number`` times per repeat (a power of 2).
+    min_time_s : float, default :data:`MIN_TIME_S`
+    max_repeats : int, default :data:`MAX_REPEATS`
+
+    Returns
+    -------
+    dict
+        ``times_s`` (seconds per call, one per repeat), ``median_s``,
+        ``min_s``, ``max_s``, ``number``, ``repeats``.  ``timeit`` turns the
+        garbage collector off while it times.
+    """
+    min_time_s = MIN_TIME_S if min_time_s is None else min_time_s
+    max_repeats = max(repeats, MAX_REPEATS if max_repeats is None else max_repeats)
+    number = 1
+    while estimate_s * number < MIN_REPEAT_S and number < 1024:
+        number *= 2
+    timer, times = timeit.Timer(call), []
+    deadline = time.perf_counter() + min_time_s
+    while len(times) < repeats or (len(times) < max_repeats and time.perf_counter() < deadline):
+        times.append(timer.timeit(number) / number)
+    return {"times_s": times, "median_s": float(np.median(times)), "min_s": min(times),
+            "max_s": max(times), "number": number, "repeats": len(times)}
+
+
+# ------------------------------------------------------------------- memory
+def _libc():
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        libc.mallopt, libc.malloc_trim  # glibc only
+    except (OSError, AttributeError, TypeError):
+        return None
+    return libc
+
+
+_LIBC = _libc()
+if _LIBC is not None:
+    # Serve every block >= 64 KiB with its own mmap, so a call's arrays are fresh
+    # pages rather than reused, already-resident heap (M_MMAP_THRESHOLD, M_TRIM_THRESHOLD).
+    _LIBC.mallopt(-3, 64 * 1024)
+    _LIBC.mallopt(-1, 128 * 1024)
+
+
+def _status_bytes(field):
+    with open("/proc/self/status", encoding="ascii") as handle:
+        for line in handle:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024  # reported in kB
+    raise OSError(f"/proc/self/status has no {field}")
+
+
+def _reset_peak():
+    """Reset the peak RSS (Linux ``/proc/self/clear_refs``); False where that cannot be done."""
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as handle:
+            handle.write("5")
+        return _status_bytes("VmHWM") > 0
+    except OSError:
+        return False
+
+
+def hwm_available():
+    """True if the peak RSS can be reset here (Linux ``/proc/self/clear_refs``)."""
+    return _reset_peak()
+
+
+def peak_extra_bytes(call, method="auto"):
+    """Peak bytes ``call()`` adds to this process while it runs, its output included.
+
+    Parameters
+    ----------
+    call : callable
+        Called once; warm it up first so compilation is not counted.
+    method : {"auto", "hwm", "tracemalloc"}
+        ``"hwm"`` (Linux): free what can be freed (``gc``, glibc
+        ``malloc_trim``), reset the peak RSS (``VmHWM``), read ``VmRSS``, make
+        the call and read ``VmHWM``; sees NumPy, Numba, OpenMP and PyTorch
+        allocations alike.  ``"tracemalloc"``: the peak of Python-tracked
+        allocations (NumPy's buffers, not Numba's or C's).  ``"auto"``:
+        ``"hwm"`` where it works.
+
+    Returns
+    -------
+    (int, str, float)
+        Bytes (at least 0), the method used and the seconds the call took.
+    """
+    gc.collect(1)
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+    if method in ("auto", "hwm") and _reset_peak():
+        before = _status_bytes("VmRSS")
+        start = time.perf_counter()
+        result = call()
+        elapsed = time.perf_counter() - start
+        extra, method = _status_bytes("VmHWM") - before, "hwm"
+    else:
+        started_here = not tracemalloc.is_tracing()
+        if started_here:
+            tracemalloc.start()
+        try:
+            tracemalloc.reset_peak()
+            before = tracemalloc.get_traced_memory()[0]
+            start = time.perf_counter()
+            result = call()
+            elapsed = time.perf_counter() - start
+            extra, method = tracemalloc.get_traced_memory()[1] - before, "tracemalloc"
+        finally:
+            if started_here:
+                tracemalloc.stop()
+    del result
+    return max(0, int(extra)), method, elapsed
+
+
+# --------------------------------------------------------------------- roof
+def _gemm_task(n, d, dtype):
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((n, d)).astype(dtype)
+    b = rng.standard_normal((d, n)).astype(dtype)
+    out = np.empty((n, n), dtype=dtype)
+    return (lambda: np.matmul(a, b, out=out)), 2.0 * n * n * d
+
+
+def _exp_task(dtype, size):
+    x = np.random.default_rng(0).standard_normal(size).astype(dtype)
+    out = np.empty_like(x)
+    return (lambda: np.exp(x, out=out)), float(size)
+
+
+def probe_roof(shapes, dtypes=("float32", "float64"), budget_s=0.1, rounds=3):
+    """The roof of this process: GEMM GFLOP/s at each attention shape, and exp throughput.
+
+    Each task is the best repeat over ``rounds`` rounds that visit every task
+    in turn, so a burst of load from other processes does not sink one task.
+
+    Parameters
+    ----------
+    shapes : iterable of (n, d)
+        Attention shapes ``n x d @ d x n``; n is rounded to a power of 2 and
+        capped at :data:`MAX_PROBE_N`.
+    dtypes : iterable of str
+    budget_s : float, default 0.1
+        Seconds of repeats per task, over all rounds.
+    rounds : int, default 3
+
+    Returns
+    -------
+    list of dict
+        Roof record fields: ``probe`` ``"gemm"`` (``shape`` ``[n, d, n]``,
+        ``gflops``) or ``"exp"`` (``size``, ``gelem_s``; NumPy's exp is
+        serial), ``dtype``, ``repeats``.
+    """
+    sizes = sorted({(min(2 ** max(0, round(math.log2(max(n, 1)))), MAX_PROBE_N), int(d))
+                    for n, d in shapes})
+    tasks = [("gemm", np.dtype(dt).name, n, d) for dt in dtypes for n, d in sizes]
+    tasks += [("exp", np.dtype(dt).name, 1 << 22, None) for dt in dtypes]
+    best, count = dict.fromkeys(tasks, 0.0), dict.fromkeys(tasks, 0)
+    for _ in range(max(1, int(rounds))):
+        for task in tasks:
+            kind, dtype, n, d = task
+            fn, work = _gemm_task(n, d, dtype) if kind == "gemm" else _exp_task(dtype, n)
+            fn()  # first touch, thread pool start
+            deadline = time.perf_counter() + budget_s / rounds
+            while count[task] < 1000:
+                start = time.perf_counter()
+                fn()
+                best[task] = max(best[task], work / max(time.perf_counter() - start, 1e-12))
+                count[task] += 1
+                if time.perf_counter() > deadline:
+                    break
+    return [{"probe": kind, "dtype": dtype, "repeats": count[t],
+             **({"shape": [n, d, n], "gflops": best[t] / 1e9} if kind == "gemm"
+                else {"size": n, "gelem_s": best[t] / 1e9})}
+            for t in tasks for kind, dtype, n, d in [t]]
+
+
+def roof_for(roofs, dtype, d, threads=None, machine=None):
+    """The GEMM GFLOP/s that bounds a point: the best probe of its dtype at the nearest ``d``.
+
+    The one roof rule of fastattn: a roof is an upper bound, so it is the best
+    GEMM rate the run measured at the point's head dimension over every
+    probed n (one probe slowed by a busy machine does not lower it).
+
+    Parameters
+    ----------
+    roofs : list of dict
+        Roof records; those that are not GEMM probes are ignored.
+    dtype : str
+    d : int
+        The point's ``d_k``.
+    threads : int, optional
+        Only probes on this thread count.
+    machine : str, optional
+        Only probes of this machine (asv results).
+
+    Returns
+    -------
+    float or None
+        GFLOP/s; None when nothing matches.
+    """
+    found = [r for r in roofs if r.get("probe", "gemm") == "gemm" and r.get("gflops")
+             and r.get("dtype") == dtype and r.get("shape")
+             and (threads is None or r.get("threads") in (None, threads))
+             and (machine is None or r.get("machine") in (None, machine))]
+    if not found:
+        return None
+    nearest = min(abs(math.log2(r["shape"][1] / d)) for r in found)
+    return max(r["gflops"] for r in found if abs(math.log2(r["shape"][1] / d)) == nearest)
+
+
+# -------------------------------------------------------------------- check
+def quadratic_need(spec, itemsize):
+    """Bytes of n_q x n_k intermediates a reference call makes (0 if it makes none)."""
+    b = spec["batch"] * spec["heads"]
+    if spec["attention"] == "softmax":  # scores, weights, their products and the where()
+        return reference.quadratic_bytes(b, spec["n_q"], spec["n_k"], itemsize, arrays=4)
+    if spec["causal"]:                  # kernel matrix, its mask copy, the result
+        return reference.quadratic_bytes(b, spec["n_q"], spec["n_k"], itemsize, arrays=3)
+    return 0
+
+
+def why_skip(spec):
+    """Reason a point cannot run here, or None."""
+    import psutil
+
+    backend = spec["backend"]
+    if backend in peers.PEERS:
+        if backend not in peers.available_peers():
+            return f"{backend} is not installed; add it with: {peers.INSTALL_HINT[backend]}"
+    elif backend not in _api.available_backends():
+        reason = _api.unavailable_backends().get(backend, "unknown")
+        return f"backend {backend!r} is not available here ({reason})"
+    itemsize = np.dtype(spec["dtype"]).itemsize
+    b, n = spec["batch"] * spec["heads"], max(spec["n_q"], spec["n_k"])
+    need = 4 * b * n * max(spec["d_k"], spec["d_v"]) * itemsize  # inputs, output
+    if backend == "reference":
+        need += quadratic_need(spec, itemsize)
+    elif backend in peers.PEERS:
+        need += peers.peer_extra_bytes(backend, spec["attention"], spec["causal"], b, n,
+                                       spec["d_k"], spec["d_v"], itemsize)
+    available = psutil.virtual_memory().available
+    if need > MEMORY_HEADROOM * available:
+        return f"needs about {need / 2**20:,.0f} MiB but {available / 2**20:,.0f} MiB are available"
+    return None
+
+
+class ReferenceCache:
+    """The float64 reference output of the last few inputs (shared by every backend)."""
+
+    def __init__(self, size=4):
+        self.size, self._store = size, {}
+
+    def get(self, spec, q, k, v):
+        key = tuple(sorted((name, str(value)) for name, value in spec.items()
+                           if name != "backend"))
+        if key not in self._store:
+            q64, k64, v64 = (x.astype(np.float64) for x in (q, k, v))
+            self._store[key] = make_call(dict(spec, backend="reference"), q64, k64, v64)()
+            while len(self._store) > self.size:
+                self._store.pop(next(iter(self._store)))
+        return self._store[key]
+
+
+def check_accuracy(spec, out, references, seed=DEFAULT_SEED, max_bytes=None):
+    """``max_abs_err`` of ``out`` against the float64 reference, at the point's n if it fits.
+
+    Returns
+    -------
+    dict
+        ``max_abs_err``, ``check_n`` (the ``n_q`` it was measured at; the
+        point's n is halved until the reference fits ``max_bytes``),
+        ``check_tol`` and ``check_ok`` (False flags a kernel or peer that
+        disagrees).
+    """
+    import psutil
+
+    if max_bytes is None:
+        max_bytes = min(CHECK_MAX_BYTES, psutil.virtual_memory().available // 4)
+    small = dict(spec)
+    while small["n_q"] > 1 and quadratic_need(small, 8) > max_bytes:
+        small = dict(small, n_q=small["n_q"] // 2, n_k=max(1, small["n_k"] // 2))
+    q, k, v = make_inputs(small, seed)
+    if small != spec:
+        out = make_call(small, q, k, v)()
+    ref = references.get(small, q, k, v)
+    out = np.asarray(out, dtype=np.float64)
+    err = float(np.max(np.abs(out - ref))) if ref.size else 0.0
+    if not np.all(np.isfinite(out)):
+        err = math.inf
+    tol = CHECK_TOL[spec["dtype"]] * max(1.0, float(np.max(np.abs(ref))) if ref.size else 1.0)
+    return {"max_abs_err": err, "check_n": small["n_q"], "check_tol": tol,
+            "check_ok": bool(err <= tol)}
+
+
+def _load():
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+
+
+def measure_point(spec, repeats=5, memory=True, check=True, seed=DEFAULT_SEED,
+                  references=None, max_point_s=None, min_time_s=None):
+    """Measure one point; return the outcome fields of its record.
+
+    Warm-up call (never timed), memory probe (:func:`peak_extra_bytes`, whose
+    call also estimates the time of one call), timed repeats
+    (:func:`time_call`), flops (:func:`~fastattn.bench.flops.attention_flops`)
+    and the check against the float64 reference.
+
+    Parameters
+    ----------
+    spec : dict
+        The :class:`~fastattn.bench.sweep.Point` fields.
+    repeats : int
+    memory, check : bool
+    seed : int
+    references : ReferenceCache, optional
+    max_point_s : float, optional
+        Cap on the seconds of timed repeats: a slow call gets fewer repeats
+        (never fewer than 3, nor more than ``repeats``).
+    min_time_s : float, optional
+        A fast call is repeated for this long at least (:func:`time_call`).
+
+    Returns
+    -------
+    dict
+        ``status`` ("ok", "skipped" or "error"), ``reason`` and, when ok,
+        the fields of :func:`time_call`, ``flops``, ``gflops``, ``peak_bytes``,
+        ``memory_method`` (and ``peak_bytes_tracemalloc`` for the NumPy
+        reference, a cross-check), the check's fields, ``seed``, ``load_avg_1m`` and
+        ``warmup_s``.
+    """
+    reason = why_skip(spec)
+    if reason:
+        return {"status": "skipped", "reason": reason}
+    try:
+        call = make_call(spec, *make_inputs(spec, seed))
+        time.sleep(SETTLE_S)  # let the previous point's thread pools go to sleep
+        start = time.perf_counter()
+        out = call()
+        fields = {"status": "ok", "reason": None, "seed": seed, "load_avg_1m": _load(),
+                  "warmup_s": time.perf_counter() - start, "peak_bytes": None,
+                  "memory_method": None}
+        peak, method, estimate = peak_extra_bytes(call)
+        if memory:
+            fields.update(peak_bytes=peak, memory_method=method)
+            if spec["backend"] == "reference" and method == "hwm" and estimate < 1.0:
+                fields["peak_bytes_tracemalloc"] = peak_extra_bytes(call, "tracemalloc")[0]
+        n_repeats = repeats
+        if max_point_s is not None and estimate > 0:
+            n_repeats = max(min(3, repeats), min(repeats, int(max_point_s / estimate)))
+        fields.update(time_call(call, n_repeats, estimate, min_time_s))
+        flops = attention_flops(spec["attention"], spec["n_q"], spec["n_k"], spec["d_k"],
+                                spec["d_v"], spec["causal"], spec["batch"], spec["heads"])
+        fields.update(flops=flops, gflops=flops / fields["median_s"] / 1e9
+                      if fields["median_s"] > 0 else None)
+        if check:
+            from threadpoolctl import threadpool_limits
+
+            with threadpool_limits(1):  # the float64 reference leaves no spinning pool
+                fields.update(check_accuracy(spec, out, references or ReferenceCache(), seed))
+    except MemoryError as exc:
+        return {"status": "skipped", "reason": f"MemoryError: {exc}"}
+    except Exception as exc:  # a failing kernel is a result, not the end of the sweep
+        return {"status": "error", "reason": f"{type(exc).__name__}: {exc}",
+                "traceback": traceback.format_exc(limit=6)}
+    return fields

@@ -1,0 +1,384 @@
+"""Feature maps of linear attention: the names, FAVOR+, the Taylor map, a user's own map.
+
+Linear attention (Katharopoulos et al. 2020) replaces ``exp(qᵀk / √d_k)`` by
+``φ(q)ᵀφ(k)`` for a feature map ``φ`` of ``d_k`` to ``D`` features.  fastattn
+has these maps (``feature_map=`` of :func:`fastattn.linear_attention` and
+:func:`fastattn.attention_weights`):
+
+========== ===================================================== =====================
+name       φ                                                     D
+========== ===================================================== =====================
+"elu"      ``elu(x) + 1``, elementwise                           ``d_k``
+"relu"     ``max(x, 0)``, elementwise                            ``d_k``
+"favor"    FAVOR+ positive orthogonal random features            ``m`` (see below)
+"taylor"   second-order Taylor map of ``exp(qᵀk/√d_k)`` (Based)  ``1 + d_k + d_k(d_k+1)/2``
+callable   the user's own non-negative features                  whatever it returns
+========== ===================================================== =====================
+
+``"elu"`` and ``"relu"`` are applied inside the kernels, chunk by chunk.  The
+others are computed first, ``φ(q) (B, n_q, D)`` and ``φ(k) (B, n_k, D)`` (by
+the backend's own feature kernels for FAVOR+ and Taylor), and the linear
+kernels then run on the features: ``O(n · (D + d_v))`` memory,
+``O(n · D · (d_k + d_v))`` time for FAVOR+ (``O(n · D · d_v)`` for the
+attention itself), and a state ``(S, z)`` of shapes ``(..., D, d_v)``, ``(..., D)``.
+
+This module resolves ``feature_map=`` (one place validates it) and runs the
+feature step; the kernels are in the backends.
+"""
+
+import functools
+import math
+import numbers
+from dataclasses import dataclass
+
+import numpy as np
+
+#: The feature maps fastattn knows by name.
+NAMES = ("elu", "relu", "favor", "taylor")
+
+#: Maps applied elementwise inside the linear kernels (``D = d_k``).
+ELEMENTWISE = ("elu", "relu")
+
+
+def default_num_features(d_k):
+    """The default number of FAVOR+ features: ``d_k · ln d_k`` rounded, at least ``d_k``.
+
+    ``m = Θ(d_k log d_k)`` is the order Choromanski et al. (2021) show suffices
+    for a uniform approximation of the softmax kernel.  ``d_k = 32`` gives 111,
+    ``d_k = 64`` gives 266.
+    """
+    return max(int(d_k), int(round(d_k * math.log(d_k)))) if d_k > 1 else 1
+
+
+def taylor_num_features(d_k):
+    """Feature dimension of the Taylor map: ``1 + d_k + d_k (d_k + 1) / 2``."""
+    return 1 + d_k + d_k * (d_k + 1) // 2
+
+
+def _positive_int(value, name):
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be a positive int, got {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return int(value)
+
+
+def orthogonal_gaussian_features(d_k, num_features, rng):
+    """``ω (num_features, d_k)``: blocks of ``d_k`` orthogonal rows with chi(d_k) norms.
+
+    Each block is the Q factor of a ``d_k x d_k`` Gaussian matrix (orthogonal
+    rows); each row is then scaled by the norm of an independent standard
+    Gaussian ``d_k``-vector, so that every row is marginally ``N(0, I)``
+    while rows of one block stay orthogonal (Choromanski et al. 2021, §2.4).
+    """
+    blocks = []
+    for _ in range(-(-num_features // d_k)):
+        g = rng.standard_normal((d_k, d_k))
+        qr_q, qr_r = np.linalg.qr(g)
+        # Sign fix: makes Q Haar-distributed (numpy's QR leaves it biased).
+        blocks.append((qr_q * np.sign(np.diag(qr_r))).T)
+    directions = np.concatenate(blocks)[:num_features]
+    norms = np.linalg.norm(rng.standard_normal((num_features, d_k)), axis=1)
+    return directions * norms[:, None]
+
+
+class FavorFeatures:
+    """FAVOR+ positive orthogonal random features (Performer; Choromanski et al. 2021).
+
+    ``φ(x) = exp(ω x' − ‖x'‖² / 2) / √m`` with ``x' = x / d_k^¼``, so that
+    ``E[φ(q)ᵀφ(k)] = exp(qᵀk / √d_k)``, the softmax kernel of
+    :func:`fastattn.softmax_attention` at its default scale.  The ``m`` rows
+    of ``ω`` are drawn in orthogonal blocks of ``d_k`` rows with
+    chi(d_k)-distributed norms (each row marginally ``N(0, I_{d_k})``), which
+    lowers the variance against i.i.d. rows.
+
+    Pass the object as ``feature_map=`` to :func:`fastattn.linear_attention`
+    or :func:`fastattn.attention_weights`; ``feature_map="favor"`` means
+    ``FavorFeatures(d_k)`` with the defaults below.
+
+    Parameters
+    ----------
+    d_k : int
+        Key dimension of the inputs it will be applied to (>= 1).
+    num_features : int, optional
+        ``m``, the feature dimension ``D``.  Default
+        :func:`default_num_features` (``d_k · ln d_k`` rounded, at least
+        ``d_k``: 111 for ``d_k = 32``, 266 for ``d_k = 64``).
+    random_state : int or numpy.random.Generator, default 0
+        Seed (or generator) of ``ω``; a given seed gives the same ``ω``
+        everywhere, so a call is reproducible.
+
+    Attributes
+    ----------
+    omega : ndarray of shape (num_features, d_k), float64, read-only
+        The random projection ``ω``.
+    d_k, num_features : int
+    state_shift : float
+        ``c = max_r ‖ω_r‖² / 2``, the fixed reference frame of the linear
+        attention state (see Notes).
+
+    Raises
+    ------
+    TypeError
+        If ``d_k`` or ``num_features`` is not an int, or ``random_state`` is
+        neither an int nor a ``numpy.random.Generator``.
+    ValueError
+        If ``d_k`` or ``num_features`` is < 1, or ``random_state`` < 0.
+
+    Notes
+    -----
+    **Stabilisation.**  The exponent can be far outside the range of
+    ``exp`` for large ``‖x‖``, so linear attention uses shifted features
+    whose shifts cancel in the ratio ``φ(q)·S / φ(q)·z``:
+
+    * queries: one shift per row, ``φ(q_i) = exp(ω q'_i − max_r ω_r q'_i) / √m``
+      (``‖q'‖²/2`` is constant along the row and goes into the same shift);
+      the largest feature of every row is ``1/√m``;
+    * keys: one shift ``c_K`` for all keys of one head in the call, the
+      largest exponent ``max_{j,r} (ω_r k'_j − ‖k'_j‖²/2)``;
+      ``φ(k_j) = exp(ω k'_j − ‖k'_j‖²/2 − c_K) / √m``.
+
+    No finite input overflows.  The shifts scale numerator and denominator
+    alike, so they cancel except against ``eps``, which is in effect
+    measured in the call's frame.  Within one call a key whose every feature
+    lies about 87 (float32) or 708 (float64) below the call's largest
+    exponent contributes 0, as it would to the exact ratio within rounding.
+
+    **The state across pieces.**  The returned state ``(S, z)`` is always in
+    one fixed reference frame independent of the data,
+    ``S = Σ_j exp(ω k'_j − ‖k'_j‖²/2 − state_shift) v_jᵀ / √m`` (and ``z``
+    alike): every term is at most ``1/√m`` times ``v_j``, because
+    ``ω_r·k' − ‖k'‖²/2 = ‖ω_r‖²/2 − ‖k' − ω_r‖²/2 <= state_shift``, so the
+    state never overflows, and states of consecutive pieces simply add.  A
+    call given an ``initial_state`` works in the frame
+    ``max(c_K, state_shift + ln max_r z0_r)``, in which neither the earlier
+    keys nor its own overflow, and converts its final state back.  Chaining
+    pieces therefore equals one pass (exactly with ``eps = 0``; otherwise up
+    to ``eps`` being measured in each piece's frame).  Keys whose every
+    exponent lies more than about 87 (float32) / 708 (float64) below
+    ``state_shift`` (``‖k‖`` far beyond ``d_k^¼ (√d_k + 13)``) underflow to
+    0 in the *returned* state; the call's own output still counts them.
+
+    Complexity: features ``O(n · m · d_k)`` (one GEMM and ``n · m`` exps),
+    attention ``O(n · m · d_v)``; state ``m · (d_v + 1)`` numbers per head.
+
+    References
+    ----------
+    K. Choromanski et al., "Rethinking Attention with Performers", ICLR 2021.
+
+    Examples
+    --------
+    >>> import numpy as np, fastattn
+    >>> favor = fastattn.FavorFeatures(32, num_features=128, random_state=1)
+    >>> favor.omega.shape
+    (128, 32)
+    >>> q, k, v = (np.random.default_rng(0).standard_normal((64, 32)) for _ in range(3))
+    >>> fastattn.linear_attention(q, k, v, feature_map=favor).shape
+    (64, 32)
+    """
+
+    def __init__(self, d_k, num_features=None, random_state=0):
+        self.d_k = _positive_int(d_k, "d_k")
+        self.num_features = (default_num_features(self.d_k) if num_features is None
+                             else _positive_int(num_features, "num_features"))
+        if isinstance(random_state, np.random.Generator):
+            rng = random_state
+            self.random_state = random_state
+        elif isinstance(random_state, numbers.Integral) and not isinstance(random_state, bool):
+            if random_state < 0:
+                raise ValueError(f"random_state must be an int >= 0, got {random_state!r}")
+            rng = np.random.default_rng(int(random_state))
+            self.random_state = int(random_state)
+        else:
+            raise TypeError(
+                "random_state must be an int or a numpy.random.Generator, "
+                f"got {type(random_state).__name__}"
+            )
+        omega = orthogonal_gaussian_features(self.d_k, self.num_features, rng)
+        omega.setflags(write=False)
+        self.omega = omega
+        self.state_shift = float(np.max(np.sum(omega * omega, axis=1)) / 2)
+        self._projections = {}
+
+    def projection(self, dtype):
+        """``(ω / d_k^¼)ᵀ`` of shape ``(d_k, m)`` in ``dtype``, C-contiguous (cached)."""
+        dtype = np.dtype(dtype)
+        if dtype not in self._projections:
+            w = np.ascontiguousarray((self.omega / self.d_k ** 0.25).T, dtype=dtype)
+            w.setflags(write=False)
+            self._projections[dtype] = w
+        return self._projections[dtype]
+
+    def __call__(self, x):
+        """The unshifted features ``exp(ω x' − ‖x'‖²/2) / √m`` in float64.
+
+        Parameters
+        ----------
+        x : array_like of shape (..., d_k)
+
+        Returns
+        -------
+        ndarray of shape (..., num_features), float64
+            May overflow to inf or underflow to 0 for large ``‖x‖``; linear
+            attention uses the stabilised form of the class Notes instead.
+
+        Raises
+        ------
+        ValueError
+            If the last dimension of ``x`` is not ``d_k``.
+        """
+        x = np.asarray(x, dtype=np.float64)
+        if x.ndim < 1 or x.shape[-1] != self.d_k:
+            raise ValueError(f"x must have shape (..., {self.d_k}), got {x.shape}")
+        xs = x / self.d_k ** 0.25
+        with np.errstate(over="ignore", under="ignore"):
+            return np.exp(xs @ self.omega.T - 0.5 * np.sum(xs * xs, axis=-1, keepdims=True)) \
+                / math.sqrt(self.num_features)
+
+    def __repr__(self):
+        return (f"FavorFeatures(d_k={self.d_k}, num_features={self.num_features}, "
+                f"random_state={self.random_state!r})")
+
+
+@functools.lru_cache(maxsize=None)
+def _default_favor(d_k):
+    return FavorFeatures(d_k)
+
+
+@dataclass(frozen=True)
+class Spec:
+    """A validated ``feature_map=``: ``name`` in :data:`NAMES` or ``"callable"``."""
+
+    name: str
+    favor: FavorFeatures = None
+    fn: object = None
+
+    def num_features(self, d_k):
+        """``D``, or None for a callable (known once it has run)."""
+        if self.name in ELEMENTWISE:
+            return d_k
+        if self.name == "favor":
+            return self.favor.num_features
+        if self.name == "taylor":
+            return taylor_num_features(d_k)
+        return None
+
+
+def resolve(feature_map, d_k):
+    """Validate ``feature_map=`` for inputs of key dimension ``d_k``; return its :class:`Spec`.
+
+    Raises
+    ------
+    ValueError
+        An unknown name (listing the known ones), or a :class:`FavorFeatures`
+        built for another ``d_k``.
+    """
+    if isinstance(feature_map, str):
+        if feature_map in ELEMENTWISE or feature_map == "taylor":
+            return Spec(feature_map)
+        if feature_map == "favor":
+            return Spec("favor", favor=_default_favor(d_k))
+    elif isinstance(feature_map, FavorFeatures):
+        if feature_map.d_k != d_k:
+            raise ValueError(
+                f"feature_map is {feature_map!r}, built for d_k={feature_map.d_k}, but q and k "
+                f"have d_k={d_k}"
+            )
+        return Spec("favor", favor=feature_map)
+    elif callable(feature_map):
+        return Spec("callable", fn=feature_map)
+    raise ValueError(
+        f"feature_map must be one of {list(NAMES)}, a fastattn.FavorFeatures, or a callable "
+        f"mapping (..., n, d_k) to non-negative (..., n, D) features; got {feature_map!r}"
+    )
+
+
+@dataclass
+class Features:
+    """``φ(q) (B, n_q, D)``, ``φ(k) (B, n_k, D)`` and FAVOR+'s key shift per head ``(B,)``."""
+
+    q: np.ndarray
+    k: np.ndarray
+    key_shift: np.ndarray = None
+
+    @property
+    def num_features(self):
+        return self.q.shape[-1]
+
+
+def _user_features(fn, x, batch_shape, dtype, which):
+    """``fn(x)`` for ``x (B, n, d_k)`` shown to ``fn`` as ``batch_shape + (n, d_k)``, validated."""
+    shown = x.reshape(batch_shape + x.shape[1:])
+    what = f"feature_map({which})"
+    phi = fn(shown)
+    if not isinstance(phi, np.ndarray):
+        raise TypeError(f"{what} must return a numpy.ndarray, got {type(phi).__name__}")
+    if phi.dtype.kind != "f":
+        raise TypeError(f"{what} must return float features, got dtype {phi.dtype}")
+    if phi.ndim != shown.ndim or phi.shape[:-1] != shown.shape[:-1] or phi.shape[-1] < 1:
+        raise ValueError(
+            f"{what} must return features of shape {shown.shape[:-1] + ('D',)} with D >= 1 for "
+            f"{which} of shape {shown.shape}, got {phi.shape}"
+        )
+    phi = np.require(phi.reshape(x.shape[:2] + phi.shape[-1:]), dtype=dtype,
+                     requirements=["C", "A", "W"])
+    finite = np.isfinite(phi)
+    if not finite.all():
+        raise ValueError(f"{what} returned {np.count_nonzero(~finite)} non-finite values (NaN or "
+                         f"inf); features must be finite")
+    if (phi < 0).any():
+        raise ValueError(f"{what} returned {np.count_nonzero(phi < 0)} negative values "
+                         f"(min {phi.min()!r}); features must be >= 0")
+    return phi
+
+
+def features(module, spec, q, k, batch_shape):
+    """φ(q), φ(k) by ``module``'s feature kernels (or the user's function); None for elu/relu.
+
+    ``q (B, n_q, d_k)``, ``k (B, n_k, d_k)`` are kernel inputs of one dtype.
+    """
+    if spec.name in ELEMENTWISE:
+        return None
+    if spec.name == "favor":
+        w = spec.favor.projection(q.dtype)
+        phi_k, shift = module.favor_key_features(k, w)
+        return Features(module.favor_query_features(q, w), phi_k, shift)
+    if spec.name == "taylor":
+        return Features(module.taylor_features(q), module.taylor_features(k))
+    phi_q = _user_features(spec.fn, q, batch_shape, q.dtype, "q")
+    phi_k = _user_features(spec.fn, k, batch_shape, q.dtype, "k")
+    if phi_q.shape[-1] != phi_k.shape[-1]:
+        raise ValueError(f"feature_map returned D={phi_q.shape[-1]} features for q but "
+                         f"D={phi_k.shape[-1]} for k")
+    return Features(phi_q, phi_k)
+
+
+def linear_forward(module, spec, feats, q, k, v, causal, eps, S0, z0):
+    """``module.linear_forward`` on the inputs (elu, relu) or on their features.
+
+    For FAVOR+ the key features are in the call's frame (shift ``c_K`` per
+    head); the state is converted from and to the fixed frame
+    ``spec.favor.state_shift`` (see :class:`FavorFeatures`).
+    """
+    if feats is None:
+        return module.linear_forward(q, k, v, spec.name, causal, eps, S0, z0)
+    phi_k = feats.k
+    if feats.key_shift is None:
+        return module.linear_forward(feats.q, phi_k, v, "identity", causal, eps, S0, z0)
+    fixed = spec.favor.state_shift
+    shift = feats.key_shift
+    if S0 is not None:
+        with np.errstate(divide="ignore", invalid="ignore"):
+            z_max = np.max(z0, axis=-1).astype(np.float64)
+            floor = np.where(z_max > 0, fixed + np.log(z_max), -np.inf)
+        frame = np.where(floor > shift, floor, shift)
+        lift = frame > shift
+        if lift.any():  # the earlier keys dominate: bring this call's keys into their frame
+            phi_k = phi_k.copy()
+            phi_k[lift] *= np.exp(shift[lift] - frame[lift])[:, None, None].astype(phi_k.dtype)
+        shift = frame
+        into = np.exp(fixed - shift).astype(S0.dtype)
+        S0, z0 = S0 * into[:, None, None], z0 * into[:, None]
+    out, S, z = module.linear_forward(feats.q, phi_k, v, "identity", causal, eps, S0, z0)
+    back = np.exp(shift - fixed).astype(S.dtype)
+    return out, S * back[:, None, None], z * back[:, None]

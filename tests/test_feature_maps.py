@@ -1,0 +1,516 @@
+"""Feature maps FAVOR+, Taylor and a user's callable, on every backend (issue 13).
+
+Every expected value is written here in float64 from the definitions, never
+taken from fastattn: FAVOR+ from ``ω`` (which the API exposes as
+``FavorFeatures.omega``), Taylor from its kernel ``1 + s + s²/2``, a callable
+by calling it.  The linear attention around the features is the explicit
+row-by-row sum of :func:`oracles.linear_oracle`'s definition.
+"""
+
+import math
+
+import numpy as np
+import pytest
+
+import fastattn
+from conftest import TOLERANCES, assert_close, make_qkv
+from fastattn.data import load_minilm
+from oracles import last_visible
+
+FLOATS = [np.float32, np.float64]
+
+
+# ---------------------------------------------------------------------------
+# Float64 formulas, from the definitions.
+# ---------------------------------------------------------------------------
+
+def favor_exponents(x, omega):
+    """``ω x' − ‖x'‖²/2`` with ``x' = x / d_k^¼``: ``(..., n, m)`` float64."""
+    x = np.asarray(x, np.float64) / x.shape[-1] ** 0.25
+    return x @ omega.T - 0.5 * (x * x).sum(axis=-1, keepdims=True)
+
+
+def favor_formula(q, k, v, omega, causal, eps):
+    """Stabilised FAVOR+ linear attention in float64, as documented.
+
+    Queries: one shift per row (the row's largest exponent); keys: one shift
+    per head (the largest exponent of the head); features ``exp(· − shift) / √m``.
+    Returns ``out`` and the state in the fixed frame ``max_r ‖ω_r‖²/2``.
+    """
+    m = omega.shape[0]
+    eq, ek = favor_exponents(q, omega), favor_exponents(k, omega)
+    fq = np.exp(eq - eq.max(axis=-1, keepdims=True)) / math.sqrt(m)
+    head_shift = ek.max(axis=(-2, -1), keepdims=True)
+    fk = np.exp(ek - head_shift) / math.sqrt(m)
+    out = _ratio(fq, fk, v, causal, eps)
+    fixed = (omega ** 2).sum(axis=1).max() / 2
+    f_state = np.exp(ek - fixed) / math.sqrt(m)
+    return out, _state(f_state, v)
+
+
+def taylor_phi(x):
+    """``[1, x / d^¼, x_a x_b / √d (a < b), x_a² / (√2 √d)]``, written with loops."""
+    x = np.asarray(x, np.float64)
+    d = x.shape[-1]
+    cols = [np.ones(x.shape[:-1]), *(x[..., a] / d ** 0.25 for a in range(d))]
+    for a in range(d):
+        for b in range(a, d):
+            w = 1 / math.sqrt(2 * d) if a == b else 1 / math.sqrt(d)
+            cols.append(x[..., a] * x[..., b] * w)
+    return np.stack(cols, axis=-1)
+
+
+def taylor_formula(q, k, v, causal, eps):
+    """Linear attention with the kernel ``1 + s + s²/2``, ``s = qᵀk / √d_k``."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    s = q @ np.swapaxes(k, -1, -2) / math.sqrt(q.shape[-1])
+    kernel = 1 + s + s * s / 2
+    return _kernel_ratio(kernel, v, causal, eps), _state(taylor_phi(k), v)
+
+
+def _kernel_ratio(kernel, v, causal, eps):
+    n_q, n_k = kernel.shape[-2:]
+    out = np.zeros(kernel.shape[:-1] + v.shape[-1:])
+    for idx in np.ndindex(*kernel.shape[:-2]):
+        for i in range(n_q):
+            seen = max(last_visible(i, n_q, n_k, causal) + 1, 0)
+            w = kernel[idx][i, :seen]
+            out[idx][i] = w @ v[idx][:seen] / (w.sum() + eps)
+    return out
+
+
+def _ratio(fq, fk, v, causal, eps):
+    return _kernel_ratio(fq @ np.swapaxes(fk, -1, -2), np.asarray(v, np.float64), causal, eps)
+
+
+def _state(fk, v):
+    return np.swapaxes(fk, -1, -2) @ np.asarray(v, np.float64), fk.sum(axis=-2)
+
+
+def softplus_and_square(x):
+    """A user's map with D = 2 d_k: ``[log(1 + e^x), x²]`` (non-negative)."""
+    return np.concatenate([np.logaddexp(0, x), x * x], axis=-1)
+
+
+def user_formula(q, k, v, causal, eps):
+    fq, fk = softplus_and_square(q.astype(np.float64)), softplus_and_square(k.astype(np.float64))
+    return _ratio(fq, fk, v, causal, eps), _state(fk, v)
+
+
+MAPS = ["favor-m24", "favor-default", "taylor", "callable"]
+
+
+def _map_and_formula(name, d_k):
+    """``(feature_map argument, formula(q, k, v, causal, eps) -> (out, (S, z)))``."""
+    if name == "favor-m24":
+        favor = fastattn.FavorFeatures(d_k, num_features=24, random_state=3)
+        return favor, lambda *a: favor_formula(*a[:3], favor.omega, *a[3:])
+    if name == "favor-default":
+        # "favor" is documented as FavorFeatures(d_k) with its default m and seed.
+        omega = fastattn.FavorFeatures(d_k).omega
+        return "favor", lambda *a: favor_formula(*a[:3], omega, *a[3:])
+    if name == "taylor":
+        return "taylor", taylor_formula
+    return softplus_and_square, user_formula
+
+
+def _sid(shape):
+    lead, n_q, n_k, d_k, d_v = shape
+    return f"B{'x'.join(map(str, lead)) or '-'}-nq{n_q}-nk{n_k}-dk{d_k}-dv{d_v}"
+
+
+SHAPES = [
+    ((2,), 37, 37, 5, 3),
+    ((), 131, 131, 4, 6),     # past the 64-row chunk and the 128-row feature block
+    ((2, 2), 9, 70, 3, 2),    # a decoder with a cache: causal offset 61
+    ((), 70, 9, 3, 2),        # causal: rows that see no key
+]
+
+
+# ---------------------------------------------------------------------------
+# Every map, every backend, against the float64 formula, with its state.
+# ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("shape", SHAPES, ids=_sid)
+@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+@pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("name", MAPS)
+def test_every_map_matches_its_float64_formula(backend, name, dtype, causal, shape):
+    lead, n_q, n_k, d_k, d_v = shape
+    q, k, v = make_qkv((*lead, n_q, d_k), n_k=n_k, d_v=d_v, dtype=dtype, seed=7)
+    feature_map, formula = _map_and_formula(name, d_k)
+    out, (S, z) = fastattn.linear_attention(q, k, v, feature_map=feature_map, causal=causal,
+                                            return_state=True, backend=backend)
+    expected, (S_exp, z_exp) = formula(q, k, v, causal, 1e-6)
+    assert out.dtype == dtype
+    assert_close(out, expected, dtype=dtype)
+    D = {"favor-m24": 24, "favor-default": fastattn.FavorFeatures(d_k).num_features,
+         "taylor": 1 + d_k + d_k * (d_k + 1) // 2, "callable": 2 * d_k}[name]
+    assert S.shape == (*lead, D, d_v) and z.shape == (*lead, D)
+    assert_close(S, S_exp, dtype=dtype)
+    assert_close(z, z_exp, dtype=dtype)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+@pytest.mark.parametrize("name", MAPS)
+def test_attention_weights_of_every_map_match_the_formula(name, causal):
+    q, k, v = make_qkv((2, 13, 4), n_k=17, d_v=3, seed=11)
+    feature_map, formula = _map_and_formula(name, 4)
+    weights = fastattn.attention_weights(q, k, kind="linear", causal=causal,
+                                         feature_map=feature_map)
+    assert weights.shape == (2, 13, 17)
+    # The formula's weights: its output for one-hot values is each row of weights.
+    eye = np.broadcast_to(np.eye(17), (2, 17, 17))
+    expected, _ = formula(q, k, eye, causal, 1e-6)
+    assert_close(weights, expected)
+    assert_close(weights @ v, fastattn.linear_attention(
+        q, k, v, feature_map=feature_map, causal=causal, backend="reference"))
+
+
+# ---------------------------------------------------------------------------
+# FAVOR+: ω, unbiasedness, quality at large m.
+# ---------------------------------------------------------------------------
+
+def test_favor_omega_is_orthogonal_blocks_with_chi_norms_and_reproducible():
+    favor = fastattn.FavorFeatures(8, num_features=20, random_state=5)
+    omega = favor.omega
+    assert omega.shape == (20, 8) and omega.dtype == np.float64
+    assert not omega.flags.writeable
+    directions = omega / np.linalg.norm(omega, axis=1, keepdims=True)
+    for block in (directions[:8], directions[8:16], directions[16:]):
+        gram = block @ block.T
+        np.testing.assert_allclose(gram, np.eye(len(block)), atol=1e-12)
+    np.testing.assert_array_equal(omega, fastattn.FavorFeatures(8, 20, random_state=5).omega)
+    assert not np.array_equal(omega, fastattn.FavorFeatures(8, 20, random_state=6).omega)
+    # Squared norms chi²(d_k): mean d_k over many rows.
+    big = fastattn.FavorFeatures(8, num_features=8000, random_state=0).omega
+    np.testing.assert_allclose(np.mean(np.sum(big ** 2, axis=1)), 8, rtol=0.03)
+    assert favor.state_shift == pytest.approx(np.max(np.sum(omega ** 2, axis=1)) / 2)
+
+
+@pytest.mark.parametrize("d_k, expected", [(1, 1), (2, 2), (32, 111), (64, 266)])
+def test_favor_default_num_features_is_dk_ln_dk(d_k, expected):
+    assert fastattn.FavorFeatures(d_k).num_features == expected
+
+
+def test_favor_features_are_unbiased_over_many_seeds():
+    rng = np.random.default_rng(0)
+    d_k = 4
+    q, k = rng.standard_normal(d_k) * 0.8, rng.standard_normal(d_k) * 0.8
+    target = math.exp(q @ k / math.sqrt(d_k))
+    estimates = []
+    for seed in range(4000):
+        favor = fastattn.FavorFeatures(d_k, num_features=4 * d_k, random_state=seed)
+        estimates.append(favor(q) @ favor(k))
+    estimates = np.array(estimates)
+    stderr = estimates.std() / math.sqrt(len(estimates))
+    assert stderr < 0.01 * target  # enough draws to see a bias of a few per cent
+    assert abs(estimates.mean() - target) < 4 * stderr, (estimates.mean(), target, stderr)
+
+
+def _cosine(a, b):
+    return float(np.mean(np.sum(a * b, -1) / np.linalg.norm(a, axis=-1) / np.linalg.norm(b, axis=-1)))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_favor_at_64_dk_beats_elu_on_gaussian_inputs(backend, seed):
+    # Gaussian inputs as in the seed experiment (q, k ~ N(0, 0.5²), v ~ N(0, 1)),
+    # n=256, d=32.  (At unit variance and d=32, FAVOR+'s variance, which grows
+    # as exp(‖q'‖² + ‖k'‖²), needs more than 64·d_k features to win.)
+    q, k, v = make_qkv((256, 32), seed=seed, scale=0.5)
+    soft = fastattn.softmax_attention(q, k, v, backend="reference")
+    elu = fastattn.linear_attention(q, k, v, feature_map="elu", backend=backend)
+    favor = fastattn.linear_attention(
+        q, k, v, feature_map=fastattn.FavorFeatures(32, num_features=64 * 32, random_state=seed),
+        backend=backend)
+    assert _cosine(soft, favor) > _cosine(soft, elu) + 0.01
+
+
+def test_favor_is_stabilised_where_the_plain_features_underflow():
+    # ‖x‖ = 60 at d_k = 6: the plain features exp(ω x' − ‖x'‖²/2) underflow
+    # to 0 in float64; the shifted ones do not, and match the formula.
+    rng = np.random.default_rng(3)
+    q, k = (60 * x / np.linalg.norm(x, axis=-1, keepdims=True)
+            for x in rng.standard_normal((2, 40, 6)))
+    v = rng.standard_normal((40, 3))
+    favor = fastattn.FavorFeatures(6, num_features=30, random_state=0)
+    with np.errstate(under="ignore"):
+        assert (favor(q) == 0).any() and (favor(k) == 0).any()
+    expected, _ = favor_formula(q, k, v, favor.omega, False, 0.0)
+    for backend in fastattn.available_backends():
+        out = fastattn.linear_attention(q, k, v, feature_map=favor, eps=0.0, backend=backend)
+        assert np.isfinite(out).all()
+        assert_close(out, expected, scale=1e3)  # exponents of ~1e3 carry ~1e-13 relative error
+
+
+# ---------------------------------------------------------------------------
+# Taylor: the kernel is 1 + s + s²/2.
+# ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("d_k", [1, 3, 16])
+def test_taylor_kernel_is_one_plus_s_plus_half_s_squared(d_k):
+    q, k, _ = make_qkv((23, d_k), n_k=19, seed=d_k, scale=2.0)
+    s = q @ k.T / math.sqrt(d_k)
+    kernel = 1 + s + s * s / 2
+    assert kernel.min() >= 0.5
+    weights = fastattn.attention_weights(q, k, kind="linear", feature_map="taylor", eps=0.0)
+    np.testing.assert_allclose(weights, kernel / kernel.sum(axis=1, keepdims=True), rtol=1e-12)
+    # The features themselves (independent of the ratio): φ(q)·φ(k) = 1 + s + s²/2.
+    phi_q = fastattn.reference.taylor_features(q[None])[0]
+    phi_k = fastattn.reference.taylor_features(k[None])[0]
+    assert phi_q.shape == (23, 1 + d_k + d_k * (d_k + 1) // 2)
+    np.testing.assert_allclose(phi_q @ phi_k.T, kernel, rtol=1e-13, atol=1e-13)
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: np.dtype(d).name)
+def test_fast_taylor_and_favor_features_match_the_formulas(fast_backend, dtype):
+    from fastattn._api import get_backend
+
+    module = get_backend(fast_backend)
+    x = make_qkv((2, 150, 5), seed=2, dtype=dtype)[0]
+    tol = TOLERANCES[np.dtype(dtype)]
+    np.testing.assert_allclose(module.taylor_features(x), taylor_phi(x), **tol)
+    favor = fastattn.FavorFeatures(5, num_features=17, random_state=1)
+    e = favor_exponents(x, favor.omega)
+    phi_q = module.favor_query_features(x, favor.projection(dtype))
+    np.testing.assert_allclose(phi_q, np.exp(e - e.max(-1, keepdims=True)) / math.sqrt(17), **tol)
+    phi_k, shift = module.favor_key_features(x, favor.projection(dtype))
+    np.testing.assert_allclose(shift, e.max(axis=(1, 2)), rtol=1e-5)
+    np.testing.assert_allclose(phi_k, np.exp(e - shift[:, None, None]) / math.sqrt(17), **tol)
+
+
+# ---------------------------------------------------------------------------
+# Large logits: ‖q‖, ‖k‖ up to 1e3 in float32 stay finite, for every map.
+# ---------------------------------------------------------------------------
+
+def _large_norm_inputs(n, d_k, seed):
+    """Two heads of float32 q, k with norms log-uniform in [1, 1e3] (both ends present)."""
+    rng = np.random.default_rng(seed)
+    q, k = (x / np.linalg.norm(x, axis=-1, keepdims=True) * 10.0 ** rng.uniform(0, 3, (2, n, 1))
+            for x in rng.standard_normal((2, 2, n, d_k)))
+    q[0, 0] *= 1e3 / np.linalg.norm(q[0, 0])
+    k[0, 1] *= 1e3 / np.linalg.norm(k[0, 1])
+    k[1, 2] /= np.linalg.norm(k[1, 2])
+    v = rng.standard_normal((2, n, 3))
+    return q.astype(np.float32), k.astype(np.float32), v.astype(np.float32)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+@pytest.mark.parametrize("name", ["elu", "relu", "favor", "taylor", "callable"])
+def test_large_logits_give_finite_outputs_for_every_map(backend, name, causal):
+    q, k, v = _large_norm_inputs(150, 8, seed=4)
+    assert np.linalg.norm(q, axis=-1).max() == pytest.approx(1e3, rel=1e-6)
+    feature_map = softplus_and_square if name == "callable" else name
+    out, (S, z) = fastattn.linear_attention(q, k, v, feature_map=feature_map, causal=causal,
+                                            return_state=True, backend=backend)
+    assert out.dtype == np.float32
+    assert np.isfinite(out).all(), f"{np.count_nonzero(~np.isfinite(out))} non-finite outputs"
+    assert np.isfinite(S).all() and np.isfinite(z).all()
+    if name != "taylor":
+        # Non-negative features: every row is a weighted mean of the values it
+        # sees, shrunk towards 0 by eps, so it stays inside their range.
+        lo = np.minimum(v.min(axis=1, keepdims=True), 0) - 1e-3
+        hi = np.maximum(v.max(axis=1, keepdims=True), 0) + 1e-3
+        assert ((out >= lo) & (out <= hi)).all()
+
+
+# ---------------------------------------------------------------------------
+# The state carried across pieces equals one pass, for every map.
+# ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("pieces", [[5, 0, 7, 4], [1] * 16, [15, 1]], ids=str)
+@pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("name", MAPS)
+def test_state_across_pieces_equals_one_pass(backend, name, dtype, pieces):
+    q, k, v = make_qkv((2, 3, 16, 4), d_v=5, dtype=dtype, seed=61)
+    feature_map, formula = _map_and_formula(name, 4)
+    # FAVOR+'s pieces work in frames of their own keys, which shift eps
+    # (documented); eps = 0 makes the ratio exactly frame-free.
+    eps = 0.0 if name.startswith("favor") else 1e-6
+    expected, (S_exp, z_exp) = formula(q, k, v, True, eps)
+    outs, state, start = [], None, 0
+    for size in pieces:
+        sl = slice(start, start + size)
+        out, state = fastattn.linear_attention(
+            q[..., sl, :], k[..., sl, :], v[..., sl, :], feature_map=feature_map, causal=True,
+            eps=eps, initial_state=state, return_state=True, backend=backend,
+        )
+        outs.append(out)
+        start += size
+    assert_close(np.concatenate(outs, axis=-2), expected, dtype=dtype)
+    assert_close(state[0], S_exp, dtype=dtype)
+    assert_close(state[1], z_exp, dtype=dtype)
+
+
+@pytest.mark.parametrize("dominant", ["first", "second"])
+@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+def test_favor_state_carries_the_key_shift_between_pieces_of_different_scale(
+        backend, dominant, causal):
+    # The keys of one piece are 5x longer, so their exponents sit ~10 below
+    # the other piece's and the two pieces' frames differ; two pieces still
+    # equal one pass.  "dominant" is the piece of ordinary keys.
+    q, k, v = make_qkv((2, 40, 6), d_v=3, seed=8)
+    k[:, 20:] *= 5.0 if dominant == "first" else 1.0
+    k[:, :20] *= 5.0 if dominant == "second" else 1.0
+    favor = fastattn.FavorFeatures(6, num_features=40, random_state=2)
+    kwargs = dict(feature_map=favor, causal=causal, eps=0.0, backend=backend)
+    first, state = fastattn.linear_attention(q[:, :20], k[:, :20], v[:, :20], return_state=True,
+                                             **kwargs)
+    second = fastattn.linear_attention(q[:, 20:], k[:, 20:], v[:, 20:], initial_state=state,
+                                       **kwargs)
+    expected, _ = favor_formula(q, k, v, favor.omega, causal, 0.0)
+    assert_close(fastattn.linear_attention(q, k, v, **kwargs), expected)
+    # The second piece sees the first's keys (through the state) and its own:
+    # causally its rows of the one pass; non-causally every key.
+    assert_close(second, expected[:, 20:])
+    if causal:
+        assert_close(first, expected[:, :20])
+
+
+# ---------------------------------------------------------------------------
+# Real activations: FAVOR+ at large m and Taylor against elu+1.
+# ---------------------------------------------------------------------------
+
+def test_minilm_favor_at_large_m_lands_closer_to_softmax_than_elu():
+    data = load_minilm()  # the shipped slice: 6 layers x 2 heads, n=128, d=32
+    q, k, v = data["q"], data["k"], data["v"]
+    soft = data["context"]
+    soft_w = fastattn.attention_weights(q, k)
+    cos, kl = {}, {}
+    maps = {"elu": "elu", "favor-64dk": fastattn.FavorFeatures(32, 64 * 32, random_state=0),
+            "taylor": "taylor"}
+    for name, fm in maps.items():
+        cos[name] = _cosine(soft, fastattn.linear_attention(q, k, v, feature_map=fm))
+        kl[name] = fastattn.weight_quality(
+            soft_w, fastattn.attention_weights(q, k, kind="linear", feature_map=fm)).kl_divergence
+    print(f"MiniLM shipped slice, mean cosine similarity {cos}, mean row KL {kl}")
+    assert cos["favor-64dk"] > cos["elu"] + 0.05
+    assert kl["favor-64dk"] < kl["elu"] / 2
+    # Taylor's rows are closer to softmax's than elu+1's (KL), but its output
+    # is not: on these heads 1 + s + s²/2 overweights strongly negative
+    # logits, and its cosine similarity ties elu+1's (0.7085 against 0.7087).
+    assert kl["taylor"] < kl["elu"] - 0.2
+    assert abs(cos["taylor"] - cos["elu"]) < 0.02
+
+
+# ---------------------------------------------------------------------------
+# Validation: every bad feature_map gets an error naming it.
+# ---------------------------------------------------------------------------
+
+Q, K, V = make_qkv((2, 5, 3), seed=1)
+
+
+@pytest.mark.parametrize("kind", ["linear", "weights"])
+def test_unknown_name_lists_every_map(kind):
+    call = (lambda: fastattn.linear_attention(Q, K, V, feature_map="performer")) if kind == "linear" \
+        else (lambda: fastattn.attention_weights(Q, K, kind="linear", feature_map="performer"))
+    with pytest.raises(ValueError) as info:
+        call()
+    for word in ("feature_map", "'elu'", "'relu'", "'favor'", "'taylor'", "FavorFeatures",
+                 "callable", "'performer'"):
+        assert word in str(info.value)
+
+
+def test_favor_features_of_another_dk_are_refused():
+    with pytest.raises(ValueError, match=r"feature_map is FavorFeatures\(d_k=4.*d_k=3"):
+        fastattn.linear_attention(Q, K, V, feature_map=fastattn.FavorFeatures(4))
+
+
+@pytest.mark.parametrize("kwargs, exc, match", [
+    ({"d_k": 0}, ValueError, "d_k must be a positive int"),
+    ({"d_k": 2.0}, TypeError, "d_k must be a positive int"),
+    ({"d_k": 3, "num_features": 0}, ValueError, "num_features must be a positive int"),
+    ({"d_k": 3, "num_features": True}, TypeError, "num_features must be a positive int"),
+    ({"d_k": 3, "random_state": -1}, ValueError, "random_state must be an int >= 0"),
+    ({"d_k": 3, "random_state": "x"}, TypeError, "random_state must be an int or a numpy"),
+], ids=["dk0", "dk-float", "m0", "m-bool", "seed-negative", "seed-str"])
+def test_favor_features_arguments_are_validated(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        fastattn.FavorFeatures(**kwargs)
+
+
+BAD_CALLABLES = {
+    "list": (lambda x: x.tolist(), TypeError, r"feature_map\(q\) must return a numpy.ndarray"),
+    "int": (lambda x: (x > 0).astype(np.int64), TypeError, "must return float features"),
+    "rows": (lambda x: np.abs(x[..., :-1, :]), ValueError, r"shape \(2, 5, 'D'\)"),
+    "rank": (lambda x: np.abs(x)[..., None], ValueError, "must return features of shape"),
+    "D0": (lambda x: x[..., :0], ValueError, "D >= 1"),
+    "nan": (lambda x: np.where(x > 1, np.nan, np.abs(x)), ValueError, "non-finite"),
+    "negative": (lambda x: x, ValueError, "negative values"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CALLABLES))
+@pytest.mark.parametrize("kind", ["linear", "weights"])
+def test_a_bad_callable_is_refused_with_a_message_naming_feature_map(backend, case, kind):
+    fn, exc, match = BAD_CALLABLES[case]
+    with pytest.raises(exc, match=match):
+        if kind == "linear":
+            fastattn.linear_attention(Q, K, V, feature_map=fn, backend=backend)
+        else:
+            fastattn.attention_weights(Q, K, kind="linear", feature_map=fn)
+
+
+def test_a_callable_with_different_dims_for_q_and_k_is_refused():
+    def by_length(x):
+        return np.abs(x) if x.shape[-2] == 5 else np.abs(np.concatenate([x, x], -1))
+
+    with pytest.raises(ValueError, match="D=3 features for q but D=6 for k"):
+        fastattn.linear_attention(Q, K[:, :4], V[:, :4], feature_map=by_length)
+
+
+def test_a_callable_sees_the_leading_dims_and_the_computation_dtype():
+    seen = []
+
+    def spy(x):
+        seen.append((x.shape, x.dtype))
+        return np.abs(x)
+
+    q, k, v = make_qkv((2, 3, 5, 4), dtype=np.float16)
+    fastattn.linear_attention(q, k, v, feature_map=spy)
+    assert seen == [((2, 3, 5, 4), np.float32)] * 2
+
+
+@pytest.mark.parametrize("name, D", [("favor", 3), ("taylor", 10)])
+def test_state_of_another_feature_dimension_is_refused_naming_D(backend, name, D):
+    q, k, v = make_qkv((2, 5, 3), seed=1)
+    bad = (np.zeros((2, 3, 3)), np.zeros((2, 3)))
+    if D == 3:
+        bad = (np.zeros((2, 4, 3)), np.zeros((2, 4)))
+    with pytest.raises(ValueError, match=rf"initial_state\[0\] \(S\) must have shape \(2, {D}, 3\) "
+                                         r"\(\.\.\., D, d_v\)"):
+        fastattn.linear_attention(q, k, v, feature_map=name, initial_state=bad, backend=backend)
+
+
+@pytest.mark.parametrize("shape", [((), 0, 5, 3, 2), ((), 5, 0, 3, 2), ((0,), 4, 4, 3, 3),
+                                   ((), 4, 4, 3, 0), ((2,), 1, 1, 1, 1)], ids=_sid)
+@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+@pytest.mark.parametrize("name", MAPS)
+def test_empty_and_unit_sizes_for_every_map(backend, name, causal, shape):
+    lead, n_q, n_k, d_k, d_v = shape
+    q, k, v = make_qkv((*lead, n_q, d_k), n_k=n_k, d_v=d_v, seed=2)
+    feature_map, formula = _map_and_formula(name, d_k)
+    out, (S, z) = fastattn.linear_attention(q, k, v, feature_map=feature_map, causal=causal,
+                                            return_state=True, backend=backend)
+    assert out.shape == (*lead, n_q, d_v)
+    if 0 in (n_k, math.prod(lead)):
+        assert not out.any() and not S.any() and not z.any()
+        return
+    expected, (S_exp, z_exp) = formula(q, k, v, causal, 1e-6)
+    assert_close(out, expected)
+    assert_close(S, S_exp)
+    assert_close(z, z_exp)
+
+
+@pytest.mark.parametrize("name", MAPS)
+def test_float16_and_any_layout_for_every_map(backend, name):
+    q, k, v = make_qkv((3, 20, 4), d_v=3, seed=9)
+    feature_map, formula = _map_and_formula(name, 4)
+    expected, _ = formula(q, k, v, True, 1e-6)
+    half = fastattn.linear_attention(*(x.astype(np.float16) for x in (q, k, v)),
+                                     feature_map=feature_map, causal=True, backend=backend)
+    assert half.dtype == np.float16
+    assert_close(half.astype(np.float32), expected, dtype=np.float16)
+    strided = [np.asfortranarray(x)[:, ::-1][:, ::-1] for x in (q, k, v)]
+    assert_close(fastattn.linear_attention(*strided, feature_map=feature_map, causal=True,
+                                           backend=backend), expected)
