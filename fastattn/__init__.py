@@ -14,6 +14,8 @@ Public names:
 * :func:`available_backends`, :func:`set_num_threads`,
   :func:`get_num_threads`, :func:`num_threads` -- what runs here, on how many
   threads.
+* :class:`KVCache`, :class:`LinearAttentionState` -- what a decoder keeps
+  between generated tokens.
 """
 
 from ._api import (
@@ -27,6 +29,7 @@ from ._threads import get_num_threads, num_threads, set_num_threads
 from .compare import Comparison, Quality, compare, compare_attention, quality
 from .compare import WeightQuality, row_entropy, row_kl_divergence, weight_quality
 from .feature_maps import FavorFeatures
+from .generation import KVCache, LinearAttentionState
 
 __version__ = "0.1.0"
 
@@ -49,4 +52,6 @@ __all__ = [
     "WeightQuality",
     "row_kl_divergence",
     "row_entropy",
+    "KVCache",
+    "LinearAttentionState",
 ]

@@ -35,7 +35,7 @@ import numbers
 
 import numpy as np
 
-from . import _threads, feature_maps, reference
+from . import _dispatch, _threads, feature_maps, reference
 
 #: Backend name -> module that implements it.  One lookup dispatches a call.
 BACKEND_MODULES = {
@@ -309,7 +309,7 @@ def softmax_attention(q, k, v, *, causal=False, scale=None, backend="auto"):
     batch_shape, dtype, result = _check_qkv(q, k, v)
     causal = _check_bool(causal, "causal")
     scale = _check_scale(scale, q.shape[-1], dtype)
-    module = get_backend(backend)
+    module = _dispatch.backend_for_call(backend, "softmax", q, k, v, causal, dtype)
     n_q, d_v = q.shape[-2], v.shape[-1]
     out_shape = batch_shape + (n_q, d_v)
     if 0 in out_shape or k.shape[-2] == 0:
@@ -463,7 +463,7 @@ def linear_attention(
     D = spec.num_features(d_k)
     if D is not None:
         S0, z0 = _check_state(initial_state, batch_shape, D, d_v, dtype, _dim_name(spec))
-    module = get_backend(backend)
+    module = _dispatch.backend_for_call(backend, "linear", q, k, v, causal, dtype, feature_map)
     out_shape = batch_shape + (n_q, d_v)
     empty = 0 in batch_shape or 0 in (n_q, n_k, d_v)
     # With an empty dimension the non-causal reference is exact (with no keys,

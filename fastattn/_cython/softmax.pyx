@@ -38,6 +38,9 @@ from fastattn._cython._vmath cimport (
     FASTATTN_CLONES, FASTATTN_VECTOR_EXP, all_finite, exp_sum, fexp, row_max,
 )
 
+from fastattn._cython.decode import split_key_softmax_forward
+from fastattn._dispatch import use_split_keys
+
 #: Query rows per block (one work item).
 BLOCK_Q = 256
 #: Keys per block (one scores product).  A (256, 512) score tile is 512 KiB in
@@ -319,6 +322,9 @@ def online_softmax_forward(q, k, v, bint causal, double scale, int n_threads=1):
     """
     n_threads = max(1, n_threads)
     n_batch, n_q, _ = q.shape
+    if use_split_keys(n_q, k.shape[1]):
+        # Its own thread count: the caller's was fitted to query blocks, of which a decode step has one.
+        return split_key_softmax_forward(q, k, v, causal, scale)
     block_q = min(BLOCK_Q, n_q)
     block_k = min(BLOCK_K, k.shape[1])
     out = np.empty((n_batch, n_q, v.shape[2]), dtype=q.dtype)

@@ -1,0 +1,349 @@
+"""Generation, one token at a time: what a decoder keeps between steps.
+
+* :class:`KVCache` -- the keys and values of softmax attention, preallocated
+  for ``capacity`` tokens.  A step appends the new token's ``k, v`` and
+  attends over the filled part; with few queries (a generated token) the
+  split-key kernels read the cache in place, nothing is copied.  Memory:
+  ``B · capacity · (d_k + d_v)`` values, growing work ``O(n · d)`` per token.
+* :class:`LinearAttentionState` -- the state ``(S, z)`` of causal linear
+  attention (Katharopoulos et al., "Transformers are RNNs", 2020):
+  ``B · (d_k · d_v + d_k)`` values whatever the length, ``O(d_k · d_v)`` work
+  per token.
+
+Both validate what they are given as :func:`fastattn.softmax_attention` and
+:func:`fastattn.linear_attention` do (the same checks, in :mod:`fastattn._api`).
+"""
+
+import importlib
+import math
+import numbers
+
+import numpy as np
+
+from . import _api, _dispatch
+
+#: Backend -> module whose ``cache_softmax_forward(q, k, v, causal, scale, n_k)``
+#: attends over the first ``n_k`` keys of a preallocated buffer.
+_CACHE_MODULES = _dispatch.RECURRENT_STEP_MODULES
+
+_STORAGE_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+def _check_dim(value, name, minimum):
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral) \
+            or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def _check_batch_shape(batch_shape):
+    if isinstance(batch_shape, numbers.Integral) and not isinstance(batch_shape, bool):
+        batch_shape = (batch_shape,)
+    if not isinstance(batch_shape, (tuple, list)):
+        raise TypeError(
+            f"batch_shape must be a tuple of ints (the leading batch, head dims), "
+            f"got {type(batch_shape).__name__}"
+        )
+    return tuple(_check_dim(b, "every entry of batch_shape", 0) for b in batch_shape)
+
+
+def _check_storage_dtype(dtype):
+    try:
+        dtype = np.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"dtype must be float32 or float64, got {dtype!r}") from None
+    if dtype not in _STORAGE_DTYPES:
+        raise TypeError(f"dtype must be float32 or float64, got {dtype}")
+    return dtype
+
+
+class KVCache:
+    """Preallocated keys and values for softmax-attention decoding.
+
+    Parameters
+    ----------
+    batch_shape : tuple of int
+        Leading dims of every ``q, k, v`` (e.g. ``(batch, heads)``); ``()``
+        for a single head.
+    capacity : int
+        Most tokens the cache can hold, >= 1.
+    d_k : int
+        Key (and query) head dimension, >= 1.
+    d_v : int, optional
+        Value head dimension; default ``d_k``.
+    dtype : {numpy.float32, numpy.float64}, default numpy.float32
+        Storage dtype; appended keys and values are cast to it.
+
+    Attributes
+    ----------
+    length : int
+        Tokens held so far.
+    capacity : int
+    nbytes : int
+        Bytes of the preallocated buffers, ``B · capacity · (d_k + d_v) ·
+        itemsize`` for ``B = prod(batch_shape)``.
+
+    Raises
+    ------
+    TypeError
+        If ``batch_shape`` is not a tuple of ints or ``dtype`` is not float32
+        or float64.
+    ValueError
+        If ``capacity``, ``d_k`` or ``d_v`` is not a positive integer.
+
+    Notes
+    -----
+    A generation step costs ``O(B · n · (d_k + d_v))`` time for ``n`` cached
+    tokens (``4 · n · d`` flops per head and token) and reads the whole cache
+    once; the memory held grows as ``2 · n · d`` values per head.  For the
+    split-key kernels see Dao et al., "Flash-Decoding for long-context
+    inference" (2023).
+
+    Examples
+    --------
+    >>> import numpy as np, fastattn
+    >>> rng = np.random.default_rng(0)
+    >>> cache = fastattn.KVCache((2, 4), capacity=128, d_k=16)
+    >>> for _ in range(3):
+    ...     q, k, v = (rng.standard_normal((2, 4, 1, 16), dtype=np.float32) for _ in range(3))
+    ...     cache.append(k, v)
+    ...     out = cache.attend(q)
+    >>> cache.length, out.shape
+    (3, (2, 4, 1, 16))
+    """
+
+    def __init__(self, batch_shape, capacity, d_k, d_v=None, *, dtype=np.float32):
+        self.batch_shape = _check_batch_shape(batch_shape)
+        self.capacity = _check_dim(capacity, "capacity", 1)
+        self.d_k = _check_dim(d_k, "d_k", 1)
+        self.d_v = self.d_k if d_v is None else _check_dim(d_v, "d_v", 1)
+        self.dtype = _check_storage_dtype(dtype)
+        self.length = 0
+        self._k = np.empty(self.batch_shape + (self.capacity, self.d_k), self.dtype)
+        self._v = np.empty(self.batch_shape + (self.capacity, self.d_v), self.dtype)
+
+    @property
+    def nbytes(self):
+        return self._k.nbytes + self._v.nbytes
+
+    def _filled(self, buffer):
+        view = buffer[..., : self.length, :]
+        view.flags.writeable = False
+        return view
+
+    @property
+    def keys(self):
+        """Read-only view of the cached keys, shape ``batch_shape + (length, d_k)``."""
+        return self._filled(self._k)
+
+    @property
+    def values(self):
+        """Read-only view of the cached values, shape ``batch_shape + (length, d_v)``."""
+        return self._filled(self._v)
+
+    def reset(self):
+        """Forget every token (the buffers are kept)."""
+        self.length = 0
+
+    def append(self, k, v):
+        """Add the keys and values of ``t`` new tokens.
+
+        Parameters
+        ----------
+        k : ndarray of shape batch_shape + (t, d_k)
+        v : ndarray of shape batch_shape + (t, d_v)
+            float16, float32 or float64, any layout; cast to the cache's dtype.
+
+        Raises
+        ------
+        TypeError
+            If ``k`` or ``v`` is not a float ndarray.
+        ValueError
+            If a shape does not match the cache, or the cache has no room for
+            ``t`` more tokens (the message gives length and capacity).
+        """
+        for x, name, d in ((k, "k", self.d_k), (v, "v", self.d_v)):
+            _api._check_array(x, name)
+            want = self.batch_shape + (x.shape[-2], d)
+            if x.shape != want:
+                raise ValueError(
+                    f"{name} must have shape batch_shape + (t, {d}) = "
+                    f"{self.batch_shape + ('t', d)}, got {x.shape}"
+                )
+        if k.shape[-2] != v.shape[-2]:
+            raise ValueError(f"k and v must hold the same number of tokens; got k {k.shape}, v {v.shape}")
+        t = k.shape[-2]
+        if self.length + t > self.capacity:
+            raise ValueError(
+                f"KVCache is full: it holds {self.length} of {self.capacity} tokens and cannot "
+                f"append {t} more; create it with a larger capacity"
+            )
+        self._k[..., self.length : self.length + t, :] = k
+        self._v[..., self.length : self.length + t, :] = v
+        self.length += t
+
+    def attend(self, q, *, causal=True, scale=None, backend="auto"):
+        """Softmax attention of ``q`` over the cached keys and values.
+
+        Equals ``softmax_attention(q, cache.keys, cache.values, causal=causal,
+        scale=scale, backend=backend)``.  When the queries are few (at most
+        ``fastattn._dispatch.SPLIT_KEYS_MAX_N_Q``), computed in the cache's
+        dtype, on the Numba or Cython backend, the split-key kernel reads the
+        buffers in place; otherwise the filled part is passed to
+        :func:`fastattn.softmax_attention` (which copies it when
+        ``batch_shape`` has more than one element).
+
+        Parameters
+        ----------
+        q : ndarray of shape batch_shape + (n_q, d_k)
+        causal : bool, default True
+            Bottom-right aligned: query ``i`` sees the cached keys up to
+            ``length - n_q + i``, so the queries of the last ``n_q`` appended
+            tokens see themselves and what came before.
+        scale : float, optional
+            Default ``1 / sqrt(d_k)``.
+        backend : {"auto", "reference", "numba", "cython"}, default "auto"
+
+        Returns
+        -------
+        out : ndarray of shape batch_shape + (n_q, d_v)
+            dtypes as :func:`fastattn.softmax_attention`.
+
+        Raises
+        ------
+        TypeError, ValueError
+            As :func:`fastattn.softmax_attention` (shapes named in the message).
+        """
+        keys, values = self.keys, self.values
+        batch_shape, dtype, result = _api._check_qkv(q, keys, values)
+        causal = _api._check_bool(causal, "causal")
+        n_q = q.shape[-2]
+        name = _dispatch.backend_name_for_call(backend, "softmax", q, keys, values, causal, dtype)
+        if (name not in _CACHE_MODULES or dtype != self.dtype or n_q > _dispatch.SPLIT_KEYS_MAX_N_Q
+                or 0 in q.shape or self.length == 0):
+            return _api.softmax_attention(q, keys, values, causal=causal, scale=scale, backend=name)
+        scale = _api._check_scale(scale, self.d_k, dtype)
+        B = math.prod(batch_shape)
+        out = importlib.import_module(_CACHE_MODULES[name]).cache_softmax_forward(
+            _api._as_kernel_input(q, dtype),
+            self._k.reshape(B, self.capacity, self.d_k),
+            self._v.reshape(B, self.capacity, self.d_v),
+            causal, scale, self.length,
+        )
+        return out.reshape(batch_shape + (n_q, self.d_v)).astype(result, copy=False)
+
+
+class LinearAttentionState:
+    """The running state ``(S, z)`` of causal linear attention, for generation.
+
+    ``S = Σ_j φ(k_j)ᵀ v_j`` of shape ``batch_shape + (d_k, d_v)`` and
+    ``z = Σ_j φ(k_j)`` of shape ``batch_shape + (d_k,)`` over the tokens seen;
+    a step of one token gives ``out = φ(q) S / (φ(q) · z + eps)`` with the
+    token's own key included (Katharopoulos et al., "Transformers are RNNs",
+    2020).  Stepping through a sequence token by token equals one causal
+    :func:`fastattn.linear_attention` pass.
+
+    Parameters
+    ----------
+    batch_shape : tuple of int
+        Leading dims of every ``q, k, v``; ``()`` for a single head.
+    d_k : int
+        Key (and query) head dimension, >= 1.
+    d_v : int, optional
+        Value head dimension; default ``d_k``.
+    feature_map : {"elu", "relu"}, default "elu"
+        As :func:`fastattn.linear_attention` (checked there at each step).
+    eps : float, default 1e-6
+        Added to the denominator; finite and >= 0.
+    dtype : {numpy.float32, numpy.float64}, default numpy.float32
+        Dtype the state is kept in.
+
+    Attributes
+    ----------
+    S : ndarray of shape batch_shape + (d_k, d_v)
+    z : ndarray of shape batch_shape + (d_k,)
+    tokens : int
+        Tokens absorbed so far.
+    nbytes : int
+        Bytes of the state: ``B · (d_k · d_v + d_k) · itemsize``, whatever
+        the number of tokens.
+
+    Raises
+    ------
+    TypeError
+        If ``batch_shape`` is not a tuple of ints, ``dtype`` is not float32
+        or float64, or ``eps`` is not a real number.
+    ValueError
+        If ``d_k`` or ``d_v`` is not a positive integer or ``eps`` is
+        negative or not finite.
+
+    Notes
+    -----
+    A step costs ``O(B · d_k · d_v)`` time (``4 · d_k · d_v`` flops per head
+    and token) whatever the context length.
+
+    Examples
+    --------
+    >>> import numpy as np, fastattn
+    >>> rng = np.random.default_rng(0)
+    >>> state = fastattn.LinearAttentionState((4,), d_k=16)
+    >>> q, k, v = (rng.standard_normal((4, 1, 16), dtype=np.float32) for _ in range(3))
+    >>> state.step(q, k, v).shape, state.tokens
+    ((4, 1, 16), 1)
+    """
+
+    def __init__(self, batch_shape, d_k, d_v=None, *, feature_map="elu", eps=1e-6,
+                 dtype=np.float32):
+        self.batch_shape = _check_batch_shape(batch_shape)
+        self.d_k = _check_dim(d_k, "d_k", 1)
+        self.d_v = self.d_k if d_v is None else _check_dim(d_v, "d_v", 1)
+        self.dtype = _check_storage_dtype(dtype)
+        self.eps = _api._check_positive_scalar(eps, "eps", allow_zero=True)
+        self.feature_map = feature_map
+        self.reset()
+
+    @property
+    def nbytes(self):
+        return self.S.nbytes + self.z.nbytes
+
+    def reset(self):
+        """Back to no tokens: ``S = 0``, ``z = 0``."""
+        self.S = np.zeros(self.batch_shape + (self.d_k, self.d_v), self.dtype)
+        self.z = np.zeros(self.batch_shape + (self.d_k,), self.dtype)
+        self.tokens = 0
+
+    def step(self, q, k, v, *, backend="auto"):
+        """Absorb ``t`` tokens and return their outputs (causal).
+
+        Parameters
+        ----------
+        q : ndarray of shape batch_shape + (t, d_k)
+        k : ndarray of shape batch_shape + (t, d_k)
+        v : ndarray of shape batch_shape + (t, d_v)
+            ``t = 1`` for a generated token; a prompt may come in one step.
+        backend : {"auto", "reference", "numba", "cython"}, default "auto"
+
+        Returns
+        -------
+        out : ndarray of shape batch_shape + (t, d_v)
+            ``linear_attention(q, k, v, causal=True, initial_state=(S, z))``.
+
+        Raises
+        ------
+        TypeError, ValueError
+            As :func:`fastattn.linear_attention`; ``q`` and ``k`` must hold
+            the same number of tokens.  The state is unchanged after an error.
+        """
+        if isinstance(q, np.ndarray) and isinstance(k, np.ndarray) and q.ndim >= 2 and k.ndim >= 2 \
+                and q.shape[-2] != k.shape[-2]:
+            raise ValueError(
+                f"q and k must hold the same number of tokens; got q {q.shape}, k {k.shape}"
+            )
+        out, (S, z) = _api.linear_attention(
+            q, k, v, feature_map=self.feature_map, causal=True, eps=self.eps,
+            initial_state=(self.S, self.z), return_state=True, backend=backend,
+        )
+        self.S = S.astype(self.dtype, copy=False)
+        self.z = z.astype(self.dtype, copy=False)
+        self.tokens += k.shape[-2]
+        return out

@@ -1,0 +1,124 @@
+"""Split-key softmax (Flash-Decoding) against the reference, on both fast backends.
+
+The kernels are called directly with a chosen number of key ranges, so every
+split and block boundary is crossed whatever the machine's thread count; a
+call through :func:`fastattn.softmax_attention` checks the routing.
+"""
+
+import importlib
+
+import numpy as np
+import pytest
+
+import fastattn
+from fastattn import _dispatch
+
+from conftest import FAST_BACKENDS, assert_close, make_qkv, reference64
+
+DECODE_MODULES = {"numba": "fastattn._numba.decode", "cython": "fastattn._cython.decode"}
+SOFTMAX_MODULES = {"numba": "fastattn._numba.softmax", "cython": "fastattn._cython.softmax"}
+
+pytestmark = pytest.mark.skipif(not FAST_BACKENDS, reason="no fast backend built")
+
+
+def _decode(backend):
+    return importlib.import_module(DECODE_MODULES[backend])
+
+
+def _block_k(backend):
+    if backend == "numba":
+        from fastattn._numba.config import SPLIT_KEYS_BLOCK_K
+    else:
+        SPLIT_KEYS_BLOCK_K = _decode(backend).SPLIT_KEYS_BLOCK_K
+    return SPLIT_KEYS_BLOCK_K
+
+
+def _split_key(backend, q, k, v, causal, scale, n_splits):
+    fn = _decode(backend).split_key_softmax_forward
+    if backend == "cython":
+        return fn(q, k, v, causal, scale, 2, n_splits)
+    return fn(q, k, v, causal, scale, n_splits)
+
+
+def _key_counts(backend, n_q):
+    """n_k one below, at and one above each split and block size, and below n_q."""
+    block = _block_k(backend)
+    split = _dispatch.SPLIT_KEYS_MIN_KEYS
+    sizes = {1, max(1, n_q - 1)}
+    for size in (split, block, 2 * block):
+        sizes |= {size - 1, size, size + 1}
+    return sorted(sizes)
+
+
+@pytest.mark.parametrize("n_q", range(1, 17), ids=lambda n: f"nq{n}")
+@pytest.mark.parametrize("backend", FAST_BACKENDS)
+def test_split_key_softmax_matches_reference(backend, n_q):
+    # Batch dims (2, 3), d_k=8, d_v=5; n_splits 1, 2, 3 and the default.
+    for dtype in (np.float32, np.float64):
+        for n_k in _key_counts(backend, n_q):
+            q, k, v = make_qkv((2, 3, n_q, 8), n_k=n_k, d_v=5, dtype=dtype, seed=n_q + n_k)
+            for causal in (False, True):
+                want = reference64(fastattn.softmax_attention, q, k, v, causal=causal)
+                args = [x.reshape((6,) + x.shape[2:]) for x in (q, k, v)]
+                for n_splits in (1, 2, 3, None):
+                    got = _split_key(backend, *args, causal, 8 ** -0.5, n_splits)
+                    assert got.dtype == dtype
+                    assert_close(got.reshape(want.shape), want, dtype,
+                                 err_msg=f"n_k={n_k} causal={causal} n_splits={n_splits}")
+
+
+@pytest.mark.parametrize("n_q, n_k", [(4, 1025), (16, 3000), (7, 3)],
+                         ids=["nq4-nk1025", "nq16-nk3000", "nq7-nk3"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize("backend", FAST_BACKENDS)
+def test_split_key_softmax_masked_non_finite_keys(backend, dtype, n_q, n_k):
+    """NaN and inf in keys and values a row cannot see never reach it."""
+    q, k, v = make_qkv((2, n_q, 16), n_k=n_k, d_v=16, dtype=dtype, seed=3)
+    off = n_k - n_q
+    # Keys from the first one row 0 cannot see; the last row sees them all.
+    first_masked = max(0, off + 1)
+    k_bad, v_bad = k.copy(), v.copy()
+    k_bad[:, first_masked::2] = np.nan
+    v_bad[:, first_masked::3] = np.inf
+    v_bad[:, first_masked + 1::3] = np.nan
+    want = reference64(fastattn.softmax_attention, q, k, v, causal=True)
+    for n_splits in (1, 2, 3):
+        got = _split_key(backend, q, k_bad, v_bad, True, 16 ** -0.5, n_splits)
+        for i in range(n_q):
+            sees_bad = i + off + 1 > first_masked
+            if sees_bad:
+                assert not np.isfinite(got[:, i]).any(), f"row {i} sees a NaN key"
+            else:
+                assert_close(got[:, i], want[:, i], dtype, err_msg=f"row {i} n_splits={n_splits}")
+                if i + off + 1 <= 0:
+                    assert (got[:, i] == 0).all(), f"row {i} sees no key and must be 0"
+
+
+@pytest.mark.parametrize("backend", FAST_BACKENDS)
+def test_softmax_forward_routes_decode_calls_to_split_keys(backend, monkeypatch):
+    """softmax_attention sends few queries over many keys to the split-key kernel, not prefill."""
+    module = importlib.import_module(SOFTMAX_MODULES[backend])
+    real = module.split_key_softmax_forward
+    calls = []
+
+    def spy(*args, **kwargs):
+        calls.append(args[0].shape)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, "split_key_softmax_forward", spy)
+    n_k = 2 * _dispatch.SPLIT_KEYS_MIN_KEYS
+    for n_q in (1, _dispatch.SPLIT_KEYS_MAX_N_Q, _dispatch.SPLIT_KEYS_MAX_N_Q + 1):
+        q, k, v = make_qkv((3, n_q, 16), n_k=n_k, dtype=np.float32, seed=n_q)
+        got = fastattn.softmax_attention(q, k, v, causal=True, backend=backend)
+        assert_close(got, reference64(fastattn.softmax_attention, q, k, v, causal=True),
+                     np.float32)
+    q, k, v = make_qkv((3, 1, 16), n_k=n_k - 1, dtype=np.float32)
+    fastattn.softmax_attention(q, k, v, backend=backend)
+    assert calls == [(3, 1, 16), (3, _dispatch.SPLIT_KEYS_MAX_N_Q, 16)]
+
+
+@pytest.mark.parametrize("batch, n_k, threads, want", [
+    (1, 32768, 2, 4), (8, 32768, 2, 1), (1, 1024, 2, 2), (3, 8192, 4, 3), (1, 600, 2, 1),
+], ids=["B1-nk32768-T2", "B8-nk32768-T2", "B1-nk1024-T2", "B3-nk8192-T4", "B1-nk600-T2"])
+def test_split_count_gives_two_items_per_thread(batch, n_k, threads, want):
+    assert _dispatch.split_count(batch, n_k, threads) == want

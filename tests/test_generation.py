@@ -1,0 +1,263 @@
+"""Generation one token at a time: the recurrent linear step, KVCache, LinearAttentionState.
+
+Every step is held to the plain calls (and through them to the reference).
+"""
+
+import importlib
+
+import numpy as np
+import pytest
+
+import fastattn
+from fastattn import _dispatch
+
+from conftest import BACKENDS, FAST_BACKENDS, assert_close, make_qkv, reference64
+
+DTYPES = [pytest.param(np.float32, id="f32"), pytest.param(np.float64, id="f64")]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_1000_one_token_linear_steps_equal_one_causal_pass(backend, dtype):
+    """B2-H3-n1000-dk8-dv6: the state carried through 1,000 calls of one token."""
+    n = 1000
+    q, k, v = make_qkv((2, 3, n, 8), d_v=6, dtype=dtype, seed=11)
+    want_out, (want_S, want_z) = reference64(
+        fastattn.linear_attention, q, k, v, causal=True, return_state=True
+    )
+    state = None
+    outs = []
+    for t in range(n):
+        sl = slice(t, t + 1)
+        out, state = fastattn.linear_attention(
+            q[..., sl, :], k[..., sl, :], v[..., sl, :], causal=True,
+            initial_state=state, return_state=True, backend=backend,
+        )
+        assert out.dtype == dtype and state[0].dtype == dtype
+        outs.append(out)
+    assert_close(np.concatenate(outs, axis=-2), want_out, dtype)
+    # S and z are sums of 1,000 positive terms: relative tolerance holds, scale by their size.
+    assert_close(state[0], want_S, dtype, scale=10)
+    assert_close(state[1], want_z, dtype, scale=10)
+
+
+@pytest.mark.parametrize("feature_map", ["elu", "relu"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("backend", FAST_BACKENDS)
+def test_recurrent_step_kernel_matches_reference(backend, dtype, feature_map):
+    """B5-dk7-dv4, with and without a state; eps=0 with relu gives a zero row where φ(q)=0."""
+    module = importlib.import_module(_dispatch.RECURRENT_STEP_MODULES[backend])
+    rng = np.random.default_rng(5)
+    q, k, v = make_qkv((5, 1, 7), d_v=4, dtype=dtype, seed=2)
+    q[0] = -1.0  # relu: φ(q) = 0, denominator 0 with eps = 0
+    S0 = np.abs(rng.standard_normal((5, 7, 4))).astype(dtype)
+    z0 = np.abs(rng.standard_normal((5, 7))).astype(dtype)
+    S0_before = S0.copy()
+    for state in ((S0, z0), (None, None)):
+        for eps in (1e-6, 0.0):
+            got = module.linear_forward(q, k, v, feature_map, True, eps, *state)
+            want = fastattn.reference.linear_forward(
+                q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), feature_map,
+                True, eps, *(None if s is None else s.astype(np.float64) for s in state),
+            )
+            for g, w in zip(got, want):
+                assert g.dtype == dtype
+                assert_close(g, w, dtype, err_msg=f"eps={eps} state={state[0] is not None}")
+    np.testing.assert_array_equal(S0, S0_before)  # the state passed in is not modified
+
+
+@pytest.mark.parametrize("backend", FAST_BACKENDS)
+def test_linear_step_runs_the_recurrent_step_kernel(backend, monkeypatch):
+    module = importlib.import_module(_dispatch.RECURRENT_STEP_MODULES[backend])
+    calls = []
+    real = module.recurrent_linear_step
+
+    def spy(*args):
+        calls.append(args[0].shape)
+        return real(*args)
+
+    monkeypatch.setattr(module, "recurrent_linear_step", spy)
+    q, k, v = make_qkv((4, 1, 8), dtype=np.float32)
+    fastattn.linear_attention(q, k, v, causal=True, backend=backend)
+    q2, k2, v2 = make_qkv((4, 2, 8), dtype=np.float32)
+    fastattn.linear_attention(q2, k2, v2, causal=True, backend=backend)
+    assert calls == [(4, 1, 8)]
+
+
+# ---------------------------------------------------------------------------
+# KVCache
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("batch_shape", [(), (2, 3)], ids=["B0", "B2-H3"])
+def test_kv_cache_decode_loop_equals_plain_calls(batch_shape, backend, dtype):
+    """A prompt of 5 tokens, 1-token steps to 20 keys, then across 1,024 keys (split keys), d_k=8, d_v=6."""
+    n = 2 * _dispatch.SPLIT_KEYS_MIN_KEYS + 3
+    q, k, v = make_qkv(batch_shape + (n, 8), d_v=6, dtype=dtype, seed=7)
+    cache = fastattn.KVCache(batch_shape, capacity=n, d_k=8, d_v=6, dtype=dtype)
+    cache.append(k[..., :5, :], v[..., :5, :])
+    got = cache.attend(q[..., :5, :], backend=backend)
+    want = fastattn.softmax_attention(q[..., :5, :], k[..., :5, :], v[..., :5, :], causal=True,
+                                      backend=backend)
+    assert_close(got, want, dtype)
+    for t in list(range(5, 20)) + list(range(n - 6, n)):
+        if cache.length < t:
+            cache.append(k[..., cache.length:t, :], v[..., cache.length:t, :])
+        cache.append(k[..., t:t + 1, :], v[..., t:t + 1, :])
+        got = cache.attend(q[..., t:t + 1, :], backend=backend)
+        want = fastattn.softmax_attention(q[..., t:t + 1, :], k[..., :t + 1, :], v[..., :t + 1, :],
+                                          backend=backend)
+        assert got.dtype == dtype and got.shape == batch_shape + (1, 6)
+        assert_close(got, want, dtype, err_msg=f"t={t}")
+    assert cache.length == n
+    assert_close(cache.attend(q[..., -3:, :], backend=backend),
+                 reference64(fastattn.softmax_attention, q[..., -3:, :], k, v, causal=True), dtype)
+
+
+@pytest.mark.parametrize("backend", FAST_BACKENDS)
+def test_kv_cache_attends_in_place(backend, monkeypatch):
+    """The split-key kernel gets the cache's own buffers, not a copy of the filled part."""
+    module = importlib.import_module(_dispatch.RECURRENT_STEP_MODULES[backend])
+    seen = []
+    real = module.cache_softmax_forward
+
+    def spy(q, k, v, causal, scale, n_k):
+        seen.append((k, v, n_k))
+        return real(q, k, v, causal, scale, n_k)
+
+    monkeypatch.setattr(module, "cache_softmax_forward", spy)
+    cache = fastattn.KVCache((2, 4), capacity=64, d_k=16, dtype=np.float32)
+    q, k, v = make_qkv((2, 4, 10, 16), dtype=np.float32)
+    cache.append(k, v)
+    got = cache.attend(q[..., -1:, :], scale=0.3, backend=backend)
+    assert_close(got, reference64(fastattn.softmax_attention, q[..., -1:, :], k, v, scale=0.3),
+                 np.float32)
+    (k_arg, v_arg, n_k), = seen
+    assert n_k == 10
+    assert np.shares_memory(k_arg, cache._k) and np.shares_memory(v_arg, cache._v)
+
+
+def test_kv_cache_float64_queries_on_float32_cache_compute_in_float64():
+    cache = fastattn.KVCache((3,), capacity=8, d_k=4, dtype=np.float32)
+    q, k, v = make_qkv((3, 6, 4), dtype=np.float64)
+    cache.append(k, v)
+    got = cache.attend(q[:, -1:])
+    assert got.dtype == np.float64
+    want = fastattn.softmax_attention(q[:, -1:], k.astype(np.float32).astype(np.float64),
+                                      v.astype(np.float32).astype(np.float64), backend="reference")
+    assert_close(got, want, np.float64)
+
+
+def test_kv_cache_views_and_bytes():
+    cache = fastattn.KVCache((2,), capacity=10, d_k=4, d_v=3, dtype=np.float64)
+    assert cache.nbytes == 2 * 10 * (4 + 3) * 8
+    k = np.arange(2 * 3 * 4, dtype=np.float32).reshape(2, 3, 4)
+    v = np.ones((2, 3, 3), dtype=np.float16)
+    cache.append(k, v)
+    assert cache.keys.shape == (2, 3, 4) and cache.values.shape == (2, 3, 3)
+    assert cache.keys.dtype == np.float64
+    np.testing.assert_array_equal(cache.keys, k)
+    with pytest.raises(ValueError):
+        cache.keys[0, 0, 0] = 1.0  # read-only view
+    cache.reset()
+    assert cache.length == 0 and cache.keys.shape == (2, 0, 4)
+    assert (cache.attend(np.ones((2, 1, 4))) == 0).all()  # no key: rows of zeros
+
+
+@pytest.mark.parametrize("args, kwargs, error, match", [
+    (((2,), 0, 4), {}, ValueError, "capacity"),
+    (((2,), 8, 0), {}, ValueError, "d_k"),
+    (((2,), 8, 4, 2.5), {}, ValueError, "d_v"),
+    (("ab", 8, 4), {}, TypeError, "batch_shape"),
+    (((2, -1), 8, 4), {}, ValueError, "batch_shape"),
+    (((2,), 8, 4), {"dtype": np.int32}, TypeError, "dtype"),
+], ids=["capacity0", "dk0", "dv-float", "batch-str", "batch-negative", "dtype-int"])
+def test_kv_cache_rejects_bad_construction(args, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        fastattn.KVCache(*args, **kwargs)
+
+
+def test_kv_cache_rejects_bad_appends_and_queries():
+    cache = fastattn.KVCache((2,), capacity=4, d_k=4, d_v=3)
+    k, v = np.zeros((2, 3, 4)), np.zeros((2, 3, 3))
+    with pytest.raises(ValueError, match=r"k must have shape"):
+        cache.append(np.zeros((2, 3, 5)), v)
+    with pytest.raises(ValueError, match=r"v must have shape"):
+        cache.append(k, np.zeros((3, 3, 3)))
+    with pytest.raises(ValueError, match="same number of tokens"):
+        cache.append(k, np.zeros((2, 2, 3)))
+    with pytest.raises(TypeError, match="k must"):
+        cache.append(k.astype(np.int64), v)
+    with pytest.raises(TypeError, match="k must be a numpy.ndarray"):
+        cache.append(k.tolist(), v)
+    cache.append(k, v)
+    with pytest.raises(ValueError, match="full: it holds 3 of 4"):
+        cache.append(k[:, :2], v[:, :2])
+    assert cache.length == 3  # a refused append changes nothing
+    with pytest.raises(ValueError, match="d_k"):
+        cache.attend(np.zeros((2, 1, 5)))
+    with pytest.raises(TypeError, match="causal"):
+        cache.attend(np.zeros((2, 1, 4)), causal=1)
+    with pytest.raises(ValueError, match="scale"):
+        cache.attend(np.zeros((2, 1, 4)), scale=-1.0)
+    with pytest.raises(ValueError, match="backend"):
+        cache.attend(np.zeros((2, 1, 4)), backend="fortran")
+
+
+# ---------------------------------------------------------------------------
+# LinearAttentionState
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_linear_state_steps_equal_one_causal_pass(backend, dtype):
+    """B2-H2-n60-dk8-dv5: a prompt of 20 tokens in one step, then 40 one-token steps."""
+    q, k, v = make_qkv((2, 2, 60, 8), d_v=5, dtype=dtype, seed=4)
+    state = fastattn.LinearAttentionState((2, 2), d_k=8, d_v=5, dtype=dtype)
+    assert state.nbytes == 4 * (8 * 5 + 8) * np.dtype(dtype).itemsize
+    outs = [state.step(q[..., :20, :], k[..., :20, :], v[..., :20, :], backend=backend)]
+    for t in range(20, 60):
+        outs.append(state.step(q[..., t:t + 1, :], k[..., t:t + 1, :], v[..., t:t + 1, :],
+                               backend=backend))
+    want, (S, z) = fastattn.linear_attention(q, k, v, causal=True, return_state=True,
+                                             backend=backend)
+    assert_close(np.concatenate(outs, axis=-2), want, dtype)
+    assert_close(state.S, S, dtype)
+    assert_close(state.z, z, dtype)
+    assert state.tokens == 60 and state.S.dtype == dtype
+    state.reset()
+    assert state.tokens == 0 and not state.S.any() and not state.z.any()
+
+
+def test_linear_state_relu_and_eps_reach_the_kernel():
+    q, k, v = make_qkv((3, 1, 4), dtype=np.float64, seed=9)
+    state = fastattn.LinearAttentionState((3,), d_k=4, feature_map="relu", eps=0.5,
+                                          dtype=np.float64)
+    got = state.step(q, k, v)
+    want = fastattn.linear_attention(q, k, v, feature_map="relu", eps=0.5, causal=True,
+                                     backend="reference")
+    assert_close(got, want, np.float64)
+
+
+def test_linear_state_rejects_bad_input_and_keeps_its_state():
+    with pytest.raises(ValueError, match="eps"):
+        fastattn.LinearAttentionState((2,), d_k=4, eps=-1.0)
+    with pytest.raises(TypeError, match="dtype"):
+        fastattn.LinearAttentionState((2,), d_k=4, dtype="int8")
+    state = fastattn.LinearAttentionState((2,), d_k=4, feature_map="cosine")
+    q, k, v = make_qkv((2, 1, 4), dtype=np.float32)
+    with pytest.raises(ValueError, match="feature_map"):
+        state.step(q, k, v)
+    state = fastattn.LinearAttentionState((2,), d_k=4)
+    state.step(q, k, v)
+    S, z = state.S.copy(), state.z.copy()
+    with pytest.raises(ValueError, match="same number of tokens"):
+        state.step(np.zeros((2, 2, 4)), k, v)
+    with pytest.raises(ValueError, match="initial_state"):
+        state.step(q[:1], k[:1], v[:1])
+    with pytest.raises(ValueError, match="d_k"):
+        state.step(np.zeros((2, 1, 3)), np.zeros((2, 1, 3)), v)
+    np.testing.assert_array_equal(state.S, S)
+    np.testing.assert_array_equal(state.z, z)
+    assert state.tokens == 1
