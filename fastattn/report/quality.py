@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from threadpoolctl import threadpool_limits
 
 from .. import attention_weights, linear_attention, softmax_attention
 from ..compare import compare, quality, seed_inputs
@@ -99,6 +100,9 @@ def _row_entropy(weights):
     return -(w * np.log(w)).sum(axis=-1).mean(axis=-1)
 
 
+# One BLAS thread: these are many small products, which a second thread slows down
+# several times over on a busy machine (measured: 11 s against 53 s on 2 cores under load).
+@threadpool_limits.wrap(limits=1)
 def compute_quality(minilm_path="auto"):
     """Compute the quality section's numbers and heatmaps.
 
