@@ -100,8 +100,8 @@ def _row_entropy(weights):
     return -(w * np.log(w)).sum(axis=-1).mean(axis=-1)
 
 
-# One BLAS thread: these are many small products, which a second thread slows down
-# several times over on a busy machine (measured: 11 s against 53 s on 2 cores under load).
+# One BLAS thread: these are many small products, which a second BLAS thread slowed
+# several times over on the busy 2-core development machine (one run: 53 s against 11 s).
 @threadpool_limits.wrap(limits=1)
 def compute_quality(minilm_path="auto"):
     """Compute the quality section's numbers and heatmaps.
@@ -127,6 +127,7 @@ def compute_quality(minilm_path="auto"):
 
     Notes
     -----
+    Computed on one BLAS thread (the thread count is restored afterwards).
     All attention is computed by the NumPy reference in float32, non-causal,
     softmax scale ``1/sqrt(d)``, linear attention with ``φ = elu + 1`` and
     ``eps = 1e-6``.  Memory ``O(heads · n²)`` per layer.
