@@ -15,7 +15,7 @@ import numpy as np
 
 from .. import __version__
 from ..bench.table import format_bytes, format_number, format_percent, format_seconds, mask_name
-from . import analysis, figures
+from . import analysis, figures, frontier
 
 #: Marker written into every report; an existing file at the output path is
 #: only replaced when it carries it.
@@ -317,10 +317,10 @@ def _history_section(history, benchmark):
                      for r in rows]}
 
 
-def _quality_section(quality):
+def _quality_section(quality, curve_list=()):
     if quality is None:
         return None
-    return {"r": quality,
+    return {"r": quality, "frontier": frontier.section(quality.frontier, curve_list),
             "figure": figures.data_uri(figures.quality_figure(quality.gaussian, quality.minilm)),
             "heatmaps": [{"title": h.title, "note": h.note,
                           "png": figures.data_uri(figures.heatmap_figure(h))}
@@ -391,7 +391,7 @@ def build_report(records, *, source="", quality=None, history=None, history_benc
         marker=REPORT_MARKER, version=__version__, source=source, sections=sections,
         generated=(generated or _dt.datetime.now(_dt.timezone.utc)).strftime("%Y-%m-%d %H:%M UTC"),
         comparison_png=comparison_png, peer_help=PEER_HELP,
-        summary=_summary(sections[0], quality), quality=_quality_section(quality),
+        summary=_summary(sections[0], quality), quality=_quality_section(quality, all_curves),
         history=_history_section(history, history_benchmark), fit_min_n=analysis.FIT_MIN_N,
         from_asv=any(p.get("source") == "asv" for p in points), n_records=len(records))
     return Report(page, pngs[0])

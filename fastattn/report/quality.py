@@ -11,10 +11,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from threadpoolctl import threadpool_limits
 
 from .. import attention_weights, linear_attention, softmax_attention
 from ..compare import compare, quality, seed_inputs
 from ..data import load_minilm, minilm_provenance
+from .frontier import GAUSSIAN_N, compute_frontier_quality
 
 #: Sequence lengths of the Gaussian rows (inputs as in the seed experiment, d = 32).
 GAUSSIAN_NS = (64, 128, 512, 1024)
@@ -89,6 +91,7 @@ class QualityResults:
     minilm_full: bool
     heatmaps: list = field(default_factory=list)
     provenance: dict = field(default_factory=dict)
+    frontier: object = None   # fastattn.report.frontier.FrontierQuality
 
 
 def _row_entropy(weights):
@@ -97,6 +100,9 @@ def _row_entropy(weights):
     return -(w * np.log(w)).sum(axis=-1).mean(axis=-1)
 
 
+# One BLAS thread: these are many small products, which a second BLAS thread slowed
+# several times over on the busy 2-core development machine (one run: 53 s against 11 s).
+@threadpool_limits.wrap(limits=1)
 def compute_quality(minilm_path="auto"):
     """Compute the quality section's numbers and heatmaps.
 
@@ -114,10 +120,14 @@ def compute_quality(minilm_path="auto"):
         metrics over all its heads and rows (with the per-head range of the
         cosine similarity); heatmaps of the seed case and of the real head
         whose softmax attention is most concentrated (lowest mean row entropy),
-        which is where linear attention differs most visibly.
+        which is where linear attention differs most visibly; ``frontier``:
+        every feature map on the same MiniLM arrays and on a Gaussian case at
+        n = :data:`~fastattn.report.frontier.GAUSSIAN_N`
+        (:func:`~fastattn.report.frontier.compute_frontier_quality`).
 
     Notes
     -----
+    Computed on one BLAS thread (the thread count is restored afterwards).
     All attention is computed by the NumPy reference in float32, non-causal,
     softmax scale ``1/sqrt(d)``, linear attention with ``φ = elu + 1`` and
     ``eps = 1e-6``.  Memory ``O(heads · n²)`` per layer.
@@ -171,10 +181,14 @@ def compute_quality(minilm_path="auto"):
 
     _, layer, h = best
     qh, kh = data["q"][layer, h], data["k"][layer, h]
+    head_title = f"all-MiniLM-L6-v2 layer {layer}, head {h} (n = {n}, d = {d})"
     heatmaps.append(Heatmap(
-        f"all-MiniLM-L6-v2 layer {layer}, head {h} (n = {n}, d = {d})",
+        head_title,
         attention_weights(qh, kh, kind="softmax"), attention_weights(qh, kh, kind="linear"),
         note=(f"the head with the most concentrated softmax attention of the {layers * heads} "
               f"loaded (mean row entropy {best[0]:.2f} nats; uniform would be "
               f"{np.log(n):.2f})")))
-    return QualityResults(seed_row, gaussian, minilm, source, full, heatmaps, provenance)
+    frontier = compute_frontier_quality(data, seed_inputs(GAUSSIAN_N, GAUSSIAN_D, SEED),
+                                        (layer, h, head_title))
+    return QualityResults(seed_row, gaussian, minilm, source, full, heatmaps, provenance,
+                          frontier)
