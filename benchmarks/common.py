@@ -9,8 +9,8 @@ skipped, asv's ``n/a``).
 Environment variables read here (all optional):
 
 ``FASTATTN_ASV_QUICK=1``
-    Development smoke pass: only the smallest n, float32, runs; every other
-    combination is skipped in setup.  The parameters stay those of the full
+    Development smoke pass: only the smallest n, float32 (and, for FAVOR+,
+    the smallest m) runs; every other combination is skipped in setup.  The parameters stay those of the full
     suite, so ``benchmarks.json`` (which ``asv run`` rewrites) stays that of
     the recorded results and ``asv publish`` keeps every graph.
 ``OMP_NUM_THREADS``
@@ -40,6 +40,26 @@ except ImportError:  # a commit from before the one engine
 DEFAULT_THREADS = 1
 
 QUICK = os.environ.get("FASTATTN_ASV_QUICK", "") not in ("", "0")
+
+# Load every backend now: asv's forkserver imports the suite once and forks each
+# benchmark process from it, so no process (nor a skipped combination) pays the
+# import of Numba again (0.6 s here).  Nothing runs, so no thread pool is started.
+fastattn.available_backends()
+
+
+class Name(str):
+    """A text parameter asv shows with its name: ``regime=decode``."""
+
+    def __new__(cls, name, value):
+        self = super().__new__(cls, value)
+        self.name = name
+        return self
+
+    def __repr__(self):
+        return f"{self.name}={str(self)}"
+
+    def __reduce__(self):
+        return Name, (self.name, str(self))
 
 
 class Param(int):
@@ -76,6 +96,23 @@ REFERENCE_MAX_N = int(os.environ.get("FASTATTN_ASV_REFERENCE_MAX_N", "4096"))
 #: n of the accuracy benchmarks (max abs error against the float64 reference).
 ERROR_N = (Param("n", 1024, 5),)
 
+#: Decode (benchmarks/decode.py): context lengths n, 128 to 65536 (issue 11's
+#: 8192 and 32768 among them), and the heads of each step, as in issue 11.
+REGIME_DECODE = Name("regime", "decode")
+DECODE_N = tuple(Param("n", n, 5) for n in (128, 512, 2048, 8192, 32768, 65536))
+DECODE_HEADS = 8
+
+#: Feature maps of linear attention (benchmarks/feature_maps.py): the maps at n
+#: in FEATURE_N, and FAVOR+'s feature count m (d_k, 4 d_k, 16 d_k, 64 d_k) at n
+#: in FAVOR_N.
+FEATURE_MAPS = ("elu", "relu", "favor", "taylor")
+FEATURE_N = tuple(Param("n", n, 5) for n in (1024, 4096, 16384))
+FAVOR_M = tuple(Param("m", m * D, 4) for m in (1, 4, 16, 64))
+FAVOR_N = FEATURE_N[:2]
+#: The reference's causal linear form is the masked n x n one, n^2 D work: it
+#: runs while n^2 D <= this (about 1 s a call), up to FASTATTN_ASV_REFERENCE_MAX_N.
+FEATURE_REFERENCE_MAX_WORK = 2**34
+
 
 def threads():
     """Thread count of the run: ``OMP_NUM_THREADS`` or :data:`DEFAULT_THREADS`."""
@@ -104,21 +141,39 @@ def qkv(n, dtype="float32", seed=0):
     return engine.make_inputs(spec("softmax", "reference", n, False, dtype), seed)
 
 
-def skip_unless_runs(attention, backend, n, causal, dtype):
-    """Raise NotImplementedError (asv's skip) for what cannot or should not run here."""
+def skip_unless_built(backend):
+    """Raise NotImplementedError (asv's skip) if ``backend`` is not available here."""
     if backend not in fastattn.available_backends():
         reason = fastattn.unavailable_backends().get(backend, "unknown backend")
         raise NotImplementedError(f"backend {backend!r} is not available here: {reason}")
+
+
+def skip_if_no_memory(point):
+    """Raise NotImplementedError if the engine says ``point`` does not fit here (or cannot run)."""
+    reason = engine.why_skip(point) if engine is not None else None
+    if reason:
+        raise NotImplementedError(reason)
+
+
+def skip_unless_runs(attention, backend, n, causal, dtype):
+    """Raise NotImplementedError (asv's skip) for what cannot or should not run here."""
     if QUICK and (int(n) not in (int(N_GRID[0]), int(ERROR_N[0])) or dtype != "float32"):
         raise NotImplementedError("FASTATTN_ASV_QUICK: only the smallest n (and the "
                                   "accuracy n), float32")
+    skip_unless_built(backend)
     quadratic = backend == "reference" and (attention == "softmax" or causal)
     if quadratic and int(n) > REFERENCE_MAX_N:
         raise NotImplementedError(f"reference {attention} attention holds n x n arrays; "
                                   f"bounded at n <= {REFERENCE_MAX_N} "
                                   "(FASTATTN_ASV_REFERENCE_MAX_N)")
-    if engine is not None and engine.why_skip(spec(attention, backend, n, causal, dtype)):
-        raise NotImplementedError(engine.why_skip(spec(attention, backend, n, causal, dtype)))
+    skip_if_no_memory(spec(attention, backend, n, causal, dtype))
+
+
+def peak_bytes(call):
+    """Peak extra bytes of ``call()`` by the engine's probe (asv's skip on a commit without it)."""
+    if engine is None:
+        raise NotImplementedError("this commit has no fastattn.bench.engine memory probe")
+    return engine.peak_extra_bytes(call)[0]
 
 
 def attention_call(attention, backend, causal):

@@ -199,9 +199,11 @@ def _suite_params(quick):
     import os
     import subprocess
 
-    code = ("import json; from benchmarks import common, softmax, linear, threads\n"
+    code = ("import json; from benchmarks import common, softmax, linear, threads, decode, "
+            "feature_maps\n"
             "print(json.dumps([repr(c.params) for c in (softmax.SoftmaxAttention, "
-            "softmax.SoftmaxAccuracy, linear.LinearAttention, threads.Threads)]))")
+            "softmax.SoftmaxAccuracy, linear.LinearAttention, threads.Threads, decode.Decode, "
+            "feature_maps.FeatureMaps, feature_maps.Favor)]))")
     env = dict(os.environ, FASTATTN_ASV_QUICK="1" if quick else "0")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, check=True,
                          capture_output=True, text=True).stdout
@@ -214,6 +216,9 @@ def test_quick_mode_keeps_the_recorded_suite_description():
     quick, full = _suite_params(True), _suite_params(False)
     assert quick == full
     assert "causal=True" in full[0] and "n=01024" in full[0] and "n=16384" in full[0]
+    assert "regime=decode" in full[4] and "n=00128" in full[4] and "n=65536" in full[4]
+    assert "'taylor'" in full[5] and "n=16384" in full[5]
+    assert "m=0064" in full[6] and "m=4096" in full[6] and "n=04096" in full[6]
 
 
 def test_readable_parameters_are_decoded():

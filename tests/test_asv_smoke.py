@@ -9,6 +9,11 @@ raises (run); a combination skipped in setup (NotImplementedError) is not a
 failure.  The run uses a throw-away copy of asv.conf.json whose results, html
 and env dirs are in a temporary directory, so the developer's .asv/results
 (and its benchmarks.json) are left alone.
+
+The decode and feature-map benchmarks are also called here directly, at their
+smallest n on the reference backend: that each measures what it names (a
+token that sees n keys, the bytes of the KV cache or of the state, the map and
+m it says) and that what an older commit lacks is skipped in setup.
 """
 
 import json
@@ -18,14 +23,29 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+
+import fastattn
+from conftest import assert_close
 
 pytest.importorskip("asv", reason="asv is not installed (pip install -e '.[bench]')")
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from benchmarks import common, decode, feature_maps  # noqa: E402
+
+sys.path.remove(str(ROOT))
 
 #: Every benchmark of the suite; each must run ("ok"), not fail or vanish.
 EXPECTED = (
+    "decode.Decode.time_token",
+    "decode.Decode.track_bytes_per_head",
+    "decode.Decode.track_peak_bytes",
+    "feature_maps.Favor.time_forward",
+    "feature_maps.Favor.track_peak_bytes",
+    "feature_maps.FeatureMaps.time_forward",
+    "feature_maps.FeatureMaps.track_peak_bytes",
     "linear.LinearAccuracy.track_max_abs_error",
     "linear.LinearAttention.time_forward",
     "linear.LinearAttention.track_peak_bytes",
@@ -81,9 +101,115 @@ def test_asv_check(asv_config):
 def test_asv_quick_run_has_no_failed_benchmark(asv_config):
     code, out = _asv(
         asv_config, "run", "--python=same", "--quick", "--show-stderr",
-        "--machine", "ci-smoke", "--launch-method", "forkserver", timeout=240,
+        "--machine", "ci-smoke", "--launch-method", "forkserver", timeout=480,
     )
     assert code == 0, f"asv run exited {code} (2: a benchmark failed)\n{out}"
     assert not re.search(r"\bfailed\b", out), out
     for name in EXPECTED:
         assert re.search(re.escape(name) + r"\s+ok\b", out), f"{name} did not run ok:\n{out}"
+
+
+# --- the decode and feature-map benchmarks, called directly ----------------
+N0 = int(common.DECODE_N[0])
+
+
+def _decode(monkeypatch, attention, dtype, backend="reference"):
+    monkeypatch.setattr(decode, "QUICK", False)
+    bench = decode.Decode()
+    bench.setup(common.REGIME_DECODE, attention, backend, common.DECODE_N[0], dtype)
+    return bench
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_decode_holds_a_kv_cache_of_n_keys_or_a_state(monkeypatch, dtype):
+    item = np.dtype(dtype).itemsize
+    d = common.D
+    args = (common.REGIME_DECODE, None, None, None, None)
+    softmax = _decode(monkeypatch, "softmax", dtype)
+    assert softmax.track_bytes_per_head(*args) == 2 * N0 * d * item       # k and v: 2 n d
+    linear = _decode(monkeypatch, "linear", dtype)
+    assert linear.track_bytes_per_head(*args) == (d * d + d) * item       # S and z: d_k d_v + d_k
+    for bench in (softmax, linear):
+        assert bench.track_peak_bytes(*args) >= 0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_decode_step_is_a_token_that_sees_n_keys(monkeypatch, dtype):
+    # The timed step, against formulas written here over the same n keys in float64.
+    q, k, v = (x.astype(np.float64) for x in decode.decode_qkv(
+        decode.decode_spec("softmax", "reference", N0, dtype)))
+    assert q.shape == (common.DECODE_HEADS, 1, common.D) and k.shape[1] == N0
+    logits = q @ k.transpose(0, 2, 1) / np.sqrt(common.D)
+    weights = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    expected = (weights / weights.sum(axis=-1, keepdims=True)) @ v
+    assert_close(_decode(monkeypatch, "softmax", dtype).step(), expected, dtype)
+
+    def phi(x):
+        return np.where(x > 0, x + 1, np.exp(np.minimum(x, 0)))
+
+    S, z = phi(k).transpose(0, 2, 1) @ v, phi(k).sum(axis=1)
+    expected = (phi(q) @ S) / ((phi(q) @ z[:, :, None]) + 1e-6)
+    out, (S_out, z_out) = _decode(monkeypatch, "linear", dtype).step()
+    assert_close(out, expected, dtype)
+    assert_close(S_out, S, dtype, scale=N0)   # a sum of n terms
+    assert_close(z_out, z, dtype, scale=N0)
+
+
+def test_decode_skips_in_quick_mode_and_on_a_commit_without_state(monkeypatch):
+    bench = decode.Decode()
+    monkeypatch.setattr(decode, "QUICK", True)
+    with pytest.raises(NotImplementedError, match="QUICK"):
+        bench.setup(common.REGIME_DECODE, "softmax", "reference", common.DECODE_N[1], "float32")
+    with pytest.raises(NotImplementedError, match="QUICK"):
+        bench.setup(common.REGIME_DECODE, "softmax", "reference", common.DECODE_N[0], "float64")
+    monkeypatch.setattr(fastattn, "linear_attention", lambda q, k, v, *, causal=False: q)
+    with pytest.raises(NotImplementedError, match="carries no state"):
+        bench.setup(common.REGIME_DECODE, "linear", "reference", common.DECODE_N[0], "float32")
+
+
+def _feature_bench(monkeypatch, cls, first, causal=False, n=None):
+    monkeypatch.setattr(feature_maps, "QUICK", False)
+    bench = cls()
+    bench.setup(first, "reference", n or common.FEATURE_N[0], causal, "float32")
+    return bench
+
+
+@pytest.mark.parametrize("cls, first, D", [
+    (feature_maps.FeatureMaps, "elu", 64), (feature_maps.FeatureMaps, "relu", 64),
+    (feature_maps.FeatureMaps, "taylor", 1 + 64 + 64 * 65 // 2),
+    (feature_maps.FeatureMaps, "favor", 266),   # round(64 ln 64), fastattn's default m
+    (feature_maps.Favor, common.FAVOR_M[0], 64), (feature_maps.Favor, common.FAVOR_M[-1], 4096)],
+    ids=["elu-D64", "relu-D64", "taylor-D2145", "favor-D266", "favor-m64-D64",
+         "favor-m4096-D4096"])
+def test_feature_map_benchmark_calls_the_map_and_m_it_names(monkeypatch, cls, first, D):
+    bench = _feature_bench(monkeypatch, cls, first)
+    arg = bench.call.keywords["feature_map"]
+    if cls is feature_maps.Favor:
+        assert isinstance(arg, fastattn.FavorFeatures) and arg.num_features == int(first)
+        assert arg.random_state == 0
+    else:
+        assert arg == first
+    assert feature_maps.feature_dim(arg) == D
+    _, (S, z) = fastattn.linear_attention(*bench.inputs, feature_map=arg, return_state=True)
+    assert S.shape == (1, D, 64) and z.shape == (1, D)
+    assert bench.track_peak_bytes(first, "reference", None, False, "float32") >= 0
+
+
+def test_feature_map_benchmark_skips_what_cannot_or_should_not_run(monkeypatch):
+    # The masked n x n reference at n^2 D beyond its bound (taylor, n = 4096).
+    with pytest.raises(NotImplementedError, match="masked n x n"):
+        _feature_bench(monkeypatch, feature_maps.FeatureMaps, "taylor", True, common.FEATURE_N[1])
+    monkeypatch.setattr(feature_maps, "QUICK", True)
+    with pytest.raises(NotImplementedError, match="QUICK"):
+        feature_maps.FeatureMaps().setup("elu", "reference", common.FEATURE_N[1], False, "float32")
+    with pytest.raises(NotImplementedError, match="QUICK"):
+        feature_maps.Favor().setup(common.FAVOR_M[1], "reference", common.FEATURE_N[0], False,
+                                   "float32")
+    # A commit from before FAVOR+ and the Taylor map (issue 13).
+    monkeypatch.delattr(fastattn, "FavorFeatures")
+    with pytest.raises(NotImplementedError, match="no fastattn.FavorFeatures"):
+        _feature_bench(monkeypatch, feature_maps.Favor, common.FAVOR_M[0])
+    monkeypatch.setattr(fastattn.feature_maps, "NAMES", ("elu", "relu"))
+    for name in ("taylor", "favor"):
+        with pytest.raises(NotImplementedError, match=f"no feature map '{name}'"):
+            _feature_bench(monkeypatch, feature_maps.FeatureMaps, name)
