@@ -16,16 +16,11 @@ def add_parser(subparsers):
     parser = subparsers.add_parser(
         "bench",
         help="time every kernel side by side with its peers and the GEMM roof",
-        description=(
-            "Measure softmax and/or linear attention on every available backend and "
-            "peer (PyTorch when installed) over a grid of sequence lengths: median "
-            "time (min-max) after a warm-up call, GFLOP/s, fraction of the GEMM roof "
-            "measured in the same run, peak extra memory of the call, the ratio to a "
-            "baseline backend and the error against the float64 reference. Results "
-            "are appended to a JSON-lines file as each point finishes (a CSV is "
-            "written beside it); running again with the same --out resumes."
-        ),
-    )
+        description="Measure attention on every available backend and peer over a grid of n: "
+                    "time (median, min-max), GFLOP/s and % of the GEMM roof, peak extra "
+                    "memory, the ratio to a baseline and the error against the float64 "
+                    "reference, appended to a JSON-lines file as each point finishes (the "
+                    "same --out resumes).")
     add = parser.add_argument
     add("--kind", choices=("softmax", "linear", "both"), default="both",
         help="attention type (default both)")
@@ -51,9 +46,8 @@ def add_parser(subparsers):
     add("--baseline", default=None, metavar="NAME",
         help="backend the ratio column compares with (default reference)")
     add("--out", type=Path, default=None,
-        help="results file (JSON lines; default results/bench-<time>.jsonl); an existing "
-             "one is resumed; a CSV (.csv) and a JSON summary (.summary.json) of the "
-             "tables are written beside it")
+        help="results file (JSON lines; default results/bench-<time>.jsonl, resumed if it "
+             "exists), with a CSV (.csv) and a JSON summary (.summary.json) beside it")
     add("--fresh", action="store_true", help="start --out afresh instead of resuming it")
     add("--no-memory", action="store_true", help="skip the memory probe")
     add("--no-check", action="store_true", help="skip the check against the float64 reference")
@@ -67,19 +61,9 @@ class BenchUsageError(ValueError):
 
 
 def resolve_backends(requested):
-    """Check ``--backends`` against what runs here.
+    """The backends to measure and the absent peers (with how to add them); BenchUsageError,
+    listing what is available, for a name that is unknown or cannot run here."""
 
-    Returns
-    -------
-    (list of str, dict of str to str)
-        The backends to measure, and the absent peers with how to add them.
-
-    Raises
-    ------
-    BenchUsageError
-        For an unknown name, a backend that cannot run here or a peer that is
-        not installed; the message lists what is available.
-    """
     from . import peers
     from .sweep import default_backends, known_backends
 

@@ -1,19 +1,8 @@
-"""Peers: what a user would otherwise call, measured on the same inputs.
+"""Peers (PyTorch on CPU, when importable) on the same inputs, checked like any backend.
 
-PyTorch on CPU, when importable (an optional extra, never a dependency):
+A peer ``NAME`` provides ``NAME_<attention>_call(q, k, v, causal, option, heads=1)``
+(``option``: the scale, or the feature map), found by :func:`~.engine.make_call`."""
 
-* softmax attention: ``torch.nn.functional.scaled_dot_product_attention``
-  (causal and not);
-* linear attention in its two usual PyTorch forms (Katharopoulos et al.
-  2020): the non-causal product ``φ(q) (φ(k)ᵀ v) / (φ(q) Σ_j φ(k_j) + eps)``
-  and the causal cumulative-sum form, which materialises the running state
-  ``cumsum_j φ(k_j)ᵀ v_j`` of shape ``(B, n, d_k, d_v)``.
-
-A peer is checked against the float64 reference like any backend.  A peer
-``NAME`` in :data:`PEERS` provides ``NAME_softmax_call(q, k, v, causal, scale,
-heads=1)`` and ``NAME_linear_call(q, k, v, causal, feature_map, heads=1)``
-builders; :func:`fastattn.bench.engine.make_call` finds them by name.
-"""
 
 import importlib.util
 import sys
@@ -41,12 +30,7 @@ def _torch():
 
 
 def available_peers():
-    """Peers importable here (without importing them).
-
-    Returns
-    -------
-    tuple of str
-    """
+    """Peers importable here (without importing them), a tuple of names."""
     return tuple(name for name in PEERS if _findable(name))
 
 
@@ -58,22 +42,13 @@ def _findable(name):
 
 
 def absent_peers():
-    """Peers that are not installed, mapped to how to install them.
-
-    Returns
-    -------
-    dict of str to str
-    """
+    """Peers that are not installed, mapped to how to install them."""
     have = available_peers()
     return {name: INSTALL_HINT[name] for name in PEERS if name not in have}
 
 
 def set_peer_threads(n_threads):
-    """Fix the intra-op thread count of every peer, now if imported, else on import.
-
-    Importing PyTorch takes seconds, so it is only imported when a torch point
-    is measured; :func:`_torch` applies the count then.
-    """
+    """Fix every peer's thread count: now if imported, else when :func:`_torch` imports it."""
     global _threads
     _threads = int(n_threads)
     if "torch" in sys.modules:
@@ -90,39 +65,15 @@ def peer_threads():
 
 
 def _as_4d(torch, arrays, heads):
-    """Wrap ``(B, n, d)`` arrays without a copy as ``(B / heads, heads, n, d)`` tensors.
-
-    PyTorch's CPU flash kernel of SDPA only takes 4-D (batch, heads, n, d)
-    inputs; 3-D inputs fall back to the O(n²) math path.
-    """
+    """``(B, n, d)`` arrays as ``(B / heads, heads, n, d)`` tensors without a copy (SDPA's
+    flash kernel takes only 4-D inputs; 3-D falls back to the O(n²) math path)."""
     return tuple(torch.from_numpy(x).view(-1, heads, *x.shape[-2:]) for x in arrays)
 
 
 def torch_softmax_call(q, k, v, causal, scale, heads=1):
-    """A no-argument callable computing softmax attention with PyTorch's SDPA.
-
-    Parameters
-    ----------
-    q, k, v : ndarray of shape (B, n, d_k), (B, n, d_k), (B, n, d_v)
-        float32 or float64, C-contiguous, ``B = batch * heads``; wrapped
-        without a copy and passed as ``(batch, heads, n, d)`` (the layout
-        PyTorch's flash kernel needs).
-    causal : bool
-        PyTorch's ``is_causal`` mask is aligned at the top left, which equals
-        fastattn's bottom-right mask only when ``n_q == n_k``.
-    scale : float
-    heads : int, default 1
-
-    Returns
-    -------
-    callable
-        Returns the output as an ndarray ``(B, n_q, d_v)``.
-
-    Raises
-    ------
-    ValueError
-        If ``causal`` and ``n_q != n_k``.
-    """
+    """A no-argument call of PyTorch's SDPA on C-contiguous ``(B, n, d)`` q, k, v, returning
+    ``(B, n_q, d_v)``.  Raises ValueError when ``causal`` and ``n_q != n_k`` (torch's
+    mask is top-left aligned, fastattn's bottom-right)."""
     torch = _torch()
     if causal and q.shape[-2] != k.shape[-2]:
         raise ValueError("torch's is_causal mask equals fastattn's only when n_q == n_k")
@@ -139,27 +90,9 @@ def torch_softmax_call(q, k, v, causal, scale, heads=1):
 
 
 def torch_linear_call(q, k, v, causal, feature_map="elu", eps=1e-6, heads=1):
-    """A no-argument callable computing linear attention in plain PyTorch.
-
-    Non-causal: the product form, ``O(n d_k d_v)`` time and ``O(n d + d_k d_v)``
-    memory.  Causal: the cumulative-sum form, ``S_i = cumsum_j φ(k_j)ᵀ v_j``
-    stored for every position, ``O(n d_k d_v)`` time and memory.
-
-    Parameters
-    ----------
-    q, k, v : ndarray of shape (B, n, d_k), (B, n, d_k), (B, n, d_v)
-    causal : bool
-        Requires ``n_q == n_k`` (the cumulative sums run along one sequence).
-    feature_map : {"elu", "relu"}
-    eps : float
-    heads : int, default 1
-        Inputs are passed as ``(batch, heads, n, d)`` tensors.
-
-    Returns
-    -------
-    callable
-        Returns the output as an ndarray ``(B, n_q, d_v)``.
-    """
+    """A no-argument call of linear attention in plain PyTorch (``feature_map`` "elu" or
+    "relu"): the product form, or causal (``n_q == n_k``) the cumulative-sum form, whose
+    states take ``O(n d_k d_v)`` memory."""
     torch = _torch()
     F = torch.nn.functional
     if causal and q.shape[-2] != k.shape[-2]:

@@ -1,14 +1,8 @@
-"""Assemble the HTML report: results records in, one self-contained page out.
-
-Data flow one way: records -> :mod:`~fastattn.report.analysis` (labelled
-curves, fits, crossovers) -> :mod:`~fastattn.report.figures` (PNG, embedded
-as base64) -> the Jinja2 template, which only fills in what it is given.
-Nothing here times anything.
-"""
+"""The HTML report: records -> :mod:`.analysis` -> :mod:`.figures` (PNG, base64) -> the
+Jinja2 template, which only fills in what it is given."""
 
 import datetime as _dt
 from dataclasses import dataclass
-from importlib import resources
 
 import jinja2
 import numpy as np
@@ -21,26 +15,16 @@ from . import analysis, figures
 #: only replaced when it carries it.
 REPORT_MARKER = '<meta name="generator" content="fastattn report">'
 
-PEER_HELP = (
-    "No peer implementation was measured: these results hold no PyTorch points (torch was not "
-    "installed where they were measured). To put torch.nn.functional.scaled_dot_product_attention "
-    "and a PyTorch linear attention beside fastattn's kernels, install torch and run "
-    "fastattn report again:"
-)
+PEER_HELP = ("No peer implementation was measured: these results hold no PyTorch points (torch "
+             "was not installed where they were measured). To put PyTorch's SDPA and a PyTorch "
+             "linear attention beside fastattn's kernels, install torch and run fastattn "
+             "report again:")
 
 
 @dataclass
 class Report:
-    """A built report.
-
-    Attributes
-    ----------
-    html : str
-        The self-contained page.
-    scaling_png : bytes or None
-        The time-against-n figure (non-causal and causal panels) of the first
-        machine, for the README.
-    """
+    """A built report: the self-contained ``html`` and the first machine's ``scaling_png``
+    (time against n, for the README)."""
 
     html: str
     scaling_png: bytes | None
@@ -100,15 +84,8 @@ def _value_text(value):
 
 
 def environment_rows(env):
-    """The environment block: known fields first, then every other recorded field.
-
-    Returns
-    -------
-    rows, rest : list of (str, str)
-        ``rows``: CPU, cores, threads, BLAS, versions ... as found (a library
-        recorded as absent reads "not installed"); ``rest``: every other field
-        by its dotted path.
-    """
+    """``rows, rest``: (label, text) of the known fields (an absent library "not
+    installed"), and of every other recorded field by its dotted path."""
     rows, used = [], {"schema", "record", "memory_available_bytes"}
     for label, path in _ENV_FIELDS:
         value, present = _lookup(env, path)
@@ -135,10 +112,6 @@ def environment_rows(env):
     return rows, rest
 
 
-def _fit_cell(fit):
-    return fit.format() if fit else "–"
-
-
 def _exponent_rows(curve_list):
     """One row per kernel: time and memory exponents, non-causal and causal."""
     rows = {}
@@ -147,7 +120,8 @@ def _exponent_rows(curve_list):
                                         "expected": analysis.EXPECTED_TIME_EXPONENT.get(
                                             c.attention)})
         row["cells"][mask_name(c.causal)] = {
-            "time": _fit_cell(c.time_fit), "memory": _fit_cell(c.memory_fit), "off": c.off,
+            "time": c.time_fit.format() if c.time_fit else "–",
+            "memory": c.memory_fit.format() if c.memory_fit else "–", "off": c.off,
             "points": (f"{c.time_fit.points} points, n {c.time_fit.n_min}–{c.time_fit.n_max}"
                        if c.time_fit else f"fewer than 2 points with n ≥ {analysis.FIT_MIN_N}")}
     return list(rows.values())
@@ -163,16 +137,15 @@ def _point_tables(curve_list):
             for n in sorted({int(n) for c in group for n in c.n}):
                 cells = []
                 for c in group:
-                    i = np.flatnonzero(c.n == n)
-                    cells.append(None if not len(i) else {
-                        "median": format_seconds(c.median_s[i[0]]),
-                        "range": (f"{format_seconds(c.min_s[i[0]])}–"
-                                  f"{format_seconds(c.max_s[i[0]])}"),
-                        "repeats": int(c.repeats[i[0]]), "gflops": format_number(c.gflops[i[0]]),
-                        "roof_pct": format_percent(c.roof_fraction[i[0]]),
+                    i = (np.flatnonzero(c.n == n).tolist() or [None])[0]
+                    cells.append(None if i is None else {
+                        "median": format_seconds(c.median_s[i]),
+                        "range": f"{format_seconds(c.min_s[i])}–{format_seconds(c.max_s[i])}",
+                        "repeats": int(c.repeats[i]), "gflops": format_number(c.gflops[i]),
+                        "roof_pct": format_percent(c.roof_fraction[i]),
                         "check_failed": n in c.check_failed,
-                        "memory": format_bytes(c.peak_bytes[i[0]]),
-                        "err": format_number(c.max_abs_err[i[0]], 2)})
+                        "memory": format_bytes(c.peak_bytes[i]),
+                        "err": format_number(c.max_abs_err[i], 2)})
                 rows.append({"n": n, "cells": cells})
             if group:
                 tables.append({"title": f"{attention} attention, {mask_name(causal)}",
@@ -281,7 +254,7 @@ def _summary(section, quality):
                    f"{section['statistic']}): " + "; ".join(parts) + ".")
     rows = section["crossovers"] if section else []
     headline = [r for r in rows if r.kind == "fastattn"] or \
-        [r for r in rows if r.kind == "backend" and "(peer)" not in r.label]
+        [r for r in rows if r.kind == "backend" and not r.peer]
     for causal in (False, True):
         mine = [r for r in headline if r.causal == causal]
         if mine:
@@ -329,8 +302,7 @@ def _quality_section(quality):
 
 def _template():
     env = jinja2.Environment(
-        loader=jinja2.FunctionLoader(
-            lambda name: (resources.files(__package__) / "templates" / name).read_text("utf-8")),
+        loader=jinja2.PackageLoader(__package__, "templates"),
         autoescape=jinja2.select_autoescape(default=True, default_for_string=True),
         undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
     env.filters.update(num=format_number, mask=mask_name)
@@ -339,44 +311,16 @@ def _template():
 
 def build_report(records, *, source="", quality=None, history=None, history_benchmark=None,
                  generated=None):
-    """Build the HTML report from results records.
-
-    Parameters
-    ----------
-    records : list of dict
-        Records of the results format (:mod:`fastattn.bench.results`):
-        environment, roof and point records.  Records carrying ``"machine"``
-        (asv results) are grouped per machine; otherwise one machine.
-    source : str
-        Where the records came from (shown in the report).
-    quality : QualityResults, optional
-        From :func:`fastattn.report.quality.compute_quality`; no quality
-        section when None.
-    history : list of dict, optional
-        asv history rows (``load_asv_history``); adds a history section.
-    history_benchmark : str, optional
-        The benchmark the history is of (its title).
-    generated : datetime, optional
-        Timestamp printed in the report (default now, UTC).
-
-    Returns
-    -------
-    Report
-
-    Raises
-    ------
-    ValueError
-        If ``records`` holds no environment, roof or point record at all.
-    """
+    """The :class:`Report` of results ``records`` (grouped by ``machine``), from ``source``;
+    ``quality`` (:func:`~.quality.compute_quality`) and ``history`` (``load_asv_history``
+    rows of ``history_benchmark``) add sections.  ValueError for records of no known type."""
     environments, roofs, points = analysis.split_records(records)
     if not (environments or roofs or points):
         raise ValueError(f"{source or 'the records'} hold no fastattn environment, roof or "
                          "point record")
     all_curves = analysis.curves(points, roofs)
     names = list(dict.fromkeys(item.get("machine") for item in environments + points)) or [None]
-    env_of = {}
-    for env in environments:  # the last environment record of each machine: the latest run
-        env_of[env.get("machine")] = env
+    env_of = {env.get("machine"): env for env in environments}  # the last: the latest run
     sections, pngs = zip(*(_machine_section(name, env_of.get(name), roofs, points,
                                             [c for c in all_curves if c.machine == name])
                            for name in names))

@@ -1,13 +1,5 @@
-"""``fastattn report``: measure the scaling sweep, then write one self-contained HTML report.
-
-By default it runs the bench sweep (:func:`fastattn.bench.sweep.run_sweep`)
-over every available backend and peer, both attention types, causal and not,
-writing each point to ``reports/fastattn-<timestamp>.jsonl`` as it finishes,
-then renders ``reports/fastattn-<timestamp>.html`` from that file and prints
-its path.  ``--from`` rebuilds a report from a results file without
-measuring, ``--resume`` continues an interrupted run, ``--asv`` reads an asv
-results directory instead.
-"""
+"""``fastattn report``: run the sweep into ``reports/fastattn-<time>.jsonl``, then write the
+HTML report beside it; ``--from`` only builds, ``--resume`` continues, ``--asv`` reads asv."""
 
 import datetime as _dt
 import importlib
@@ -22,13 +14,11 @@ from ..bench.results import ResultsFileError
 from ..bench.sweep import DEFAULT_NS
 
 DEFAULT_REPEATS = 5
-#: Seconds of timed repeats a point may take: slower calls (the reference at
-#: n = 8192) get fewer repeats, never fewer than 3, so the run stays in budget.
+#: Seconds of timed repeats a point may take (slower calls get fewer, never under 3).
 MAX_POINT_S = 3.0
 #: A point still running after this long is recorded as an error.
 POINT_TIMEOUT_S = 300.0
-#: ``--quick``: a tiny grid for tests and CI (still reaches n >= 1024 twice,
-#: so every exponent has a two-point fit).
+#: ``--quick``: a tiny grid for tests and CI (two points at n >= 1024 for every fit).
 QUICK_NS = (128, 512, 1024, 2048)
 QUICK_REPEATS = 2
 QUICK_MAX_POINT_S = 0.5
@@ -44,15 +34,10 @@ def add_parser(subparsers):
     parser = subparsers.add_parser(
         "report",
         help="measure time and memory against n, then write one self-contained HTML report",
-        description=(
-            "Measure softmax and linear attention (every available backend and peer, causal "
-            "and not, d=64, float32) for n from 128 to 8192, writing each point to a JSON "
-            "lines results file as it finishes, then write one self-contained HTML report "
-            "(scaling plots with fitted exponents, crossover, GFLOP/s against the GEMM roof, "
-            "output quality on Gaussian and real MiniLM inputs, environment) and print its "
-            "path."
-        ),
-    )
+        description="Measure softmax and linear attention (every backend and peer, causal and "
+                    "not, d=64, float32, n 128 to 8192) into a JSON-lines results file, then "
+                    "write one self-contained HTML report (scaling, fits, crossover, roof, "
+                    "quality, environment) and print its path.")
     add = parser.add_argument
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--from", dest="from_", metavar="RESULTS", type=Path,
@@ -95,7 +80,7 @@ def _timestamp():
 
 def _check_output(out, protected=()):
     """Refuse to write over anything that is not an earlier fastattn report, before any work."""
-    from ..bench.results import check_writable
+    from ..bench.results import check_replaceable
     from .build import REPORT_MARKER
 
     out = Path(out)
@@ -103,14 +88,9 @@ def _check_output(out, protected=()):
         if path is not None and out.resolve() == Path(path).resolve():
             raise ReportError(f"--out {out} is the results file; choose another path for the report")
     try:
-        check_writable(out, "report")
+        check_replaceable(out, "report", REPORT_MARKER)
     except ResultsFileError as exc:
         raise ReportError(str(exc)) from None
-    if out.exists():
-        with open(out, "rb") as handle:
-            head = handle.read(4096).decode("utf-8", errors="replace")
-        if REPORT_MARKER not in head:
-            raise ReportError(f"{out} exists and is not a fastattn report; refusing to overwrite it")
 
 
 def _read_results(path):
@@ -128,10 +108,8 @@ def _read_results(path):
 
 
 def sweep_points(ns, quick=False):
-    """The report's grid: every backend and peer, softmax and linear, causal and not, d = 64.
-
-    ``ns`` None gives :data:`~fastattn.bench.sweep.DEFAULT_NS` (:data:`QUICK_NS` with ``quick``).
-    """
+    """The report's grid: every backend and peer, softmax and linear, causal and not, d = 64,
+    at ``ns`` (default :data:`~fastattn.bench.sweep.DEFAULT_NS`, :data:`QUICK_NS` if ``quick``)."""
     from ..bench import sweep
 
     return sweep.default_grid(ns=tuple(ns) if ns else (QUICK_NS if quick else DEFAULT_NS))
