@@ -132,6 +132,7 @@ def _run(args):
         print(f"{name} is not installed, so it is not compared; add it with: {hint}")
     options = Options(repeats=args.repeats, memory=not args.no_memory, check=not args.no_check)
     records = run_sweep(points, out, options, threads=args.threads, resume=not args.fresh,
+                        threads_reason="as asked (--threads)" if args.threads else None,
                         progress=None if args.no_progress else "fastattn bench")
     print()
     print(format_tables(records, baseline=baseline, backend_order=backends))

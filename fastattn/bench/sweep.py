@@ -270,10 +270,10 @@ class _Worker:
 
 
 
-def _write_header(writer, worker, todo, threads, options, run_id):
+def _write_header(writer, worker, todo, threads, why, options, run_id):
     """The run's environment and roof records; returns the GEMM roof records."""
-    writer.write("environment", run_id=run_id, **worker.request("environment",
-                                                                {"threads": threads}))
+    writer.write("environment", run_id=run_id, threads_reason=why,
+                 **worker.request("environment", {"threads": threads}))
     if not options.roof:
         return []
     shapes = sorted({(p.n, p.d_k) for p in todo})
@@ -298,13 +298,13 @@ def _measure(point, worker, options, roofs):
     return outcome
 
 
-def run_sweep(points, results_path, options=Options(), *, threads=None, resume=True,
-              isolate=True, progress="fastattn bench", announce=None):
+def run_sweep(points, results_path, options=Options(), *, threads=None, threads_reason=None,
+              resume=True, isolate=True, progress="fastattn bench", announce=None):
     """Measure ``points``, appending a record per point to ``results_path`` as each finishes;
     return their records in order, measured now or found in the file.
 
-    ``threads`` (default: usable cores) holds for every backend, BLAS and peer, recorded
-    in every record.  ``resume`` skips the points in
+    ``threads`` (default: usable cores) holds for every backend, BLAS and peer, and
+    ``threads_reason`` says why in the environment record.  ``resume`` skips the points in
     the file (ok or skipped, same threads); False starts it afresh.  ``announce(to_measure,
     done)`` is called once the file is read.  Raises ResultsFileError for a foreign or
     read-only file (left unchanged); on KeyboardInterrupt finished points are in the file.
@@ -313,6 +313,8 @@ def run_sweep(points, results_path, options=Options(), *, threads=None, resume=T
     for point in points:
         if not isinstance(point, Point):
             raise TypeError(f"points must be Point instances, got {type(point).__name__}")
+    why = threads_reason or (f"every usable core ({default_num_threads()})" if threads is None
+                             else "as given")
     threads = check_count("threads", default_num_threads() if threads is None else threads)
     writer = ResultsWriter(results_path, resume=resume)  # refuses a foreign file first
     found = {point_key(r): r for r in writer.existing
@@ -328,7 +330,7 @@ def run_sweep(points, results_path, options=Options(), *, threads=None, resume=T
     bar = tqdm(total=len(todo), unit="point", desc=progress, dynamic_ncols=True,
                disable=not progress or not todo)
     try:
-        roofs = _write_header(writer, worker, todo, threads, options, run_id) if todo else []
+        roofs = _write_header(writer, worker, todo, threads, why, options, run_id) if todo else []
         for point in todo:
             bar.set_postfix_str(point.label(), refresh=False)
             started = time.time()

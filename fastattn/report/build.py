@@ -35,7 +35,8 @@ class Report:
 _ENV_FIELDS = (
     ("CPU", "cpu_model"), ("CPU features", "cpu_flags"), ("Cores (logical)", "cores_logical"),
     ("Cores usable by this process", "cores_usable"), ("Threads used", "threads"),
-    ("Thread counts in force", "thread_counts"), ("Thread variables set", "thread_env"),
+    ("Why this thread count", "threads_reason"), ("Thread counts in force", "thread_counts"),
+    ("Thread variables set", "thread_env"),
     ("BLAS", "blas"), ("NumPy's BLAS (build)", "numpy_config_blas"),
     ("Memory", "memory_total_bytes"), ("Operating system", "platform"),
     ("Host", "hostname"), ("Python", "python"), ("NumPy", "versions.numpy"),
@@ -207,7 +208,8 @@ def _machine_section(name, env, roofs, points, curve_list):
                                             else "") + ")")
     section = {
         "name": name or "this machine", "env_rows": env_rows, "env_rest": env_rest,
-        "threads": threads, "dtypes": dtypes, "repeats": _joined(
+        "threads": threads, "threads_reason": env.get("threads_reason"),
+        "dtypes": dtypes, "repeats": _joined(
             int(r) for c in curve_list for r in c.repeats if r),
         "statistic": _statistic_text(curve_list),
         "memory_methods": _joined(m for c in curve_list for m in c.memory_method),
@@ -265,6 +267,9 @@ def _summary(section, quality):
         out.append(f"The machine was busy while measuring (1-minute load average "
                    f"{section['load']} on {section['cores']} cores): times are inflated and "
                    "noisy; compare the kernels side by side rather than with other runs.")
+    if section and section["threads_reason"]:
+        out.append(f"Measured on {section['threads']} thread(s): "
+                   f"{section['threads_reason']}.")
     out += section["fastest"] if section else []
     if quality is not None and quality.gaussian and quality.minilm:
         g = [r.cosine_similarity for r in quality.gaussian]

@@ -149,22 +149,26 @@ def _measure(args, results):
               file=sys.stderr)
         print(f"  interrupted? continue with: {resume}", file=sys.stderr)
 
-    threads = args.threads
+    threads, why = args.threads, "as asked (--threads)"
     if threads is None and args.resume is not None:  # finish the grid on its own threads
         threads = next((r["threads"] for r in _read_results(results)
                         if r["record"] == "point"), None)
-    if threads is None and sweep.idle_cores() < default_num_threads():
-        threads = sweep.idle_cores()
-        print(f"fastattn report: other work keeps {default_num_threads() - threads} of "
-              f"{default_num_threads()} cores busy: measuring on {threads} thread(s), so no "
-              "kernel waits for a thread the scheduler put aside (--threads N to choose)",
-              file=sys.stderr)
+        why = "the thread count of the resumed results file"
+    if threads is None:
+        threads, cores = sweep.idle_cores(), default_num_threads()
+        why = f"every usable core ({cores})" if threads >= cores else (
+            f"other work kept {cores - threads} of {cores} cores busy when the run started, so "
+            f"it measured on the {threads} idle one(s): no kernel waits for a thread the "
+            "scheduler put aside (--threads N to choose)")
+        if threads < cores:
+            print(f"fastattn report: {why}", file=sys.stderr)
     options = sweep.Options(repeats=repeats, memory=not args.quick,
                             max_point_s=QUICK_MAX_POINT_S if args.quick else MAX_POINT_S,
                             point_timeout_s=POINT_TIMEOUT_S)
     try:
         sweep.run_sweep(sweep_points(args.n, args.quick), results, options,
-                        threads=threads, progress="fastattn report", announce=announce)
+                        threads=threads, threads_reason=why, progress="fastattn report",
+                        announce=announce)
     except ResultsFileError as exc:
         raise ReportError(f"refusing {results}: {exc}") from None
     except KeyboardInterrupt:
