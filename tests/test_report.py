@@ -339,13 +339,15 @@ def test_cli_quick_end_to_end(tmp_path, monkeypatch, capsys):
     records = read_records(html_path.with_suffix(".jsonl"))
     kinds = {r["record"] for r in records}
     assert kinds == {"environment", "roof", "point"}
-    points = [r for r in records if r["record"] == "point"]
+    points = [r for r in records if r["record"] == "point" and r["regime"] == "prefill"]
     assert {p["n_q"] for p in points} == set(QUICK_NS)
     assert {(p["attention"], p["causal"]) for p in points} == {
         (a, c) for a in ("softmax", "linear") for c in (False, True)}
+    decode = [r for r in records if r["record"] == "point" and r["regime"] == "decode"]
+    assert {p["n_k"] for p in decode} == set(QUICK_NS) and {p["n_q"] for p in decode} == {1}
     assert all(p["status"] == "ok" for p in points if p["backend"] == "reference")
     html = html_path.read_text()
-    for needle in SECTIONS:
+    for needle in SECTIONS + ('id="generation"', "End to end"):
         assert needle in html
     assert html_path.with_name(html_path.stem + "-scaling.png").is_file()
     # Resuming the finished run measures nothing new and rebuilds the report.

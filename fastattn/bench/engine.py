@@ -14,8 +14,9 @@ import traceback
 
 import numpy as np
 
-from .. import _api, reference
+from .. import _api, feature_maps, reference
 from ..compare import gaussian_qkv
+from ..feature_maps import FavorFeatures
 from . import peers
 from .flops import attention_flops
 
@@ -56,19 +57,59 @@ def make_inputs(spec, seed=DEFAULT_SEED):
 
 def make_call(spec, q, k, v):
     """The no-argument call of point ``spec``: the public function (as a user calls it), or
-    the peer's builder ``peers.<backend>_<attention>_call``."""
+    the peer's builder ``peers.<backend>_<attention>[_decode]_call``.  A linear decode point
+    is one step, ``initial_state`` the state of the first n - 1 keys (built once, untimed)."""
     attention, backend, causal = spec["attention"], spec["backend"], spec["causal"]
-    feature_map = spec.get("feature_map") or "elu"
+    feature_map, decode = _feature_map(spec), spec.get("regime") == "decode"
     scale = reference.default_scale(q.shape[-1])
     if backend in peers.PEERS:
-        build = getattr(peers, f"{backend}_{attention}_call")
-        option = scale if attention == "softmax" else feature_map
+        build = getattr(peers, f"{backend}_{attention}{'_decode' if decode else ''}_call")
+        option = scale if attention == "softmax" else spec.get("feature_map") or "elu"
         return build(q, k, v, causal, option, heads=spec.get("heads", 1))
     if attention == "softmax":
         return lambda: _api.softmax_attention(q, k, v, causal=causal, scale=scale,
                                               backend=backend)
+    if decode:  # the state of the first n - 1 keys (built once), then one step
+        k1, v1 = k[..., -1:, :].copy(), v[..., -1:, :].copy()
+        _, state = _api.linear_attention(k1, k[..., :-1, :], v[..., :-1, :], return_state=True,
+                                         feature_map=feature_map, backend="reference")
+        return lambda: _api.linear_attention(q, k1, v1, causal=True, feature_map=feature_map,
+                                             initial_state=state, return_state=True,
+                                             backend=backend)[0]
     return lambda: _api.linear_attention(q, k, v, causal=causal, feature_map=feature_map,
                                          backend=backend)
+
+
+def _feature_map(spec):
+    """The ``feature_map=`` of a linear point: FAVOR+ with ``num_features`` as an object."""
+    name = spec.get("feature_map") or "elu"
+    if name == "favor" and spec.get("num_features"):
+        return FavorFeatures(spec["d_k"], num_features=spec["num_features"])
+    return name
+
+
+def feature_dim(spec):
+    """``D``, the features of a linear point's map (``d_k`` for elu and relu)."""
+    return feature_maps.resolve(_feature_map(spec), spec["d_k"]).num_features(spec["d_k"])
+
+
+def held_bytes(spec):
+    """Bytes per head a decode step keeps between tokens: the KV cache, ``(d_k + d_v) n``
+    values (softmax), or the state ``S, z``, ``D d_v + D`` values (linear, ``D`` features)."""
+    item = np.dtype(spec["dtype"]).itemsize
+    if spec["attention"] == "softmax":
+        return (spec["d_k"] + spec["d_v"]) * spec["n_k"] * item
+    return (feature_dim(spec) * (spec["d_v"] + 1)) * item
+
+
+def point_flops(spec):
+    """Flops of a point's call (:func:`~.flops.attention_flops`): linear with its ``D``
+    features, a linear decode step over one key."""
+    linear = spec["attention"] == "linear"
+    n_k = 1 if linear and spec.get("regime") == "decode" else spec["n_k"]
+    return attention_flops(spec["attention"], spec["n_q"], n_k,
+                           feature_dim(spec) if linear else spec["d_k"], spec["d_v"],
+                           spec["causal"], spec["batch"], spec["heads"])
 
 
 def time_call(call, repeats, estimate_s, min_time_s=None, max_repeats=None):
@@ -231,6 +272,9 @@ def why_skip(spec):
     if backend in peers.PEERS:
         if backend not in peers.available_peers():
             return f"{backend} is not installed; add it with: {peers.INSTALL_HINT[backend]}"
+        if not peers.supports(backend, spec["attention"], spec.get("regime") or "prefill",
+                              spec.get("feature_map")):
+            return f"{backend} has no {spec['attention']} {spec.get('regime')} call for this"
     elif backend not in _api.available_backends():
         reason = _api.unavailable_backends().get(backend, "unknown")
         return f"backend {backend!r} is not available here ({reason})"
@@ -284,7 +328,7 @@ def check_accuracy(spec, out, references, seed=DEFAULT_SEED, max_bytes=None):
     if not np.all(np.isfinite(out)):
         err = math.inf
     tol = CHECK_TOL[spec["dtype"]] * max(1.0, float(np.max(np.abs(ref))) if ref.size else 1.0)
-    return {"max_abs_err": err, "check_n": small["n_q"], "check_tol": tol,
+    return {"max_abs_err": err, "check_n": small["n_k"], "check_tol": tol,
             "check_ok": bool(err <= tol)}
 
 
@@ -321,10 +365,11 @@ def measure_point(spec, repeats=5, memory=True, check=True, seed=DEFAULT_SEED,
         if max_point_s is not None and estimate > 0:
             n_repeats = max(min(3, repeats), min(repeats, int(max_point_s / estimate)))
         fields.update(time_call(call, n_repeats, estimate, min_time_s))
-        flops = attention_flops(spec["attention"], spec["n_q"], spec["n_k"], spec["d_k"],
-                                spec["d_v"], spec["causal"], spec["batch"], spec["heads"])
+        flops = point_flops(spec)
         fields.update(flops=flops, gflops=flops / fields["median_s"] / 1e9
                       if fields["median_s"] > 0 else None)
+        if spec.get("regime") == "decode":
+            fields["held_bytes"] = held_bytes(spec)
         if check:
             from threadpoolctl import threadpool_limits
 

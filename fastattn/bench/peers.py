@@ -1,19 +1,33 @@
-"""Peers (PyTorch on CPU, when importable) on the same inputs, checked like any backend.
+"""Peers on the same inputs, checked like any backend: PyTorch on CPU when importable, and
+the plain NumPy recurrent step of linear attention (decode).
 
-A peer ``NAME`` provides ``NAME_<attention>_call(q, k, v, causal, option, heads=1)``
-(``option``: the scale, or the feature map), found by :func:`~.engine.make_call`."""
+A peer ``NAME`` provides ``NAME_<attention>_call(q, k, v, causal, option, heads=1)`` for
+prefill and ``NAME_<attention>_decode_call`` for decode (``option``: the scale, or the
+feature map), found by :func:`~.engine.make_call`; :func:`supports` says which it has."""
 
 
 import importlib.util
 import sys
 
+import numpy as np
+
 #: Peer names known to the sweep.
-PEERS = ("torch",)
+PEERS = ("torch", "numpy")
 
 #: How to add a missing peer, shown by ``fastattn bench`` and the report.
 INSTALL_HINT = {
     "torch": 'pip install "fastattn[torch]"  (or: pip install torch)',
+    "numpy": "pip install numpy",
 }
+#: Feature maps the peers' linear attention implements.
+PEER_FEATURE_MAPS = (None, "elu", "relu")
+
+
+def supports(name, attention, regime="prefill", feature_map=None):
+    """True if peer ``name`` has a builder for this call (and implements ``feature_map``)."""
+    suffix = "_decode" if regime == "decode" else ""
+    return (f"{name}_{attention}{suffix}_call" in globals()
+            and feature_map in PEER_FEATURE_MAPS)
 
 
 #: Thread count the peers get when first imported (set by :func:`set_peer_threads`).
@@ -126,6 +140,40 @@ def torch_linear_call(q, k, v, causal, feature_map="elu", eps=1e-6, heads=1):
             return (numerator / denominator).numpy().reshape(out_shape)
 
     return cumsum_form if causal else product_form
+
+
+def torch_softmax_decode_call(q, k, v, causal, scale, heads=1):
+    """SDPA for one query ``(B, 1, d_k)`` against ``n`` keys: fastattn's bottom-right causal
+    mask lets the newest token see every key, which is SDPA without a mask."""
+    return torch_softmax_call(q, k, v, False, scale, heads)
+
+
+def _numpy_phi(feature_map):
+    if feature_map not in ("elu", "relu"):
+        raise ValueError(f"feature_map must be 'elu' or 'relu', got {feature_map!r}")
+    return (lambda x: np.where(x > 0, x + 1, np.exp(np.minimum(x, 0)))) \
+        if feature_map == "elu" else (lambda x: np.maximum(x, 0))
+
+
+def numpy_linear_decode_call(q, k, v, causal, feature_map="elu", eps=1e-6, heads=1):
+    """The plain NumPy recurrent step of linear attention, returning ``(B, 1, d_v)``.
+
+    The state ``S = φ(k)ᵀ v``, ``z = Σ φ(k)`` of the first ``n - 1`` keys is built once;
+    each call adds the newest key, ``S += φ(k)ᵀ v; z += φ(k)``, and returns
+    ``φ(q) S / (φ(q) · z + eps)`` (in place: each call advances the state one token).
+    """
+    phi = _numpy_phi(feature_map)
+    k0, v0, k1, v1 = k[..., :-1, :], v[..., :-1, :], k[..., -1:, :], v[..., -1:, :]
+    pk0 = phi(k0)
+    S, z = np.swapaxes(pk0, -1, -2) @ v0, pk0.sum(axis=-2)
+
+    def step():
+        pk, pq = phi(k1), phi(q)
+        S[...] += np.swapaxes(pk, -1, -2) @ v1
+        z[...] += pk[..., 0, :]
+        return (pq @ S) / ((pq * z[..., None, :]).sum(axis=-1, keepdims=True) + eps)
+
+    return step
 
 
 def peer_extra_bytes(name, attention, causal, batch, n, d_k, d_v, itemsize):

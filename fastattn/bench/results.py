@@ -37,6 +37,7 @@ FIELD_TYPES = {
     "gflops": _NUMBER, "roof_gflops": _NUMBER, "roof_fraction": _NUMBER,
     "peak_bytes": _NUMBER, "peak_bytes_tracemalloc": _NUMBER, "max_abs_err": _NUMBER, "check_tol": _NUMBER,
     "load_avg_1m": _NUMBER, "gelem_s": _NUMBER, "started": _NUMBER, "warmup_s": _NUMBER,
+    "held_bytes": _NUMBER,
     "times_s": "a list of numbers", "shape": "a list of positive ints",
 }
 REQUIRED = {

@@ -18,13 +18,20 @@ from .results import ResultsWriter, point_key
 
 ATTENTIONS = ("softmax", "linear")
 DTYPES = ("float32", "float64")
-#: Regimes a point can measure: "prefill" is a whole sequence at once (n_q = n_k = n).
-REGIMES = ("prefill",)
-#: Feature maps of linear attention a point can carry (the first is the default).
-FEATURE_MAPS = ("elu", "relu")
+#: Regimes a point can measure: "prefill", a whole sequence at once (n_q = n_k = n);
+#: "decode", one generated token: one query against a context of n keys, causal.
+REGIMES = ("prefill", "decode")
+#: Feature maps of linear attention a point can carry (the first is the default);
+#: "favor" takes ``num_features`` (m; default :class:`fastattn.FavorFeatures`').
+FEATURE_MAPS = ("elu", "relu", "favor", "taylor")
 
 #: n of the default grid: 128 to 8192 (the report's scaling range).
 DEFAULT_NS = (128, 256, 512, 1024, 2048, 4096, 8192)
+#: Context lengths of the decode grid: 128 to 65536.
+DECODE_NS = (128, 512, 2048, 8192, 32768, 65536)
+#: n of the feature-map grid, and its FAVOR+ feature counts as multiples of d_k.
+FEATURE_MAP_NS = (4096, 16384)
+FAVOR_MULTIPLES = (1, 4, 16, 64)
 
 
 def check_count(name, value):
@@ -38,8 +45,9 @@ def check_count(name, value):
 class Point:
     """One measurement: an attention call of one shape on one backend.
 
-    ``regime`` ``"prefill"``: ``n_q = n_k = n``.  ``feature_map`` (linear only, default
-    ``"elu"``) and ``num_features`` (of a map that has one) are None for softmax.
+    ``regime`` ``"prefill"``: ``n_q = n_k = n``; ``"decode"`` (causal): ``n_q = 1``,
+    ``n_k = n``.  ``feature_map`` (linear only, default ``"elu"``) and ``num_features``
+    (FAVOR+'s m) are None for softmax.
     """
 
     attention: str
@@ -72,6 +80,14 @@ class Point:
             if fmap not in FEATURE_MAPS:
                 raise ValueError(f"feature_map must be one of {FEATURE_MAPS}, got {fmap!r}")
             object.__setattr__(self, "feature_map", fmap)
+        if self.regime == "decode" and not self.causal:
+            raise ValueError("a decode point is causal (its query is the newest token): "
+                             "use causal=True")
+        if self.num_features is not None:
+            if self.feature_map != "favor":
+                raise ValueError("num_features applies to feature_map='favor' only, got "
+                                 f"feature_map={self.feature_map!r}")
+            check_count("num_features", self.num_features)
 
     peer = property(lambda self: self.backend in peers.PEERS, doc="True for a peer (torch).")
 
@@ -79,7 +95,7 @@ class Point:
         """The call's fields (what :mod:`fastattn.bench.engine` measures)."""
         fields = asdict(self)
         n = fields.pop("n")
-        return {**fields, "n_q": n, "n_k": n}
+        return {**fields, "n_q": 1 if self.regime == "decode" else n, "n_k": n}
 
     def record_fields(self, threads):
         """The identifying fields of this point's record (:data:`~.results.POINT_KEYS` and ``peer``)."""
@@ -87,9 +103,12 @@ class Point:
 
     def label(self):
         """Short text naming the point, e.g. ``softmax causal n=1024 d=64 float32 numba``."""
-        mask = "causal" if self.causal else "non-causal"
+        mask = ("causal" if self.causal else "non-causal") + (" decode" if self.regime ==
+                                                              "decode" else "")
         d = f"d={self.d_k}" if self.d_k == self.d_v else f"d_k={self.d_k} d_v={self.d_v}"
-        return f"{self.attention} {mask} n={self.n} {d} {self.dtype} {self.backend}"
+        fmap = "" if self.attention == "softmax" or self.feature_map == "elu" else \
+            f" {self.feature_map}" + (f" m={self.num_features}" if self.num_features else "")
+        return f"{self.attention}{fmap} {mask} n={self.n} {d} {self.dtype} {self.backend}"
 
 
 @dataclass(frozen=True)
@@ -133,16 +152,31 @@ def known_backends():
 
 
 def default_grid(attentions=ATTENTIONS, backends=None, ns=DEFAULT_NS, causal=(False, True),
-                 d_k=64, d_v=64, batch=1, heads=1, dtype="float32", feature_map=None):
+                 d_k=64, d_v=64, batch=1, heads=1, dtype="float32", feature_map=None,
+                 regime="prefill", num_features=None):
     """Every combination as Points, ordered by attention, causal, dtype, n, then backend
-    (default :func:`default_backends`), so the backends of one shape are measured one
-    after another, under the same load."""
+    (default :func:`default_backends`; a peer only where it has the call,
+    :func:`~fastattn.bench.peers.supports`), so the backends of one shape are measured one
+    after another, under the same load.  A decode grid is causal only."""
     backends = default_backends() if backends is None else list(backends)
     dtypes = [dtype] if isinstance(dtype, str) else list(dtype)
+    causal = (True,) if regime == "decode" else causal
     return [Point(attention, backend, bool(c), int(n), int(d_k), int(d_v), int(batch),
-                  int(heads), dt, feature_map if attention == "linear" else None)
+                  int(heads), dt, fmap, regime, num_features if fmap == "favor" else None)
             for attention in attentions for c in causal for dt in dtypes for n in ns
-            for backend in backends]
+            for backend in backends
+            for fmap in [feature_map if attention == "linear" else None]
+            if backend not in peers.PEERS or peers.supports(backend, attention, regime, fmap)]
+
+
+def feature_map_grid(backends, ns=FEATURE_MAP_NS, d_k=64, **kwargs):
+    """Non-causal linear points of every feature map: elu, relu, FAVOR+ at
+    ``m = FAVOR_MULTIPLES x d_k`` and taylor, at each n of ``ns``."""
+    maps = [("elu", None), ("relu", None)] + [("favor", f * d_k) for f in FAVOR_MULTIPLES] \
+        + [("taylor", None)]
+    return [p for fmap, m in maps for p in default_grid(
+        ("linear",), backends, ns, (False,), d_k=d_k, d_v=d_k, feature_map=fmap,
+        num_features=m, **kwargs)]
 
 
 # ---------------------------------------------------------------- the worker
@@ -348,4 +382,4 @@ def run_sweep(points, results_path, options=Options(), *, threads=None, threads_
 
 
 __all__ = ["Options", "Point", "check_count", "default_backends", "default_grid",
-           "known_backends", "run_sweep"]
+           "feature_map_grid", "known_backends", "run_sweep"]

@@ -12,7 +12,7 @@ CSV_COLUMNS = (
     "d_k", "d_v", "feature_map", "threads", "status", "reason", "median_s", "min_s",
     "max_s", "repeats", "number", "flops", "gflops", "roof_gflops", "roof_fraction",
     "peak_bytes", "memory_method", "peak_bytes_tracemalloc", "max_abs_err", "check_n",
-    "check_ok", "run_id",
+    "check_ok", "run_id", "regime", "num_features", "held_bytes",
 )
 #: Schema tag of the JSON summary ``fastattn bench`` writes beside its results.
 SUMMARY_SCHEMA = "fastattn.bench-summary/1"
@@ -70,8 +70,10 @@ def config_title(record):
     dims = (f"d={record['d_k']}" if record["d_k"] == record["d_v"]
             else f"d_k={record['d_k']} d_v={record['d_v']}")
     fmap = f", feature map {record['feature_map']}" if record.get("feature_map") else ""
+    fmap += f" (m = {record['num_features']})" if record.get("num_features") else ""
+    regime = ", decode: one token after n keys" if record.get("regime") == "decode" else ""
     threads = record["threads"]
-    return (f"{record['attention']} attention, {mask_name(record['causal'])}, "
+    return (f"{record['attention']} attention{regime}, {mask_name(record['causal'])}, "
             f"{record['dtype']}, {dims}, batch {record['batch']} x heads {record['heads']}"
             f"{fmap}, {threads} thread{'s' if threads != 1 else ''}")
 
@@ -85,11 +87,11 @@ def summarise(records, baseline=None, backend_order=()):
         groups.setdefault(tuple(record.get(k) for k in CONFIG_KEYS), []).append(record)
     for group in groups.values():
         order = list(backend_order) + [r["backend"] for r in group]
-        group = sorted(group, key=lambda r: (r["n_q"], order.index(r["backend"])))
-        base = {r["n_q"]: r.get("median_s") for r in group
+        group = sorted(group, key=lambda r: (r["n_k"], order.index(r["backend"])))
+        base = {r["n_k"]: r.get("median_s") for r in group
                 if r["backend"] == baseline and r.get("status") == "ok"}
-        rows = [{"n": r["n_q"], "vs_baseline": base[r["n_q"]] / r["median_s"]
-                 if base.get(r["n_q"]) and r.get("median_s") else None,
+        rows = [{"n": r["n_k"], "vs_baseline": base[r["n_k"]] / r["median_s"]
+                 if base.get(r["n_k"]) and r.get("median_s") else None,
                  **{k: r.get(k) for k in ("backend", "status", "reason", "median_s", "min_s",
                                           "max_s", "gflops", "roof_fraction", "peak_bytes",
                                           "max_abs_err", "check_n", "check_ok")}}
@@ -144,7 +146,7 @@ def check_target(path, kind):
     """Refuse (ResultsFileError) to replace a ``kind`` ("csv" or "summary") file this module
     did not write, or a read-only one."""
     if kind == "csv":
-        check_replaceable(path, "results CSV", ",".join(CSV_COLUMNS), empty_ok=True)
+        check_replaceable(path, "results CSV", ",".join(CSV_COLUMNS[:31]), empty_ok=True)
     else:
         check_replaceable(path, "bench summary", f'"schema": "{SUMMARY_SCHEMA}"')
 

@@ -10,7 +10,7 @@ from scipy import stats
 
 from ..bench.engine import gemm_probes, roof_for
 
-from ..bench.results import POINT_KEYS, point_key
+from ..bench.results import DEFAULT_REGIME, POINT_KEYS, point_key
 
 #: The keys that identify one curve: a point's identity without ``n_q``/``n_k``,
 #: plus the machine (set for asv results, absent for a sweep on this machine).
@@ -41,8 +41,9 @@ def split_records(records):
 #: dragged by load (as :mod:`timeit` advises); the median is shown beside it.
 FIT_STATISTIC = "min"
 
-#: The exponent each attention type should show on time.
+#: The exponent each attention type should show on time (prefill; a decode token: 1 and 0).
 EXPECTED_TIME_EXPONENT = {"softmax": 2, "linear": 1}
+EXPECTED_DECODE_EXPONENT = {"softmax": 1, "linear": 0}
 #: A fitted time exponent further than this from the expected one is flagged.
 EXPONENT_SLACK = 0.35
 
@@ -117,6 +118,8 @@ class Curve:
     check_failed: list = field(default_factory=list)
     time_fit: Fit = None
     memory_fit: Fit = None
+    held_bytes: np.ndarray = None
+    held_fit: Fit = None
 
     attention = property(lambda self: self.key["attention"])
     backend = property(lambda self: self.key["backend"])
@@ -126,7 +129,8 @@ class Curve:
     @property
     def off(self):
         """True when the time exponent is further than :data:`EXPONENT_SLACK` from the expected."""
-        expected = EXPECTED_TIME_EXPONENT.get(self.attention)
+        expected = (EXPECTED_DECODE_EXPONENT if self.key.get("regime") == "decode"
+                    else EXPECTED_TIME_EXPONENT).get(self.attention)
         return bool(self.time_fit and expected is not None
                     and abs(self.time_fit.slope - expected) > EXPONENT_SLACK)
 
@@ -136,7 +140,8 @@ def _column(points, name):
 
 
 def _label(key, peer, keys):
-    """Backend and attention, plus what tells the curve from the others of its type in ``keys``."""
+    """Backend and attention, plus what tells the curve from the others of its type in ``keys``
+    (``regime`` is left to the page's sections)."""
     same = [k for k in keys if k["attention"] == key["attention"]]
     varying = [name for name in ("dtype", "threads", "d_k", "d_v", "batch", "heads",
                                  "feature_map", "num_features", "regime")
@@ -153,7 +158,8 @@ def curves(points, roofs=()):
     groups = {}
     for p in points:
         if p.get("status") == "ok" and p.get("median_s") is not None:
-            groups.setdefault(tuple(p.get(k) for k in CURVE_KEYS), []).append(p)
+            groups.setdefault(tuple(p.get(k, DEFAULT_REGIME if k == "regime" else None)
+                                    for k in CURVE_KEYS), []).append(p)
     keys = [dict(zip(CURVE_KEYS, key)) for key in groups]
     result = []
     for key, pts in zip(keys, groups.values()):
@@ -166,8 +172,8 @@ def curves(points, roofs=()):
         min_s = _column(pts, "min_s")
         statistic = FIT_STATISTIC if np.isfinite(min_s).all() else "median"
         curve = Curve(
-            key=key, peer=peer, label=_label(key, peer, [k for k in keys
-                                                        if k["machine"] == key["machine"]]),
+            key=key, peer=peer, label=_label(key, peer, [  # beside its machine's, same regime
+                k for k in keys if (k["machine"], k["regime"]) == (key["machine"], key["regime"])]),
             n=np.array([p["n_k"] for p in pts], dtype=np.int64),
             median_s=_column(pts, "median_s"), min_s=min_s, max_s=_column(pts, "max_s"),
             fit_s=min_s if statistic == "min" else _column(pts, "median_s"),
@@ -180,6 +186,8 @@ def curves(points, roofs=()):
             check_failed=[p["n_k"] for p in pts if p.get("check_ok") is False])
         curve.time_fit = fit_exponent(curve.n, curve.fit_s)
         curve.memory_fit = fit_exponent(curve.n, curve.peak_bytes)
+        curve.held_bytes = _column(pts, "held_bytes")
+        curve.held_fit = fit_exponent(curve.n, curve.held_bytes)
         result.append(curve)
     result.sort(key=lambda c: (str(c.machine), c.attention != "softmax", c.causal, c.peer,
                                str(c.backend), str(c.key.get("dtype"))))
@@ -245,6 +253,17 @@ def _positive(n, t):
     use = np.isfinite(t) & (t > 0) & (n > 0)
     order = np.argsort(n[use])
     return n[use][order], t[use][order]
+
+
+def rows_by_n(curve_list, cell):
+    """A row ``{"n", "cells"}`` per n any curve measured: ``cell(curve, index)`` for each
+    curve, None where it has no point at that n."""
+    rows = []
+    for n in sorted({int(n) for c in curve_list for n in c.n}):
+        at = [(np.flatnonzero(c.n == n).tolist() or [None])[0] for c in curve_list]
+        rows.append({"n": n, "cells": [None if i is None else cell(c, i)
+                                       for c, i in zip(curve_list, at)]})
+    return rows
 
 
 def envelope(curve_list):

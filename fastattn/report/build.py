@@ -9,7 +9,7 @@ import numpy as np
 
 from .. import __version__
 from ..bench.table import format_bytes, format_number, format_percent, format_seconds, mask_name
-from . import analysis, figures
+from . import analysis, figures, generation
 
 #: Marker written into every report; an existing file at the output path is
 #: only replaced when it carries it.
@@ -134,20 +134,13 @@ def _point_tables(curve_list):
     for attention in ("softmax", "linear"):
         for causal in (False, True):
             group = [c for c in curve_list if c.attention == attention and c.causal == causal]
-            rows = []
-            for n in sorted({int(n) for c in group for n in c.n}):
-                cells = []
-                for c in group:
-                    i = (np.flatnonzero(c.n == n).tolist() or [None])[0]
-                    cells.append(None if i is None else {
-                        "median": format_seconds(c.median_s[i]),
-                        "range": f"{format_seconds(c.min_s[i])}–{format_seconds(c.max_s[i])}",
-                        "repeats": int(c.repeats[i]), "gflops": format_number(c.gflops[i]),
-                        "roof_pct": format_percent(c.roof_fraction[i]),
-                        "check_failed": n in c.check_failed,
-                        "memory": format_bytes(c.peak_bytes[i]),
-                        "err": format_number(c.max_abs_err[i], 2)})
-                rows.append({"n": n, "cells": cells})
+            rows = analysis.rows_by_n(group, lambda c, i: {
+                "median": format_seconds(c.median_s[i]),
+                "range": f"{format_seconds(c.min_s[i])}–{format_seconds(c.max_s[i])}",
+                "repeats": int(c.repeats[i]), "gflops": format_number(c.gflops[i]),
+                "roof_pct": format_percent(c.roof_fraction[i]),
+                "check_failed": int(c.n[i]) in c.check_failed,
+                "memory": format_bytes(c.peak_bytes[i]), "err": format_number(c.max_abs_err[i], 2)})
             if group:
                 tables.append({"title": f"{attention} attention, {mask_name(causal)}",
                                "columns": [c.label for c in group], "rows": rows})
@@ -187,8 +180,12 @@ def _joined(values):
     return ", ".join(str(v) for v in sorted({v for v in values if v is not None})) or None
 
 
-def _machine_section(name, env, roofs, points, curve_list):
+def _machine_section(name, env, roofs, points, every_curve):
+    """The page's block of one machine: the prefill scaling curves (at least three n; the
+    feature-map points at two n are for their own section) and the Generation block."""
     env = env or {}
+    prefill = [c for c in every_curve if c.key.get("regime") != "decode"]
+    curve_list = [c for c in prefill if len(c.n) >= 3]
     panels = [(mask_name(c), [x for x in curve_list if x.causal == c]) for c in (False, True)]
     panels = [p for p in panels if p[1]] or [("no measured points", [])]
     roof_lines = []
@@ -234,7 +231,9 @@ def _machine_section(name, env, roofs, points, curve_list):
         "check_failures": [f"{c.label} at n = {n}" for c in curve_list for n in c.check_failed],
         "unavailable": env.get("unavailable_backends") or {},
         "absent_peers": env.get("absent_peers") or {},
-        "curves": curve_list,
+        "curves": curve_list, "all_curves": every_curve,
+        "generation": generation.section(
+            [c for c in every_curve if c.key.get("regime") == "decode"], prefill),
     }
     readme_png = figures.scaling_figure(panels, "time", title=title)
     return section, readme_png
@@ -271,6 +270,7 @@ def _summary(section, quality):
         out.append(f"Measured on {section['threads']} thread(s): "
                    f"{section['threads_reason']}.")
     out += section["fastest"] if section else []
+    out += section["generation"]["summary"] if section and section["generation"] else []
     if quality is not None and quality.gaussian and quality.minilm:
         g = [r.cosine_similarity for r in quality.gaussian]
         m = [r.cosine_similarity for r in quality.minilm]

@@ -108,11 +108,19 @@ def _read_results(path):
 
 
 def sweep_points(ns, quick=False):
-    """The report's grid: every backend and peer, softmax and linear, causal and not, d = 64,
-    at ``ns`` (default :data:`~fastattn.bench.sweep.DEFAULT_NS`, :data:`QUICK_NS` if ``quick``)."""
+    """The report's grid, d = 64: every backend and peer, softmax and linear, causal and not,
+    at ``ns`` (default :data:`~fastattn.bench.sweep.DEFAULT_NS`, :data:`QUICK_NS` if
+    ``quick``); the decode regime at :data:`~fastattn.bench.sweep.DECODE_NS` (``ns`` or
+    QUICK_NS if given); and, on the default grid, the fast backends' linear attention with
+    every feature map (:func:`~fastattn.bench.sweep.feature_map_grid`)."""
     from ..bench import sweep
 
-    return sweep.default_grid(ns=tuple(ns) if ns else (QUICK_NS if quick else DEFAULT_NS))
+    prefill = tuple(ns) if ns else (QUICK_NS if quick else DEFAULT_NS)
+    decode = tuple(ns) if ns else (QUICK_NS if quick else sweep.DECODE_NS)
+    fast = [b for b in sweep.default_backends(peers_too=False) if b != "reference"]
+    return list(dict.fromkeys(  # the feature-map grid's elu points are on the main grid
+        sweep.default_grid(ns=prefill) + sweep.default_grid(ns=decode, regime="decode")
+        + ([] if ns or quick else sweep.feature_map_grid(fast))))
 
 
 def _command():

@@ -39,9 +39,9 @@ def _style(curve):
                if curve.key.get("dtype") == "float64" else {})}
 
 
-def _finish(ax, title):
+def _finish(ax, title, xlabel=None):
     """The n axis, the panel title and the legend below the panel (the curves stay visible)."""
-    _n_axis(ax)
+    _n_axis(ax, xlabel)
     ax.set_title(title, fontsize=11)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=7.5, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2,
@@ -61,11 +61,11 @@ def data_uri(png):
     return "data:image/png;base64," + base64.b64encode(png).decode("ascii")
 
 
-def _n_axis(ax):
+def _n_axis(ax, xlabel=None):
     ax.set_xscale("log", base=2)
     ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{int(x)}" if x >= 1 else ""))
     ax.xaxis.set_minor_formatter(NullFormatter())
-    ax.set_xlabel("sequence length n (n_q = n_k)")
+    ax.set_xlabel(xlabel or "sequence length n (n_q = n_k)")
     ax.grid(True, which="major", alpha=0.3)
 
 
@@ -79,20 +79,27 @@ def _panel_grid(panels, ncols, height=5.4, width=5.6):
     return fig, flat
 
 
-def scaling_figure(panels, metric="time", ncols=2, title=None):
-    """PNG of log-log time (median, min-max band) or peak extra memory against n, a panel
-    per ``(title, curves)`` of ``panels``, each curve's fitted exponent in the legend and
-    drawn dotted."""
+#: What each metric of :func:`scaling_figure` draws: the curve's values, fit and y label.
+METRICS = {"time": ("median_s", "time_fit", "median time per call"),
+           "memory": ("peak_bytes", "memory_fit", "peak extra memory per call"),
+           "held": ("held_bytes", "held_fit", "memory held between tokens, per head")}
+
+
+def scaling_figure(panels, metric="time", ncols=2, title=None, xlabel=None):
+    """PNG of log-log time (median, min-max band), peak extra memory or memory held (a
+    :data:`METRICS` key) against n, a panel per ``(title, curves)`` of ``panels``, each
+    curve's fitted exponent in the legend and drawn dotted."""
+    values, fit_name, ylabel = METRICS[metric]
     fig, axes = _panel_grid(panels, ncols)
     drawn = False
     for ax, (panel_title, curve_list) in zip(axes, panels):
         for c in curve_list:
-            y = c.median_s if metric == "time" else c.peak_bytes
-            use = np.isfinite(y) & (y > 0)
+            y = getattr(c, values)
+            use = np.isfinite(y) & (y > 0) if y is not None else np.zeros(len(c.n), bool)
             if not use.any():
                 continue
             drawn = True
-            fit = c.time_fit if metric == "time" else c.memory_fit
+            fit = getattr(c, fit_name)
             ax.plot(c.n[use], y[use], label=c.label + (f"  n^{fit.format()}" if fit else ""),
                     **_style(c))
             if metric == "time":
@@ -110,9 +117,9 @@ def scaling_figure(panels, metric="time", ncols=2, title=None):
             ax.yaxis.set_major_locator(LogLocator(base=2, numticks=8))
             ax.yaxis.set_minor_locator(LogLocator(base=2, subs=(), numticks=8))
             ax.yaxis.set_major_formatter(FuncFormatter(lambda x, _: format_bytes(x)))
-        _finish(ax, panel_title)
+        _finish(ax, panel_title, xlabel)
         ax.axvspan(FIT_MIN_N, ax.get_xlim()[1], color="#f3f3f3", zorder=0)
-    axes[0].set_ylabel("median time per call" if metric == "time" else "peak extra memory per call")
+    axes[0].set_ylabel(ylabel)
     if title:
         fig.suptitle(title, fontsize=12)
     if not drawn:
