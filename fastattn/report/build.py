@@ -197,8 +197,8 @@ def _machine_section(name, env, roofs, points, every_curve):
             roof_lines.append((f"GEMM roof, {shape} ({dtype}, {threads} threads)", ns, values))
     loads = np.concatenate([c.load_avg for c in curve_list] or [np.array([])])
     loads = loads[np.isfinite(loads)]
-    threads, dtypes = _joined(c.key.get("threads") for c in curve_list), \
-        _joined(c.key.get("dtype") for c in curve_list)
+    threads, dtypes = _joined(c.key.get("threads") for c in every_curve), \
+        _joined(c.key.get("dtype") for c in every_curve)
     env_rows, env_rest = environment_rows(env)
     title = (f"fastattn: time per call against n (d = 64, {dtypes or 'float32'}, "
              f"{threads or '?'} threads" + (f", {env['cpu_model']}" if env.get("cpu_model")
