@@ -272,3 +272,15 @@ def test_library_versions_are_read_from_the_suite(results_dir):
     (results_dir / "benchmarks.json").write_text(json.dumps(meta))
     env, = [r for r in load_asv_points(results_dir) if r["record"] == "environment"]
     assert env["versions"]["numpy"] == "2.4.6"
+
+
+def test_asv_conf_links_to_no_invented_url():
+    """The project has no public repository URL: asv.conf.json names none (docs/asv.md says
+    how to add ``show_commit_url`` where the repository is hosted)."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    text = (root / "asv.conf.json").read_text()
+    config = json.loads("\n".join(l for l in text.splitlines() if not l.lstrip().startswith("//")))
+    assert "show_commit_url" not in config and "://" not in json.dumps(config)
+    assert "show_commit_url" in (root / "docs" / "asv.md").read_text()

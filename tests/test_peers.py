@@ -82,15 +82,19 @@ def test_float32_only_peers_refuse_float64(name):
         peers.SOFTMAX_CALLS[name](q, k, v, False, 0.5)
 
 
-def test_every_peer_has_an_install_hint_and_a_softmax_builder():
-    assert set(peers.INSTALL_HINT) == set(peers.PEERS) == set(peers.SOFTMAX_CALLS)
+def test_every_peer_has_an_install_hint_and_a_builder():
+    assert set(peers.INSTALL_HINT) == set(peers.PEERS)
+    assert set().union(*peers.CALLS.values()) == set(peers.PEERS)
+    assert set(peers.SOFTMAX_CALLS) == {"torch", "onnxruntime", "jax"}
     assert set(peers.LINEAR_CALLS) <= set(peers.PEERS)
-    assert {"torch", "onnxruntime", "jax"} <= set(peers.PEERS)
+    assert peers.why_not("numpy", "linear", regime="decode") is None
+    assert "float32 only" in peers.why_not("onnxruntime", "softmax", "float64", 64, 64)
+    assert "no feature map" in peers.why_not("torch", "linear", feature_map="favor")
 
 
 def test_absent_peers_name_the_command_that_adds_them(monkeypatch):
     monkeypatch.setattr(peers, "_findable", lambda module: module not in ("onnx", "jax"))
-    assert peers.available_peers() == ("torch",)
+    assert peers.available_peers() == ("torch", "numpy")
     absent = peers.absent_peers()
     assert set(absent) == {"onnxruntime", "jax"}  # onnxruntime needs onnx to build its graph
     assert "fastattn[peers]" in absent["onnxruntime"] and "jax" in absent["jax"]

@@ -339,13 +339,15 @@ def test_cli_quick_end_to_end(tmp_path, monkeypatch, capsys):
     records = read_records(html_path.with_suffix(".jsonl"))
     kinds = {r["record"] for r in records}
     assert kinds == {"environment", "roof", "point"}
-    points = [r for r in records if r["record"] == "point"]
+    points = [r for r in records if r["record"] == "point" and r["regime"] == "prefill"]
     assert {p["n_q"] for p in points} == set(QUICK_NS)
     assert {(p["attention"], p["causal"]) for p in points} == {
         (a, c) for a in ("softmax", "linear") for c in (False, True)}
+    decode = [r for r in records if r["record"] == "point" and r["regime"] == "decode"]
+    assert {p["n_k"] for p in decode} == set(QUICK_NS) and {p["n_q"] for p in decode} == {1}
     assert all(p["status"] == "ok" for p in points if p["backend"] == "reference")
     html = html_path.read_text()
-    for needle in SECTIONS:
+    for needle in SECTIONS + ('id="generation"', "End to end"):
         assert needle in html
     assert html_path.with_name(html_path.stem + "-scaling.png").is_file()
     # Resuming the finished run measures nothing new and rebuilds the report.
@@ -545,3 +547,44 @@ def test_cli_keeps_the_users_tmp_file_and_a_symlinked_report(tmp_path, capsys):
     assert link.is_symlink() and "older" not in target.read_text()
     assert oct(target.stat().st_mode & 0o777) == oct(0o640)
     assert mine.read_text() == "my own temp file"
+
+
+def _measure_args(**given):
+    import argparse
+
+    fields = dict(resume=None, repeats=None, quick=True, n=[128], threads=None, out=None)
+    return argparse.Namespace(**{**fields, **given})
+
+
+@pytest.mark.parametrize("threads, idle, expected, warned", [
+    (None, 1, "other work kept 1 of 2 cores busy", True),
+    (None, 2, "every usable core (2)", False),
+    (2, 1, "as asked (--threads)", False),
+], ids=["busy-1-of-2-cores", "quiet-2-cores", "threads-2-given-while-busy"])
+def test_report_says_how_many_threads_and_why(tmp_path, monkeypatch, capsys, threads, idle,
+                                              expected, warned):
+    from fastattn.bench import sweep
+    from fastattn.report import cli as report_cli
+
+    monkeypatch.setattr(report_cli, "default_num_threads", lambda: 2)
+    monkeypatch.setattr(sweep, "idle_cores", lambda: idle)
+    seen = {}
+    monkeypatch.setattr(sweep, "run_sweep", lambda points, path, options, **kw: seen.update(kw))
+    report_cli._measure(_measure_args(threads=threads), tmp_path / "r.jsonl")
+    assert seen["threads"] == (threads or idle)
+    assert expected in seen["threads_reason"]
+    assert ("fastattn report: other work kept" in capsys.readouterr().err) == warned
+
+
+def test_the_thread_count_and_its_reason_reach_the_header_and_the_page(tmp_path):
+    from fastattn.bench.sweep import Options, Point, run_sweep
+
+    results = tmp_path / "r.jsonl"
+    run_sweep([Point("softmax", "reference", False, 8)], results,
+              Options(repeats=1, memory=False, check=False, roof=False, min_time_s=0),
+              threads=1, threads_reason="because a test said so", isolate=False, progress=None)
+    env = [r for r in read_records(results) if r["record"] == "environment"]
+    assert env[0]["threads"] == 1 and env[0]["threads_reason"] == "because a test said so"
+    html = build_report(read_records(results), source="t").html
+    assert "Why this thread count</th><td class=\"l\">because a test said so" in html
+    assert "Measured on 1 thread(s): because a test said so." in html

@@ -11,29 +11,28 @@ from .results import ResultsFileError
 
 def add_parser(subparsers):
     """Register ``fastattn bench`` and its options."""
-    from .sweep import DEFAULT_NS, FEATURE_MAPS
+    from .sweep import DECODE_NS, DEFAULT_NS, FEATURE_MAPS, REGIMES
 
     parser = subparsers.add_parser(
         "bench",
         help="time every kernel side by side with its peers and the GEMM roof",
-        description=(
-            "Measure softmax and/or linear attention on every available backend and "
-            "peer (PyTorch when installed) over a grid of sequence lengths: median "
-            "time (min-max) after a warm-up call, GFLOP/s, fraction of the GEMM roof "
-            "measured in the same run, peak extra memory of the call, the ratio to a "
-            "baseline backend and the error against the float64 reference. Results "
-            "are appended to a JSON-lines file as each point finishes (a CSV is "
-            "written beside it); running again with the same --out resumes."
-        ),
-    )
+        description="Measure attention on every available backend and peer over a grid of n: "
+                    "time (median, min-max), GFLOP/s and % of the GEMM roof, peak extra "
+                    "memory, the ratio to a baseline and the error against the float64 "
+                    "reference, appended to a JSON-lines file as each point finishes (the "
+                    "same --out resumes).")
     add = parser.add_argument
     add("--kind", choices=("softmax", "linear", "both"), default="both",
         help="attention type (default both)")
     add("--backends", nargs="+", metavar="NAME",
         help="fastattn backends and peers to measure (default: every available backend "
              "and installed peer)")
-    add("--n", nargs="+", type=positive_int, metavar="N", default=list(DEFAULT_NS),
-        help=f"sequence lengths n_q = n_k (default {' '.join(map(str, DEFAULT_NS))})")
+    add("--regime", nargs="+", choices=REGIMES, default=["prefill"],
+        help="prefill: a whole sequence, n_q = n_k = n; decode: one generated token, one "
+             "query against n keys (causal) (default prefill)")
+    add("--n", nargs="+", type=positive_int, metavar="N",
+        help=f"sequence lengths (default {' '.join(map(str, DEFAULT_NS))}; decode: "
+             f"{' '.join(map(str, DECODE_NS))})")
     add("--d-k", type=positive_int, default=64, help="key head dim (default 64)")
     add("--d-v", type=positive_int, default=None, help="value head dim (default: d_k)")
     add("--batch", type=positive_int, default=1, help="batch size (default 1)")
@@ -42,8 +41,10 @@ def add_parser(subparsers):
         help="dtype(s) (default float32)")
     add("--causal", choices=("yes", "no", "both"), default="both",
         help="causal mask (default both)")
-    add("--feature-map", choices=FEATURE_MAPS, default=FEATURE_MAPS[0],
-        help=f"feature map of linear attention (default {FEATURE_MAPS[0]})")
+    add("--feature-map", nargs="+", choices=FEATURE_MAPS, default=[FEATURE_MAPS[0]],
+        help=f"feature map(s) of linear attention (default {FEATURE_MAPS[0]})")
+    add("--num-features", nargs="+", type=positive_int, metavar="M",
+        help="FAVOR+ feature counts m, with --feature-map favor (default: FavorFeatures')")
     add("--threads", type=thread_count, default=None,
         help="threads for every backend, BLAS and peers (default: usable cores)")
     add("--repeats", type=positive_int, default=5,
@@ -51,9 +52,8 @@ def add_parser(subparsers):
     add("--baseline", default=None, metavar="NAME",
         help="backend the ratio column compares with (default reference)")
     add("--out", type=Path, default=None,
-        help="results file (JSON lines; default results/bench-<time>.jsonl); an existing "
-             "one is resumed; a CSV (.csv) and a JSON summary (.summary.json) of the "
-             "tables are written beside it")
+        help="results file (JSON lines; default results/bench-<time>.jsonl, resumed if it "
+             "exists), with a CSV (.csv) and a JSON summary (.summary.json) beside it")
     add("--fresh", action="store_true", help="start --out afresh instead of resuming it")
     add("--no-memory", action="store_true", help="skip the memory probe")
     add("--no-check", action="store_true", help="skip the check against the float64 reference")
@@ -67,19 +67,9 @@ class BenchUsageError(ValueError):
 
 
 def resolve_backends(requested):
-    """Check ``--backends`` against what runs here.
+    """The backends to measure and the absent peers (with how to add them); BenchUsageError,
+    listing what is available, for a name that is unknown or cannot run here."""
 
-    Returns
-    -------
-    (list of str, dict of str to str)
-        The backends to measure, and the absent peers with how to add them.
-
-    Raises
-    ------
-    BenchUsageError
-        For an unknown name, a backend that cannot run here or a peer that is
-        not installed; the message lists what is available.
-    """
     from . import peers
     from .sweep import default_backends, known_backends
 
@@ -114,7 +104,7 @@ def run(args):
 def _plan(args):
     """The grid, the results path and the baseline; refuses what cannot be written, first."""
     from .results import check_writable, read_records
-    from .sweep import default_grid
+    from .sweep import DECODE_NS, DEFAULT_NS, default_grid
     from .table import check_target
 
     backends, absent = resolve_backends(args.backends)
@@ -130,11 +120,19 @@ def _plan(args):
         read_records(out)
     check_target(out.with_suffix(".csv"), "csv")
     check_target(out.with_suffix(".summary.json"), "summary")
-    points = default_grid(
-        attentions=("softmax", "linear") if args.kind == "both" else (args.kind,),
-        backends=backends, ns=sorted(set(args.n)), d_k=args.d_k, d_v=args.d_v or args.d_k,
-        causal={"yes": (True,), "no": (False,), "both": (False, True)}[args.causal],
-        batch=args.batch, heads=args.heads, dtype=args.dtype, feature_map=args.feature_map)
+    if args.num_features and "favor" not in args.feature_map:
+        raise BenchUsageError("--num-features sets FAVOR+'s m: give --feature-map favor too")
+    points = list(dict.fromkeys(  # softmax points are the same for every feature map
+        p for regime in args.regime for fmap in args.feature_map
+        for m in (args.num_features or [None] if fmap == "favor" else [None])
+        for p in default_grid(
+            attentions=("softmax", "linear") if args.kind == "both" else (args.kind,),
+            backends=backends, ns=sorted(set(args.n or (DECODE_NS if regime == "decode"
+                                                         else DEFAULT_NS))),
+            d_k=args.d_k, d_v=args.d_v or args.d_k,
+            causal={"yes": (True,), "no": (False,), "both": (False, True)}[args.causal],
+            batch=args.batch, heads=args.heads, dtype=args.dtype, feature_map=fmap,
+            regime=regime, num_features=m)))
     return points, out, backends, baseline, absent
 
 
@@ -148,6 +146,7 @@ def _run(args):
         print(f"{name} is not installed, so it is not compared; add it with: {hint}")
     options = Options(repeats=args.repeats, memory=not args.no_memory, check=not args.no_check)
     records = run_sweep(points, out, options, threads=args.threads, resume=not args.fresh,
+                        threads_reason="as asked (--threads)" if args.threads else None,
                         progress=None if args.no_progress else "fastattn bench")
     print()
     print(format_tables(records, baseline=baseline, backend_order=backends))

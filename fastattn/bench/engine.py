@@ -1,20 +1,6 @@
-"""The measuring engine: inputs, the call, timing, memory, the roof and the check.
-
-One of each, used by ``fastattn bench``, ``fastattn report`` and the asv suite
-(``benchmarks/``):
-
-* :func:`make_inputs` -- seeded Gaussian q, k, v (:func:`fastattn.compare.gaussian_qkv`);
-* :func:`make_call` -- the no-argument call of a point (public API or a peer);
-* :func:`time_call` -- :class:`timeit.Timer` repeats after a warm-up;
-* :func:`peak_extra_bytes` -- peak extra memory of one call;
-* :func:`probe_roof` and :func:`roof_for` -- the GEMM roof and the rule that
-  matches a point to it;
-* :func:`measure_point` -- all of it for one point, as the fields of its record.
-
-A point is a dict of the :class:`~fastattn.bench.sweep.Point` fields
-(``attention``, ``backend``, ``regime``, ``causal``, ``n_q``, ``n_k``, ``d_k``,
-``d_v``, ``batch``, ``heads``, ``dtype``, ``feature_map``, ``num_features``).
-"""
+"""The measuring engine of ``fastattn bench``, ``fastattn report`` and ``benchmarks/``: one
+input factory, call builder, timing loop, memory probe, roof rule and check, run for one
+point (a dict of :meth:`~fastattn.bench.sweep.Point.spec` fields) by :func:`measure_point`."""
 
 import ctypes
 import ctypes.util
@@ -28,8 +14,9 @@ import traceback
 
 import numpy as np
 
-from .. import _api, reference
+from .. import _api, feature_maps, reference
 from ..compare import gaussian_qkv
+from ..feature_maps import FavorFeatures
 from . import peers
 from .flops import attention_flops
 
@@ -39,24 +26,19 @@ DEFAULT_SEED = 20260
 #: A point is flagged when ``max_abs_err > CHECK_TOL[dtype] * max(1, max |reference|)``.
 CHECK_TOL = {"float32": 1e-4, "float64": 1e-9}
 
-#: The float64 reference of the check may take at most this many bytes of
-#: intermediates (and a quarter of the available memory); above it the point
-#: is checked at a smaller n (``check_n``).
+#: Bytes of intermediates the check's float64 reference may take (and at most a
+#: quarter of the available memory); above it the point is checked at a smaller n.
 CHECK_MAX_BYTES = 5 * 2**29  # 2.5 GiB
 
 #: Fraction of the available memory a measured call may be predicted to need.
 MEMORY_HEADROOM = 0.7
 
-#: Seconds of idling before each point, so worker threads of other runtimes
-#: (OpenBLAS spins ~0.1 s after a job) are asleep when the timing starts.
+#: Idle seconds before each point, so spinning pools (OpenBLAS ~0.1 s) are asleep.
 SETTLE_S = 0.2
-
-#: A timed repeat lasts at least this long (``number`` calls of a fast kernel),
-#: so the clock's resolution does not dominate.
+#: A timed repeat lasts at least this long (``number`` calls of a fast kernel).
 MIN_REPEAT_S = 2e-4
-#: A fast call is repeated for at least this many seconds (at most
-#: :data:`MAX_REPEATS` times): the more repeats, the likelier one that load
-#: from other processes left alone, which the minimum then finds.
+#: A fast call is repeated for this long at least (at most MAX_REPEATS times), so
+#: one repeat likely escapes load from other processes; the minimum finds it.
 MIN_TIME_S = 0.25
 MAX_REPEATS = 100
 
@@ -65,11 +47,8 @@ MAX_PROBE_N = 4096
 
 
 def make_inputs(spec, seed=DEFAULT_SEED):
-    """Seeded Gaussian ``q (B, n_q, d_k)``, ``k (B, n_k, d_k)``, ``v (B, n_k, d_v)``.
-
-    ``B = batch * heads``; the stream is keyed by the seed and the shape, so
-    every backend and dtype of a shape sees the same numbers.
-    """
+    """Seeded Gaussian ``q (B, n_q, d_k)``, ``k, v (B, n_k, d)``, ``B = batch * heads``, keyed
+    by the seed and the shape: every backend and dtype sees the same numbers."""
     b = spec["batch"] * spec["heads"]
     shape = (b, spec["n_q"], spec["n_k"], spec["d_k"], spec["d_v"])
     return gaussian_qkv((b, spec["n_q"], spec["d_k"]), spec["n_k"], spec["d_v"],
@@ -77,50 +56,66 @@ def make_inputs(spec, seed=DEFAULT_SEED):
 
 
 def make_call(spec, q, k, v):
-    """The no-argument callable that computes point ``spec`` on ``q, k, v``.
-
-    fastattn backends are called through the public functions (validation and
-    dispatch included, as a user calls them); a peer through its builder in
-    ``peers.SOFTMAX_CALLS`` or ``peers.LINEAR_CALLS``.
-    """
+    """The no-argument call of point ``spec``: the public function (as a user calls it), or
+    the peer's builder in ``peers.CALLS``.  A linear decode point is one step,
+    ``initial_state`` the state of the first n - 1 keys (built once, untimed)."""
     attention, backend, causal = spec["attention"], spec["backend"], spec["causal"]
-    feature_map = spec.get("feature_map") or "elu"
+    feature_map, decode = _feature_map(spec), spec.get("regime") == "decode"
     scale = reference.default_scale(q.shape[-1])
     if backend in peers.PEERS:
-        build = (peers.SOFTMAX_CALLS if attention == "softmax" else peers.LINEAR_CALLS)[backend]
-        option = scale if attention == "softmax" else feature_map
+        build = peers.CALLS[attention, "decode" if decode else "prefill"][backend]
+        option = scale if attention == "softmax" else spec.get("feature_map") or "elu"
         return build(q, k, v, causal, option, heads=spec.get("heads", 1))
     if attention == "softmax":
         return lambda: _api.softmax_attention(q, k, v, causal=causal, scale=scale,
                                               backend=backend)
+    if decode:  # the state of the first n - 1 keys (built once), then one step
+        k1, v1 = k[..., -1:, :].copy(), v[..., -1:, :].copy()
+        _, state = _api.linear_attention(k1, k[..., :-1, :], v[..., :-1, :], return_state=True,
+                                         feature_map=feature_map, backend="reference")
+        return lambda: _api.linear_attention(q, k1, v1, causal=True, feature_map=feature_map,
+                                             initial_state=state, return_state=True,
+                                             backend=backend)[0]
     return lambda: _api.linear_attention(q, k, v, causal=causal, feature_map=feature_map,
                                          backend=backend)
 
 
+def _feature_map(spec):
+    """The ``feature_map=`` of a linear point: FAVOR+ with ``num_features`` as an object."""
+    name = spec.get("feature_map") or "elu"
+    if name == "favor" and spec.get("num_features"):
+        return FavorFeatures(spec["d_k"], num_features=spec["num_features"])
+    return name
+
+
+def feature_dim(spec):
+    """``D``, the features of a linear point's map (``d_k`` for elu and relu)."""
+    return feature_maps.resolve(_feature_map(spec), spec["d_k"]).num_features(spec["d_k"])
+
+
+def held_bytes(spec):
+    """Bytes per head a decode step keeps between tokens: the KV cache, ``(d_k + d_v) n``
+    values (softmax), or the state ``S, z``, ``D d_v + D`` values (linear, ``D`` features)."""
+    item = np.dtype(spec["dtype"]).itemsize
+    if spec["attention"] == "softmax":
+        return (spec["d_k"] + spec["d_v"]) * spec["n_k"] * item
+    return (feature_dim(spec) * (spec["d_v"] + 1)) * item
+
+
+def point_flops(spec):
+    """Flops of a point's call (:func:`~.flops.attention_flops`): linear with its ``D``
+    features, a linear decode step over one key."""
+    linear = spec["attention"] == "linear"
+    n_k = 1 if linear and spec.get("regime") == "decode" else spec["n_k"]
+    return attention_flops(spec["attention"], spec["n_q"], n_k,
+                           feature_dim(spec) if linear else spec["d_k"], spec["d_v"],
+                           spec["causal"], spec["batch"], spec["heads"])
+
+
 def time_call(call, repeats, estimate_s, min_time_s=None, max_repeats=None):
-    """Seconds per call of ``call()``: at least ``repeats`` :class:`timeit.Timer` repeats.
-
-    Parameters
-    ----------
-    call : callable
-        Already warmed up (compilation is never timed).
-    repeats : int
-        Repeats at least; more while the repeats so far took under
-        ``min_time_s`` (at most ``max_repeats``), so that a fast call gets many
-        chances of a repeat that other work on the machine did not slow down.
-    estimate_s : float
-        Seconds one call takes; a call faster than :data:`MIN_REPEAT_S` is run
-        ``number`` times per repeat (a power of 2).
-    min_time_s : float, default :data:`MIN_TIME_S`
-    max_repeats : int, default :data:`MAX_REPEATS`
-
-    Returns
-    -------
-    dict
-        ``times_s`` (seconds per call, one per repeat), ``median_s``,
-        ``min_s``, ``max_s``, ``number``, ``repeats``.  ``timeit`` turns the
-        garbage collector off while it times.
-    """
+    """``times_s``, ``median_s``, ``min_s``, ``max_s``, ``number``, ``repeats`` of a warmed-up
+    ``call()`` by :class:`timeit.Timer`: ``repeats`` or more (up to ``max_repeats``, while under
+    ``min_time_s``), ``number`` calls a repeat when faster than :data:`MIN_REPEAT_S`."""
     min_time_s = MIN_TIME_S if min_time_s is None else min_time_s
     max_repeats = max(repeats, MAX_REPEATS if max_repeats is None else max_repeats)
     number = 1
@@ -170,96 +165,53 @@ def _reset_peak():
         return False
 
 
-def hwm_available():
-    """True if the peak RSS can be reset here (Linux ``/proc/self/clear_refs``)."""
-    return _reset_peak()
+hwm_available = _reset_peak
 
 
 def peak_extra_bytes(call, method="auto"):
-    """Peak bytes ``call()`` adds to this process while it runs, its output included.
-
-    Parameters
-    ----------
-    call : callable
-        Called once; warm it up first so compilation is not counted.
-    method : {"auto", "hwm", "tracemalloc"}
-        ``"hwm"`` (Linux): free what can be freed (``gc``, glibc
-        ``malloc_trim``), reset the peak RSS (``VmHWM``), read ``VmRSS``, make
-        the call and read ``VmHWM``; sees NumPy, Numba, OpenMP and PyTorch
-        allocations alike.  ``"tracemalloc"``: the peak of Python-tracked
-        allocations (NumPy's buffers, not Numba's or C's).  ``"auto"``:
-        ``"hwm"`` where it works.
-
-    Returns
-    -------
-    (int, str, float)
-        Bytes (at least 0), the method used and the seconds the call took.
-    """
+    """``(bytes >= 0, method, seconds)``: the peak a warmed-up ``call()`` adds to this process,
+    output included.  ``"hwm"`` (Linux; ``"auto"`` where it works): reset the peak RSS after
+    ``gc`` and ``malloc_trim``, read ``VmHWM - VmRSS`` (NumPy, Numba, OpenMP, PyTorch
+    alike); ``"tracemalloc"``: Python-tracked allocations only."""
     gc.collect(1)
     if _LIBC is not None:
         _LIBC.malloc_trim(0)
-    if method in ("auto", "hwm") and _reset_peak():
-        before = _status_bytes("VmRSS")
+    hwm = method in ("auto", "hwm") and _reset_peak()
+    started_here = not hwm and not tracemalloc.is_tracing()
+    if started_here:
+        tracemalloc.start()
+    try:
+        if not hwm:
+            tracemalloc.reset_peak()
+        before = _status_bytes("VmRSS") if hwm else tracemalloc.get_traced_memory()[0]
         start = time.perf_counter()
         result = call()
         elapsed = time.perf_counter() - start
-        extra, method = _status_bytes("VmHWM") - before, "hwm"
-    else:
-        started_here = not tracemalloc.is_tracing()
+        peak = _status_bytes("VmHWM") if hwm else tracemalloc.get_traced_memory()[1]
+    finally:
         if started_here:
-            tracemalloc.start()
-        try:
-            tracemalloc.reset_peak()
-            before = tracemalloc.get_traced_memory()[0]
-            start = time.perf_counter()
-            result = call()
-            elapsed = time.perf_counter() - start
-            extra, method = tracemalloc.get_traced_memory()[1] - before, "tracemalloc"
-        finally:
-            if started_here:
-                tracemalloc.stop()
+            tracemalloc.stop()
     del result
-    return max(0, int(extra)), method, elapsed
+    return max(0, int(peak - before)), "hwm" if hwm else "tracemalloc", elapsed
 
 
 # --------------------------------------------------------------------- roof
-def _gemm_task(n, d, dtype):
+def _task(kind, dtype, n, d):
+    """A probe's call and its work (flops of ``n x d @ d x n``, or n exps)."""
     rng = np.random.default_rng(0)
-    a = rng.standard_normal((n, d)).astype(dtype)
-    b = rng.standard_normal((d, n)).astype(dtype)
+    if kind == "exp":
+        x, out = rng.standard_normal(n).astype(dtype), np.empty(n, dtype=dtype)
+        return (lambda: np.exp(x, out=out)), float(n)
+    a, b = rng.standard_normal((n, d)).astype(dtype), rng.standard_normal((d, n)).astype(dtype)
     out = np.empty((n, n), dtype=dtype)
     return (lambda: np.matmul(a, b, out=out)), 2.0 * n * n * d
 
 
-def _exp_task(dtype, size):
-    x = np.random.default_rng(0).standard_normal(size).astype(dtype)
-    out = np.empty_like(x)
-    return (lambda: np.exp(x, out=out)), float(size)
-
-
 def probe_roof(shapes, dtypes=("float32", "float64"), budget_s=0.1, rounds=3):
-    """The roof of this process: GEMM GFLOP/s at each attention shape, and exp throughput.
-
-    Each task is the best repeat over ``rounds`` rounds that visit every task
-    in turn, so a burst of load from other processes does not sink one task.
-
-    Parameters
-    ----------
-    shapes : iterable of (n, d)
-        Attention shapes ``n x d @ d x n``; n is rounded to a power of 2 and
-        capped at :data:`MAX_PROBE_N`.
-    dtypes : iterable of str
-    budget_s : float, default 0.1
-        Seconds of repeats per task, over all rounds.
-    rounds : int, default 3
-
-    Returns
-    -------
-    list of dict
-        Roof record fields: ``probe`` ``"gemm"`` (``shape`` ``[n, d, n]``,
-        ``gflops``) or ``"exp"`` (``size``, ``gelem_s``; NumPy's exp is
-        serial), ``dtype``, ``repeats``.
-    """
+    """Roof records: GEMM GFLOP/s at each attention shape ``(n, d)`` (n a power of 2 up to
+    :data:`MAX_PROBE_N`; ``shape [n, d, n]``, ``gflops``) and NumPy's serial exp rate
+    (``gelem_s``), per dtype; each the best repeat over ``rounds`` rounds visiting every
+    task in turn (``budget_s`` seconds a task), so a burst of load does not sink one."""
     sizes = sorted({(min(2 ** max(0, round(math.log2(max(n, 1)))), MAX_PROBE_N), int(d))
                     for n, d in shapes})
     tasks = [("gemm", np.dtype(dt).name, n, d) for dt in dtypes for n, d in sizes]
@@ -267,8 +219,7 @@ def probe_roof(shapes, dtypes=("float32", "float64"), budget_s=0.1, rounds=3):
     best, count = dict.fromkeys(tasks, 0.0), dict.fromkeys(tasks, 0)
     for _ in range(max(1, int(rounds))):
         for task in tasks:
-            kind, dtype, n, d = task
-            fn, work = _gemm_task(n, d, dtype) if kind == "gemm" else _exp_task(dtype, n)
+            fn, work = _task(*task)
             fn()  # first touch, thread pool start
             deadline = time.perf_counter() + budget_s / rounds
             while count[task] < 1000:
@@ -284,34 +235,18 @@ def probe_roof(shapes, dtypes=("float32", "float64"), budget_s=0.1, rounds=3):
             for t in tasks for kind, dtype, n, d in [t]]
 
 
+def gemm_probes(roofs, dtype, threads=None, machine=None):
+    """The GEMM probes of ``roofs`` of ``dtype`` (and of ``threads``, ``machine`` if given)."""
+    return [r for r in roofs if r.get("probe", "gemm") == "gemm" and r.get("gflops")
+            and r.get("dtype") == dtype and len(r.get("shape") or ()) == 3
+            and (threads is None or r.get("threads") in (None, threads))
+            and (machine is None or r.get("machine") in (None, machine))]
+
+
 def roof_for(roofs, dtype, d, threads=None, machine=None):
-    """The GEMM GFLOP/s that bounds a point: the best probe of its dtype at the nearest ``d``.
-
-    The one roof rule of fastattn: a roof is an upper bound, so it is the best
-    GEMM rate the run measured at the point's head dimension over every
-    probed n (one probe slowed by a busy machine does not lower it).
-
-    Parameters
-    ----------
-    roofs : list of dict
-        Roof records; those that are not GEMM probes are ignored.
-    dtype : str
-    d : int
-        The point's ``d_k``.
-    threads : int, optional
-        Only probes on this thread count.
-    machine : str, optional
-        Only probes of this machine (asv results).
-
-    Returns
-    -------
-    float or None
-        GFLOP/s; None when nothing matches.
-    """
-    found = [r for r in roofs if r.get("probe", "gemm") == "gemm" and r.get("gflops")
-             and r.get("dtype") == dtype and r.get("shape")
-             and (threads is None or r.get("threads") in (None, threads))
-             and (machine is None or r.get("machine") in (None, machine))]
+    """The one roof rule: the best GEMM GFLOP/s of :func:`gemm_probes` at the nearest ``d``
+    over every probed n (an upper bound: one slowed probe does not lower it), or None."""
+    found = gemm_probes(roofs, dtype, threads, machine)
     if not found:
         return None
     nearest = min(abs(math.log2(r["shape"][1] / d)) for r in found)
@@ -338,7 +273,8 @@ def why_skip(spec):
         if backend not in peers.available_peers():
             return f"{backend} is not installed; add it with: {peers.INSTALL_HINT[backend]}"
         unsupported = peers.why_not(backend, spec["attention"], spec["dtype"], spec["d_k"],
-                                    spec["d_v"])
+                                    spec["d_v"], spec.get("regime") or "prefill",
+                                    spec.get("feature_map"))
         if unsupported:
             return unsupported
     elif backend not in _api.available_backends():
@@ -376,16 +312,8 @@ class ReferenceCache:
 
 
 def check_accuracy(spec, out, references, seed=DEFAULT_SEED, max_bytes=None):
-    """``max_abs_err`` of ``out`` against the float64 reference, at the point's n if it fits.
-
-    Returns
-    -------
-    dict
-        ``max_abs_err``, ``check_n`` (the ``n_q`` it was measured at; the
-        point's n is halved until the reference fits ``max_bytes``),
-        ``check_tol`` and ``check_ok`` (False flags a kernel or peer that
-        disagrees).
-    """
+    """``max_abs_err``, ``check_n``, ``check_tol`` and ``check_ok`` of ``out`` against the
+    float64 reference, at the point's n halved until the reference fits ``max_bytes``."""
     import psutil
 
     if max_bytes is None:
@@ -402,7 +330,7 @@ def check_accuracy(spec, out, references, seed=DEFAULT_SEED, max_bytes=None):
     if not np.all(np.isfinite(out)):
         err = math.inf
     tol = CHECK_TOL[spec["dtype"]] * max(1.0, float(np.max(np.abs(ref))) if ref.size else 1.0)
-    return {"max_abs_err": err, "check_n": small["n_q"], "check_tol": tol,
+    return {"max_abs_err": err, "check_n": small["n_k"], "check_tol": tol,
             "check_ok": bool(err <= tol)}
 
 
@@ -412,36 +340,13 @@ def _load():
 
 def measure_point(spec, repeats=5, memory=True, check=True, seed=DEFAULT_SEED,
                   references=None, max_point_s=None, min_time_s=None):
-    """Measure one point; return the outcome fields of its record.
+    """The outcome fields of one point: warm-up, memory probe (also an estimate of one call),
+    timed repeats (at most ``max_point_s`` seconds, at least 3), flops and the check.
 
-    Warm-up call (never timed), memory probe (:func:`peak_extra_bytes`, whose
-    call also estimates the time of one call), timed repeats
-    (:func:`time_call`), flops (:func:`~fastattn.bench.flops.attention_flops`)
-    and the check against the float64 reference.
-
-    Parameters
-    ----------
-    spec : dict
-        The :class:`~fastattn.bench.sweep.Point` fields.
-    repeats : int
-    memory, check : bool
-    seed : int
-    references : ReferenceCache, optional
-    max_point_s : float, optional
-        Cap on the seconds of timed repeats: a slow call gets fewer repeats
-        (never fewer than 3, nor more than ``repeats``).
-    min_time_s : float, optional
-        A fast call is repeated for this long at least (:func:`time_call`).
-
-    Returns
-    -------
-    dict
-        ``status`` ("ok", "skipped" or "error"), ``reason`` and, when ok,
-        the fields of :func:`time_call`, ``flops``, ``gflops``, ``peak_bytes``,
-        ``memory_method`` (and ``peak_bytes_tracemalloc`` for the NumPy
-        reference, a cross-check), the check's fields, ``seed``, ``load_avg_1m`` and
-        ``warmup_s``.
-    """
+    ``status`` ("ok", "skipped", "error"), ``reason`` and when ok the fields of
+    :func:`time_call`, ``flops``, ``gflops``, ``peak_bytes``, ``memory_method`` (and
+    ``peak_bytes_tracemalloc`` for the reference), the check's, ``seed``, ``load_avg_1m``,
+    ``warmup_s``."""
     reason = why_skip(spec)
     if reason:
         return {"status": "skipped", "reason": reason}
@@ -462,10 +367,11 @@ def measure_point(spec, repeats=5, memory=True, check=True, seed=DEFAULT_SEED,
         if max_point_s is not None and estimate > 0:
             n_repeats = max(min(3, repeats), min(repeats, int(max_point_s / estimate)))
         fields.update(time_call(call, n_repeats, estimate, min_time_s))
-        flops = attention_flops(spec["attention"], spec["n_q"], spec["n_k"], spec["d_k"],
-                                spec["d_v"], spec["causal"], spec["batch"], spec["heads"])
+        flops = point_flops(spec)
         fields.update(flops=flops, gflops=flops / fields["median_s"] / 1e9
                       if fields["median_s"] > 0 else None)
+        if spec.get("regime") == "decode":
+            fields["held_bytes"] = held_bytes(spec)
         if check:
             from threadpoolctl import threadpool_limits
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 
 def _cpuinfo(prefix):
-    """The value of the first /proc/cpuinfo line starting with ``prefix`` (Linux), or None."""
+    """The value of the first /proc/cpuinfo line starting with ``prefix``, or None."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as handle:
             return next((line.split(":", 1)[1].strip() for line in handle
@@ -20,14 +20,12 @@ def _cpuinfo(prefix):
 
 
 def _cpu_flags():
-    """SIMD features the kernels care about."""
     flags = set((_cpuinfo("flags") or "").split())
     wanted = ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512_vnni")
     return [f for f in wanted if f in flags] if flags else None
 
 
 def _version(distribution):
-    """Installed version of ``distribution`` from its metadata (nothing is imported)."""
     try:
         return importlib.metadata.version(distribution)
     except importlib.metadata.PackageNotFoundError:
@@ -47,15 +45,8 @@ def _git_commit():
 
 
 def blas_info():
-    """BLAS libraries loaded in this process (threadpoolctl), one dict each.
-
-    Returns
-    -------
-    list of dict
-        ``internal_api`` (e.g. "openblas"), ``version``, ``architecture``
-        (OpenBLAS's kernel, e.g. "Haswell"), ``threading_layer``,
-        ``num_threads``, ``filepath``.
-    """
+    """BLAS libraries loaded here (threadpoolctl): ``internal_api``, ``version``,
+    ``architecture``, ``threading_layer``, ``num_threads``, ``filepath``, ``prefix``."""
     from threadpoolctl import threadpool_info
 
     keys = ("internal_api", "version", "architecture", "threading_layer",
@@ -65,26 +56,10 @@ def blas_info():
 
 
 def collect(threads=None):
-    """Describe this machine and software for a results file's environment record.
+    """This machine and software, as an environment record: CPU, cores, memory, the run's
+    ``threads`` and the counts in force, ``*_NUM_THREADS``, BLAS, Python, library
+    ``versions`` (None when absent), backends, peers and the git commit."""
 
-    Parameters
-    ----------
-    threads : int, optional
-        Threads the run uses (recorded as ``threads``).
-
-    Returns
-    -------
-    dict
-        ``cpu_model``, ``cpu_flags``, ``cores_logical``, ``cores_usable``
-        (affinity), ``memory_total_bytes``, ``memory_available_bytes``,
-        ``threads``, ``thread_counts`` (per backend and BLAS), ``thread_env``
-        (the ``*_NUM_THREADS`` variables set), ``blas`` (list
-        of :func:`blas_info` dicts), ``python``, ``platform``, ``hostname``,
-        ``versions`` (numpy, scipy, numba, cython, threadpoolctl, the peers (torch, onnxruntime, onnx, jax, jaxlib) and
-        fastattn; None when absent), ``backends`` (available),
-        ``unavailable_backends`` (name to reason), ``peers``, ``absent_peers``
-        (name to install hint), ``git_commit``.
-    """
     import numpy as np
     import psutil
 
@@ -113,19 +88,10 @@ def collect(threads=None):
         "python_implementation": platform.python_implementation(),
         "platform": platform.platform(),
         "hostname": socket.gethostname(),
-        "versions": {
-            "fastattn": fastattn.__version__,
-            "numpy": np.__version__,
-            "scipy": _version("scipy"),
-            "numba": _version("numba"),
-            "cython": _version("Cython"),
-            "threadpoolctl": _version("threadpoolctl"),
-            "torch": _version("torch"),
-            "onnxruntime": _version("onnxruntime"),
-            "onnx": _version("onnx"),
-            "jax": _version("jax"),
-            "jaxlib": _version("jaxlib"),
-        },
+        "versions": {"fastattn": fastattn.__version__, "numpy": np.__version__,
+                     **{name.lower(): _version(name)
+                        for name in ("scipy", "numba", "Cython", "threadpoolctl", "torch",
+                                     "onnxruntime", "onnx", "jax", "jaxlib")}},
         "backends": list(fastattn.available_backends()),
         "unavailable_backends": fastattn.unavailable_backends(),
         "peers": list(available_peers()),

@@ -15,10 +15,15 @@ dependency of the kernels) and is found without being imported:
 * **jax**: softmax attention by ``jax.nn.dot_product_attention`` under
   ``jax.jit`` (XLA on CPU), float32 only (its softmax is always float32).
 
-A peer is checked against the float64 reference like any backend.  A peer
-``NAME`` in :data:`PEERS` provides ``NAME_softmax_call(q, k, v, causal, scale,
-heads=1)`` and ``NAME_linear_call(q, k, v, causal, feature_map, heads=1)``
-builders; :func:`fastattn.bench.engine.make_call` finds them by name.
+* **numpy**: the plain NumPy recurrent step of linear attention (decode
+  only), ``S += φ(k)ᵀv; z += φ(k); out = φ(q)S / (φ(q)·z + eps)``.
+
+A peer is checked against the float64 reference like any backend.  Its
+builders, ``(q, k, v, causal, option, heads=1) -> callable`` with ``option``
+the scale (softmax) or the feature map (linear), are registered in
+:data:`CALLS` by attention and regime; :func:`why_not` says why a peer has
+no call for a point, and :func:`fastattn.bench.engine.make_call` looks the
+builder up.
 """
 
 import importlib.util
@@ -26,19 +31,22 @@ import os
 import sys
 
 import numpy as np
+from threadpoolctl import threadpool_limits
 
 #: Peer names known to the sweep.
-PEERS = ("torch", "onnxruntime", "jax")
+PEERS = ("torch", "onnxruntime", "jax", "numpy")
 
 #: How to add a missing peer, shown by ``fastattn bench`` and the report.
 INSTALL_HINT = {
     "torch": 'pip install "fastattn[torch]"  (or: pip install torch)',
     "onnxruntime": 'pip install "fastattn[peers]"  (or: pip install onnxruntime onnx)',
     "jax": 'pip install "fastattn[peers]"  (or: pip install jax)',
+    "numpy": "pip install numpy",
 }
 
 #: Modules a peer needs, by peer (all must be findable for it to be available).
-_MODULES = {"torch": ("torch",), "onnxruntime": ("onnxruntime", "onnx"), "jax": ("jax",)}
+_MODULES = {"torch": ("torch",), "onnxruntime": ("onnxruntime", "onnx"), "jax": ("jax",),
+            "numpy": ("numpy",)}
 
 
 #: Thread count the peers get when first imported (set by :func:`set_peer_threads`).
@@ -96,10 +104,12 @@ def set_peer_threads(n_threads):
       ``--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1``,
       more threads leave XLA's pool at its default (one thread per CPU this
       process may run on).  Once JAX has started the count no longer changes
-      and :func:`peer_threads` reports the one in force.
+      and :func:`peer_threads` reports the one in force;
+    * numpy: its BLAS (threadpoolctl), for the plain recurrent step.
     """
     global _threads
     _threads = int(n_threads)
+    threadpool_limits(_threads, user_api="blas")
     if "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(_threads)
     if "jax" not in sys.modules:
@@ -135,7 +145,8 @@ def peer_threads():
     dict of str to int
         torch: ``torch.get_num_threads()`` once imported; onnxruntime: the
         ``intra_op_num_threads`` its sessions get (all CPUs when unset);
-        jax: the size of XLA's CPU pool from ``XLA_FLAGS``.
+        jax: the size of XLA's CPU pool from ``XLA_FLAGS``; numpy: the threads
+        of its BLAS.
     """
     counts = {}
     have = available_peers()
@@ -146,6 +157,10 @@ def peer_threads():
         counts["onnxruntime"] = _threads if _threads is not None else _cpus()
     if "jax" in have:
         counts["jax"] = _jax_threads()
+    if "numpy" in have:  # its BLAS, as the sweep set it
+        from .._threads import blas_threads
+
+        counts["numpy"] = blas_threads()
     return counts
 
 
@@ -413,6 +428,40 @@ def torch_linear_call(q, k, v, causal, feature_map="elu", eps=1e-6, heads=1):
     return cumsum_form if causal else product_form
 
 
+def torch_softmax_decode_call(q, k, v, causal, scale, heads=1):
+    """SDPA for one query ``(B, 1, d_k)`` against ``n`` keys: fastattn's bottom-right causal
+    mask lets the newest token see every key, which is SDPA without a mask."""
+    return torch_softmax_call(q, k, v, False, scale, heads)
+
+
+def _numpy_phi(feature_map):
+    if feature_map not in ("elu", "relu"):
+        raise ValueError(f"feature_map must be 'elu' or 'relu', got {feature_map!r}")
+    return (lambda x: np.where(x > 0, x + 1, np.exp(np.minimum(x, 0)))) \
+        if feature_map == "elu" else (lambda x: np.maximum(x, 0))
+
+
+def numpy_linear_decode_call(q, k, v, causal, feature_map="elu", eps=1e-6, heads=1):
+    """The plain NumPy recurrent step of linear attention, returning ``(B, 1, d_v)``.
+
+    The state ``S = φ(k)ᵀ v``, ``z = Σ φ(k)`` of the first ``n - 1`` keys is built once;
+    each call adds the newest key, ``S += φ(k)ᵀ v; z += φ(k)``, and returns
+    ``φ(q) S / (φ(q) · z + eps)`` (in place: each call advances the state one token).
+    """
+    phi = _numpy_phi(feature_map)
+    k0, v0, k1, v1 = k[..., :-1, :], v[..., :-1, :], k[..., -1:, :], v[..., -1:, :]
+    pk0 = phi(k0)
+    S, z = np.swapaxes(pk0, -1, -2) @ v0, pk0.sum(axis=-2)
+
+    def step():
+        pk, pq = phi(k1), phi(q)
+        S[...] += np.swapaxes(pk, -1, -2) @ v1
+        z[...] += pk[..., 0, :]
+        return (pq @ S) / ((pq * z[..., None, :]).sum(axis=-1, keepdims=True) + eps)
+
+    return step
+
+
 def peer_extra_bytes(name, attention, causal, batch, n, d_k, d_v, itemsize):
     """Bytes a peer call needs beyond its inputs and output (to skip what cannot fit)."""
     if name == "torch" and attention == "linear" and causal:
@@ -424,18 +473,25 @@ def peer_extra_bytes(name, attention, causal, batch, n, d_k, d_v, itemsize):
     return 4 * batch * n * max(d_k, d_v) * itemsize
 
 
-#: Softmax call builders by peer: ``(q, k, v, causal, scale, heads=1) -> callable``.
-SOFTMAX_CALLS = {
-    "torch": torch_softmax_call,
-    "onnxruntime": onnxruntime_softmax_call,
-    "jax": jax_softmax_call,
+#: Call builders by (attention, regime), then by peer.
+CALLS = {
+    ("softmax", "prefill"): {
+        "torch": torch_softmax_call,
+        "onnxruntime": onnxruntime_softmax_call,
+        "jax": jax_softmax_call,
+    },
+    ("linear", "prefill"): {"torch": torch_linear_call},
+    ("softmax", "decode"): {"torch": torch_softmax_decode_call},
+    ("linear", "decode"): {"numpy": numpy_linear_decode_call},
 }
+#: The prefill builders, by peer.
+SOFTMAX_CALLS, LINEAR_CALLS = CALLS["softmax", "prefill"], CALLS["linear", "prefill"]
 
-#: Linear-attention call builders by peer: ``(q, k, v, causal, feature_map, eps, heads) -> callable``.
-LINEAR_CALLS = {"torch": torch_linear_call}
+#: Feature maps the peers' linear attention implements (None: the default, elu).
+PEER_FEATURE_MAPS = (None, "elu", "relu")
 
 
-def why_not(name, attention, dtype, d_k, d_v):
+def why_not(name, attention, dtype=None, d_k=None, d_v=None, regime="prefill", feature_map=None):
     """Why peer ``name`` has no call for such a point, or None when it has one.
 
     Parameters
@@ -443,18 +499,26 @@ def why_not(name, attention, dtype, d_k, d_v):
     name : str
         One of :data:`PEERS`.
     attention : {"softmax", "linear"}
-    dtype : str or dtype
-    d_k, d_v : int
+    dtype : str or dtype, optional
+    d_k, d_v : int, optional
+    regime : {"prefill", "decode"}, default "prefill"
+    feature_map : str, optional
 
     Returns
     -------
     str or None
     """
-    builders = SOFTMAX_CALLS if attention == "softmax" else LINEAR_CALLS
-    if name not in builders:
-        return f"{name} has no {attention} attention to race"
-    if name in ("onnxruntime", "jax") and np.dtype(dtype) != np.float32:
+    if name not in CALLS[attention, regime]:
+        return f"{name} has no {attention} attention ({regime}) to race"
+    if attention == "linear" and feature_map not in PEER_FEATURE_MAPS:
+        return f"{name}'s linear attention has no feature map {feature_map!r}"
+    if name in ("onnxruntime", "jax") and dtype is not None and np.dtype(dtype) != np.float32:
         return f"{name}'s softmax attention runs in float32 only"
-    if name == "jax" and d_k != d_v:
+    if name == "jax" and d_k is not None and d_k != d_v:
         return "jax.nn.dot_product_attention needs d_v == d_k"
     return None
+
+
+def supports(name, attention, regime="prefill", feature_map=None):
+    """True if peer ``name`` has a call for this attention, regime and feature map."""
+    return why_not(name, attention, regime=regime, feature_map=feature_map) is None

@@ -1,33 +1,13 @@
-"""The one results format: JSON lines, one record a line, each checked on reading.
+"""The one results format: JSON lines appended as each record is measured, reports only read.
+A line holds ``"schema": SCHEMA``, ``run_id`` and a ``"record"`` type: ``"environment"``,
+``"roof"`` or ``"point"``; :func:`read_records` checks :data:`FIELD_TYPES`."""
 
-Every measurement (``fastattn bench``, ``fastattn report``) appends records to
-a ``.jsonl`` file as each finishes, so an interrupted run keeps what it
-measured; reports only ever read these files.  Each line is a JSON object with
-``"schema": SCHEMA`` and a ``"record"`` type:
-
-``"environment"``
-    Written first by each run: CPU, cores, threads, BLAS, library versions
-    (:func:`fastattn.bench.environment.collect`).
-``"roof"``
-    One throughput probe of the run: ``probe`` (``"gemm"`` with ``shape``
-    ``[n, d, n]`` and ``gflops``, or ``"exp"`` with ``size`` and ``gelem_s``),
-    ``dtype``, ``threads``, ``repeats``, ``load_avg_1m``.
-``"point"``
-    One measured call: its identity (:data:`POINT_KEYS`; ``regime`` is
-    ``"prefill"`` where a file does not say) and its outcome: ``status``,
-    ``reason``, ``times_s`` (seconds per call, one per repeat), ``median_s``,
-    ``min_s``, ``max_s``, ``flops``, ``gflops``, ``peak_bytes``,
-    ``max_abs_err`` and the rest of :data:`FIELD_TYPES`.
-
-Every record a run writes carries that run's ``run_id``.  :func:`read_records`
-checks every field it knows (:data:`FIELD_TYPES`) and refuses a bad record
-with its file and line; unknown fields are kept as they are.
-"""
 
 import json
 import math
 import os
-import tempfile
+import uuid
+
 from pathlib import Path
 
 SCHEMA = "fastattn.results/1"
@@ -43,8 +23,7 @@ POINT_KEYS = (
 #: The regime of a point record that does not say (files written before regimes).
 DEFAULT_REGIME = "prefill"
 
-_COUNT = "a positive int"
-_NUMBER = "a number"
+_COUNT, _NUMBER = "a positive int", "a number"
 #: What each known field of a point or roof record must hold (None is allowed
 #: for optional fields: those not in :data:`REQUIRED`).
 FIELD_TYPES = {
@@ -58,6 +37,7 @@ FIELD_TYPES = {
     "gflops": _NUMBER, "roof_gflops": _NUMBER, "roof_fraction": _NUMBER,
     "peak_bytes": _NUMBER, "peak_bytes_tracemalloc": _NUMBER, "max_abs_err": _NUMBER, "check_tol": _NUMBER,
     "load_avg_1m": _NUMBER, "gelem_s": _NUMBER, "started": _NUMBER, "warmup_s": _NUMBER,
+    "held_bytes": _NUMBER,
     "times_s": "a list of numbers", "shape": "a list of positive ints",
 }
 REQUIRED = {
@@ -79,38 +59,24 @@ def point_key(record):
     return tuple(record.get(k, DEFAULT_REGIME if k == "regime" else None) for k in POINT_KEYS)
 
 
-def _is_number(value):
+def is_number(value):
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _holds(kind, value):
-    if kind == _COUNT:
-        return isinstance(value, int) and not isinstance(value, bool) and value >= 1
-    if kind == _NUMBER:
-        return _is_number(value)
-    if kind == "true or false":
-        return isinstance(value, bool)
-    if kind == "a name":
-        return isinstance(value, str) and bool(value)
-    if kind.startswith("one of"):
-        return value in STATUSES
-    if kind == "a list of numbers":
-        return isinstance(value, list) and all(_is_number(v) for v in value)
-    return isinstance(value, list) and all(_holds(_COUNT, v) for v in value)
+def _is_count(value):
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+_HOLDS = {_COUNT: _is_count, _NUMBER: is_number,
+          "true or false": lambda v: isinstance(v, bool),
+          "a name": lambda v: isinstance(v, str) and bool(v),
+          FIELD_TYPES["status"]: lambda v: v in STATUSES,
+          "a list of numbers": lambda v: isinstance(v, list) and all(map(is_number, v)),
+          "a list of positive ints": lambda v: isinstance(v, list) and all(map(_is_count, v))}
 
 
 def check_record(record):
-    """The first problem of a record, as a sentence, or None when it is sound.
-
-    Parameters
-    ----------
-    record : object
-        One parsed line.
-
-    Returns
-    -------
-    str or None
-    """
+    """The first problem of one parsed line, as a sentence, or None when it is sound."""
     if not isinstance(record, dict) or record.get("schema") != SCHEMA:
         return f'is not a fastattn results record (expected "schema": "{SCHEMA}")'
     kind = record.get("record")
@@ -125,7 +91,7 @@ def check_record(record):
         return None
     for name, kind_of in FIELD_TYPES.items():
         value = record.get(name)
-        if value is not None and not _holds(kind_of, value):
+        if value is not None and not _HOLDS[kind_of](value):
             return f"has {name} = {value!r}; expected {kind_of}"
     return None
 
@@ -133,22 +99,9 @@ def check_record(record):
 def read_records(path):
     """All records of a results file, in order, each checked by :func:`check_record`.
 
-    Parameters
-    ----------
-    path : str or Path
-
-    Returns
-    -------
-    list of dict
-
-    Raises
-    ------
-    FileNotFoundError
-        If ``path`` does not exist.
-    ResultsFileError
-        If a line is not JSON or not a sound fastattn record; the message
-        gives ``file:line``.  A last line cut short by an interrupted write
-        (no newline) is ignored rather than refused.
+    Raises FileNotFoundError for a missing file and ResultsFileError (with
+    ``file:line``) for a line that is not JSON or not a sound record; a last line cut
+    short by an interrupted write (no newline) is ignored.
     """
     path = Path(path)
     if not path.is_file():
@@ -210,66 +163,42 @@ def check_writable(path, what="file"):
                                "writable, or choose another path)")
 
 
+def check_replaceable(path, what, marker, empty_ok=False):
+    """Refuse (ResultsFileError) to replace an existing ``path`` that is read-only, or that
+    does not hold ``marker`` (so is not a ``what`` fastattn wrote; empty is ok if ``empty_ok``)."""
+    path = Path(path)
+    check_writable(path, what)
+    text = path.read_text(encoding="utf-8", errors="replace") if path.exists() else None
+    if text is not None and marker not in text and not (empty_ok and not text.strip()):
+        raise ResultsFileError(f"{path} exists and is not a fastattn {what}; not overwriting it")
+
+
 def atomic_write(path, data):
-    """Replace ``path`` by ``data`` (str or bytes) in one step, keeping its mode and symlinks.
-
-    The data go to a temporary file of a unique name in the same folder,
-    which is fsynced and then renamed over the target: a crash leaves either
-    the old file or the new one, and no file of ours behind.  A symlink is
-    followed (its target is replaced, the link stays); an existing file keeps
-    its permission bits.
-
-    Raises
-    ------
-    ResultsFileError
-        If ``path`` exists and is read-only.
-    OSError
-        If the write fails (the target is then unchanged).
-    """
+    """Replace ``path`` by ``data`` (str or bytes) in one step: an fsynced temporary file
+    renamed over the (symlink-followed) target, which keeps its mode.  Raises
+    ResultsFileError for a read-only ``path``, OSError if the write fails (then unchanged)."""
     target = Path(os.path.realpath(path))
     check_writable(target)
-    mode = target.stat().st_mode & 0o7777 if target.exists() else None
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex}.tmp")
     try:
-        with os.fdopen(fd, "wb") as handle:
+        with open(tmp, "xb") as handle:  # a new file: the umask's mode
             handle.write(data.encode("utf-8") if isinstance(data, str) else data)
             handle.flush()
             os.fsync(handle.fileno())
-        os.chmod(tmp, mode if mode is not None else 0o666 & ~_umask())
+        if target.exists():
+            os.chmod(tmp, target.stat().st_mode & 0o7777)
         os.replace(tmp, target)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
     return Path(path)
 
 
-def _umask():
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
 class ResultsWriter:
-    """Append records to a results file, one line each, flushed and fsynced as written.
+    """Append records to a results file, one fsynced line each; an existing one is read first,
+    so a foreign, corrupt or read-only file is refused (ResultsFileError) untouched, and a
+    partial last line is cut off.  ``resume`` keeps its records (:attr:`existing`)."""
 
-    Opening an existing file first reads it whole (:func:`read_records`), so
-    a foreign, corrupt or read-only file is refused before anything is written
-    to it.  A write is one ``write`` of one complete line; a crash can at worst
-    leave a partial last line, which is cut off (atomically) on the next open.
-
-    Parameters
-    ----------
-    path : str or Path
-        Created (with its folder) if missing; a symlink is written through.
-    resume : bool, default True
-        Keep existing records (see :attr:`existing`); with False an existing
-        results file is replaced atomically by an empty one.
-
-    Raises
-    ------
-    ResultsFileError
-        If ``path`` exists and is not a fastattn results file, or is read-only.
-    """
 
     def __init__(self, path, resume=True):
         self.path = Path(path)
@@ -284,8 +213,7 @@ class ResultsWriter:
             data = self.path.read_bytes()
             if data and not data.endswith(b"\n"):
                 # A last record whole but for its newline was read: keep it.
-                whole = bool(self.existing) and data.rstrip().endswith(b"}") and \
-                    _parses(data[data.rfind(b"\n") + 1:])
+                whole = len(self.existing) == len([x for x in data.splitlines() if x.strip()])
                 atomic_write(self.path, data + b"\n" if whole else
                              data[: data.rfind(b"\n") + 1])
 
@@ -305,10 +233,3 @@ class ResultsWriter:
             os.fsync(handle.fileno())
         return json.loads(line)
 
-
-def _parses(data):
-    try:
-        json.loads(data)
-    except ValueError:
-        return False
-    return True

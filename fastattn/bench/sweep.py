@@ -1,29 +1,15 @@
-"""The sweep: measure a grid of points, one results record per point as it finishes.
+"""The sweep: a grid of :class:`Point` measured in ``spawn`` worker processes (a crash costs
+one point; peers get their own, as PyTorch runs ~5x slower once Numba's OpenMP pool has
+started), each record appended to a results file as it finishes, so a run resumes."""
 
-:func:`run_sweep` is what ``fastattn bench`` and ``fastattn report`` run::
-
-    from fastattn.bench.sweep import Options, default_grid, run_sweep
-    records = run_sweep(default_grid(), "results/run.jsonl", Options(repeats=5), threads=2)
-
-It appends to a JSON-lines results file (:mod:`fastattn.bench.results`): an
-``environment`` record and the ``roof`` records of this run first, then one
-``point`` record per point, each fsynced as written, so an interrupted sweep
-keeps every finished point and the next run with the same file resumes where
-it stopped.  A file that is not a fastattn results file is refused untouched.
-
-Measuring happens in a worker process (started with ``spawn``), so the memory
-probe sees the call and not the interpreter, and a kernel that crashes or is
-killed costs one point, not the sweep.  Peers get a worker of their own: once
-Numba's OpenMP pool has started in a process, PyTorch's kernels there run
-about 5x slower (measured on the 2-core development machine).
-"""
-
+import contextlib
 import multiprocessing
 import os
 import signal
 import time
 import uuid
 from dataclasses import asdict, dataclass
+from unittest import mock
 
 from .. import _api
 from .._threads import default_num_threads
@@ -32,13 +18,20 @@ from .results import ResultsWriter, point_key
 
 ATTENTIONS = ("softmax", "linear")
 DTYPES = ("float32", "float64")
-#: Regimes a point can measure: "prefill" is a whole sequence at once (n_q = n_k = n).
-REGIMES = ("prefill",)
-#: Feature maps of linear attention a point can carry (the first is the default).
-FEATURE_MAPS = ("elu", "relu")
+#: Regimes a point can measure: "prefill", a whole sequence at once (n_q = n_k = n);
+#: "decode", one generated token: one query against a context of n keys, causal.
+REGIMES = ("prefill", "decode")
+#: Feature maps of linear attention a point can carry (the first is the default);
+#: "favor" takes ``num_features`` (m; default :class:`fastattn.FavorFeatures`').
+FEATURE_MAPS = ("elu", "relu", "favor", "taylor")
 
 #: n of the default grid: 128 to 8192 (the report's scaling range).
 DEFAULT_NS = (128, 256, 512, 1024, 2048, 4096, 8192)
+#: Context lengths of the decode grid: 128 to 65536.
+DECODE_NS = (128, 512, 2048, 8192, 32768, 65536)
+#: n of the feature-map grid, and its FAVOR+ feature counts as multiples of d_k.
+FEATURE_MAP_NS = (4096, 16384)
+FAVOR_MULTIPLES = (1, 4, 16, 64)
 
 
 def check_count(name, value):
@@ -52,11 +45,9 @@ def check_count(name, value):
 class Point:
     """One measurement: an attention call of one shape on one backend.
 
-    ``regime`` says how ``n`` maps to the call: ``"prefill"``, ``n_q = n_k = n``.
-    Inputs are ``(batch * heads, n, d)`` seeded Gaussians.  ``feature_map`` is
-    normalised to ``"elu"`` for linear attention when not given and must be
-    None for softmax attention; ``num_features`` is the feature dimension of
-    a feature map that has one (None otherwise).
+    ``regime`` ``"prefill"``: ``n_q = n_k = n``; ``"decode"`` (causal): ``n_q = 1``,
+    ``n_k = n``.  ``feature_map`` (linear only, default ``"elu"``) and ``num_features``
+    (FAVOR+'s m) are None for softmax.
     """
 
     attention: str
@@ -73,18 +64,15 @@ class Point:
     num_features: int | None = None
 
     def __post_init__(self):
-        if self.attention not in ATTENTIONS:
-            raise ValueError(f"attention must be one of {ATTENTIONS}, got {self.attention!r}")
+        for name, allowed in (("attention", ATTENTIONS), ("dtype", DTYPES), ("regime", REGIMES)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if not isinstance(self.backend, str) or not self.backend:
             raise ValueError(f"backend must be a backend or peer name, got {self.backend!r}")
         if not isinstance(self.causal, bool):
             raise TypeError(f"causal must be True or False, got {self.causal!r}")
         for name in ("n", "d_k", "d_v", "batch", "heads"):
             check_count(name, getattr(self, name))
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.regime not in REGIMES:
-            raise ValueError(f"regime must be one of {REGIMES}, got {self.regime!r}")
         if self.attention == "softmax" and self.feature_map is not None:
             raise ValueError("feature_map applies to linear attention only; use None for softmax")
         if self.attention == "linear":
@@ -92,17 +80,22 @@ class Point:
             if fmap not in FEATURE_MAPS:
                 raise ValueError(f"feature_map must be one of {FEATURE_MAPS}, got {fmap!r}")
             object.__setattr__(self, "feature_map", fmap)
+        if self.regime == "decode" and not self.causal:
+            raise ValueError("a decode point is causal (its query is the newest token): "
+                             "use causal=True")
+        if self.num_features is not None:
+            if self.feature_map != "favor":
+                raise ValueError("num_features applies to feature_map='favor' only, got "
+                                 f"feature_map={self.feature_map!r}")
+            check_count("num_features", self.num_features)
 
-    @property
-    def peer(self):
-        """True for a peer (e.g. "torch"), False for a fastattn backend."""
-        return self.backend in peers.PEERS
+    peer = property(lambda self: self.backend in peers.PEERS, doc="True for a peer (torch).")
 
     def spec(self):
         """The call's fields (what :mod:`fastattn.bench.engine` measures)."""
         fields = asdict(self)
         n = fields.pop("n")
-        return {**fields, "n_q": n, "n_k": n}
+        return {**fields, "n_q": 1 if self.regime == "decode" else n, "n_k": n}
 
     def record_fields(self, threads):
         """The identifying fields of this point's record (:data:`~.results.POINT_KEYS` and ``peer``)."""
@@ -110,37 +103,20 @@ class Point:
 
     def label(self):
         """Short text naming the point, e.g. ``softmax causal n=1024 d=64 float32 numba``."""
-        mask = "causal" if self.causal else "non-causal"
+        mask = ("causal" if self.causal else "non-causal") + (" decode" if self.regime ==
+                                                              "decode" else "")
         d = f"d={self.d_k}" if self.d_k == self.d_v else f"d_k={self.d_k} d_v={self.d_v}"
-        return f"{self.attention} {mask} n={self.n} {d} {self.dtype} {self.backend}"
+        fmap = "" if self.attention == "softmax" or self.feature_map == "elu" else \
+            f" {self.feature_map}" + (f" m={self.num_features}" if self.num_features else "")
+        return f"{self.attention}{fmap} {mask} n={self.n} {d} {self.dtype} {self.backend}"
 
 
 @dataclass(frozen=True)
 class Options:
-    """How each point is measured.
-
-    Attributes
-    ----------
-    repeats : int, default 5
-        Timed repeats per point after a warm-up call.
-    memory : bool, default True
-        Record each call's peak extra memory.
-    check : bool, default True
-        Compare each output with the float64 reference (``max_abs_err``).
-    min_time_s : float, default 0.25
-        A fast call is repeated for this long at least (up to 100 repeats), so
-        its fastest repeat is one that other work on the machine left alone.
-    max_point_s : float or None, default 5.0
-        Cap on the seconds of timed repeats per point: a slower call gets fewer
-        repeats (never fewer than 3; the record's ``repeats`` says how many).
-    point_timeout_s : float, optional
-        A point still running after this long is recorded as an error and its
-        worker replaced (isolated sweeps only).
-    roof : bool, default True
-        Probe the GEMM roof before the points (False: no roof records).
-    roof_budget_s : float, default 0.1
-        Seconds per roof probe.
-    """
+    """How each point is measured: ``repeats`` after a warm-up, ``min_time_s`` and
+    ``max_point_s`` as in :func:`~fastattn.bench.engine.measure_point`, the ``memory``
+    probe and the ``check``, ``point_timeout_s`` (then an error, the worker replaced),
+    and the GEMM ``roof`` probe (``roof_budget_s`` seconds each)."""
 
     repeats: int = 5
     min_time_s: float = engine.MIN_TIME_S
@@ -156,12 +132,8 @@ class Options:
 
 
 def idle_cores(interval_s=0.5):
-    """Usable cores that other work left idle over the last ``interval_s`` seconds (at least 1).
-
-    With more threads than idle cores, each parallel region waits for a
-    thread the scheduler has put aside, and every call of a multi-threaded
-    kernel picks up tens of milliseconds whatever the statistic.
-    """
+    """Usable cores other work left idle over ``interval_s`` seconds (at least 1): with more
+    threads than idle cores, each parallel region waits for a descheduled thread."""
     import psutil
 
     busy = sum(psutil.cpu_percent(interval=interval_s, percpu=True)) / 100
@@ -180,38 +152,35 @@ def known_backends():
 
 
 def default_grid(attentions=ATTENTIONS, backends=None, ns=DEFAULT_NS, causal=(False, True),
-                 d_k=64, d_v=64, batch=1, heads=1, dtype="float32", feature_map=None):
-    """The points of a sweep: every combination, the backends of one shape side by side.
-
-    Parameters
-    ----------
-    attentions : iterable of {"softmax", "linear"}
-    backends : iterable of str, optional
-        Default :func:`default_backends`.
-    ns : iterable of int, default 128 ... 8192 (powers of 2)
-    causal : iterable of bool, default (False, True)
-    d_k, d_v, batch, heads : int
-    dtype : str or iterable of str, default "float32"
-    feature_map : str, optional
-        For linear attention; default "elu".
-
-    Returns
-    -------
-    list of Point
-        Ordered by attention, causal, dtype, n, then backend, so the backends of
-        one shape are measured one after another (interleaved, under the same load).
-    """
+                 d_k=64, d_v=64, batch=1, heads=1, dtype="float32", feature_map=None,
+                 regime="prefill", num_features=None):
+    """Every combination as Points, ordered by attention, causal, dtype, n, then backend
+    (default :func:`default_backends`; a peer only where it has the call,
+    :func:`~fastattn.bench.peers.supports`), so the backends of one shape are measured one
+    after another, under the same load.  A decode grid is causal only."""
     backends = default_backends() if backends is None else list(backends)
     dtypes = [dtype] if isinstance(dtype, str) else list(dtype)
+    causal = (True,) if regime == "decode" else causal
     return [Point(attention, backend, bool(c), int(n), int(d_k), int(d_v), int(batch),
-                  int(heads), dt, feature_map if attention == "linear" else None)
+                  int(heads), dt, fmap, regime, num_features if fmap == "favor" else None)
             for attention in attentions for c in causal for dt in dtypes for n in ns
-            for backend in backends]
+            for backend in backends
+            for fmap in [feature_map if attention == "linear" else None]
+            if backend not in peers.PEERS or peers.supports(backend, attention, regime, fmap)]
+
+
+def feature_map_grid(backends, ns=FEATURE_MAP_NS, d_k=64, **kwargs):
+    """Non-causal linear points of every feature map: elu, relu, FAVOR+ at
+    ``m = FAVOR_MULTIPLES x d_k`` and taylor, at each n of ``ns``."""
+    maps = [("elu", None), ("relu", None)] + [("favor", f * d_k) for f in FAVOR_MULTIPLES] \
+        + [("taylor", None)]
+    return [p for fmap, m in maps for p in default_grid(
+        ("linear",), backends, ns, (False,), d_k=d_k, d_v=d_k, feature_map=fmap,
+        num_features=m, **kwargs)]
 
 
 # ---------------------------------------------------------------- the worker
 def _serve(task, state):
-    """Answer one request in the measuring process."""
     from . import environment
 
     kind, payload = task
@@ -227,15 +196,12 @@ def _serve(task, state):
                                    max_point_s=options.max_point_s,
                                    min_time_s=options.min_time_s)
     if outcome["status"] == "ok":  # the counts in force right after the call
-        outcome["thread_counts"] = {**_thread_counts(state["peers_only"]),
-                                    **peers.peer_threads()}
+        from .._threads import blas_threads, get_num_threads
+
+        outcome["thread_counts"] = {**({"blas": blas_threads()} if state["peers_only"]
+                                       else get_num_threads()), **peers.peer_threads()}
     return outcome
 
-
-def _thread_counts(peers_only):
-    from .._threads import blas_threads, get_num_threads
-
-    return {"blas": blas_threads()} if peers_only else get_num_threads()
 
 
 def _setup(threads, peers_only):
@@ -253,7 +219,6 @@ def _setup(threads, peers_only):
 
 
 def _worker_main(conn, threads, peers_only):
-    """Entry point of the worker process: answer requests until the pipe closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C
     state = _setup(threads, peers_only)
     conn.send(("ready", None))
@@ -278,26 +243,23 @@ _THREAD_ENV = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NU
 
 
 class _Worker:
-    """A measuring process fixed to ``threads`` threads (spawned lazily, restarted if it dies)."""
+    """A measuring process fixed to ``threads`` threads (spawned lazily, restarted if it
+    dies); with ``isolate`` False, this process answers instead (tests, debugging)."""
 
-    def __init__(self, threads, peers_only=False):
+    def __init__(self, threads, peers_only=False, isolate=True):
         self.threads, self.peers_only, self.process, self.conn = threads, peers_only, None, None
+        self.state = None if isolate else _setup(threads, peers_only)
 
     def _start(self):
         context = multiprocessing.get_context("spawn")
         self.conn, child = context.Pipe()
-        saved = {name: os.environ.get(name) for name in _THREAD_ENV}
         # Fix the pools before any library starts them in the child; Numba
         # refuses set_num_threads above its start-up count.
-        os.environ.update({name: str(self.threads) for name in _THREAD_ENV},
-                          NUMBA_NUM_THREADS=str(max(self.threads, default_num_threads())))
-        try:
+        with mock.patch.dict(os.environ, {name: str(self.threads) for name in _THREAD_ENV},
+                             NUMBA_NUM_THREADS=str(max(self.threads, default_num_threads()))):
             self.process = context.Process(target=_worker_main, daemon=True,
                                            args=(child, self.threads, self.peers_only))
             self.process.start()
-        finally:
-            for name, value in saved.items():
-                os.environ.pop(name, None) if value is None else os.environ.update({name: value})
         child.close()
         try:
             self.conn.recv()  # started and set up: time limits count from here
@@ -307,13 +269,14 @@ class _Worker:
     def _died(self, what):
         self.process.join(timeout=5)
         code, self.process = self.process.exitcode, None
-        name = ""
-        if code is not None and code < 0:
-            name = f" by {signal.Signals(-code).name}" if -code in signal.valid_signals() else ""
+        name = f" by {signal.Signals(-code).name}" if code and -code in signal.valid_signals() \
+            else ""
         hint = " (out of memory?)" if code == -signal.SIGKILL else ""
         return WorkerDied(f"the measuring process {what}{name}, exit code {code}{hint}")
 
     def request(self, kind, payload, timeout_s=None):
+        if self.state is not None:
+            return _serve((kind, payload), self.state)
         if self.process is None or not self.process.is_alive():
             self._start()
         try:
@@ -333,40 +296,18 @@ class _Worker:
 
     def close(self):
         if self.process is not None:
-            try:
+            with contextlib.suppress(OSError):
                 self.conn.send(None)
-            except OSError:
-                pass
             self.process.join(timeout=2)
             self.process.terminate()  # a no-op once it has ended
             self.process = None
 
 
-class _InProcess:
-    """The same requests answered in this process (tests, debugging)."""
 
-    def __init__(self, threads):
-        self.state = _setup(threads, False)
-
-    def request(self, kind, payload, timeout_s=None):
-        return _serve((kind, payload), self.state)
-
-    def close(self):
-        pass
-
-
-def _progress(total, label):
-    if not label or total == 0:
-        return None
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, unit="point", desc=label, dynamic_ncols=True)
-
-
-def _write_header(writer, worker, todo, threads, options, run_id):
+def _write_header(writer, worker, todo, threads, why, options, run_id):
     """The run's environment and roof records; returns the GEMM roof records."""
-    writer.write("environment", run_id=run_id, **worker.request("environment",
-                                                                {"threads": threads}))
+    writer.write("environment", run_id=run_id, threads_reason=why,
+                 **worker.request("environment", {"threads": threads}))
     if not options.roof:
         return []
     shapes = sorted({(p.n, p.d_k) for p in todo})
@@ -378,7 +319,6 @@ def _write_header(writer, worker, todo, threads, options, run_id):
 
 
 def _measure(point, worker, options, roofs):
-    """The outcome fields of one point's record."""
     try:
         outcome = dict(worker.request("point", {"spec": point.spec(), "options": options},
                                       timeout_s=options.point_timeout_s))
@@ -392,50 +332,23 @@ def _measure(point, worker, options, roofs):
     return outcome
 
 
-def run_sweep(points, results_path, options=Options(), *, threads=None, resume=True,
-              isolate=True, progress="fastattn bench", announce=None):
-    """Measure ``points``, appending one record per point to ``results_path`` as each finishes.
+def run_sweep(points, results_path, options=Options(), *, threads=None, threads_reason=None,
+              resume=True, isolate=True, progress="fastattn bench", announce=None):
+    """Measure ``points``, appending a record per point to ``results_path`` as each finishes;
+    return their records in order, measured now or found in the file.
 
-    Parameters
-    ----------
-    points : iterable of Point
-    results_path : str or Path
-        JSON-lines results file; created with its folder if missing.
-    options : Options
-        How each point is measured.
-    threads : int, optional
-        Threads for every backend, BLAS and peers, fixed for the whole run and
-        recorded in every record.  Default: the usable cores.
-    resume : bool, default True
-        Keep the records already in the file and skip the points measured
-        there (status ok or skipped, same threads); errors are retried.
-        False starts the file afresh (it must still be a fastattn results file).
-    isolate : bool, default True
-        Measure in worker processes; False measures in this process.
-    progress : str or None, default "fastattn bench"
-        The label of the progress bar (tqdm, on stderr); None: no bar.
-    announce : callable, optional
-        Called as ``announce(to_measure, already_done)`` once the file is read,
-        before anything is measured.
-
-    Returns
-    -------
-    list of dict
-        The point records of ``points``, in order: those measured now and those
-        found in the file.
-
-    Raises
-    ------
-    ResultsFileError
-        If ``results_path`` is not a fastattn results file, or is read-only
-        (it is left unchanged).
-    KeyboardInterrupt
-        Passed on after the workers are stopped; finished points are in the file.
+    ``threads`` (default: usable cores) holds for every backend, BLAS and peer, and
+    ``threads_reason`` says why in the environment record.  ``resume`` skips the points in
+    the file (ok or skipped, same threads); False starts it afresh.  ``announce(to_measure,
+    done)`` is called once the file is read.  Raises ResultsFileError for a foreign or
+    read-only file (left unchanged); on KeyboardInterrupt finished points are in the file.
     """
     points = list(points)
     for point in points:
         if not isinstance(point, Point):
             raise TypeError(f"points must be Point instances, got {type(point).__name__}")
+    why = threads_reason or (f"every usable core ({default_num_threads()})" if threads is None
+                             else "as given")
     threads = check_count("threads", default_num_threads() if threads is None else threads)
     writer = ResultsWriter(results_path, resume=resume)  # refuses a foreign file first
     found = {point_key(r): r for r in writer.existing
@@ -444,24 +357,24 @@ def run_sweep(points, results_path, options=Options(), *, threads=None, resume=T
     if announce is not None:
         announce(len(todo), len(points) - len(todo))
     run_id = uuid.uuid4().hex[:12]
-    worker = _Worker(threads) if isolate else _InProcess(threads)
+    worker = _Worker(threads, isolate=isolate)
     peer_worker = _Worker(threads, peers_only=True) if isolate else worker
-    bar = _progress(len(todo), progress)
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=len(todo), unit="point", desc=progress, dynamic_ncols=True,
+               disable=not progress or not todo)
     try:
-        roofs = _write_header(writer, worker, todo, threads, options, run_id) if todo else []
+        roofs = _write_header(writer, worker, todo, threads, why, options, run_id) if todo else []
         for point in todo:
-            if bar is not None:
-                bar.set_postfix_str(point.label(), refresh=False)
+            bar.set_postfix_str(point.label(), refresh=False)
             started = time.time()
             outcome = _measure(point, peer_worker if point.peer else worker, options, roofs)
             record = writer.write("point", run_id=run_id, started=started,
                                   **point.record_fields(threads), **outcome)
             found[point_key(record)] = record
-            if bar is not None:
-                bar.update(1)
+            bar.update(1)
     finally:
-        if bar is not None:
-            bar.close()
+        bar.close()
         worker.close()
         peer_worker.close()
     keys = [point_key(p.record_fields(threads)) for p in points]
@@ -469,4 +382,4 @@ def run_sweep(points, results_path, options=Options(), *, threads=None, resume=T
 
 
 __all__ = ["Options", "Point", "check_count", "default_backends", "default_grid",
-           "known_backends", "run_sweep"]
+           "feature_map_grid", "known_backends", "run_sweep"]

@@ -1,16 +1,10 @@
-"""Units, plain-text tables, CSV and the JSON summary of point records.
-
-The formatting functions here are the only ones in fastattn: the bench's
-tables, the report's page and its figures all use them.
-"""
+"""Units, text tables, CSV and the JSON summary of point records: fastattn's only formatting."""
 
 import csv
 import io
-import json
 import math
-from pathlib import Path
 
-from .results import ResultsFileError, atomic_write, check_writable, to_json
+from .results import atomic_write, check_replaceable, to_json
 
 #: Columns of the CSV written beside a results file, in order.
 CSV_COLUMNS = (
@@ -18,7 +12,7 @@ CSV_COLUMNS = (
     "d_k", "d_v", "feature_map", "threads", "status", "reason", "median_s", "min_s",
     "max_s", "repeats", "number", "flops", "gflops", "roof_gflops", "roof_fraction",
     "peak_bytes", "memory_method", "peak_bytes_tracemalloc", "max_abs_err", "check_n",
-    "check_ok", "run_id",
+    "check_ok", "run_id", "regime", "num_features", "held_bytes",
 )
 #: Schema tag of the JSON summary ``fastattn bench`` writes beside its results.
 SUMMARY_SCHEMA = "fastattn.bench-summary/1"
@@ -38,10 +32,9 @@ def format_seconds(seconds):
     """Seconds to ``"812 µs"``, ``"12.3 ms"``, ``"1.41 s"``; ``"–"`` for missing."""
     if _missing(seconds):
         return MISSING
-    for unit, factor in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
-        if seconds >= factor:
-            return f"{seconds / factor:.3g} {unit}"
-    return f"{seconds / 1e-9:.3g} ns"
+    unit, factor = next((u, f) for u, f in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6),
+                                            ("ns", 0.0)) if seconds >= f)
+    return f"{seconds / (factor or 1e-9):.3g} {unit}"
 
 
 def format_bytes(nbytes):
@@ -77,43 +70,28 @@ def config_title(record):
     dims = (f"d={record['d_k']}" if record["d_k"] == record["d_v"]
             else f"d_k={record['d_k']} d_v={record['d_v']}")
     fmap = f", feature map {record['feature_map']}" if record.get("feature_map") else ""
+    fmap += f" (m = {record['num_features']})" if record.get("num_features") else ""
+    regime = ", decode: one token after n keys" if record.get("regime") == "decode" else ""
     threads = record["threads"]
-    return (f"{record['attention']} attention, {mask_name(record['causal'])}, "
+    return (f"{record['attention']} attention{regime}, {mask_name(record['causal'])}, "
             f"{record['dtype']}, {dims}, batch {record['batch']} x heads {record['heads']}"
             f"{fmap}, {threads} thread{'s' if threads != 1 else ''}")
 
 
-def _groups(records):
-    groups = {}
+def summarise(records, baseline=None, backend_order=()):
+    """The tables of :func:`format_tables` as data: ``schema``, ``baseline`` and
+    ``configurations``, each ``{"title", "config", "rows"}``, a row per point with ``n``,
+    ``vs_baseline`` (baseline median / median) and the point's outcome fields."""
+    configurations, groups = [], {}
     for record in records:
         groups.setdefault(tuple(record.get(k) for k in CONFIG_KEYS), []).append(record)
-    return list(groups.values())
-
-
-def _ratio(base, record):
-    ref = base.get(record["n_q"])
-    return ref / record["median_s"] if ref and record.get("median_s") else None
-
-
-def summarise(records, baseline=None, backend_order=()):
-    """The tables of :func:`format_tables` as data: one entry per configuration.
-
-    Returns
-    -------
-    dict
-        ``schema``, ``baseline`` and ``configurations``: a list of
-        ``{"title", "config": {...}, "rows": [...]}`` where each row has ``n``,
-        ``backend``, ``status``, ``reason``, ``median_s``, ``min_s``, ``max_s``,
-        ``gflops``, ``roof_fraction``, ``peak_bytes``, ``vs_baseline``
-        (baseline median / median), ``max_abs_err``, ``check_n``, ``check_ok``.
-    """
-    configurations = []
-    for group in _groups(records):
+    for group in groups.values():
         order = list(backend_order) + [r["backend"] for r in group]
-        group = sorted(group, key=lambda r: (r["n_q"], order.index(r["backend"])))
-        base = {r["n_q"]: r.get("median_s") for r in group
+        group = sorted(group, key=lambda r: (r["n_k"], order.index(r["backend"])))
+        base = {r["n_k"]: r.get("median_s") for r in group
                 if r["backend"] == baseline and r.get("status") == "ok"}
-        rows = [{"n": r["n_q"], "vs_baseline": _ratio(base, r),
+        rows = [{"n": r["n_k"], "vs_baseline": base[r["n_k"]] / r["median_s"]
+                 if base.get(r["n_k"]) and r.get("median_s") else None,
                  **{k: r.get(k) for k in ("backend", "status", "reason", "median_s", "min_s",
                                           "max_s", "gflops", "roof_fraction", "peak_bytes",
                                           "max_abs_err", "check_n", "check_ok")}}
@@ -139,22 +117,8 @@ def _cells(row):
 
 
 def format_tables(records, baseline=None, backend_order=()):
-    """One text table per configuration: every backend at every n, side by side.
-
-    Parameters
-    ----------
-    records : list of dict
-        Point records.
-    baseline : str, optional
-        Backend the ratio column compares with: ``baseline time / time``, so
-        above 1 is faster than the baseline.
-    backend_order : sequence of str
-        Row order of backends within one n (default: order of appearance).
-
-    Returns
-    -------
-    str
-    """
+    """One text table per configuration, every backend at every n (in ``backend_order``),
+    with the ratio ``baseline time / time`` (above 1: faster than ``baseline``)."""
     ratio_title = f"vs {baseline}" if baseline else "ratio"
     header = ["n", "backend", "median (min-max)", "GFLOP/s", "% roof", "peak extra",
               ratio_title, "max err"]
@@ -179,23 +143,12 @@ def format_tables(records, baseline=None, backend_order=()):
 
 
 def check_target(path, kind):
-    """Refuse (ResultsFileError) to replace ``path`` unless it is a ``kind`` ("csv" or
-    "summary") file this module wrote, or it is missing; also when it is read-only."""
-    path = Path(path)
-    if not path.exists():
-        return
-    check_writable(path, kind)
-    text = path.read_text(encoding="utf-8", errors="replace")
+    """Refuse (ResultsFileError) to replace a ``kind`` ("csv" or "summary") file this module
+    did not write, or a read-only one."""
     if kind == "csv":
-        ours = text.split("\n", 1)[0].strip() in ("", ",".join(CSV_COLUMNS))
+        check_replaceable(path, "results CSV", ",".join(CSV_COLUMNS[:31]), empty_ok=True)
     else:
-        try:
-            ours = json.loads(text).get("schema") == SUMMARY_SCHEMA
-        except (ValueError, AttributeError):
-            ours = False
-    if not ours:
-        what = "results CSV" if kind == "csv" else "bench summary"
-        raise ResultsFileError(f"{path} exists and is not a fastattn {what}; not overwriting it")
+        check_replaceable(path, "bench summary", f'"schema": "{SUMMARY_SCHEMA}"')
 
 
 def write_csv(records, path):

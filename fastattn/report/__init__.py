@@ -1,11 +1,4 @@
-"""HTML scaling reports built from results files.
+"""HTML reports from results files: records -> :mod:`.analysis` -> :mod:`.figures` ->
+page (:mod:`.build`); :mod:`.quality`, :mod:`.asv_results`; ``fastattn report``
+(:mod:`.cli`).  Nothing is imported here, so commands do not load matplotlib."""
 
-* :func:`build_report` (:mod:`~fastattn.report.build`) -- records (and quality
-  numbers) to one self-contained HTML page; :mod:`~fastattn.report.analysis`
-  -- curves, exponent fits, crossovers; :mod:`~fastattn.report.figures` -- the
-  PNGs; :mod:`~fastattn.report.quality` -- linear against softmax attention;
-  :mod:`~fastattn.report.asv_results` -- asv results as records;
-* ``fastattn report`` (:mod:`fastattn.report.cli`) -- measure, then build.
-
-Nothing is imported here, so ``fastattn`` commands do not load matplotlib.
-"""

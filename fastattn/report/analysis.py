@@ -1,12 +1,6 @@
-"""Numbers a scaling report states, computed from results records only.
-
-Nothing here times anything: it groups point records (see
-:mod:`fastattn.bench.results`) into curves of time, memory and GFLOP/s
-against the sequence length ``n`` (``n_k``; ``n_q = n_k`` when prefilling),
-fits scaling exponents, finds where linear attention overtakes softmax
-attention, and matches each curve to its GEMM roof.  What it returns is final
-and labelled: figures draw it and the page shows it, and neither changes it.
-"""
+"""Numbers a report states, from results records only: curves of time, memory and
+GFLOP/s against ``n`` (``n_k``), exponent fits, crossovers and roofs.  What it returns
+is final and labelled: figures draw it and the page shows it, neither changes it."""
 
 import math
 from dataclasses import dataclass, field
@@ -14,8 +8,9 @@ from dataclasses import dataclass, field
 import numpy as np
 from scipy import stats
 
-from ..bench.engine import roof_for
-from ..bench.results import POINT_KEYS, point_key
+from ..bench.engine import gemm_probes, roof_for
+
+from ..bench.results import DEFAULT_REGIME, POINT_KEYS, point_key
 
 #: The keys that identify one curve: a point's identity without ``n_q``/``n_k``,
 #: plus the machine (set for asv results, absent for a sweep on this machine).
@@ -26,21 +21,9 @@ FIT_MIN_N = 1024
 
 
 def split_records(records):
-    """Separate records by type.
-
-    Parameters
-    ----------
-    records : list of dict
-        As read by :func:`fastattn.bench.results.read_records`.
-
-    Returns
-    -------
-    environments, roofs, points : list of dict
-        ``points`` keeps only the last record of each point identity (a resumed
-        run re-measures a point that had failed; the later record is the
-        answer).  Identity is :func:`~fastattn.bench.results.point_key` plus
-        ``machine``.
-    """
+    """``environments, roofs, points`` of ``records``; ``points`` keeps the last record of
+    each identity (:func:`~fastattn.bench.results.point_key` and ``machine``): a resumed
+    run re-measures a point that had failed."""
     environments, roofs, by_key = [], [], {}
     for record in records:
         kind = record.get("record")
@@ -58,30 +41,17 @@ def split_records(records):
 #: dragged by load (as :mod:`timeit` advises); the median is shown beside it.
 FIT_STATISTIC = "min"
 
-#: The exponent each attention type should show on time.
+#: The exponent each attention type should show on time (prefill; a decode token: 1 and 0).
 EXPECTED_TIME_EXPONENT = {"softmax": 2, "linear": 1}
+EXPECTED_DECODE_EXPONENT = {"softmax": 1, "linear": 0}
 #: A fitted time exponent further than this from the expected one is flagged.
 EXPONENT_SLACK = 0.35
 
 
 @dataclass(frozen=True)
 class Fit:
-    """Least-squares power law ``y = c · n^slope`` fitted in log-log space.
-
-    Attributes
-    ----------
-    slope : float
-        The scaling exponent.
-    stderr : float
-        Standard error of the slope (:func:`scipy.stats.linregress`); NaN for
-        two points (a line through two points has no spread).
-    intercept : float
-        ``log c`` (natural log).
-    points : int
-        Number of points fitted.
-    n_min, n_max : int
-        The range of ``n`` fitted.
-    """
+    """Power law ``y = exp(intercept) · n^slope`` fitted to ``points`` points in
+    ``[n_min, n_max]``; ``stderr`` of the slope is NaN for two points."""
 
     slope: float
     stderr: float
@@ -102,22 +72,9 @@ class Fit:
 
 
 def fit_exponent(n, y, min_n=FIT_MIN_N):
-    """Scaling exponent of ``y`` against ``n``: least-squares slope of ``log y`` on ``log n``.
-
-    Parameters
-    ----------
-    n, y : array-like of shape (m,)
-        Sequence lengths and positive values (seconds, bytes); NaN or
-        non-positive values are left out.
-    min_n : int, default :data:`FIT_MIN_N`
-        Only points with ``n >= min_n`` are fitted, where the leading term
-        dominates the constant costs of a call.
-
-    Returns
-    -------
-    Fit or None
-        None when fewer than two usable points with distinct ``n`` remain.
-    """
+    """Least-squares slope of ``log y`` on ``log n`` (:func:`scipy.stats.linregress`) over
+    the finite positive ``y`` with ``n >= min_n`` (where the leading term dominates);
+    a :class:`Fit`, or None with fewer than two distinct ``n``."""
     n, y = np.asarray(n, dtype=np.float64), np.asarray(y, dtype=np.float64)
     use = (n >= min_n) & np.isfinite(y) & (y > 0)
     x, t = np.log(n[use]), np.log(y[use])
@@ -135,36 +92,12 @@ def fit_exponent(n, y, min_n=FIT_MIN_N):
 
 @dataclass
 class Curve:
-    """One backend's measurements of one configuration, ordered by ``n``: final, labelled.
+    """One backend's points of one configuration (``key``: the :data:`CURVE_KEYS`), by ``n``.
 
-    Attributes
-    ----------
-    key : dict
-        The :data:`CURVE_KEYS` values shared by every point of the curve.
-    peer : bool
-        True for a peer implementation (such as torch).
-    label : str
-        ``"<backend> <attention>"``, ``" (peer)"`` for a peer and, in brackets,
-        the settings that tell it apart from the other curves of its machine.
-    n : ndarray of int64, shape (m,)
-    median_s, min_s, max_s : ndarray of float64, shape (m,)
-        Seconds per call: median, fastest and slowest repeat (NaN: not kept).
-    fit_s : ndarray of float64, shape (m,)
-        The seconds fits and crossovers use (:attr:`statistic`).
-    statistic : str
-        ``"min"`` (:data:`FIT_STATISTIC`), or ``"median"`` where the repeats
-        were not kept (asv without samples).
-    repeats : ndarray of int64, shape (m,)
-        Timed repeats behind each point (0: not recorded).
-    gflops, roof_fraction, peak_bytes, max_abs_err, load_avg : ndarray of float64
-        GFLOP/s at the median, its fraction of the roof, peak extra bytes of
-        one call, error against the float64 reference, the 1-minute load
-        average while measuring (NaN when not recorded).
-    memory_method : set of str
-    check_failed : list of int
-        The ``n`` whose output disagreed with the reference.
-    time_fit, memory_fit : Fit or None
-    """
+    ``label``: ``"<backend> <attention>"``, `` (peer)`` and in brackets what tells it from
+    its machine's other curves.  Arrays are per ``n`` (NaN: not recorded); ``fit_s`` (the
+    ``statistic``: ``"min"``, or ``"median"`` where asv kept no samples) is what fits and
+    crossovers use; ``check_failed``: the ``n`` whose output disagreed with the reference."""
 
     key: dict
     peer: bool
@@ -185,6 +118,8 @@ class Curve:
     check_failed: list = field(default_factory=list)
     time_fit: Fit = None
     memory_fit: Fit = None
+    held_bytes: np.ndarray = None
+    held_fit: Fit = None
 
     attention = property(lambda self: self.key["attention"])
     backend = property(lambda self: self.key["backend"])
@@ -194,61 +129,41 @@ class Curve:
     @property
     def off(self):
         """True when the time exponent is further than :data:`EXPONENT_SLACK` from the expected."""
-        expected = EXPECTED_TIME_EXPONENT.get(self.attention)
+        expected = (EXPECTED_DECODE_EXPONENT if self.key.get("regime") == "decode"
+                    else EXPECTED_TIME_EXPONENT).get(self.attention)
         return bool(self.time_fit and expected is not None
                     and abs(self.time_fit.slope - expected) > EXPONENT_SLACK)
 
 
-def _column(points, name, default=None):
-    return np.array([float("nan") if p.get(name, default) is None else float(p.get(name, default))
-                     for p in points])
+def _column(points, name):
+    return np.array([float("nan") if p.get(name) is None else float(p[name]) for p in points])
 
 
-def _labels(keys, peers):
-    """Each curve's label: backend and attention, plus what varies between curves of one type."""
-    out = []
-    for key, peer in zip(keys, peers):
-        same = [k for k in keys if k["attention"] == key["attention"]]
-        varying = [name for name in ("dtype", "threads", "d_k", "d_v", "batch", "heads",
-                                     "feature_map", "num_features", "regime")
-                   if len({k.get(name) for k in same}) > 1 and key.get(name) is not None]
-        extra = ", ".join(f"{name}={key[name]}" for name in varying)
-        out.append(f"{key['backend']} {key['attention']}" + (" (peer)" if peer else "")
-                   + (f" [{extra}]" if extra else ""))
-    return out
+def _label(key, peer, keys):
+    """Backend and attention, plus what tells the curve from the others of its type in ``keys``
+    (``regime`` is left to the page's sections)."""
+    same = [k for k in keys if k["attention"] == key["attention"]]
+    varying = [name for name in ("dtype", "threads", "d_k", "d_v", "batch", "heads",
+                                 "feature_map", "num_features", "regime")
+               if len({k.get(name) for k in same}) > 1 and key.get(name) is not None]
+    extra = ", ".join(f"{name}={key[name]}" for name in varying)
+    return (f"{key['backend']} {key['attention']}" + (" (peer)" if peer else "")
+            + (f" [{extra}]" if extra else ""))
 
 
 def curves(points, roofs=()):
-    """Group point records with status ``"ok"`` into labelled curves with their fits.
-
-    Parameters
-    ----------
-    points : list of dict
-        Point records (deduplicated, see :func:`split_records`).
-    roofs : list of dict
-        Roof records: a point without ``roof_fraction`` is matched to them by
-        :func:`fastattn.bench.engine.roof_for`.
-
-    Returns
-    -------
-    list of Curve
-        Sorted by machine, attention, causal, backend (fastattn's before peers).
-    """
+    """The ok ``points`` as labelled :class:`Curve` s with their fits, sorted by machine,
+    attention, causal, then backend (peers last); a point without ``roof_fraction`` is
+    matched to ``roofs`` by :func:`fastattn.bench.engine.roof_for`."""
     groups = {}
     for p in points:
         if p.get("status") == "ok" and p.get("median_s") is not None:
-            groups.setdefault(tuple(p.get(k) for k in CURVE_KEYS), []).append(p)
+            groups.setdefault(tuple(p.get(k, DEFAULT_REGIME if k == "regime" else None)
+                                    for k in CURVE_KEYS), []).append(p)
     keys = [dict(zip(CURVE_KEYS, key)) for key in groups]
-    peers = [any(bool(p.get("peer")) for p in pts) for pts in groups.values()]
-    by_machine = {}
-    for key, peer in zip(keys, peers):
-        by_machine.setdefault(key.get("machine"), []).append((key, peer))
-    label_of = {}
-    for pairs in by_machine.values():
-        for (key, _), label in zip(pairs, _labels(*zip(*pairs))):
-            label_of[id(key)] = label
     result = []
-    for key, peer, pts in zip(keys, peers, groups.values()):
+    for key, pts in zip(keys, groups.values()):
+        peer = any(bool(p.get("peer")) for p in pts)
         pts.sort(key=lambda p: p["n_k"])
         roof = roof_for(roofs, key.get("dtype"), key.get("d_k") or 1, key.get("threads"),
                         key.get("machine"))
@@ -257,7 +172,8 @@ def curves(points, roofs=()):
         min_s = _column(pts, "min_s")
         statistic = FIT_STATISTIC if np.isfinite(min_s).all() else "median"
         curve = Curve(
-            key=key, peer=peer, label=label_of[id(key)],
+            key=key, peer=peer, label=_label(key, peer, [  # beside its machine's, same regime
+                k for k in keys if (k["machine"], k["regime"]) == (key["machine"], key["regime"])]),
             n=np.array([p["n_k"] for p in pts], dtype=np.int64),
             median_s=_column(pts, "median_s"), min_s=min_s, max_s=_column(pts, "max_s"),
             fit_s=min_s if statistic == "min" else _column(pts, "median_s"),
@@ -270,6 +186,8 @@ def curves(points, roofs=()):
             check_failed=[p["n_k"] for p in pts if p.get("check_ok") is False])
         curve.time_fit = fit_exponent(curve.n, curve.fit_s)
         curve.memory_fit = fit_exponent(curve.n, curve.peak_bytes)
+        curve.held_bytes = _column(pts, "held_bytes")
+        curve.held_fit = fit_exponent(curve.n, curve.held_bytes)
         result.append(curve)
     result.sort(key=lambda c: (str(c.machine), c.attention != "softmax", c.causal, c.peer,
                                str(c.backend), str(c.key.get("dtype"))))
@@ -278,23 +196,10 @@ def curves(points, roofs=()):
 
 @dataclass(frozen=True)
 class Crossover:
-    """Where linear attention becomes faster than softmax attention.
-
-    Attributes
-    ----------
-    n : float or None
-        The interpolated crossover length, beyond which linear attention stays
-        faster over the measured range; None when there is none in range.
-    status : str
-        ``"crossover"``, ``"linear-faster-throughout"`` (faster already at the
-        smallest common ``n``), ``"none-in-range"`` (softmax faster, or not
-        slower, at the largest common ``n``) or ``"no-common-range"``.
-    n_lo, n_hi : int or None
-        The common range of ``n`` both curves cover.
-    crossings : int
-        How many times the ordering flips in that range (more than one means
-        the curves are close and the timings noisy).
-    """
+    """Where linear attention becomes faster: ``n`` (None unless ``status`` is
+    ``"crossover"``; else ``"linear-faster-throughout"``, ``"none-in-range"`` or
+    ``"no-common-range"``), the common range ``n_lo..n_hi`` and how many times the
+    order flips there (``crossings``; more than one: close, noisy curves)."""
 
     n: float | None
     status: str
@@ -317,31 +222,14 @@ class Crossover:
 
 
 def crossover(n_softmax, t_softmax, n_linear, t_linear):
-    """The sequence length where linear attention overtakes softmax attention.
-
-    Both time curves are interpolated linearly in ``(log n, log t)`` onto the
-    union of their ``n`` within the range both cover; the crossover is where
-    ``log t_linear - log t_softmax`` last changes sign from ``>= 0`` to ``< 0``,
-    located by linear interpolation in ``log n``.
-
-    Parameters
-    ----------
-    n_softmax, t_softmax : array-like of shape (m,)
-        Softmax attention: sequence lengths (increasing) and seconds.
-    n_linear, t_linear : array-like of shape (p,)
-        Linear attention, likewise.
-
-    Returns
-    -------
-    Crossover
-    """
+    """The :class:`Crossover` of two time curves: both interpolated in ``(log n, log t)``
+    on the union of their ``n`` within the common range; the crossover is where
+    ``log t_linear - log t_softmax`` last turns negative, interpolated in ``log n``."""
     ns, ts = _positive(n_softmax, t_softmax)
     nl, tl = _positive(n_linear, t_linear)
-    if len(ns) == 0 or len(nl) == 0:
+    if len(ns) == 0 or len(nl) == 0 or max(ns[0], nl[0]) > min(ns[-1], nl[-1]):
         return Crossover(None, "no-common-range", None, None)
     lo, hi = max(ns[0], nl[0]), min(ns[-1], nl[-1])
-    if lo > hi:
-        return Crossover(None, "no-common-range", None, None)
     grid = np.unique(np.concatenate([ns, nl]))
     grid = grid[(grid >= lo) & (grid <= hi)]
     x = np.log(grid)
@@ -367,18 +255,19 @@ def _positive(n, t):
     return n[use][order], t[use][order]
 
 
+def rows_by_n(curve_list, cell):
+    """A row ``{"n", "cells"}`` per n any curve measured: ``cell(curve, index)`` for each
+    curve, None where it has no point at that n."""
+    rows = []
+    for n in sorted({int(n) for c in curve_list for n in c.n}):
+        at = [(np.flatnonzero(c.n == n).tolist() or [None])[0] for c in curve_list]
+        rows.append({"n": n, "cells": [None if i is None else cell(c, i)
+                                       for c, i in zip(curve_list, at)]})
+    return rows
+
+
 def envelope(curve_list):
-    """The lower envelope of several time curves: the fastest at each ``n`` (by ``fit_s``).
-
-    Parameters
-    ----------
-    curve_list : list of Curve
-
-    Returns
-    -------
-    n, median_s : ndarray of shape (m,)
-        Every ``n`` any curve measured, and the smallest time there.
-    """
+    """``n, seconds``: every ``n`` any curve measured and the smallest ``fit_s`` there."""
     best = {}
     for c in curve_list:
         for n, t in zip(c.n.tolist(), c.fit_s.tolist()):
@@ -389,46 +278,31 @@ def envelope(curve_list):
 
 
 def roof_curve(roofs, dtype, threads, d=None, machine=None):
-    """The GEMM roof against n: the best GFLOP/s of ``(n, d) @ (d, n)`` at each probed n.
-
-    Returns
-    -------
-    n, gflops : ndarray of shape (m,)
-        Sorted by n; empty when no probe matches.
-    """
+    """``n, gflops``: the best GEMM ``(n, d) @ (d, n)`` probe at each probed n (empty: none)."""
     best = {}
-    for r in roofs:
-        shape = r.get("shape") or ()
-        if (r.get("probe", "gemm") == "gemm" and r.get("gflops") and r.get("dtype") == dtype
-                and r.get("threads") == threads and len(shape) == 3
-                and (d is None or shape[1] == d)
-                and (machine is None or r.get("machine") in (None, machine))):
-            best[shape[0]] = max(best.get(shape[0], 0.0), float(r["gflops"]))
+    for r in gemm_probes(roofs, dtype, threads, machine):
+        if d is None or r["shape"][1] == d:
+            best[r["shape"][0]] = max(best.get(r["shape"][0], 0.0), float(r["gflops"]))
     ns = sorted(best)
     return np.array(ns, dtype=np.int64), np.array([best[n] for n in ns])
 
 
 @dataclass(frozen=True)
 class CrossoverRow:
-    """A crossover of the report: which curves, of which mask, and where.
+    """A crossover of ``kind`` ``"backend"`` (one backend's two curves), ``"fastattn"``
+    (fastest fastattn kernel of each type) or ``"all"`` (peers included)."""
 
-    ``kind`` is ``"backend"`` (one backend's softmax and linear curves),
-    ``"fastattn"`` (the fastest fastattn kernel of each type) or ``"all"``
-    (peers included); ``label`` names the pair for the page.
-    """
 
     causal: bool
     kind: str
     label: str
     crossover: Crossover
+    peer: bool = False
 
 
 def crossover_rows(curve_list):
-    """Crossovers of each backend, and of the fastest of each type, within one dtype and threads.
-
-    Curves are compared by :attr:`Curve.fit_s`; the "fastest" rows (lower
-    envelope over backends) appear when at least two backends measured.
-    """
+    """Crossovers (by :attr:`Curve.fit_s`) of each backend, and of the fastest of each type
+    (lower envelopes, with two backends or more), within one dtype and thread count."""
     rows = []
     settings = sorted({(c.causal, str(c.key.get("dtype")), str(c.key.get("threads")))
                        for c in curve_list})
@@ -443,7 +317,7 @@ def crossover_rows(curve_list):
             s, l_ = soft[backend], lin[backend]
             rows.append(CrossoverRow(causal, "backend",
                                      f"{backend}{' (peer)' if s.peer else ''}{suffix}",
-                                     crossover(s.n, s.fit_s, l_.n, l_.fit_s)))
+                                     crossover(s.n, s.fit_s, l_.n, l_.fit_s), s.peer))
         for kind, pool in (("fastattn", [c for c in same if not c.peer]), ("all", same)):
             if kind == "all" and not any(c.peer for c in same):
                 continue

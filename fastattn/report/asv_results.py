@@ -1,28 +1,9 @@
-"""Read the results of the asv suite (``benchmarks/``) as fastattn records.
+"""The asv suite's results as fastattn records.
 
-asv (0.6) keeps, under its results directory (``.asv/results`` here)::
+asv 0.6 keeps ``benchmarks.json``, ``<machine>/machine.json`` and per commit
+``<machine>/<commit8>-<env>.json``: a row per benchmark in ``result_columns`` order, a
+value per combination of ``itertools.product(*params)`` (NaN: skipped, null: failed)."""
 
-    benchmarks.json                 every benchmark: params, param_names, unit, type
-    <machine>/machine.json          the machine: cpu, arch, os, num_cpu, ram
-    <machine>/<commit8>-<env>.json  one commit in one environment
-
-A result file holds ``result_columns`` (``"result"``, ``"params"``,
-``"version"``, ``"started_at"``, ``"duration"``, ``"stats_ci_99_a"``, ...,
-``"samples"``) and, per benchmark, a row in that column order (trailing empty
-columns dropped).  For a parameterised benchmark, ``params`` is one list of
-repr strings per parameter and ``result`` one value per combination, in the
-order of ``itertools.product(*params)``; a combination skipped in ``setup``
-(NotImplementedError) is NaN, one that failed is ``null``.
-
-:func:`load_asv_points` turns one commit of each machine (the newest on the
-branch asv.conf.json configures, or one named) into
-``"point"`` records of :mod:`fastattn.bench.results` (plus ``"machine"``,
-``"commit"``), one per attention x backend x causal x dtype x n, joining the
-``time_forward``, ``track_peak_bytes`` and ``track_max_abs_error`` benchmarks
-of that combination (the accuracy benchmarks run at one n, so only the
-points at that n carry ``max_abs_err``), and one ``"environment"`` record per machine.
-:func:`load_asv_history` gives every value of a benchmark across commits.
-"""
 
 import ast
 import datetime
@@ -33,7 +14,9 @@ import re
 import subprocess
 from pathlib import Path
 
-from ..bench.results import SCHEMA
+from ..bench.flops import attention_flops
+from ..bench.results import SCHEMA, is_number
+
 
 #: Constants of the suite (benchmarks/common.py: D, BATCH); asv results do
 #: not carry them.  tests/test_asv_results.py checks that they agree.
@@ -72,8 +55,7 @@ def _decode_param(text):
 
 
 def _is_number(value):
-    return (isinstance(value, (int, float)) and not isinstance(value, bool)
-            and math.isfinite(value))
+    return is_number(value) and math.isfinite(value)
 
 
 def _iso(ms):
@@ -115,16 +97,14 @@ def _result_files(machine_dir):
 
 
 #: Stand-ins for a combination without a value: skipped (NaN in asv) or failed (null).
-SKIPPED = "skipped"
-FAILED = "failed"
+SKIPPED, FAILED = "skipped", "failed"
+_STATS = ("stats_q_25", "stats_q_75", "stats_ci_99_a", "stats_ci_99_b", "stats_number",
+          "stats_repeat", "samples")
 
 
 def _rows(data, name, meta):
-    """One benchmark of a result file as a list of (params dict, value, stats dict).
-
-    ``value`` is a finite number, or None with ``stats["missing"]`` set to
-    :data:`SKIPPED` or :data:`FAILED`.
-    """
+    """``(params, value, stats)`` per combination of a benchmark; a missing value is None
+    with ``stats["missing"]`` :data:`SKIPPED` or :data:`FAILED`."""
     row = data["results"].get(name)
     if row is None:
         return []
@@ -143,12 +123,8 @@ def _rows(data, name, meta):
     out = []
     for index, combo in enumerate(combos):
         value = values[index] if index < len(values) else None
-        stats = {}
-        for column in ("stats_q_25", "stats_q_75", "stats_ci_99_a", "stats_ci_99_b",
-                       "stats_number", "stats_repeat", "samples"):
-            column_values = cells.get(column)
-            if isinstance(column_values, list) and index < len(column_values):
-                stats[column] = column_values[index]
+        stats = {column: cells[column][index] for column in _STATS
+                 if isinstance(cells.get(column), list) and index < len(cells[column])}
         params = {pname: _decode_param(p) for pname, p in zip(names, combo)}
         if not _is_number(value):
             stats["missing"] = FAILED if value is None else SKIPPED
@@ -156,13 +132,6 @@ def _rows(data, name, meta):
         out.append((params, value, stats))
     return out
 
-
-def _flops(attention, n, causal):
-    """Flops of one suite call by fastattn's one formula (:mod:`fastattn.bench.flops`)."""
-    from ..bench.flops import attention_flops
-
-    return attention_flops(attention, n, n, SUITE_D, SUITE_D, causal,
-                           batch=SUITE_BATCH, heads=SUITE_HEADS)
 
 
 def _threads_of(data, meta):
@@ -173,20 +142,21 @@ def _threads_of(data, meta):
     return threads, int(requested) if str(requested).isdigit() or _is_number(requested) else None
 
 
-def _environment_record(machine, machine_info, data, thread_counts, threads):
+def _environment_record(machine, machine_info, data, meta, chosen):
     """An environment record; key names follow fastattn.bench.environment.collect()."""
     def count(value):
         return int(value) if str(value).isdigit() else None
 
+    thread_counts, threads = _threads_of(data, meta)
     return {"schema": SCHEMA, "record": "environment", "source": "asv", "machine": machine,
             "commit": data.get("commit_hash"), "git_commit": data.get("commit_hash"),
             "date": _iso(data.get("date")), "env_name": data.get("env_name"),
             "cpu_model": machine_info.get("cpu"), "arch": machine_info.get("arch"),
             "platform": machine_info.get("os"), "cores_logical": count(machine_info.get("num_cpu")),
             "memory_total_bytes": count(machine_info.get("ram")), "python": data.get("python"),
-            "versions": dict(data.get("requirements") or {}),
+            "versions": {**(data.get("requirements") or {}), **_versions_of(data, meta)},
             "env_vars": data.get("env_vars") or {}, "threads": threads,
-            "thread_counts": thread_counts}
+            "thread_counts": thread_counts, "chosen": chosen}
 
 
 def _points_of(machine, data, meta):
@@ -212,8 +182,11 @@ def _points_of(machine, data, meta):
                 continue
             point[field] = value
             point["benchmarks"][field] = name
+            samples = stats.get("samples") if field == "median_s" else None
+            if isinstance(samples, list) and samples:
+                point.update(times_s=samples, min_s=min(samples), max_s=max(samples))
             if field == "median_s":
-                _add_time_stats(point, stats)
+                point.update(q25_s=stats.get("stats_q_25"), q75_s=stats.get("stats_q_75"))
     for point in points.values():
         failed = point.pop("failed")
         has_value = any(point.get(f) is not None for f in _METHOD_FIELDS.values())
@@ -241,45 +214,24 @@ def _new_point(machine, data, attention, params, threads):
             "n_q": n, "n_k": n, "d_k": SUITE_D, "d_v": SUITE_D,
             "feature_map": SUITE_FEATURE_MAP[attention], "threads": threads, "status": None,
             "reason": None, "times_s": None, "median_s": None, "min_s": None, "max_s": None,
-            "flops": _flops(attention, n, causal) if n else None, "gflops": None,
+            "flops": attention_flops(attention, n, n, SUITE_D, SUITE_D, causal, SUITE_BATCH,
+                                     SUITE_HEADS) if n else None, "gflops": None,
             "peak_bytes": None, "memory_method": "rss-hwm", "max_abs_err": None,
             "benchmarks": {}, "failed": []}
 
 
-def _add_time_stats(point, stats):
-    samples = stats.get("samples")
-    if isinstance(samples, list) and samples:
-        point.update(times_s=samples, min_s=min(samples), max_s=max(samples))
-    point.update(q25_s=stats.get("stats_q_25"), q75_s=stats.get("stats_q_75"))
-
-
-def _strip_comments(text):
-    """asv.conf.json allows ``//`` comment lines; JSON does not."""
-    return "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("//"))
-
 
 def branch_commits(results_dir):
-    """The configured branch of the asv suite and the commits on it, from git.
-
-    asv.conf.json is looked for in the results directory's parents (asv's
-    default ``.asv/results`` sits under it); its first ``branches`` entry is
-    the branch.
-
-    Returns
-    -------
-    (str, set of str) or (None, None)
-        The branch and the full hashes reachable from it; None when there is
-        no asv.conf.json or git cannot list the branch.
-    """
-    here = Path(results_dir).resolve()
-    for folder in here.parents:
-        conf = folder / "asv.conf.json"
-        if conf.is_file():
-            break
-    else:
+    """``(branch, full hashes on it)``: the first ``branches`` entry of the asv.conf.json in
+    a parent of ``results_dir``, listed by git; ``(None, None)`` when either fails."""
+    conf = next((folder / "asv.conf.json" for folder in Path(results_dir).resolve().parents
+                 if (folder / "asv.conf.json").is_file()), None)
+    if conf is None:
         return None, None
     try:
-        config = json.loads(_strip_comments(conf.read_text(encoding="utf-8")))
+        config = json.loads("\n".join(  # asv.conf.json allows // comment lines
+            line for line in conf.read_text("utf-8").splitlines()
+            if not line.lstrip().startswith("//")))
         branch = (config.get("branches") or ["main"])[0]
         repo = (conf.parent / config.get("repo", ".")).resolve()
         out = subprocess.run(["git", "-C", str(repo), "rev-list", branch], text=True,
@@ -311,41 +263,13 @@ def _choose(runs, commit, branch, on_branch):
 
 
 def load_asv_points(results_dir, commit=None):
-    """Point records of one commit of each machine, and its environment.
+    """Per machine of asv's ``results_dir``, an environment record (``chosen``: which commit
+    and why) and point records of one commit: ``commit`` (a hash or prefix), else the newest
+    on the configured branch (:func:`branch_commits`), else the newest of all.
 
-    Parameters
-    ----------
-    results_dir : str or Path
-        asv's results directory (``results_dir`` of asv.conf.json, ``.asv/results``
-        here), or a merge of several machines' results directories.
-    commit : str, optional
-        The commit to report (a hash or its prefix).  Default: the newest
-        commit (by commit date) on the branch asv.conf.json configures
-        (:func:`branch_commits`), else the newest of all.
-
-    Returns
-    -------
-    list of dict
-        Per machine: one ``"environment"`` record (``machine``, ``commit``,
-        ``chosen`` (which commit and why), ``cpu_model``, ``cores_logical``,
-        ``memory_total_bytes``, ``python``, ``env_vars``, ``threads``,
-        ``thread_counts`` (per component), ``versions`` (the suite's
-        ``track_version`` benchmark)), then one ``"point"`` record (schema of
-        :mod:`fastattn.bench.results`) per attention x backend x causal x dtype
-        x n of the suite, with extra keys ``machine``, ``commit``, ``date``
-        (ISO 8601), ``env_name``, ``source`` ``"asv"`` and ``benchmarks``
-        (field -> asv benchmark name).  ``median_s`` is asv's result (median
-        of its samples); ``times_s``, ``min_s`` and ``max_s`` only when asv kept
-        the samples (``asv run --record-samples``); ``peak_bytes`` the call's
-        peak extra RSS; ``max_abs_err`` only at the accuracy benchmarks' n.
-        Combinations that did not run have ``status`` ``"skipped"``; those
-        where a benchmark raised ``"error"``.
-
-    Raises
-    ------
-    AsvResultsError
-        If ``results_dir`` holds no ``<machine>/machine.json``, a result file
-        is not asv's, or no result file is of the commit asked for.
+    Points carry ``machine``, ``commit``, ``date``, ``env_name``, ``source`` "asv",
+    ``benchmarks``; ``times_s``/``min_s``/``max_s`` only where asv kept samples.  Raises
+    AsvResultsError for no ``<machine>/machine.json``, a foreign file or an unknown commit.
     """
     root, machines = _results_root(results_dir)
     meta = _benchmark_meta(root)
@@ -358,11 +282,8 @@ def load_asv_points(results_dir, commit=None):
             continue
         latest, chosen = _choose(runs, commit, branch, on_branch)
         for data in latest:
-            thread_counts, threads = _threads_of(data, meta)
-            env = _environment_record(machine_dir.name, machine_info, data, thread_counts,
-                                      threads)
-            env["versions"].update(_versions_of(data, meta))
-            records.append(dict(env, chosen=chosen))
+            records.append(_environment_record(machine_dir.name, machine_info, data, meta,
+                                               chosen))
             points = _points_of(machine_dir.name, data, meta)
             records.extend(points[key] for key in sorted(points, key=_sort_key))
     return records
@@ -384,32 +305,10 @@ def _sort_key(key):
 
 
 def load_asv_history(results_dir, benchmark=None):
-    """Every value of asv benchmarks across commits, oldest commit first.
-
-    Parameters
-    ----------
-    results_dir : str or Path
-        asv's results directory (see :func:`load_asv_points`).
-    benchmark : str, optional
-        A benchmark name (``"softmax.SoftmaxAttention.time_forward"``); a name
-        that matches none exactly is taken as a regular expression searched
-        in the names.  None: every benchmark.
-
-    Returns
-    -------
-    list of dict
-        ``{"machine", "commit", "date" (ISO 8601 commit date), "env_name",
-        "benchmark", "params" (param name -> value), "value", "unit"}``, one
-        per machine x environment x commit x benchmark x parameter
-        combination that produced a value (skipped and failed ones are left
-        out), sorted by machine, benchmark, params and date.
-
-    Raises
-    ------
-    AsvResultsError
-        As :func:`load_asv_points`; also when ``benchmark`` matches nothing
-        in the results.
-    """
+    """Every value of ``benchmark`` (a name, else a regular expression; None: all) across
+    commits: rows ``machine``, ``commit``, ``date``, ``env_name``, ``benchmark``,
+    ``params``, ``value``, ``unit``, sorted by machine, benchmark, params and date.
+    Raises AsvResultsError as :func:`load_asv_points`, or when nothing matches."""
     root, machines = _results_root(results_dir)
     meta = _benchmark_meta(root)
     history = []
@@ -423,21 +322,14 @@ def load_asv_history(results_dir, benchmark=None):
                 for params, value, _ in _rows(data, name, meta):
                     if value is None:
                         continue
-                    history.append({
-                        "machine": machine_dir.name,
-                        "commit": data.get("commit_hash"),
-                        "date": _iso(data.get("date")),
-                        "env_name": data.get("env_name"),
-                        "benchmark": name,
-                        "params": params,
-                        "value": value,
-                        "unit": unit,
-                    })
+                    history.append({"machine": machine_dir.name,
+                                    "commit": data.get("commit_hash"),
+                                    "date": _iso(data.get("date")),
+                                    "env_name": data.get("env_name"), "benchmark": name,
+                                    "params": params, "value": value, "unit": unit})
     if benchmark is not None and not history and not _select(sorted(seen_names), benchmark):
-        raise AsvResultsError(
-            f"no benchmark named or matching {benchmark!r} in {root}; "
-            f"benchmarks there: {sorted(seen_names)}"
-        )
+        raise AsvResultsError(f"no benchmark named or matching {benchmark!r} in {root}; "
+                              f"benchmarks there: {sorted(seen_names)}")
     history.sort(key=lambda h: (h["machine"], h["benchmark"],
                                 json.dumps(h["params"], sort_keys=True, default=str),
                                 h["date"] or ""))

@@ -1,46 +1,30 @@
-"""Assemble the HTML report: results records in, one self-contained page out.
-
-Data flow one way: records -> :mod:`~fastattn.report.analysis` (labelled
-curves, fits, crossovers) -> :mod:`~fastattn.report.figures` (PNG, embedded
-as base64) -> the Jinja2 template, which only fills in what it is given.
-Nothing here times anything.
-"""
+"""The HTML report: records -> :mod:`.analysis` -> :mod:`.figures` (PNG, base64) -> the
+Jinja2 template, which only fills in what it is given."""
 
 import datetime as _dt
 from dataclasses import dataclass
-from importlib import resources
 
 import jinja2
 import numpy as np
 
 from .. import __version__
 from ..bench.table import format_bytes, format_number, format_percent, format_seconds, mask_name
-from . import analysis, figures, frontier
+from . import analysis, figures, frontier, generation
 
 #: Marker written into every report; an existing file at the output path is
 #: only replaced when it carries it.
 REPORT_MARKER = '<meta name="generator" content="fastattn report">'
 
-PEER_HELP = (
-    "No peer implementation was measured: these results hold no PyTorch points (torch was not "
-    "installed where they were measured). To put torch.nn.functional.scaled_dot_product_attention "
-    "and a PyTorch linear attention beside fastattn's kernels, install torch and run "
-    "fastattn report again:"
-)
+PEER_HELP = ("No peer implementation was measured: these results hold no PyTorch points (torch "
+             "was not installed where they were measured). To put PyTorch's SDPA and a PyTorch "
+             "linear attention beside fastattn's kernels, install torch and run fastattn "
+             "report again:")
 
 
 @dataclass
 class Report:
-    """A built report.
-
-    Attributes
-    ----------
-    html : str
-        The self-contained page.
-    scaling_png : bytes or None
-        The time-against-n figure (non-causal and causal panels) of the first
-        machine, for the README.
-    """
+    """A built report: the self-contained ``html`` and the first machine's ``scaling_png``
+    (time against n, for the README)."""
 
     html: str
     scaling_png: bytes | None
@@ -51,7 +35,8 @@ class Report:
 _ENV_FIELDS = (
     ("CPU", "cpu_model"), ("CPU features", "cpu_flags"), ("Cores (logical)", "cores_logical"),
     ("Cores usable by this process", "cores_usable"), ("Threads used", "threads"),
-    ("Thread counts in force", "thread_counts"), ("Thread variables set", "thread_env"),
+    ("Why this thread count", "threads_reason"), ("Thread counts in force", "thread_counts"),
+    ("Thread variables set", "thread_env"),
     ("BLAS", "blas"), ("NumPy's BLAS (build)", "numpy_config_blas"),
     ("Memory", "memory_total_bytes"), ("Operating system", "platform"),
     ("Host", "hostname"), ("Python", "python"), ("NumPy", "versions.numpy"),
@@ -100,15 +85,8 @@ def _value_text(value):
 
 
 def environment_rows(env):
-    """The environment block: known fields first, then every other recorded field.
-
-    Returns
-    -------
-    rows, rest : list of (str, str)
-        ``rows``: CPU, cores, threads, BLAS, versions ... as found (a library
-        recorded as absent reads "not installed"); ``rest``: every other field
-        by its dotted path.
-    """
+    """``rows, rest``: (label, text) of the known fields (an absent library "not
+    installed"), and of every other recorded field by its dotted path."""
     rows, used = [], {"schema", "record", "memory_available_bytes"}
     for label, path in _ENV_FIELDS:
         value, present = _lookup(env, path)
@@ -135,10 +113,6 @@ def environment_rows(env):
     return rows, rest
 
 
-def _fit_cell(fit):
-    return fit.format() if fit else "–"
-
-
 def _exponent_rows(curve_list):
     """One row per kernel: time and memory exponents, non-causal and causal."""
     rows = {}
@@ -147,7 +121,8 @@ def _exponent_rows(curve_list):
                                         "expected": analysis.EXPECTED_TIME_EXPONENT.get(
                                             c.attention)})
         row["cells"][mask_name(c.causal)] = {
-            "time": _fit_cell(c.time_fit), "memory": _fit_cell(c.memory_fit), "off": c.off,
+            "time": c.time_fit.format() if c.time_fit else "–",
+            "memory": c.memory_fit.format() if c.memory_fit else "–", "off": c.off,
             "points": (f"{c.time_fit.points} points, n {c.time_fit.n_min}–{c.time_fit.n_max}"
                        if c.time_fit else f"fewer than 2 points with n ≥ {analysis.FIT_MIN_N}")}
     return list(rows.values())
@@ -159,21 +134,13 @@ def _point_tables(curve_list):
     for attention in ("softmax", "linear"):
         for causal in (False, True):
             group = [c for c in curve_list if c.attention == attention and c.causal == causal]
-            rows = []
-            for n in sorted({int(n) for c in group for n in c.n}):
-                cells = []
-                for c in group:
-                    i = np.flatnonzero(c.n == n)
-                    cells.append(None if not len(i) else {
-                        "median": format_seconds(c.median_s[i[0]]),
-                        "range": (f"{format_seconds(c.min_s[i[0]])}–"
-                                  f"{format_seconds(c.max_s[i[0]])}"),
-                        "repeats": int(c.repeats[i[0]]), "gflops": format_number(c.gflops[i[0]]),
-                        "roof_pct": format_percent(c.roof_fraction[i[0]]),
-                        "check_failed": n in c.check_failed,
-                        "memory": format_bytes(c.peak_bytes[i[0]]),
-                        "err": format_number(c.max_abs_err[i[0]], 2)})
-                rows.append({"n": n, "cells": cells})
+            rows = analysis.rows_by_n(group, lambda c, i: {
+                "median": format_seconds(c.median_s[i]),
+                "range": f"{format_seconds(c.min_s[i])}–{format_seconds(c.max_s[i])}",
+                "repeats": int(c.repeats[i]), "gflops": format_number(c.gflops[i]),
+                "roof_pct": format_percent(c.roof_fraction[i]),
+                "check_failed": int(c.n[i]) in c.check_failed,
+                "memory": format_bytes(c.peak_bytes[i]), "err": format_number(c.max_abs_err[i], 2)})
             if group:
                 tables.append({"title": f"{attention} attention, {mask_name(causal)}",
                                "columns": [c.label for c in group], "rows": rows})
@@ -213,8 +180,12 @@ def _joined(values):
     return ", ".join(str(v) for v in sorted({v for v in values if v is not None})) or None
 
 
-def _machine_section(name, env, roofs, points, curve_list):
+def _machine_section(name, env, roofs, points, every_curve):
+    """The page's block of one machine: the prefill scaling curves (at least three n; the
+    feature-map points at two n are for their own section) and the Generation block."""
     env = env or {}
+    prefill = [c for c in every_curve if c.key.get("regime") != "decode"]
+    curve_list = [c for c in prefill if len(c.n) >= 3]
     panels = [(mask_name(c), [x for x in curve_list if x.causal == c]) for c in (False, True)]
     panels = [p for p in panels if p[1]] or [("no measured points", [])]
     roof_lines = []
@@ -226,15 +197,16 @@ def _machine_section(name, env, roofs, points, curve_list):
             roof_lines.append((f"GEMM roof, {shape} ({dtype}, {threads} threads)", ns, values))
     loads = np.concatenate([c.load_avg for c in curve_list] or [np.array([])])
     loads = loads[np.isfinite(loads)]
-    threads, dtypes = _joined(c.key.get("threads") for c in curve_list), \
-        _joined(c.key.get("dtype") for c in curve_list)
+    threads, dtypes = _joined(c.key.get("threads") for c in every_curve), \
+        _joined(c.key.get("dtype") for c in every_curve)
     env_rows, env_rest = environment_rows(env)
     title = (f"fastattn: time per call against n (d = 64, {dtypes or 'float32'}, "
              f"{threads or '?'} threads" + (f", {env['cpu_model']}" if env.get("cpu_model")
                                             else "") + ")")
     section = {
         "name": name or "this machine", "env_rows": env_rows, "env_rest": env_rest,
-        "threads": threads, "dtypes": dtypes, "repeats": _joined(
+        "threads": threads, "threads_reason": env.get("threads_reason"),
+        "dtypes": dtypes, "repeats": _joined(
             int(r) for c in curve_list for r in c.repeats if r),
         "statistic": _statistic_text(curve_list),
         "memory_methods": _joined(m for c in curve_list for m in c.memory_method),
@@ -259,7 +231,9 @@ def _machine_section(name, env, roofs, points, curve_list):
         "check_failures": [f"{c.label} at n = {n}" for c in curve_list for n in c.check_failed],
         "unavailable": env.get("unavailable_backends") or {},
         "absent_peers": env.get("absent_peers") or {},
-        "curves": curve_list,
+        "curves": curve_list, "all_curves": every_curve,
+        "generation": generation.section(
+            [c for c in every_curve if c.key.get("regime") == "decode"], prefill),
     }
     readme_png = figures.scaling_figure(panels, "time", title=title)
     return section, readme_png
@@ -281,7 +255,7 @@ def _summary(section, quality):
                    f"{section['statistic']}): " + "; ".join(parts) + ".")
     rows = section["crossovers"] if section else []
     headline = [r for r in rows if r.kind == "fastattn"] or \
-        [r for r in rows if r.kind == "backend" and "(peer)" not in r.label]
+        [r for r in rows if r.kind == "backend" and not r.peer]
     for causal in (False, True):
         mine = [r for r in headline if r.causal == causal]
         if mine:
@@ -292,7 +266,11 @@ def _summary(section, quality):
         out.append(f"The machine was busy while measuring (1-minute load average "
                    f"{section['load']} on {section['cores']} cores): times are inflated and "
                    "noisy; compare the kernels side by side rather than with other runs.")
+    if section and section["threads_reason"]:
+        out.append(f"Measured on {section['threads']} thread(s): "
+                   f"{section['threads_reason']}.")
     out += section["fastest"] if section else []
+    out += section["generation"]["summary"] if section and section["generation"] else []
     if quality is not None and quality.gaussian and quality.minilm:
         g = [r.cosine_similarity for r in quality.gaussian]
         m = [r.cosine_similarity for r in quality.minilm]
@@ -329,8 +307,7 @@ def _quality_section(quality, curve_list=()):
 
 def _template():
     env = jinja2.Environment(
-        loader=jinja2.FunctionLoader(
-            lambda name: (resources.files(__package__) / "templates" / name).read_text("utf-8")),
+        loader=jinja2.PackageLoader(__package__, "templates"),
         autoescape=jinja2.select_autoescape(default=True, default_for_string=True),
         undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
     env.filters.update(num=format_number, mask=mask_name)
@@ -339,44 +316,16 @@ def _template():
 
 def build_report(records, *, source="", quality=None, history=None, history_benchmark=None,
                  generated=None):
-    """Build the HTML report from results records.
-
-    Parameters
-    ----------
-    records : list of dict
-        Records of the results format (:mod:`fastattn.bench.results`):
-        environment, roof and point records.  Records carrying ``"machine"``
-        (asv results) are grouped per machine; otherwise one machine.
-    source : str
-        Where the records came from (shown in the report).
-    quality : QualityResults, optional
-        From :func:`fastattn.report.quality.compute_quality`; no quality
-        section when None.
-    history : list of dict, optional
-        asv history rows (``load_asv_history``); adds a history section.
-    history_benchmark : str, optional
-        The benchmark the history is of (its title).
-    generated : datetime, optional
-        Timestamp printed in the report (default now, UTC).
-
-    Returns
-    -------
-    Report
-
-    Raises
-    ------
-    ValueError
-        If ``records`` holds no environment, roof or point record at all.
-    """
+    """The :class:`Report` of results ``records`` (grouped by ``machine``), from ``source``;
+    ``quality`` (:func:`~.quality.compute_quality`) and ``history`` (``load_asv_history``
+    rows of ``history_benchmark``) add sections.  ValueError for records of no known type."""
     environments, roofs, points = analysis.split_records(records)
     if not (environments or roofs or points):
         raise ValueError(f"{source or 'the records'} hold no fastattn environment, roof or "
                          "point record")
     all_curves = analysis.curves(points, roofs)
     names = list(dict.fromkeys(item.get("machine") for item in environments + points)) or [None]
-    env_of = {}
-    for env in environments:  # the last environment record of each machine: the latest run
-        env_of[env.get("machine")] = env
+    env_of = {env.get("machine"): env for env in environments}  # the last: the latest run
     sections, pngs = zip(*(_machine_section(name, env_of.get(name), roofs, points,
                                             [c for c in all_curves if c.machine == name])
                            for name in names))

@@ -1,13 +1,5 @@
-"""``fastattn report``: measure the scaling sweep, then write one self-contained HTML report.
-
-By default it runs the bench sweep (:func:`fastattn.bench.sweep.run_sweep`)
-over every available backend and peer, both attention types, causal and not,
-writing each point to ``reports/fastattn-<timestamp>.jsonl`` as it finishes,
-then renders ``reports/fastattn-<timestamp>.html`` from that file and prints
-its path.  ``--from`` rebuilds a report from a results file without
-measuring, ``--resume`` continues an interrupted run, ``--asv`` reads an asv
-results directory instead.
-"""
+"""``fastattn report``: run the sweep into ``reports/fastattn-<time>.jsonl``, then write the
+HTML report beside it; ``--from`` only builds, ``--resume`` continues, ``--asv`` reads asv."""
 
 import datetime as _dt
 import importlib
@@ -22,13 +14,11 @@ from ..bench.results import ResultsFileError
 from ..bench.sweep import DEFAULT_NS
 
 DEFAULT_REPEATS = 5
-#: Seconds of timed repeats a point may take: slower calls (the reference at
-#: n = 8192) get fewer repeats, never fewer than 3, so the run stays in budget.
+#: Seconds of timed repeats a point may take (slower calls get fewer, never under 3).
 MAX_POINT_S = 3.0
 #: A point still running after this long is recorded as an error.
 POINT_TIMEOUT_S = 300.0
-#: ``--quick``: a tiny grid for tests and CI (still reaches n >= 1024 twice,
-#: so every exponent has a two-point fit).
+#: ``--quick``: a tiny grid for tests and CI (two points at n >= 1024 for every fit).
 QUICK_NS = (128, 512, 1024, 2048)
 QUICK_REPEATS = 2
 QUICK_MAX_POINT_S = 0.5
@@ -44,15 +34,10 @@ def add_parser(subparsers):
     parser = subparsers.add_parser(
         "report",
         help="measure time and memory against n, then write one self-contained HTML report",
-        description=(
-            "Measure softmax and linear attention (every available backend and peer, causal "
-            "and not, d=64, float32) for n from 128 to 8192, writing each point to a JSON "
-            "lines results file as it finishes, then write one self-contained HTML report "
-            "(scaling plots with fitted exponents, crossover, GFLOP/s against the GEMM roof, "
-            "output quality on Gaussian and real MiniLM inputs, environment) and print its "
-            "path."
-        ),
-    )
+        description="Measure softmax and linear attention (every backend and peer, causal and "
+                    "not, d=64, float32, n 128 to 8192) into a JSON-lines results file, then "
+                    "write one self-contained HTML report (scaling, fits, crossover, roof, "
+                    "quality, environment) and print its path.")
     add = parser.add_argument
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--from", dest="from_", metavar="RESULTS", type=Path,
@@ -95,7 +80,7 @@ def _timestamp():
 
 def _check_output(out, protected=()):
     """Refuse to write over anything that is not an earlier fastattn report, before any work."""
-    from ..bench.results import check_writable
+    from ..bench.results import check_replaceable
     from .build import REPORT_MARKER
 
     out = Path(out)
@@ -103,14 +88,9 @@ def _check_output(out, protected=()):
         if path is not None and out.resolve() == Path(path).resolve():
             raise ReportError(f"--out {out} is the results file; choose another path for the report")
     try:
-        check_writable(out, "report")
+        check_replaceable(out, "report", REPORT_MARKER)
     except ResultsFileError as exc:
         raise ReportError(str(exc)) from None
-    if out.exists():
-        with open(out, "rb") as handle:
-            head = handle.read(4096).decode("utf-8", errors="replace")
-        if REPORT_MARKER not in head:
-            raise ReportError(f"{out} exists and is not a fastattn report; refusing to overwrite it")
 
 
 def _read_results(path):
@@ -128,13 +108,19 @@ def _read_results(path):
 
 
 def sweep_points(ns, quick=False):
-    """The report's grid: every backend and peer, softmax and linear, causal and not, d = 64.
-
-    ``ns`` None gives :data:`~fastattn.bench.sweep.DEFAULT_NS` (:data:`QUICK_NS` with ``quick``).
-    """
+    """The report's grid, d = 64: every backend and peer, softmax and linear, causal and not,
+    at ``ns`` (default :data:`~fastattn.bench.sweep.DEFAULT_NS`, :data:`QUICK_NS` if
+    ``quick``); the decode regime at :data:`~fastattn.bench.sweep.DECODE_NS` (``ns`` or
+    QUICK_NS if given); and, on the default grid, the fast backends' linear attention with
+    every feature map (:func:`~fastattn.bench.sweep.feature_map_grid`)."""
     from ..bench import sweep
 
-    return sweep.default_grid(ns=tuple(ns) if ns else (QUICK_NS if quick else DEFAULT_NS))
+    prefill = tuple(ns) if ns else (QUICK_NS if quick else DEFAULT_NS)
+    decode = tuple(ns) if ns else (QUICK_NS if quick else sweep.DECODE_NS)
+    fast = [b for b in sweep.default_backends(peers_too=False) if b != "reference"]
+    return list(dict.fromkeys(  # the feature-map grid's elu points are on the main grid
+        sweep.default_grid(ns=prefill) + sweep.default_grid(ns=decode, regime="decode")
+        + ([] if ns or quick else sweep.feature_map_grid(fast))))
 
 
 def _command():
@@ -171,22 +157,26 @@ def _measure(args, results):
               file=sys.stderr)
         print(f"  interrupted? continue with: {resume}", file=sys.stderr)
 
-    threads = args.threads
+    threads, why = args.threads, "as asked (--threads)"
     if threads is None and args.resume is not None:  # finish the grid on its own threads
         threads = next((r["threads"] for r in _read_results(results)
                         if r["record"] == "point"), None)
-    if threads is None and sweep.idle_cores() < default_num_threads():
-        threads = sweep.idle_cores()
-        print(f"fastattn report: other work keeps {default_num_threads() - threads} of "
-              f"{default_num_threads()} cores busy: measuring on {threads} thread(s), so no "
-              "kernel waits for a thread the scheduler put aside (--threads N to choose)",
-              file=sys.stderr)
+        why = "the thread count of the resumed results file"
+    if threads is None:
+        threads, cores = sweep.idle_cores(), default_num_threads()
+        why = f"every usable core ({cores})" if threads >= cores else (
+            f"other work kept {cores - threads} of {cores} cores busy when the run started, so "
+            f"it measured on the {threads} idle one(s): no kernel waits for a thread the "
+            "scheduler put aside (--threads N to choose)")
+        if threads < cores:
+            print(f"fastattn report: {why}", file=sys.stderr)
     options = sweep.Options(repeats=repeats, memory=not args.quick,
                             max_point_s=QUICK_MAX_POINT_S if args.quick else MAX_POINT_S,
                             point_timeout_s=POINT_TIMEOUT_S)
     try:
         sweep.run_sweep(sweep_points(args.n, args.quick), results, options,
-                        threads=threads, progress="fastattn report", announce=announce)
+                        threads=threads, threads_reason=why, progress="fastattn report",
+                        announce=announce)
     except ResultsFileError as exc:
         raise ReportError(f"refusing {results}: {exc}") from None
     except KeyboardInterrupt:

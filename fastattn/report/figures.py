@@ -1,11 +1,6 @@
-"""Matplotlib figures of the report, returned as PNG bytes (Agg backend, no display).
-
-Every figure is drawn from :class:`~fastattn.report.analysis.Curve` objects
-or quality results as they are (labels and fits included); nothing here
-measures, fits or labels anything.  Colours follow the
-backend (the same in every figure), line style the attention type: softmax
-solid with circles, linear dashed with squares.
-"""
+"""The report's matplotlib figures as PNG bytes (Agg), drawn from analysis objects as they
+are (nothing here measures, fits or labels).  Colour follows the backend, line style the
+attention type: softmax solid with circles, linear dashed with squares."""
 
 import base64
 import io
@@ -27,16 +22,13 @@ _EXTRA_COLOURS = ["#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf", "#bcbd2
 STYLES = {"softmax": {"linestyle": "-", "marker": "o"},
           "linear": {"linestyle": "--", "marker": "s"}}
 DPI = 100
-_assigned_colours = {}
+_colours = dict(BACKEND_COLOURS)
 
 
 def colour(backend):
     """The colour of ``backend``: fixed for fastattn's backends and torch, else assigned once."""
-    if backend in BACKEND_COLOURS:
-        return BACKEND_COLOURS[backend]
-    if backend not in _assigned_colours:
-        _assigned_colours[backend] = _EXTRA_COLOURS[len(_assigned_colours) % len(_EXTRA_COLOURS)]
-    return _assigned_colours[backend]
+    extra = _EXTRA_COLOURS[(len(_colours) - len(BACKEND_COLOURS)) % len(_EXTRA_COLOURS)]
+    return _colours.setdefault(backend, extra)
 
 
 def _style(curve):
@@ -47,9 +39,9 @@ def _style(curve):
                if curve.key.get("dtype") == "float64" else {})}
 
 
-def _finish(ax, title):
+def _finish(ax, title, xlabel=None):
     """The n axis, the panel title and the legend below the panel (the curves stay visible)."""
-    _n_axis(ax)
+    _n_axis(ax, xlabel)
     ax.set_title(title, fontsize=11)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=7.5, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2,
@@ -69,11 +61,11 @@ def data_uri(png):
     return "data:image/png;base64," + base64.b64encode(png).decode("ascii")
 
 
-def _n_axis(ax):
+def _n_axis(ax, xlabel=None):
     ax.set_xscale("log", base=2)
     ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{int(x)}" if x >= 1 else ""))
     ax.xaxis.set_minor_formatter(NullFormatter())
-    ax.set_xlabel("sequence length n (n_q = n_k)")
+    ax.set_xlabel(xlabel or "sequence length n (n_q = n_k)")
     ax.grid(True, which="major", alpha=0.3)
 
 
@@ -87,37 +79,27 @@ def _panel_grid(panels, ncols, height=5.4, width=5.6):
     return fig, flat
 
 
-def scaling_figure(panels, metric="time", ncols=2, title=None):
-    """Log-log time (or peak extra memory) against n, one panel per configuration.
+#: What each metric of :func:`scaling_figure` draws: the curve's values, fit and y label.
+METRICS = {"time": ("median_s", "time_fit", "median time per call"),
+           "memory": ("peak_bytes", "memory_fit", "peak extra memory per call"),
+           "held": ("held_bytes", "held_fit", "memory held between tokens, per head")}
 
-    Parameters
-    ----------
-    panels : list of (str, list of Curve)
-        Panel title and the curves drawn in it (e.g. non-causal, causal).
-    metric : {"time", "memory"}
-        ``"time"``: median seconds with a min-max band; the curve's exponent
-        (fitted on ``n >= 1024``, :attr:`~fastattn.report.analysis.Curve.time_fit`)
-        in the legend and drawn as a thin dotted line;
-        ``"memory"``: peak extra bytes of one call, with its exponent.
-    ncols : int
-        Panels per row.
-    title : str, optional
 
-    Returns
-    -------
-    bytes
-        The PNG.
-    """
+def scaling_figure(panels, metric="time", ncols=2, title=None, xlabel=None):
+    """PNG of log-log time (median, min-max band), peak extra memory or memory held (a
+    :data:`METRICS` key) against n, a panel per ``(title, curves)`` of ``panels``, each
+    curve's fitted exponent in the legend and drawn dotted."""
+    values, fit_name, ylabel = METRICS[metric]
     fig, axes = _panel_grid(panels, ncols)
     drawn = False
     for ax, (panel_title, curve_list) in zip(axes, panels):
         for c in curve_list:
-            y = c.median_s if metric == "time" else c.peak_bytes
-            use = np.isfinite(y) & (y > 0)
+            y = getattr(c, values)
+            use = np.isfinite(y) & (y > 0) if y is not None else np.zeros(len(c.n), bool)
             if not use.any():
                 continue
             drawn = True
-            fit = c.time_fit if metric == "time" else c.memory_fit
+            fit = getattr(c, fit_name)
             ax.plot(c.n[use], y[use], label=c.label + (f"  n^{fit.format()}" if fit else ""),
                     **_style(c))
             if metric == "time":
@@ -135,9 +117,9 @@ def scaling_figure(panels, metric="time", ncols=2, title=None):
             ax.yaxis.set_major_locator(LogLocator(base=2, numticks=8))
             ax.yaxis.set_minor_locator(LogLocator(base=2, subs=(), numticks=8))
             ax.yaxis.set_major_formatter(FuncFormatter(lambda x, _: format_bytes(x)))
-        _finish(ax, panel_title)
+        _finish(ax, panel_title, xlabel)
         ax.axvspan(FIT_MIN_N, ax.get_xlim()[1], color="#f3f3f3", zorder=0)
-    axes[0].set_ylabel("median time per call" if metric == "time" else "peak extra memory per call")
+    axes[0].set_ylabel(ylabel)
     if title:
         fig.suptitle(title, fontsize=12)
     if not drawn:
@@ -146,22 +128,8 @@ def scaling_figure(panels, metric="time", ncols=2, title=None):
 
 
 def roofline_figure(panels, roofs, ncols=2):
-    """Achieved GFLOP/s against n, with the GEMM roof as a line (roofline style).
-
-    Parameters
-    ----------
-    panels : list of (str, list of Curve)
-    roofs : list of (str, ndarray, ndarray)
-        Label, n and GFLOP/s of each roof drawn in every panel: the GEMM
-        ``(n, d) @ (d, n)`` probed at those n (a horizontal line when probed
-        at one shape only).
-    ncols : int
-
-    Returns
-    -------
-    bytes
-        The PNG.
-    """
+    """PNG of GFLOP/s against n per panel, with each ``(label, n, gflops)`` of ``roofs`` as a
+    line (horizontal when probed at one n)."""
     fig, axes = _panel_grid(panels, ncols)
     for ax, (panel_title, curve_list) in zip(axes, panels):
         for c in curve_list:
@@ -184,18 +152,8 @@ def roofline_figure(panels, roofs, ncols=2):
 
 
 def heatmap_figure(heatmap):
-    """Softmax and linear attention weights of one head side by side, on one colour scale.
-
-    The colour scale is shared and logarithmic, from ``0.01 / n_k`` (a
-    hundredth of a uniform weight; smaller weights take its colour) to the
-    largest weight of either matrix, so that a peaked softmax row and a nearly
-    uniform linear row can both be read.
-
-    Returns
-    -------
-    bytes
-        The PNG.
-    """
+    """PNG of one head's softmax and linear weights on one log colour scale, from a hundredth
+    of a uniform weight to the largest, so peaked and nearly uniform rows both read."""
     n_k = heatmap.softmax.shape[-1]
     vmax = float(max(heatmap.softmax.max(), heatmap.linear.max()))
     norm = LogNorm(vmin=min(0.01 / n_k, vmax / 10), vmax=vmax, clip=True)
@@ -212,13 +170,7 @@ def heatmap_figure(heatmap):
 
 
 def quality_figure(gaussian, minilm):
-    """Cosine similarity of linear to softmax output: MiniLM per layer beside the Gaussian rows.
-
-    Returns
-    -------
-    bytes
-        The PNG.
-    """
+    """PNG of linear against softmax cosine similarity: Gaussian rows, MiniLM per layer."""
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.6), gridspec_kw={"width_ratios": [1, 1.4]},
                              layout="constrained")
     ax = axes[0]
@@ -246,20 +198,7 @@ def quality_figure(gaussian, minilm):
 
 
 def history_figure(history, title):
-    """Value of one asv benchmark across commits (one line per machine and parameter set).
-
-    Parameters
-    ----------
-    history : list of dict
-        ``load_asv_history`` rows: ``machine``, ``commit``, ``date``, ``params``,
-        ``value``, ``unit``.
-    title : str
-
-    Returns
-    -------
-    bytes
-        The PNG.
-    """
+    """PNG of ``load_asv_history`` rows across commits, a line per machine and parameters."""
     series = {}
     for row in history:
         params = ", ".join(f"{k}={v}" for k, v in sorted((row.get("params") or {}).items()))
@@ -275,9 +214,7 @@ def history_figure(history, title):
         ys = [np.nan if r.get("value") is None else r["value"] for r in rows]
         ax.plot(xs, ys, "-", marker=markers[(i // 20) % len(markers)], color=cmap(i % 20),
                 markersize=5, label=f"{machine}: {params}")
-    commits = {}
-    for row in history:
-        commits.setdefault(row.get("date") or "", str(row.get("commit") or "")[:8])
+    commits = {row.get("date") or "": str(row.get("commit") or "")[:8] for row in history[::-1]}
     ax.set_xticks(range(len(dates)))
     ax.set_xticklabels([f"{commits[d]}\n{d[:10]}" for d in dates], fontsize=7, rotation=0)
     ax.set_yscale("log")

@@ -453,7 +453,7 @@ def _headline(fr):
     lines = [f"Output cosine similarity to softmax attention on the real MiniLM activations "
              f"(n = {n}, mean over layers): " + "; ".join(
                  f"{r.label} {r.minilm.cosine_similarity:.3f}" for r in fr.rows)
-             + f" (Gaussian inputs: " + "; ".join(
+             + " (Gaussian inputs: " + "; ".join(
                  f"{r.label} {r.gaussian.cosine_similarity:.3f}" for r in fr.rows) + ")."]
     for n_cost in COST_NS:
         timed = [r for r in fr.rows if r.time_at(n_cost).seconds is not None]

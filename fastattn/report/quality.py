@@ -1,16 +1,14 @@
-"""The quality side of the report: how far linear attention's output lands from softmax's.
-
-Computed when the report is built (a few reference calls at n <= 2048; cheap,
-and never timed): the seed experiment, Gaussian inputs at a few ``n``, and the
-real all-MiniLM-L6-v2 activations layer by layer, plus the weight matrices of
-one Gaussian case and one real head for heatmaps.
-"""
+"""How far linear attention's output lands from softmax's, computed (never timed) when the
+report is built: the seed experiment, Gaussian inputs at a few n, all-MiniLM-L6-v2
+activations per layer, and the weights of one Gaussian case and one real head."""
 
 import os
+from collections import namedtuple
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from scipy import stats
 from threadpoolctl import threadpool_limits
 
 from .. import attention_weights, linear_attention, softmax_attention
@@ -28,27 +26,13 @@ FULL_MINILM_FILE = "minilm_l6_qkv_n512.npz"
 
 
 def find_minilm(start=None):
-    """The full MiniLM activations file from ``../shared/data/minilm``, or None.
-
-    Looks in ``$FASTATTN_MINILM_DIR``, then in ``shared/data/minilm`` beside
-    the current directory and beside fastattn's source tree, and in each of
-    their parents.
-
-    Parameters
-    ----------
-    start : str or Path, optional
-        Directory to search from instead of the current directory.
-
-    Returns
-    -------
-    Path or None
-    """
-    candidates = []
-    if os.environ.get("FASTATTN_MINILM_DIR"):
-        candidates.append(Path(os.environ["FASTATTN_MINILM_DIR"]))
-    for base in (Path(start or Path.cwd()).resolve(), Path(__file__).resolve().parent):
-        for parent in (base, *base.parents):
-            candidates.append(parent / "shared" / "data" / "minilm")
+    """The full MiniLM file in ``$FASTATTN_MINILM_DIR``, or in ``shared/data/minilm`` in
+    ``start`` (default the current directory), fastattn's source folder or a parent; or None."""
+    candidates = [Path(os.environ["FASTATTN_MINILM_DIR"])] \
+        if os.environ.get("FASTATTN_MINILM_DIR") else []
+    bases = (Path(start or Path.cwd()).resolve(), Path(__file__).resolve().parent)
+    candidates += [parent / "shared" / "data" / "minilm"
+                   for base in bases for parent in (base, *base.parents)]
     for directory in candidates:
         if (directory / FULL_MINILM_FILE).is_file():
             return directory / FULL_MINILM_FILE
@@ -70,14 +54,8 @@ class QualityRow:
     heads: int = 1
 
 
-@dataclass
-class Heatmap:
-    """The softmax and linear weight matrices of one head, for a heatmap pair."""
-
-    title: str
-    softmax: np.ndarray   # (n_q, n_k)
-    linear: np.ndarray    # (n_q, n_k)
-    note: str = ""
+#: The softmax and linear ``(n_q, n_k)`` weight matrices of one head, for a heatmap pair.
+Heatmap = namedtuple("Heatmap", "title softmax linear note", defaults=("",))
 
 
 @dataclass
@@ -94,44 +72,17 @@ class QualityResults:
     frontier: object = None   # fastattn.report.frontier.FrontierQuality
 
 
-def _row_entropy(weights):
-    """Mean over rows of the Shannon entropy (nats) of each weight row, per leading index."""
-    w = np.clip(weights.astype(np.float64), 1e-30, None)
-    return -(w * np.log(w)).sum(axis=-1).mean(axis=-1)
-
-
 # One BLAS thread: these are many small products, which a second BLAS thread slowed
 # several times over on the busy 2-core development machine (one run: 53 s against 11 s).
 @threadpool_limits.wrap(limits=1)
 def compute_quality(minilm_path="auto"):
-    """Compute the quality section's numbers and heatmaps.
-
-    Parameters
-    ----------
-    minilm_path : str, Path, None or "auto", default "auto"
-        ``"auto"``: the full set from :func:`find_minilm` when found, else the
-        slice shipped with fastattn; None: the shipped slice; a path: that file.
-
-    Returns
-    -------
-    QualityResults
-        ``seed``: ``fastattn.compare(64, 32, seed=42)``; ``gaussian``: the
-        same generator at :data:`GAUSSIAN_NS`; ``minilm``: one row per layer,
-        metrics over all its heads and rows (with the per-head range of the
-        cosine similarity); heatmaps of the seed case and of the real head
-        whose softmax attention is most concentrated (lowest mean row entropy),
-        which is where linear attention differs most visibly; ``frontier``:
-        every feature map on the same MiniLM arrays and on a Gaussian case at
-        n = :data:`~fastattn.report.frontier.GAUSSIAN_N`
-        (:func:`~fastattn.report.frontier.compute_frontier_quality`).
-
-    Notes
-    -----
-    Computed on one BLAS thread (the thread count is restored afterwards).
-    All attention is computed by the NumPy reference in float32, non-causal,
-    softmax scale ``1/sqrt(d)``, linear attention with ``φ = elu + 1`` and
-    ``eps = 1e-6``.  Memory ``O(heads · n²)`` per layer.
-    """
+    """The quality section's :class:`QualityResults`, with MiniLM from ``minilm_path``
+    (``"auto"``: :func:`find_minilm`, else the shipped slice; None: the slice): rows of
+    ``fastattn.compare(64, 32, seed=42)``, its generator at :data:`GAUSSIAN_NS` and each
+    MiniLM layer (per-head cosine range), heatmaps of the seed case and of the head with the
+    lowest mean softmax row entropy, and ``frontier``: every feature map on the same MiniLM
+    arrays and on a Gaussian case (:func:`~fastattn.report.frontier.compute_frontier_quality`).
+    Float32 reference calls on one BLAS thread (restored afterwards), ``O(heads n²)`` memory."""
     seed_cmp = compare(64, GAUSSIAN_D, seed=SEED)
     q = seed_cmp.quality
     seed_row = QualityRow("seed experiment", 64, GAUSSIAN_D, q.cosine_similarity, q.mse,
@@ -153,12 +104,9 @@ def compute_quality(minilm_path="auto"):
     data = load_minilm(minilm_path)
     full = minilm_path is not None
     layers, heads, n, d = data["q"].shape
-    if full:
-        source = (f"full set {Path(minilm_path)} ({layers} layers × {heads} heads, "
-                  f"n = {n}, d = {d})")
-    else:
-        source = (f"slice shipped with fastattn ({layers} layers × {heads} heads, n = {n}, "
-                  f"d = {d}); the full set (../shared/data/minilm) was not found")
+    shape = f"({layers} layers × {heads} heads, n = {n}, d = {d})"
+    source = (f"full set {Path(minilm_path)} {shape}" if full else f"slice shipped with "
+              f"fastattn {shape}; the full set (../shared/data/minilm) was not found")
     try:
         provenance = minilm_provenance()
     except (OSError, ValueError):
@@ -174,7 +122,7 @@ def compute_quality(minilm_path="auto"):
         per_head = [quality(soft[h], lin[h]).cosine_similarity for h in range(heads)]
         minilm.append(QualityRow(f"layer {layer}", n, d, q.cosine_similarity, q.mse,
                                  q.magnitude_ratio, min(per_head), max(per_head), heads))
-        entropy = _row_entropy(weights)
+        entropy = stats.entropy(weights.astype(np.float64), axis=-1).mean(axis=-1)  # nats
         h = int(np.argmin(entropy))
         if best is None or entropy[h] < best[0]:
             best = (float(entropy[h]), layer, h)

@@ -1,0 +1,120 @@
+"""The Generation section: what one generated token costs at context length n.
+
+From the ``regime="decode"`` curves (``fastattn bench --regime decode``): softmax
+attention's token reads a KV cache of n keys (``O(n d)`` time, ``2 n d`` values held per
+head), linear attention's is one recurrent step of its ``d_k x d_v`` state (``O(d_k d_v)``,
+constant memory).  Everything here is computed from measured points; the end-to-end table
+adds measured prefill times to measured per-token times (interpolated in log-log between
+the measured context lengths, never extrapolated).
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..bench.table import format_bytes, format_number, format_seconds
+from . import analysis, figures
+
+EXPECTED_DECODE_EXPONENT = analysis.EXPECTED_DECODE_EXPONENT  # O(n) and O(1) per token
+#: Prompt lengths P and generated lengths T of the end-to-end table.
+PROMPTS = (1024, 8192)
+GENERATED = (128, 1024, 8192)
+
+
+@dataclass(frozen=True)
+class EndToEnd:
+    """A prompt of ``prompt`` tokens (one causal prefill call) then ``generated`` decode
+    steps, each at its own context length; seconds and the kernels that gave them."""
+
+    attention: str
+    prompt: int
+    generated: int
+    prefill_s: float
+    decode_s: float
+    prefill_kernel: str
+    decode_kernel: str
+
+    @property
+    def total_s(self):
+        return self.prefill_s + self.decode_s
+
+
+def per_token_seconds(curve, contexts):
+    """Seconds per token of ``curve`` (its ``fit_s``) at each of ``contexts``, interpolated in
+    log-log between its measured n; None when a context lies outside them."""
+    contexts = np.asarray(contexts, dtype=np.float64)
+    ok = np.isfinite(curve.fit_s) & (curve.fit_s > 0)
+    n, t = curve.n[ok].astype(np.float64), curve.fit_s[ok]
+    if len(n) == 0 or contexts.min() < n[0] or contexts.max() > n[-1]:
+        return None
+    return np.exp(np.interp(np.log(contexts), np.log(n), np.log(t)))
+
+
+def _fastest(pairs):
+    pairs = [(t, c) for t, c in pairs if t is not None and np.isfinite(t)]
+    return min(pairs, key=lambda tc: tc[0]) if pairs else (None, None)
+
+
+def end_to_end(prefill, decode, prompts=PROMPTS, generated=GENERATED):
+    """:class:`EndToEnd` rows for softmax and linear attention at each P and T: the fastest
+    fastattn causal prefill measured at n = P, plus the sum over the T tokens (contexts
+    P + 1 ... P + T) of the fastest fastattn decode curve's per-token time."""
+    rows = []
+    for attention in ("softmax", "linear"):
+        pre = [c for c in prefill if c.attention == attention and c.causal and not c.peer]
+        dec = [c for c in decode if c.attention == attention and not c.peer]
+        for p in prompts:
+            t_pre, c_pre = _fastest((float(c.fit_s[c.n == p][0]), c) for c in pre
+                                    if (c.n == p).any())
+            for t in generated if c_pre is not None else ():
+                steps = [(per_token_seconds(c, np.arange(p + 1, p + t + 1)), c) for c in dec]
+                t_dec, c_dec = _fastest((None if s is None else float(s.sum()), c)
+                                        for s, c in steps)
+                if c_dec is not None:
+                    rows.append(EndToEnd(attention, p, t, t_pre, t_dec, c_pre.label,
+                                         c_dec.label))
+    return rows
+
+
+def section(decode, prefill):
+    """The page's Generation block of one machine (None without decode curves): figures,
+    fits, crossovers, the per-n table, the end-to-end rows and summary sentences."""
+    if not decode:
+        return None
+    panels = [("time per generated token", decode)]
+    label = "context length n (one query against n keys)"
+    fits = [{"label": c.label, "fit": c.time_fit.format() if c.time_fit else "–",
+             "expected": EXPECTED_DECODE_EXPONENT.get(c.attention),
+             "off": c.off,
+             "held_fit": c.held_fit.format() if c.held_fit else "–"} for c in decode]
+    crossovers = analysis.crossover_rows(decode)
+    rows = analysis.rows_by_n(decode, lambda c, i: {
+        "time": format_seconds(c.fit_s[i]), "median": format_seconds(c.median_s[i]),
+        "tokens_s": format_number(1 / c.fit_s[i]) if c.fit_s[i] > 0 else "–",
+        "held": format_bytes(c.held_bytes[i])})
+    totals = end_to_end(prefill, decode)
+    summary = []
+    for attention, expected in EXPECTED_DECODE_EXPONENT.items():
+        slopes = [c.time_fit.slope for c in decode if c.attention == attention and c.time_fit
+                  and not c.peer]
+        if slopes:
+            summary.append(f"{attention} {min(slopes):.2f} to {max(slopes):.2f} (expected "
+                           f"about {expected})")
+    head = [r for r in crossovers if r.kind == "fastattn"] or \
+        [r for r in crossovers if r.kind == "backend" and not r.peer]
+    summary = ([f"Generation, time per token against context length n (n ≥ "
+                f"{analysis.FIT_MIN_N}): " + "; ".join(summary) + "."] if summary else []) + (
+        ["A linear-attention token is cheaper than a softmax one: " + "; ".join(
+            f"{r.label}: {r.crossover.describe()}" for r in head) + "."] if head else [])
+    return {
+        "time_png": figures.data_uri(figures.scaling_figure(panels, "time", 1, xlabel=label)),
+        "held_png": figures.data_uri(figures.scaling_figure(panels, "held", 1, xlabel=label)),
+        "fits": fits, "crossovers": crossovers, "columns": [c.label for c in decode],
+        "rows": rows, "statistic": decode[0].statistic, "summary": summary,
+        "end_to_end": [{"attention": r.attention, "prompt": r.prompt, "generated": r.generated,
+                        "prefill": format_seconds(r.prefill_s),
+                        "decode": format_seconds(r.decode_s),
+                        "total": format_seconds(r.total_s),
+                        "kernels": f"{r.prefill_kernel}; {r.decode_kernel}"} for r in totals],
+        "prompts": PROMPTS, "generated": GENERATED,
+    }
