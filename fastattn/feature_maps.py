@@ -33,6 +33,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import reference
+
 #: The feature maps fastattn knows by name.
 NAMES = ("elu", "relu", "favor", "taylor")
 
@@ -194,6 +196,11 @@ class FavorFeatures:
                 "random_state must be an int or a numpy.random.Generator, "
                 f"got {type(random_state).__name__}"
             )
+        # ω in float64, and the projections of every dtype made from it.
+        reference.check_fits_in_memory(
+            3 * self.num_features * self.d_k * 8,
+            f"FavorFeatures(d_k={self.d_k}, num_features={self.num_features})",
+            advice="choose a smaller num_features (a few times d_k to a few thousand)")
         omega = orthogonal_gaussian_features(self.d_k, self.num_features, rng)
         omega.setflags(write=False)
         self.omega = omega

@@ -20,7 +20,7 @@ import numbers
 
 import numpy as np
 
-from . import _api, _dispatch
+from . import _api, _dispatch, feature_maps
 
 #: Backend -> module whose ``cache_softmax_forward(q, k, v, causal, scale, n_k)``
 #: attends over the first ``n_k`` keys of a preallocated buffer.
@@ -236,8 +236,9 @@ class KVCache:
 class LinearAttentionState:
     """The running state ``(S, z)`` of causal linear attention, for generation.
 
-    ``S = Σ_j φ(k_j)ᵀ v_j`` of shape ``batch_shape + (d_k, d_v)`` and
-    ``z = Σ_j φ(k_j)`` of shape ``batch_shape + (d_k,)`` over the tokens seen;
+    ``S = Σ_j φ(k_j)ᵀ v_j`` of shape ``batch_shape + (D, d_v)`` and
+    ``z = Σ_j φ(k_j)`` of shape ``batch_shape + (D,)`` over the tokens seen,
+    ``D`` the feature map's dimension (``d_k`` for elu and relu);
     a step of one token gives ``out = φ(q) S / (φ(q) · z + eps)`` with the
     token's own key included (Katharopoulos et al., "Transformers are RNNs",
     2020).  Stepping through a sequence token by token equals one causal
@@ -251,8 +252,10 @@ class LinearAttentionState:
         Key (and query) head dimension, >= 1.
     d_v : int, optional
         Value head dimension; default ``d_k``.
-    feature_map : {"elu", "relu"}, default "elu"
-        As :func:`fastattn.linear_attention` (checked there at each step).
+    feature_map : {"elu", "relu", "favor", "taylor"}, FavorFeatures or callable, default "elu"
+        As :func:`fastattn.linear_attention`; checked here.  A callable's
+        ``D`` is known once it has run: ``S`` and ``z`` are None until the
+        first step.
     eps : float, default 1e-6
         Added to the denominator; finite and >= 0.
     dtype : {numpy.float32, numpy.float64}, default numpy.float32
@@ -260,12 +263,12 @@ class LinearAttentionState:
 
     Attributes
     ----------
-    S : ndarray of shape batch_shape + (d_k, d_v)
-    z : ndarray of shape batch_shape + (d_k,)
+    S : ndarray of shape batch_shape + (D, d_v)
+    z : ndarray of shape batch_shape + (D,)
     tokens : int
         Tokens absorbed so far.
     nbytes : int
-        Bytes of the state: ``B · (d_k · d_v + d_k) · itemsize``, whatever
+        Bytes of the state: ``B · (D · d_v + D) · itemsize``, whatever
         the number of tokens.
 
     Raises
@@ -274,13 +277,14 @@ class LinearAttentionState:
         If ``batch_shape`` is not a tuple of ints, ``dtype`` is not float32
         or float64, or ``eps`` is not a real number.
     ValueError
-        If ``d_k`` or ``d_v`` is not a positive integer or ``eps`` is
-        negative or not finite.
+        If ``d_k`` or ``d_v`` is not a positive integer, ``eps`` is
+        negative or not finite, or ``feature_map`` is not a feature map for
+        ``d_k``.
 
     Notes
     -----
-    A step costs ``O(B · d_k · d_v)`` time (``4 · d_k · d_v`` flops per head
-    and token) whatever the context length.
+    A step costs ``O(B · D · d_v)`` time (``4 · D · d_v`` flops per head
+    and token, plus the features) whatever the context length.
 
     Examples
     --------
@@ -300,16 +304,18 @@ class LinearAttentionState:
         self.dtype = _check_storage_dtype(dtype)
         self.eps = _api._check_positive_scalar(eps, "eps", allow_zero=True)
         self.feature_map = feature_map
+        self.num_features = feature_maps.resolve(feature_map, self.d_k).num_features(self.d_k)
         self.reset()
 
     @property
     def nbytes(self):
-        return self.S.nbytes + self.z.nbytes
+        return 0 if self.S is None else self.S.nbytes + self.z.nbytes
 
     def reset(self):
-        """Back to no tokens: ``S = 0``, ``z = 0``."""
-        self.S = np.zeros(self.batch_shape + (self.d_k, self.d_v), self.dtype)
-        self.z = np.zeros(self.batch_shape + (self.d_k,), self.dtype)
+        """Back to no tokens: ``S = 0``, ``z = 0`` (None for a callable's unknown ``D``)."""
+        D = self.num_features
+        self.S = None if D is None else np.zeros(self.batch_shape + (D, self.d_v), self.dtype)
+        self.z = None if D is None else np.zeros(self.batch_shape + (D,), self.dtype)
         self.tokens = 0
 
     def step(self, q, k, v, *, backend="auto"):
@@ -341,7 +347,8 @@ class LinearAttentionState:
             )
         out, (S, z) = _api.linear_attention(
             q, k, v, feature_map=self.feature_map, causal=True, eps=self.eps,
-            initial_state=(self.S, self.z), return_state=True, backend=backend,
+            initial_state=None if self.S is None else (self.S, self.z), return_state=True,
+            backend=backend,
         )
         self.S = S.astype(self.dtype, copy=False)
         self.z = z.astype(self.dtype, copy=False)

@@ -230,6 +230,35 @@ def test_linear_state_steps_equal_one_causal_pass(backend, dtype):
     assert state.tokens == 0 and not state.S.any() and not state.z.any()
 
 
+def _squares(x):
+    """A user's feature map of dimension D = 2 d_k: [x², 1 + |x|]."""
+    return np.concatenate([x * x, 1 + np.abs(x)], axis=-1)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("fmap, D", [("favor-m24", 24), ("taylor", 1 + 8 + 36), ("callable", 16)])
+def test_linear_state_of_any_feature_dimension_steps_equal_one_causal_pass(fmap, D, backend):
+    """B2-n30-dk8-dv5, a state of D features: a 10-token prompt, then 20 one-token steps.
+
+    FAVOR+ with eps = 0: each piece measures eps in its own frame (see FavorFeatures)."""
+    feature_map = {"favor-m24": fastattn.FavorFeatures(8, num_features=24, random_state=3),
+                   "taylor": "taylor", "callable": _squares}[fmap]
+    eps = 0.0 if fmap.startswith("favor") else 1e-6
+    q, k, v = make_qkv((2, 30, 8), d_v=5, dtype=np.float64, seed=11)
+    state = fastattn.LinearAttentionState((2,), d_k=8, d_v=5, feature_map=feature_map, eps=eps,
+                                          dtype=np.float64)
+    outs = [state.step(q[:, :10], k[:, :10], v[:, :10], backend=backend)]
+    outs += [state.step(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], backend=backend)
+             for t in range(10, 30)]
+    want, (S, z) = fastattn.linear_attention(q, k, v, feature_map=feature_map, eps=eps,
+                                             causal=True, return_state=True, backend="reference")
+    assert state.S.shape == (2, D, 5) and state.z.shape == (2, D)
+    assert state.nbytes == 2 * (D * 5 + D) * 8
+    assert_close(np.concatenate(outs, axis=-2), want, np.float64)
+    assert_close(state.S, S, np.float64)
+    assert_close(state.z, z, np.float64)
+
+
 def test_linear_state_relu_and_eps_reach_the_kernel():
     q, k, v = make_qkv((3, 1, 4), dtype=np.float64, seed=9)
     state = fastattn.LinearAttentionState((3,), d_k=4, feature_map="relu", eps=0.5,
@@ -245,10 +274,11 @@ def test_linear_state_rejects_bad_input_and_keeps_its_state():
         fastattn.LinearAttentionState((2,), d_k=4, eps=-1.0)
     with pytest.raises(TypeError, match="dtype"):
         fastattn.LinearAttentionState((2,), d_k=4, dtype="int8")
-    state = fastattn.LinearAttentionState((2,), d_k=4, feature_map="cosine")
-    q, k, v = make_qkv((2, 1, 4), dtype=np.float32)
     with pytest.raises(ValueError, match="feature_map"):
-        state.step(q, k, v)
+        fastattn.LinearAttentionState((2,), d_k=4, feature_map="cosine")
+    with pytest.raises(ValueError, match="d_k"):
+        fastattn.LinearAttentionState((2,), d_k=4, feature_map=fastattn.FavorFeatures(8))
+    q, k, v = make_qkv((2, 1, 4), dtype=np.float32)
     state = fastattn.LinearAttentionState((2,), d_k=4)
     state.step(q, k, v)
     S, z = state.S.copy(), state.z.copy()

@@ -323,7 +323,12 @@ def test_a_read_only_results_file_is_refused_unchanged(good_file):
     ({"record": "point", **_point(4), "status": "great"}, "status = 'great'"),
     ({"record": "roof", "dtype": "float32", "gflops": "lots"}, "gflops = 'lots'"),
     ({"record": "point", **_point(4), "times_s": [1, "x"]}, "times_s"),
-], ids=["no-fields", "n_q-text", "median-text", "bad-status", "roof-gflops", "times-text"])
+    ({"record": "point", **_point(4), "median_s": -1.0}, "median_s = -1.0"),
+    ({"record": "point", **_point(4), "median_s": float("nan")}, "median_s = nan"),
+    ({"record": "point", **_point(4), "peak_bytes": float("inf")}, "peak_bytes = inf"),
+    ({"record": "point", **_point(4), "times_s": [1e-3, -1e-3]}, "times_s"),
+], ids=["no-fields", "n_q-text", "median-text", "bad-status", "roof-gflops", "times-text",
+        "median-negative", "median-nan", "peak-inf", "times-negative"])
 def test_every_record_is_checked_on_reading(tmp_path, record, message):
     path = tmp_path / "r.jsonl"
     path.write_text(_line("environment", cpu="x") + json.dumps({"schema": SCHEMA, **record})

@@ -23,7 +23,7 @@ POINT_KEYS = (
 #: The regime of a point record that does not say (files written before regimes).
 DEFAULT_REGIME = "prefill"
 
-_COUNT, _NUMBER = "a positive int", "a number"
+_COUNT, _NUMBER = "a positive int", "a finite number >= 0"
 #: What each known field of a point or roof record must hold (None is allowed
 #: for optional fields: those not in :data:`REQUIRED`).
 FIELD_TYPES = {
@@ -38,7 +38,7 @@ FIELD_TYPES = {
     "peak_bytes": _NUMBER, "peak_bytes_tracemalloc": _NUMBER, "max_abs_err": _NUMBER, "check_tol": _NUMBER,
     "load_avg_1m": _NUMBER, "gelem_s": _NUMBER, "started": _NUMBER, "warmup_s": _NUMBER,
     "held_bytes": _NUMBER,
-    "times_s": "a list of numbers", "shape": "a list of positive ints",
+    "times_s": "a list of numbers >= 0", "shape": "a list of positive ints",
 }
 REQUIRED = {
     "point": ("attention", "backend", "causal", "dtype", "batch", "heads", "n_q", "n_k",
@@ -67,11 +67,16 @@ def _is_count(value):
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
-_HOLDS = {_COUNT: _is_count, _NUMBER: is_number,
+def _is_amount(value):
+    """A time, size, rate or count of a measurement: finite and >= 0 (NaN is stored as null)."""
+    return is_number(value) and math.isfinite(value) and value >= 0
+
+
+_HOLDS = {_COUNT: _is_count, _NUMBER: _is_amount,
           "true or false": lambda v: isinstance(v, bool),
           "a name": lambda v: isinstance(v, str) and bool(v),
           FIELD_TYPES["status"]: lambda v: v in STATUSES,
-          "a list of numbers": lambda v: isinstance(v, list) and all(map(is_number, v)),
+          "a list of numbers >= 0": lambda v: isinstance(v, list) and all(map(_is_amount, v)),
           "a list of positive ints": lambda v: isinstance(v, list) and all(map(_is_count, v))}
 
 
