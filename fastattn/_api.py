@@ -67,7 +67,7 @@ def _load(name):
         return None
     try:
         module = importlib.import_module(BACKEND_MODULES[name])
-    except ImportError as exc:
+    except (ImportError, Warning) as exc:  # a Warning: raised under -W error / filterwarnings
         _unavailable[name] = f"{type(exc).__name__}: {exc}"
         return None
     missing = [fn for fn in ("softmax_forward", "linear_forward") if not hasattr(module, fn)]

@@ -62,6 +62,26 @@ def test_unavailable_backend_says_why(monkeypatch):
     assert "No module named" in fastattn.unavailable_backends()["numba"]
 
 
+def test_a_backend_whose_import_warns_under_warnings_as_errors_is_unavailable(
+        monkeypatch, tmp_path):
+    """``python -W error``: a backend's import-time warning (Numba without a writable
+    cache warns) marks it unavailable with the reason; listing the backends never raises."""
+    import warnings
+
+    from fastattn import _api
+
+    (tmp_path / "_warns_on_import.py").write_text(
+        "import warnings\nwarnings.warn('no disk cache here', RuntimeWarning)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(_api.BACKEND_MODULES, "numba", "_warns_on_import")
+    monkeypatch.setattr(_api, "_loaded", {})
+    monkeypatch.setattr(_api, "_unavailable", {})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert "numba" not in fastattn.available_backends()
+    assert "RuntimeWarning: no disk cache here" in fastattn.unavailable_backends()["numba"]
+
+
 def test_auto_picks_the_first_available_in_order():
     from fastattn import _api
 

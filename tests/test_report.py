@@ -588,3 +588,17 @@ def test_the_thread_count_and_its_reason_reach_the_header_and_the_page(tmp_path)
     html = build_report(read_records(results), source="t").html
     assert "Why this thread count</th><td class=\"l\">because a test said so" in html
     assert "Measured on 1 thread(s): because a test said so." in html
+
+
+def test_cli_resume_refuses_a_file_of_another_grid_before_measuring(tmp_path, monkeypatch,
+                                                                     capsys):
+    """A file measured on the default grid, resumed with --quick, would mix two grids."""
+    from fastattn.bench import sweep
+
+    monkeypatch.setattr(sweep, "run_sweep", lambda *a, **k: pytest.fail("measured"))
+    results = write_jsonl(tmp_path / "run.jsonl", synthetic_records(ns=(1024, 16384)))
+    data = results.read_bytes()
+    assert main(["report", "--resume", str(results), "--quick"]) == 2
+    err = capsys.readouterr().err
+    assert "outside this run's grid" in err and "Traceback" not in err
+    assert results.read_bytes() == data

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from .._argtypes import positive_int, thread_count
 from .._threads import default_num_threads
-from ..bench.results import ResultsFileError
+from ..bench.results import ResultsFileError, point_key
 from ..bench.sweep import DEFAULT_NS
 
 DEFAULT_REPEATS = 5
@@ -170,11 +170,24 @@ def _measure(args, results):
             "scheduler put aside (--threads N to choose)")
         if threads < cores:
             print(f"fastattn report: {why}", file=sys.stderr)
+    points = sweep_points(args.n, args.quick)
+    measured = [r for r in _read_results(results) if r["record"] == "point"] \
+        if args.resume is not None else []
+    if measured:  # a file of another grid is not finished by this one
+        grid = {point_key(p.record_fields(threads)) for p in points}
+        foreign = [r for r in measured if point_key(r) not in grid]
+        if foreign:
+            r = foreign[0]
+            raise ReportError(
+                f"--resume {results}: it holds {len(foreign)} point(s) outside this run's grid "
+                f"(e.g. {r['attention']} n={r['n_k']} {r['backend']}), so it was measured with "
+                "other options (--quick, --n, --threads); resume it with the options it was "
+                "started with, or give a new results file")
     options = sweep.Options(repeats=repeats, memory=not args.quick,
                             max_point_s=QUICK_MAX_POINT_S if args.quick else MAX_POINT_S,
                             point_timeout_s=POINT_TIMEOUT_S)
     try:
-        sweep.run_sweep(sweep_points(args.n, args.quick), results, options,
+        sweep.run_sweep(points, results, options,
                         threads=threads, threads_reason=why, progress="fastattn report",
                         announce=announce)
     except ResultsFileError as exc:
