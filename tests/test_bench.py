@@ -207,7 +207,10 @@ def test_resume_after_a_real_interrupt(tmp_path):
         run_sweep(points, {str(path)!r}, Options(repeats=1, memory=False, roof=False), threads=1,
                   progress=None, isolate=False)
     """)
-    proc = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE)
+    # Ctrl-C must reach the child whatever disposition this process passes on (an
+    # ignored SIGINT is inherited, and Python then installs no handler).
+    proc = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 60
     while time.time() < deadline:
         if path.exists() and path.read_text().count('"record": "point"') >= 3:
@@ -217,7 +220,11 @@ def test_resume_after_a_real_interrupt(tmp_path):
         proc.kill()
         pytest.fail("the sweep wrote no point within 60 s")
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
+    try:
+        _, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
     assert proc.returncode != 0, "the sweep finished before it was interrupted"
     assert b"KeyboardInterrupt" in err
     done = [r for r in read_records(path) if r["record"] == "point"]
