@@ -220,6 +220,13 @@ def _check_positive_scalar(value, name, allow_zero):
     return value
 
 
+def _check_eps(eps, spec):
+    """``eps`` as a float >= 0; None gives the feature map's default (``spec.default_eps()``)."""
+    if eps is None:
+        return spec.default_eps()
+    return _check_positive_scalar(eps, "eps", allow_zero=True)
+
+
 #: The largest finite value of each computation dtype.
 _LARGEST = {dt: float(np.finfo(dt).max) for dt in (np.dtype(np.float32), np.dtype(np.float64))}
 
@@ -352,7 +359,7 @@ def linear_attention(
     *,
     feature_map="elu",
     causal=False,
-    eps=1e-6,
+    eps=None,
     initial_state=None,
     return_state=False,
     backend="auto",
@@ -393,8 +400,16 @@ def linear_attention(
           applied to ``q`` and to ``k``.
     causal : bool, default False
         Bottom-right aligned mask, as in :func:`softmax_attention`.
-    eps : float, default 1e-6
-        Added to the denominator; finite and >= 0.
+    eps : float, optional
+        Added to the denominator; finite and >= 0.  Default (None): ``1e-6``
+        for ``"elu"``, ``"relu"``, ``"taylor"`` and callables, and ``0`` for
+        FAVOR+ (``"favor"`` or a :class:`fastattn.FavorFeatures`), as in the
+        Performer papers and code: its features are positive, so the
+        denominator is > 0 except where it underflows, and then the row is
+        0.  FAVOR+ applies a non-zero ``eps`` in its shifted frame (see
+        :class:`fastattn.FavorFeatures`, Notes), which shrinks rows whose
+        shifted denominator is small; with the default, chaining pieces by
+        ``initial_state`` equals one pass for every map.
     initial_state : tuple (S, z), optional
         State of keys that came before this call, seen by every query:
         ``S`` of shape ``(..., D, d_v)`` and ``z`` of shape ``(..., D)``
@@ -459,7 +474,7 @@ def linear_attention(
     return_state = _check_bool(return_state, "return_state")
     d_k, d_v, n_q, n_k = q.shape[-1], v.shape[-1], q.shape[-2], k.shape[-2]
     spec = feature_maps.resolve(feature_map, d_k)
-    eps = _check_positive_scalar(eps, "eps", allow_zero=True)
+    eps = _check_eps(eps, spec)
     D = spec.num_features(d_k)
     if D is not None:
         S0, z0 = _check_state(initial_state, batch_shape, D, d_v, dtype, _dim_name(spec))
@@ -490,7 +505,7 @@ def _dim_name(spec):
 
 
 def attention_weights(
-    q, k, *, kind="softmax", causal=False, scale=None, feature_map="elu", eps=1e-6
+    q, k, *, kind="softmax", causal=False, scale=None, feature_map="elu", eps=None
 ):
     """The explicit ``n_q x n_k`` weight matrix an attention applies to ``v``.
 
@@ -511,8 +526,9 @@ def attention_weights(
     feature_map : {"elu", "relu", "favor", "taylor"}, FavorFeatures or callable, default "elu"
         Linear only, as :func:`linear_attention` (no initial state); checked
         whatever the kind.
-    eps : float, default 1e-6
-        Linear only; checked whatever the kind.
+    eps : float, optional
+        Linear only; checked whatever the kind.  Default (None) as
+        :func:`linear_attention`: 0 for FAVOR+, else ``1e-6``.
 
     Returns
     -------
@@ -547,7 +563,7 @@ def attention_weights(
     # Every option is checked whatever the kind: a bad one is never ignored.
     scale = _check_scale(scale, q.shape[-1], dtype)
     spec = feature_maps.resolve(feature_map, q.shape[-1])
-    eps = _check_positive_scalar(eps, "eps", allow_zero=True)
+    eps = _check_eps(eps, spec)
     n_q, n_k = q.shape[-2], k.shape[-2]
     out_shape = batch_shape + (n_q, n_k)
     if 0 in out_shape:

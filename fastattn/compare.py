@@ -270,7 +270,7 @@ class Comparison:
     weight_quality: WeightQuality = None
 
 
-def compare_attention(q, k, v, *, causal=False, scale=None, feature_map="elu", eps=1e-6,
+def compare_attention(q, k, v, *, causal=False, scale=None, feature_map="elu", eps=None,
                       backend="auto"):
     """Compare linear attention with softmax attention on the given q, k, v.
 
@@ -280,7 +280,8 @@ def compare_attention(q, k, v, *, causal=False, scale=None, feature_map="elu", e
         As for :func:`fastattn.softmax_attention` (any leading dims).
     causal, scale, feature_map, eps, backend
         Passed to :func:`fastattn.softmax_attention` (``scale``) and
-        :func:`fastattn.linear_attention` (``feature_map``, ``eps``).
+        :func:`fastattn.linear_attention` (``feature_map``, ``eps``; its
+        default ``eps=None`` is 0 for FAVOR+, else ``1e-6``).
 
     Returns
     -------

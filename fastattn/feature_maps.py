@@ -155,8 +155,9 @@ class FavorFeatures:
     call given an ``initial_state`` works in the frame
     ``max(c_K, state_shift + ln max_r z0_r)``, in which neither the earlier
     keys nor its own overflow, and converts its final state back.  Chaining
-    pieces therefore equals one pass (exactly with ``eps = 0``; otherwise up
-    to ``eps`` being measured in each piece's frame).  Keys whose every
+    pieces therefore equals one pass (exactly with ``eps = 0``, the default of
+    :func:`fastattn.linear_attention` for FAVOR+; otherwise up to ``eps``
+    being measured in each piece's frame).  Keys whose every
     exponent lies more than about 87 (float32) / 708 (float64) below
     ``state_shift`` (``‖k‖`` far beyond ``d_k^¼ (√d_k + 13)``) underflow to
     0 in the *returned* state; the call's own output still counts them.
@@ -269,6 +270,18 @@ class Spec:
         if self.name == "taylor":
             return taylor_num_features(d_k)
         return None
+
+    def default_eps(self):
+        """The ``eps`` of ``eps=None``: :data:`FAVOR_EPS` for FAVOR+, else :data:`DEFAULT_EPS`."""
+        return FAVOR_EPS if self.name == "favor" else DEFAULT_EPS
+
+
+#: ``eps`` of ``eps=None`` for elu, relu, taylor and callables.
+DEFAULT_EPS = 1e-6
+#: ``eps`` of ``eps=None`` for FAVOR+: none, as in the Performer papers and code.  Its
+#: features are positive, so the denominator is > 0 unless it underflows (the row is 0);
+#: the kernels would apply any eps in the shifted frame (see :class:`FavorFeatures`).
+FAVOR_EPS = 0.0
 
 
 def resolve(feature_map, d_k):

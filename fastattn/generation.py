@@ -256,8 +256,9 @@ class LinearAttentionState:
         As :func:`fastattn.linear_attention`; checked here.  A callable's
         ``D`` is known once it has run: ``S`` and ``z`` are None until the
         first step.
-    eps : float, default 1e-6
-        Added to the denominator; finite and >= 0.
+    eps : float, optional
+        Added to the denominator; finite and >= 0.  Default (None) as
+        :func:`fastattn.linear_attention`: 0 for FAVOR+, else ``1e-6``.
     dtype : {numpy.float32, numpy.float64}, default numpy.float32
         Dtype the state is kept in.
 
@@ -296,13 +297,13 @@ class LinearAttentionState:
     ((4, 1, 16), 1)
     """
 
-    def __init__(self, batch_shape, d_k, d_v=None, *, feature_map="elu", eps=1e-6,
+    def __init__(self, batch_shape, d_k, d_v=None, *, feature_map="elu", eps=None,
                  dtype=np.float32):
         self.batch_shape = _check_batch_shape(batch_shape)
         self.d_k = _check_dim(d_k, "d_k", 1)
         self.d_v = self.d_k if d_v is None else _check_dim(d_v, "d_v", 1)
         self.dtype = _check_storage_dtype(dtype)
-        self.eps = _api._check_positive_scalar(eps, "eps", allow_zero=True)
+        self.eps = None if eps is None else _api._check_positive_scalar(eps, "eps", allow_zero=True)
         self.feature_map = feature_map
         self.num_features = feature_maps.resolve(feature_map, self.d_k).num_features(self.d_k)
         self.reset()

@@ -324,8 +324,9 @@ def test_large_logits_give_finite_outputs_for_every_map(backend, name, causal):
 def test_state_across_pieces_equals_one_pass(backend, name, dtype, pieces):
     q, k, v = make_qkv((2, 3, 16, 4), d_v=5, dtype=dtype, seed=61)
     feature_map, formula = _map_and_formula(name, 4)
-    # FAVOR+'s pieces work in frames of their own keys, which shift eps
-    # (documented); eps = 0 makes the ratio exactly frame-free.
+    # FAVOR+'s pieces work in frames of their own keys, which would shift a
+    # non-zero eps (documented); its default eps, 0, makes the ratio exactly
+    # frame-free.  The pieces run on the default eps.
     eps = 0.0 if name.startswith("favor") else 1e-6
     expected, (S_exp, z_exp) = formula(q, k, v, True, eps)
     outs, state, start = [], None, 0
@@ -333,13 +334,72 @@ def test_state_across_pieces_equals_one_pass(backend, name, dtype, pieces):
         sl = slice(start, start + size)
         out, state = fastattn.linear_attention(
             q[..., sl, :], k[..., sl, :], v[..., sl, :], feature_map=feature_map, causal=True,
-            eps=eps, initial_state=state, return_state=True, backend=backend,
+            initial_state=state, return_state=True, backend=backend,
         )
         outs.append(out)
         start += size
     assert_close(np.concatenate(outs, axis=-2), expected, dtype=dtype)
     assert_close(state[0], S_exp, dtype=dtype)
     assert_close(state[1], z_exp, dtype=dtype)
+
+
+# The default eps: 0 for FAVOR+ (no eps, as the Performer papers and code), 1e-6 otherwise.
+DEFAULT_EPS_CASES = {"favor": 0.0, "favor-object": 0.0, "elu": 1e-6, "relu": 1e-6,
+                     "taylor": 1e-6, "callable": 1e-6}
+
+
+def _default_eps_map(name, d_k):
+    if name == "favor-object":
+        return fastattn.FavorFeatures(d_k, num_features=32, random_state=5)
+    return softplus_and_square if name == "callable" else name
+
+
+def _eps_sensitive_qkv():
+    # Long keys put most of FAVOR+'s shifted denominators far below 1 (and
+    # relu's near 0), so eps = 1e-6 and eps = 0 give visibly different rows.
+    q, k, v = make_qkv((2, 24, 6), d_v=3, dtype=np.float64, seed=19)
+    return q, k * 4.0, v
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+@pytest.mark.parametrize("name", list(DEFAULT_EPS_CASES))
+def test_default_eps_is_zero_for_favor_and_1e6_for_every_other_map(backend, name, causal):
+    q, k, v = _eps_sensitive_qkv()
+    fm, eps = _default_eps_map(name, 6), DEFAULT_EPS_CASES[name]
+    other = 1e-6 if eps == 0 else 0.0
+    run = lambda **kw: fastattn.linear_attention(q, k, v, feature_map=fm, causal=causal,  # noqa: E731
+                                                 backend=backend, **kw)
+    default = run()
+    np.testing.assert_array_equal(default, run(eps=eps))
+    assert not np.array_equal(default, run(eps=other)), f"eps={other} gives the same output"
+    weights = lambda **kw: fastattn.attention_weights(q, k, kind="linear", feature_map=fm,  # noqa: E731
+                                                      causal=causal, **kw)
+    np.testing.assert_array_equal(weights(), weights(eps=eps))
+    assert not np.array_equal(weights(), weights(eps=other))
+
+
+def test_favor_default_eps_restores_the_magnitude_that_eps_1e6_loses_in_the_shifted_frame():
+    # The issue-13 symptom in miniature: with eps = 1e-6 applied in the shifted
+    # frame, rows whose shifted denominator is small shrink (a smaller norm,
+    # off the eps = 0 formula by far more than float64 rounding); the default
+    # is the eps = 0 formula.
+    q, k, v = _eps_sensitive_qkv()
+    favor = fastattn.FavorFeatures(6, num_features=32, random_state=5)
+    expected, _ = favor_formula(q, k, v, favor.omega, False, 0.0)
+    default = fastattn.linear_attention(q, k, v, feature_map=favor)
+    shrunk = fastattn.linear_attention(q, k, v, feature_map=favor, eps=1e-6)
+    assert_close(default, expected)
+    assert np.linalg.norm(shrunk) < np.linalg.norm(expected)
+    assert np.max(np.abs(shrunk - expected)) > 1e3 * TOLERANCES[np.dtype(np.float64)]["atol"]
+
+
+@pytest.mark.parametrize("name", ["favor", "elu", "taylor"])
+def test_linear_attention_state_steps_equal_one_pass_with_the_default_eps(name):
+    q, k, v = _eps_sensitive_qkv()
+    state = fastattn.LinearAttentionState((2,), 6, 3, feature_map=name, dtype=np.float64)
+    steps = np.concatenate([state.step(q[:, i:i + 1], k[:, i:i + 1], v[:, i:i + 1])
+                            for i in range(q.shape[1])], axis=1)
+    assert_close(steps, fastattn.linear_attention(q, k, v, feature_map=name, causal=True))
 
 
 @pytest.mark.parametrize("dominant", ["first", "second"])

@@ -232,7 +232,8 @@ def compute_frontier_quality(minilm, gaussian, head):
     Notes
     -----
     All by the NumPy reference in the inputs' dtype (float32), non-causal,
-    softmax at scale ``1/√d``, linear attention with ``eps = 1e-6``; FAVOR+
+    softmax at scale ``1/√d``, linear attention with the default ``eps``
+    (``1e-6``; 0 for FAVOR+, see :func:`fastattn.linear_attention`); FAVOR+
     with ``random_state = FAVOR_SEED`` at every ``m`` of
     :data:`CONVERGENCE_FACTORS`.  Output metrics over every query; row
     metrics over every ``n // ROW_SAMPLE``-th query of each head (every
