@@ -284,3 +284,72 @@ def test_asv_conf_links_to_no_invented_url():
     config = json.loads("\n".join(l for l in text.splitlines() if not l.lstrip().startswith("//")))
     assert "show_commit_url" not in config and "://" not in json.dumps(config)
     assert "show_commit_url" in (root / "docs" / "asv.md").read_text()
+
+
+DECODE = "decode.Decode.time_token"
+HELD = "decode.Decode.track_bytes_per_head"
+FMAP = "feature_maps.FeatureMaps.time_forward"
+FAVOR = "feature_maps.Favor.time_forward"
+DECODE_PARAMS = [["regime='decode'"], ["'softmax'", "'linear'"], ["'numba'"], ["n=00128", "n=65536"],
+                 ["'float32'"]]
+FMAP_PARAMS = [["'elu'", "'taylor'"], ["'numba'"], ["n=04096"], ["causal=False"], ["'float32'"]]
+FAVOR_PARAMS = [["m=0064", "m=4096"], ["'numba'"], ["n=04096"], ["causal=False"], ["'float32'"]]
+
+
+@pytest.fixture
+def decode_and_feature_map_results(tmp_path):
+    root = tmp_path / "results"
+    box = root / "box"
+    box.mkdir(parents=True)
+    meta = {
+        DECODE: {"param_names": ["regime", "attention", "backend", "n", "dtype"],
+                 "params": DECODE_PARAMS, "unit": "seconds"},
+        HELD: {"param_names": ["regime", "attention", "backend", "n", "dtype"],
+               "params": DECODE_PARAMS, "unit": "bytes"},
+        FMAP: {"param_names": ["feature_map", "backend", "n", "causal", "dtype"],
+               "params": FMAP_PARAMS, "unit": "seconds"},
+        FAVOR: {"param_names": ["m", "backend", "n", "causal", "dtype"], "params": FAVOR_PARAMS,
+                "unit": "seconds"},
+        "version": 2}
+    (root / "benchmarks.json").write_text(json.dumps(meta))
+    (box / "machine.json").write_text(json.dumps(_machine_json("box")))
+    # product order: (softmax, 128) (softmax, 65536) (linear, 128) (linear, 65536)
+    result = {"commit_hash": "c" * 40, "env_name": "env", "date": 1_700_000_000_000,
+              "params": {}, "python": "3.11", "requirements": {}, "env_vars": {},
+              "result_columns": ["result", "params"],
+              "results": {DECODE: [[1e-5, 5e-3, 2e-5, 2.1e-5], DECODE_PARAMS],
+                          HELD: [[32768, 16777216, 16640, 16640], DECODE_PARAMS],
+                          FMAP: [[1e-3, 9e-3], FMAP_PARAMS], FAVOR: [[2e-3, 3e-2], FAVOR_PARAMS]},
+              "version": 2}
+    (box / "cccccccc-env.json").write_text(json.dumps(result))
+    return root
+
+
+def test_decode_and_feature_map_benchmarks_are_read_as_points(decode_and_feature_map_results):
+    points = [r for r in load_asv_points(decode_and_feature_map_results) if r["record"] == "point"]
+    by = {(r["attention"], r["regime"], r["feature_map"], r["num_features"], r["n_k"]): r
+          for r in points}
+    assert len(by) == len(points) == 8
+    soft = by["softmax", "decode", None, None, 65536]
+    assert (soft["n_q"], soft["causal"], soft["heads"], soft["median_s"], soft["held_bytes"]) == \
+        (1, True, asv_results.SUITE_DECODE_HEADS, 5e-3, 16777216)
+    # one query over n keys, 8 heads of d = 64: 4 n d flops a head
+    assert soft["flops"] == 4 * 65536 * 64 * 8
+    lin = by["linear", "decode", "elu", None, 128]
+    assert (lin["n_q"], lin["median_s"], lin["held_bytes"]) == (1, 2e-5, 16640)
+    taylor = by["linear", "prefill", "taylor", None, 4096]
+    assert (taylor["median_s"], taylor["causal"], taylor["heads"]) == (9e-3, False, 1)
+    # Taylor's D = 1 + 64 + 64 * 65 / 2 = 2145 features: 4 n D d_v flops
+    assert taylor["flops"] == 4 * 4096 * 2145 * 64
+    favor = by["linear", "prefill", "favor", 4096, 4096]
+    assert favor["median_s"] == 3e-2 and favor["flops"] == 4 * 4096 * 4096 * 64
+    assert by["linear", "prefill", "elu", None, 4096]["median_s"] == 1e-3
+
+
+def test_suite_decode_heads_agree_with_benchmarks():
+    sys.path.insert(0, str(ROOT))
+    try:
+        from benchmarks import common
+    finally:
+        sys.path.remove(str(ROOT))
+    assert common.DECODE_HEADS == asv_results.SUITE_DECODE_HEADS

@@ -247,3 +247,36 @@ def test_page_has_the_frontier_section_chart_and_numbers(tmp_path, fq):
 def test_page_without_quality_has_no_frontier(tmp_path):
     records = write_records(tmp_path / "r.jsonl", ALL_MAPS[:1])
     assert 'id="frontier"' not in build_report(records, quality=None).html
+
+
+def test_every_section_of_the_page_has_a_navigation_link(tmp_path):
+    from fastattn.report.quality import compute_quality
+
+    records = write_records(tmp_path / "r.jsonl", ALL_MAPS)
+    records += [dict(r, regime="decode", n_q=1) for r in records  # a Generation section too
+                if r["record"] == "point" and r["attention"] == "softmax"]
+    html = build_report(records, source="synthetic", quality=compute_quality(None)).html
+    sections = re.findall(r'<h2 id="([^"]+)"', html)
+    nav = re.findall(r'<a href="#([^"]+)"', html.split("<nav>", 1)[1].split("</nav>", 1)[0])
+    assert {"scaling", "generation", "quality", "frontier", "environment", "method"} <= set(
+        sections)
+    assert sorted(nav) == sorted(sections)
+
+
+def test_the_default_report_grid_times_softmax_where_the_frontier_needs_it():
+    from fastattn.bench.sweep import default_backends
+    from fastattn.report.cli import sweep_points
+
+    fast = [b for b in default_backends(peers_too=False) if b != "reference"]
+    if not fast:
+        pytest.skip("no fast backend built here")
+    points = sweep_points(None)
+    for n in frontier.COST_NS:
+        timed = {p.backend for p in points if p.attention == "softmax" and not p.causal
+                 and p.n == n and p.regime == "prefill" and p.d_k == 64}
+        assert set(fast) <= timed, f"softmax at n = {n}: {timed}"
+        maps = {(p.feature_map, p.num_features) for p in points if p.attention == "linear"
+                and p.n == n and not p.causal}
+        assert {("elu", None), ("relu", None), ("taylor", None)} <= maps
+        assert {("favor", f * 64) for f in frontier.FAVOR_FACTORS} <= maps
+    assert not any(p.n > max(frontier.COST_NS) for p in points if p.regime == "prefill")

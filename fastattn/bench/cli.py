@@ -1,5 +1,6 @@
 """``fastattn bench``: every kernel side by side with its peers and the machine's roof."""
 
+import argparse
 import sys
 import time
 from pathlib import Path
@@ -33,6 +34,10 @@ def add_parser(subparsers):
     add("--n", nargs="+", type=positive_int, metavar="N",
         help=f"sequence lengths (default {' '.join(map(str, DEFAULT_NS))}; decode: "
              f"{' '.join(map(str, DECODE_NS))})")
+    add("--shape", nargs="+", type=shape_arg, metavar="BxHxNxD",
+        help="shapes to measure, e.g. 1x8x2048x64 (batch x heads x n x d_k); each overrides "
+             "--batch, --heads, --n and --d-k for its points; in the decode regime N is the "
+             "context length n_k")
     add("--d-k", type=positive_int, default=64, help="key head dim (default 64)")
     add("--d-v", type=positive_int, default=None, help="value head dim (default: d_k)")
     add("--batch", type=positive_int, default=1, help="batch size (default 1)")
@@ -45,8 +50,9 @@ def add_parser(subparsers):
         help=f"feature map(s) of linear attention (default {FEATURE_MAPS[0]})")
     add("--num-features", nargs="+", type=positive_int, metavar="M",
         help="FAVOR+ feature counts m, with --feature-map favor (default: FavorFeatures')")
-    add("--threads", type=thread_count, default=None,
-        help="threads for every backend, BLAS and peers (default: usable cores)")
+    add("--threads", nargs="+", type=thread_count, default=None, metavar="N",
+        help="threads for every backend, BLAS and peers (default: usable cores); several "
+             "(e.g. --threads 1 2) measure every point at each, in one run")
     add("--repeats", type=positive_int, default=5,
         help="timed repeats per point after a warm-up (default 5)")
     add("--baseline", default=None, metavar="NAME",
@@ -60,6 +66,20 @@ def add_parser(subparsers):
     add("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(func=run)
     return parser
+
+
+def shape_arg(text):
+    """argparse type: ``BxHxNxD`` as four positive ints ``(batch, heads, n, d_k)``."""
+    parts = text.lower().replace("×", "x").split("x")
+    try:
+        values = tuple(positive_int(p) for p in parts)
+    except argparse.ArgumentTypeError:
+        values = ()
+    if len(values) != 4:
+        raise argparse.ArgumentTypeError(
+            f"expected a shape BxHxNxD of four positive integers (batch x heads x n x d_k, "
+            f"e.g. 1x8x2048x64), got {text!r}")
+    return values
 
 
 class BenchUsageError(ValueError):
@@ -120,41 +140,57 @@ def _plan(args):
         read_records(out)
     check_target(out.with_suffix(".csv"), "csv")
     check_target(out.with_suffix(".summary.json"), "summary")
+    check_target(out.with_suffix(".md"), "markdown")
     if args.num_features and "favor" not in args.feature_map:
         raise BenchUsageError("--num-features sets FAVOR+'s m: give --feature-map favor too")
+    shapes = args.shape or [(args.batch, args.heads, None, args.d_k)]
     points = list(dict.fromkeys(  # softmax points are the same for every feature map
-        p for regime in args.regime for fmap in args.feature_map
+        p for shape in dict.fromkeys(shapes) for regime in args.regime
+        for fmap in args.feature_map
         for m in (args.num_features or [None] if fmap == "favor" else [None])
         for p in default_grid(
             attentions=("softmax", "linear") if args.kind == "both" else (args.kind,),
-            backends=backends, ns=sorted(set(args.n or (DECODE_NS if regime == "decode"
-                                                         else DEFAULT_NS))),
-            d_k=args.d_k, d_v=args.d_v or args.d_k,
+            backends=backends, ns=(shape[2],) if shape[2] else sorted(set(
+                args.n or (DECODE_NS if regime == "decode" else DEFAULT_NS))),
+            d_k=shape[3], d_v=args.d_v or shape[3],
             causal={"yes": (True,), "no": (False,), "both": (False, True)}[args.causal],
-            batch=args.batch, heads=args.heads, dtype=args.dtype, feature_map=fmap,
+            batch=shape[0], heads=shape[1], dtype=args.dtype, feature_map=fmap,
             regime=regime, num_features=m)))
+    if args.shape and args.n:
+        print("note: --shape sets n for its points; --n is ignored", file=sys.stderr)
     return points, out, backends, baseline, absent
 
 
 def _run(args):
     from .._threads import default_num_threads
-    from .sweep import Options, run_sweep
-    from .table import format_tables, write_csv, write_summary
+    from .results import read_records
+    from .sweep import Options, new_run_id, run_sweep
+    from .table import (format_tables, format_versus, roof_statements, versus_rows, write_csv,
+                        write_summary, write_versus_markdown)
 
     points, out, backends, baseline, absent = _plan(args)
     for name, hint in absent.items():
         print(f"{name} is not installed, so it is not compared; add it with: {hint}")
     options = Options(repeats=args.repeats, memory=not args.no_memory, check=not args.no_check)
-    records = run_sweep(points, out, options, threads=args.threads, resume=not args.fresh,
-                        threads_reason="as asked (--threads)" if args.threads else None,
-                        progress=None if args.no_progress else "fastattn bench")
+    run_id, records = new_run_id(), []
+    resume = not args.fresh
+    for threads in dict.fromkeys(args.threads or [None]):  # one sweep per thread count
+        records += run_sweep(points, out, options, threads=threads, resume=resume,
+                             threads_reason="as asked (--threads)" if threads else None,
+                             progress=None if args.no_progress else "fastattn bench",
+                             run_id=run_id)
+        resume = True  # the next thread count adds to this run's file
     print()
     print(format_tables(records, baseline=baseline, backend_order=backends))
-    roofs = sorted({(r["dtype"], r["d_k"], r["roof_gflops"]) for r in records
-                    if r.get("roof_gflops")})
-    if roofs:
-        print("\nroof (GEMM n x d @ d x n, best probe of this run, same threads):\n  "
-              + "\n  ".join(f"{dt}, d={d}: {g:.1f} GFLOP/s" for dt, d, g in roofs))
+    runs = {r.get("run_id") for r in records}
+    roofs = [r for r in read_records(out) if r.get("record") == "roof" and r.get("run_id") in runs]
+    roof_text = roof_statements(roofs)
+    if roof_text:
+        print("\nroof (the GEMM probed in this run, on the same threads):\n  "
+              + "\n  ".join(roof_text))
+    rows = versus_rows(records)
+    if any(r["peer"] for r in rows):
+        print("\n" + format_versus(rows))
     loads = [r["load_avg_1m"] for r in records if r.get("load_avg_1m") is not None]
     cores = default_num_threads()
     if loads and max(loads) > cores:
@@ -163,13 +199,15 @@ def _run(args):
               "ratios measured side by side in one run (and the min column), and repeat."
               + (" With more threads than idle cores, multi-threaded BLAS and OpenMP wait "
                  "for descheduled threads: --threads 1 gives steadier numbers."
-                 if (args.threads or cores) > 1 else ""))
+                 if max(args.threads or [cores]) > 1 else ""))
     mismatched = [r for r in records if r.get("check_ok") is False]
     if mismatched:
         print(f"\n{len(mismatched)} point(s) disagree with the float64 reference (MISMATCH).")
     csv_path = write_csv(records, out.with_suffix(".csv"))
     summary_path = write_summary(records, out.with_suffix(".summary.json"), baseline, backends)
-    print(f"\nresults: {out}\ncsv:     {csv_path}\nsummary: {summary_path}")
+    table_path = write_versus_markdown(rows, out.with_suffix(".md"), roof_text)
+    print(f"\nresults: {out}\ncsv:     {csv_path}\nsummary: {summary_path}\n"
+          f"table:   {table_path}")
     for name, hint in absent.items():
         print(f"note: {name} is absent; to compare with it: {hint}")
     return 0

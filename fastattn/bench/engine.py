@@ -196,7 +196,47 @@ def peak_extra_bytes(call, method="auto"):
 
 
 # --------------------------------------------------------------------- roof
-def _task(kind, dtype, n, d):
+#: GEMM shapes above this n are probed at this n (the rate is flat beyond it, and the
+#: n x n output of a larger probe would take many GiBs): every n of the report's prefill
+#: grid is probed.
+MAX_PROBE_N = 16384
+
+#: BLAS libraries the roof may be probed through: OpenBLAS by NumPy's ``matmul``, and MKL by
+#: ``torch.matmul`` (in the peers' process, when torch is installed).
+ROOF_LIBRARIES = ("numpy", "torch")
+
+
+def probe_n(n):
+    """The n of the GEMM probe that stands for an attention shape of length ``n``."""
+    return max(1, min(int(n), MAX_PROBE_N))
+
+
+def blas_label(library="numpy"):
+    """The BLAS a probe's ``library`` runs on, e.g. ``"OpenBLAS 0.3.27 (Haswell) through
+    NumPy 2.1.3"`` or ``"MKL 2024.2 through torch 2.13.0"``."""
+    if library == "torch":
+        import torch
+
+        config = torch.__config__.show()
+        line = next((x for x in config.splitlines() if "Math Kernel Library Version" in x), "")
+        version = line.split("Version", 1)[1].split("-")[0].strip() if line else ""
+        blas = ("MKL" if torch.backends.mkl.is_available() else "BLAS") + \
+            (f" {version}" if version else "")
+        return f"{blas} through torch {torch.__version__}"
+    from .environment import blas_info
+
+    found = [b for b in blas_info() if "numpy" in str(b.get("filepath") or "")] or blas_info()
+    text = "BLAS"
+    if found:
+        info = found[0]
+        name = {"openblas": "OpenBLAS", "mkl": "MKL", "blis": "BLIS"}.get(
+            info.get("internal_api"), info.get("internal_api") or "BLAS")
+        text = f"{name} {info.get('version') or ''}".strip() + (
+            f" ({info['architecture']})" if info.get("architecture") else "")
+    return f"{text} through NumPy {np.__version__}"
+
+
+def _task(kind, dtype, n, d, library="numpy"):
     """A probe's call and its work (flops of ``n x d @ d x n``, or n exps)."""
     rng = np.random.default_rng(0)
     if kind == "exp":
@@ -204,23 +244,39 @@ def _task(kind, dtype, n, d):
         return (lambda: np.exp(x, out=out)), float(n)
     a, b = rng.standard_normal((n, d)).astype(dtype), rng.standard_normal((d, n)).astype(dtype)
     out = np.empty((n, n), dtype=dtype)
+    if library == "torch":
+        torch = peers._torch()  # imported with the peers' thread count
+
+        ta, tb, tout = torch.from_numpy(a), torch.from_numpy(b), torch.from_numpy(out)
+        return (lambda: torch.matmul(ta, tb, out=tout)), 2.0 * n * n * d
     return (lambda: np.matmul(a, b, out=out)), 2.0 * n * n * d
 
 
-def probe_roof(shapes, dtypes=("float32", "float64"), budget_s=0.1, rounds=3):
-    """Roof records: GEMM GFLOP/s at each attention shape ``(n, d)`` (n a power of 2 up to
-    :data:`MAX_PROBE_N`; ``shape [n, d, n]``, ``gflops``) and NumPy's serial exp rate
-    (``gelem_s``), per dtype; each the best repeat over ``rounds`` rounds visiting every
-    task in turn (``budget_s`` seconds a task), so a burst of load does not sink one."""
-    sizes = sorted({(min(2 ** max(0, round(math.log2(max(n, 1)))), MAX_PROBE_N), int(d))
-                    for n, d in shapes})
-    tasks = [("gemm", np.dtype(dt).name, n, d) for dt in dtypes for n, d in sizes]
-    tasks += [("exp", np.dtype(dt).name, 1 << 22, None) for dt in dtypes]
+def probe_roof(shapes, dtypes=("float32", "float64"), budget_s=0.1, rounds=3, library="numpy"):
+    """Roof records: GEMM GFLOP/s of ``n x d @ d x n`` at each attention shape ``(n, d)``
+    (n up to :data:`MAX_PROBE_N`, :func:`probe_n`; ``shape [n, d, n]``, ``gflops``) through
+    ``library`` (:data:`ROOF_LIBRARIES`; ``library``, ``blas`` its label, ``probed_at`` UTC),
+    and for NumPy its serial exp rate (``gelem_s``), per dtype; each the best repeat over
+    ``rounds`` rounds visiting every task in turn (``budget_s`` seconds a task), so a burst of
+    load does not sink one."""
+    import datetime as _dt
+
+    if library not in ROOF_LIBRARIES:
+        raise ValueError(f"library must be one of {ROOF_LIBRARIES}, got {library!r}")
+    import psutil
+
+    sizes = sorted({(probe_n(n), int(d)) for n, d in shapes})
+    room = MEMORY_HEADROOM * psutil.virtual_memory().available / 2  # the output, and slack
+    tasks = [("gemm", np.dtype(dt).name, n, d) for dt in dtypes for n, d in sizes
+             if n * n * np.dtype(dt).itemsize <= room]  # a probe that cannot fit is left out
+    if library == "numpy":
+        tasks += [("exp", np.dtype(dt).name, 1 << 22, None) for dt in dtypes]
     best, count = dict.fromkeys(tasks, 0.0), dict.fromkeys(tasks, 0)
-    for _ in range(max(1, int(rounds))):
+    for round_ in range(max(1, int(rounds))):
         for task in tasks:
-            fn, work = _task(*task)
-            fn()  # first touch, thread pool start
+            fn, work = _task(*task, library=library)
+            if round_ == 0:
+                fn()  # first touch, thread pool start
             deadline = time.perf_counter() + budget_s / rounds
             while count[task] < 1000:
                 start = time.perf_counter()
@@ -229,7 +285,10 @@ def probe_roof(shapes, dtypes=("float32", "float64"), budget_s=0.1, rounds=3):
                 count[task] += 1
                 if time.perf_counter() > deadline:
                     break
-    return [{"probe": kind, "dtype": dtype, "repeats": count[t],
+    label = blas_label(library)
+    when = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    return [{"probe": kind, "dtype": dtype, "repeats": count[t], "library": library,
+             "blas": label, "probed_at": when,
              **({"shape": [n, d, n], "gflops": best[t] / 1e9} if kind == "gemm"
                 else {"size": n, "gelem_s": best[t] / 1e9})}
             for t in tasks for kind, dtype, n, d in [t]]
@@ -243,14 +302,22 @@ def gemm_probes(roofs, dtype, threads=None, machine=None):
             and (machine is None or r.get("machine") in (None, machine))]
 
 
-def roof_for(roofs, dtype, d, threads=None, machine=None):
-    """The one roof rule: the best GEMM GFLOP/s of :func:`gemm_probes` at the nearest ``d``
-    over every probed n (an upper bound: one slowed probe does not lower it), or None."""
+def roof_probe(roofs, dtype, d, threads=None, machine=None):
+    """The one roof rule: the fastest GEMM probe of :func:`gemm_probes` at the nearest ``d``,
+    over every probed n and every BLAS library probed (an upper bound: one slowed probe
+    does not lower it), or None.  Its ``gflops`` is the roof, its ``blas`` the library."""
     found = gemm_probes(roofs, dtype, threads, machine)
     if not found:
         return None
     nearest = min(abs(math.log2(r["shape"][1] / d)) for r in found)
-    return max(r["gflops"] for r in found if abs(math.log2(r["shape"][1] / d)) == nearest)
+    return max((r for r in found if abs(math.log2(r["shape"][1] / d)) == nearest),
+               key=lambda r: r["gflops"])
+
+
+def roof_for(roofs, dtype, d, threads=None, machine=None):
+    """The roof GFLOP/s of :func:`roof_probe`, or None."""
+    probe = roof_probe(roofs, dtype, d, threads, machine)
+    return None if probe is None else probe["gflops"]
 
 
 # -------------------------------------------------------------------- check

@@ -39,6 +39,7 @@ FIELD_TYPES = {
     "load_avg_1m": _NUMBER, "gelem_s": _NUMBER, "started": _NUMBER, "warmup_s": _NUMBER,
     "held_bytes": _NUMBER,
     "times_s": "a list of numbers >= 0", "shape": "a list of positive ints",
+    "roof_shape": "a list of positive ints",
 }
 REQUIRED = {
     "point": ("attention", "backend", "causal", "dtype", "batch", "heads", "n_q", "n_k",

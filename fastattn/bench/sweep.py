@@ -6,6 +6,7 @@ import contextlib
 import multiprocessing
 import os
 import signal
+import sys
 import time
 import uuid
 from dataclasses import asdict, dataclass
@@ -32,6 +33,11 @@ DECODE_NS = (128, 512, 2048, 8192, 32768, 65536)
 #: n of the feature-map grid, and its FAVOR+ feature counts as multiples of d_k.
 FEATURE_MAP_NS = (4096, 16384)
 FAVOR_MULTIPLES = (1, 4, 16, 64)
+
+
+def new_run_id():
+    """A fresh id for the records of one run."""
+    return uuid.uuid4().hex[:12]
 
 
 def check_count(name, value):
@@ -126,9 +132,20 @@ class Options:
     point_timeout_s: float | None = None
     roof: bool = True
     roof_budget_s: float = 0.1
+    roof_libraries: tuple | None = None
 
     def __post_init__(self):
         check_count("repeats", self.repeats)
+        for library in self.roof_libraries or ():
+            if library not in engine.ROOF_LIBRARIES:
+                raise ValueError(f"roof_libraries must be among {engine.ROOF_LIBRARIES}, "
+                                 f"got {library!r}")
+
+    def libraries(self):
+        """The BLAS libraries the roof is probed through in this run."""
+        if self.roof_libraries is not None:
+            return tuple(self.roof_libraries)
+        return ("numpy",) + (("torch",) if "torch" in peers.available_peers() else ())
 
 
 def idle_cores(interval_s=0.5):
@@ -189,7 +206,8 @@ def _serve(task, state):
         env["thread_counts"].update(peers.peer_threads())
         return env
     if kind == "roof":
-        return engine.probe_roof(payload["shapes"], payload["dtypes"], payload["budget_s"])
+        return engine.probe_roof(payload["shapes"], payload["dtypes"], payload["budget_s"],
+                                 library=payload.get("library", "numpy"))
     options = payload["options"]
     outcome = engine.measure_point(payload["spec"], options.repeats, options.memory,
                                    options.check, references=state["references"],
@@ -304,18 +322,32 @@ class _Worker:
 
 
 
-def _write_header(writer, worker, todo, threads, why, options, run_id):
-    """The run's environment and roof records; returns the GEMM roof records."""
+def _write_header(writer, worker, peer_worker, todo, threads, why, options, run_id):
+    """The run's environment and roof records; returns the GEMM roof records.  The roof is
+    probed at every (n, d_k) of ``todo`` (:func:`~.engine.probe_n`) through each library
+    of ``options``: NumPy's in the kernels' process, torch's in the peers' (as its points)."""
     writer.write("environment", run_id=run_id, threads_reason=why,
                  **worker.request("environment", {"threads": threads}))
     if not options.roof:
         return []
     shapes = sorted({(p.n, p.d_k) for p in todo})
     dtypes = sorted({p.dtype for p in todo} | {"float32", "float64"})
-    probed = worker.request("roof", {"shapes": shapes, "dtypes": dtypes,
-                                     "budget_s": options.roof_budget_s})
-    return [writer.write("roof", run_id=run_id, threads=threads, load_avg_1m=engine._load(),
-                         **entry) for entry in probed]
+    records = []
+    for library in options.libraries():
+        try:
+            probed = (peer_worker if library == "torch" else worker).request(
+                "roof", {"shapes": shapes, "dtypes": dtypes, "budget_s": options.roof_budget_s,
+                         "library": library})
+        except RuntimeError as exc:
+            if library == "numpy":
+                raise
+            # An optional library that cannot be probed leaves NumPy's BLAS as the roof.
+            print(f"fastattn: the roof's GEMM through {library} could not be probed ({exc}); "
+                  "the roof is NumPy's BLAS alone", file=sys.stderr)
+            continue
+        records += [writer.write("roof", run_id=run_id, threads=threads,
+                                 load_avg_1m=engine._load(), **entry) for entry in probed]
+    return records
 
 
 def _measure(point, worker, options, roofs):
@@ -325,23 +357,26 @@ def _measure(point, worker, options, roofs):
     except RuntimeError as exc:  # WorkerDied included
         return {"status": "error", "reason": str(exc)}
     if outcome["status"] == "ok":
-        roof = engine.roof_for(roofs, point.dtype, point.d_k)
-        gflops = outcome.get("gflops")
+        probe = engine.roof_probe(roofs, point.dtype, point.d_k)
+        roof, gflops = probe and probe["gflops"], outcome.get("gflops")
         outcome.update(roof_gflops=roof, roof_fraction=gflops / roof if gflops and roof
-                       else None)
+                       else None, roof_blas=probe and probe.get("blas"),
+                       roof_shape=probe and probe.get("shape"))
     return outcome
 
 
 def run_sweep(points, results_path, options=Options(), *, threads=None, threads_reason=None,
-              resume=True, isolate=True, progress="fastattn bench", announce=None):
+              resume=True, isolate=True, progress="fastattn bench", announce=None, run_id=None):
     """Measure ``points``, appending a record per point to ``results_path`` as each finishes;
     return their records in order, measured now or found in the file.
 
     ``threads`` (default: usable cores) holds for every backend, BLAS and peer, and
     ``threads_reason`` says why in the environment record.  ``resume`` skips the points in
     the file (ok or skipped, same threads); False starts it afresh.  ``announce(to_measure,
-    done)`` is called once the file is read.  Raises ResultsFileError for a foreign or
-    read-only file (left unchanged); on KeyboardInterrupt finished points are in the file.
+    done)`` is called once the file is read; ``run_id`` (default: a new one) tags every
+    record written, so the sweeps of one command (one per thread count) share it.  Raises
+    ResultsFileError for a foreign or read-only file (left unchanged); on KeyboardInterrupt
+    finished points are in the file.
     """
     points = list(points)
     for point in points:
@@ -356,7 +391,7 @@ def run_sweep(points, results_path, options=Options(), *, threads=None, threads_
     todo = [p for p in points if point_key(p.record_fields(threads)) not in found]
     if announce is not None:
         announce(len(todo), len(points) - len(todo))
-    run_id = uuid.uuid4().hex[:12]
+    run_id = run_id or new_run_id()
     worker = _Worker(threads, isolate=isolate)
     peer_worker = _Worker(threads, peers_only=True) if isolate else worker
     from tqdm.auto import tqdm
@@ -364,7 +399,8 @@ def run_sweep(points, results_path, options=Options(), *, threads=None, threads_
     bar = tqdm(total=len(todo), unit="point", desc=progress, dynamic_ncols=True,
                disable=not progress or not todo)
     try:
-        roofs = _write_header(writer, worker, todo, threads, why, options, run_id) if todo else []
+        roofs = _write_header(writer, worker, peer_worker, todo, threads, why, options,
+                              run_id) if todo else []
         for point in todo:
             bar.set_postfix_str(point.label(), refresh=False)
             started = time.time()

@@ -12,7 +12,7 @@ CSV_COLUMNS = (
     "d_k", "d_v", "feature_map", "threads", "status", "reason", "median_s", "min_s",
     "max_s", "repeats", "number", "flops", "gflops", "roof_gflops", "roof_fraction",
     "peak_bytes", "memory_method", "peak_bytes_tracemalloc", "max_abs_err", "check_n",
-    "check_ok", "run_id", "regime", "num_features", "held_bytes",
+    "check_ok", "run_id", "regime", "num_features", "held_bytes", "roof_blas", "roof_shape",
 )
 #: Schema tag of the JSON summary ``fastattn bench`` writes beside its results.
 SUMMARY_SCHEMA = "fastattn.bench-summary/1"
@@ -53,6 +53,30 @@ def format_percent(fraction):
     if _missing(fraction):
         return ""
     return f"{100 * fraction:.0f}%" if fraction >= 0.095 else f"{100 * fraction:.2g}%"
+
+
+#: Why a kernel can run above its roof, said wherever one is shown above it.
+ABOVE_ROOF_WHY = (
+    "the roof is a measured GEMM of the attention shape (n x d @ d x n, the fastest BLAS "
+    "probed), not a bound: the probe writes an n x n output, so from a few thousand n on it "
+    "is bound by memory, while the tiled kernels (softmax's online-softmax blocks, linear "
+    "attention's chunks and d x d state) keep their blocks in cache and write only n x d; "
+    "a probe slowed by other work lowers it too (the load of each probe and point is in the "
+    "results file)")
+
+
+#: The footnote of a table with a ``!`` in its % roof column.
+ABOVE_ROOF_NOTE = f"!: above the roof. Why a kernel can be there: {ABOVE_ROOF_WHY}."
+
+
+def above_roof(fraction):
+    """True for a fraction of the roof above 1 (shown flagged, with :data:`ABOVE_ROOF_WHY`)."""
+    return not _missing(fraction) and fraction > 1.0
+
+
+def format_roof_percent(fraction):
+    """:func:`format_percent`, ``"–"`` for missing, and ``"!"`` after a value above the roof."""
+    return (format_percent(fraction) or MISSING) + ("!" if above_roof(fraction) else "")
 
 
 def format_number(value, digits=3):
@@ -112,7 +136,7 @@ def _cells(row):
     return [str(row["n"]), row["backend"],
             f"{format_seconds(row['median_s'])} ({format_seconds(row['min_s'])}-"
             f"{format_seconds(row['max_s'])})", format_number(row["gflops"]),
-            format_percent(row["roof_fraction"]) or MISSING, format_bytes(row["peak_bytes"]),
+            format_roof_percent(row["roof_fraction"]), format_bytes(row["peak_bytes"]),
             MISSING if row["vs_baseline"] is None else f"{row['vs_baseline']:.2f}x", err]
 
 
@@ -139,13 +163,17 @@ def format_tables(records, baseline=None, backend_order=()):
     if baseline:
         out.append(f"{ratio_title}: {baseline}'s median time / this median time "
                    "(above 1 is faster than the baseline).")
+    if any(above_roof(r.get("roof_fraction")) for r in records):
+        out.append(ABOVE_ROOF_NOTE)
     return "\n\n".join(out)
 
 
 def check_target(path, kind):
-    """Refuse (ResultsFileError) to replace a ``kind`` ("csv" or "summary") file this module
-    did not write, or a read-only one."""
-    if kind == "csv":
+    """Refuse (ResultsFileError) to replace a ``kind`` ("csv", "summary" or "markdown") file
+    this module did not write, or a read-only one."""
+    if kind == "markdown":
+        check_replaceable(path, "best-vs-peer table", VERSUS_MARKER)
+    elif kind == "csv":
         check_replaceable(path, "results CSV", ",".join(CSV_COLUMNS[:31]), empty_ok=True)
     else:
         check_replaceable(path, "bench summary", f'"schema": "{SUMMARY_SCHEMA}"')
@@ -167,3 +195,150 @@ def write_summary(records, path, baseline=None, backend_order=()):
     check_target(path, "summary")
     summary = summarise(records, baseline, backend_order)
     return atomic_write(path, to_json(summary, indent=1, sort_keys=True) + "\n")
+
+
+# ------------------------------------------------- best fastattn against the best peer
+#: What one row of :func:`versus_rows` compares: points that differ only in backend.
+VERSUS_KEYS = ("attention", "regime", "feature_map", "num_features", "batch", "heads", "n_q",
+               "n_k", "d_k", "d_v", "dtype", "causal", "threads")
+#: Marker on the first line of the Markdown table ``fastattn bench`` writes beside its CSV.
+VERSUS_MARKER = "<!-- fastattn bench: best fastattn / best peer -->"
+
+
+def _fastest_s(record):
+    """The time a comparison uses: the fastest repeat (the median where none was kept)."""
+    value = record.get("min_s")
+    return record.get("median_s") if _missing(value) else value
+
+
+def shape_text(record):
+    """``"BxHxNxD"`` of a point (N the context n_k), ``"...xD_k:D_v"`` when they differ."""
+    d = f"{record['d_k']}" + (f":{record['d_v']}" if record["d_v"] != record["d_k"] else "")
+    return f"{record['batch']}x{record['heads']}x{record['n_k']}x{d}"
+
+
+def versus_rows(records):
+    """Per shape, dtype, mask, threads (:data:`VERSUS_KEYS`), the fastest fastattn backend and
+    the fastest peer by their fastest repeat, and ``ratio`` = fastattn time / peer time (below
+    1: fastattn is faster), only when both were measured in the same run (``run_id``; else
+    ``note`` says why there is none); ``gflops`` and ``roof_fraction`` of the fastattn kernel
+    at that time, ``above_roof`` when it exceeds its roof.  In the records' order."""
+    groups = {}
+    for r in records:
+        if r.get("record", "point") == "point" and r.get("status") == "ok" \
+                and not _missing(_fastest_s(r)) and _fastest_s(r) > 0:
+            groups.setdefault(tuple(r.get(k) for k in VERSUS_KEYS), []).append(r)
+    rows = []
+    for group in groups.values():
+        ours = [r for r in group if not r.get("peer")]
+        theirs = [r for r in group if r.get("peer")]
+        best = min(ours, key=_fastest_s) if ours else None
+        peer = min(theirs, key=_fastest_s) if theirs else None
+        ratio, note = None, None
+        if best is None or peer is None:
+            note = "no fastattn backend measured" if best is None else "no peer measured"
+        elif best.get("run_id") != peer.get("run_id"):
+            note = "measured in different runs: no ratio"
+        else:
+            ratio = _fastest_s(best) / _fastest_s(peer)
+        gflops = fraction = None
+        if best is not None and best.get("flops"):
+            gflops = best["flops"] / _fastest_s(best) / 1e9
+            fraction = gflops / best["roof_gflops"] if best.get("roof_gflops") else None
+        rows.append({**{k: group[0].get(k) for k in VERSUS_KEYS}, "shape": shape_text(group[0]),
+                     "fastattn": best and best["backend"],
+                     "fastattn_s": best and _fastest_s(best),
+                     "peer": peer and peer["backend"], "peer_s": peer and _fastest_s(peer),
+                     "ratio": ratio, "note": note, "gflops": gflops, "roof_fraction": fraction,
+                     "roof_blas": best and best.get("roof_blas"), "above_roof": above_roof(fraction)})
+    return rows
+
+
+_VERSUS_HEADER = ("shape BxHxNxD", "attention", "mask", "dtype", "threads", "best fastattn",
+                  "time", "best peer", "time", "fastattn / peer", "GFLOP/s", "% roof")
+
+
+def _versus_cells(row):
+    attention = row["attention"] + ("" if row["attention"] == "softmax" or
+                                    row["feature_map"] in (None, "elu") else
+                                    f" {row['feature_map']}") + (
+        f" m={row['num_features']}" if row.get("num_features") else "") + (
+        " decode" if row.get("regime") == "decode" else "")
+    return [row["shape"], attention, mask_name(row["causal"]), row["dtype"], str(row["threads"]),
+            row["fastattn"] or MISSING, format_seconds(row["fastattn_s"]),
+            row["peer"] or MISSING, format_seconds(row["peer_s"]),
+            f"{row['ratio']:.2f}" if row["ratio"] is not None else (row["note"] or MISSING),
+            format_number(row["gflops"]), format_roof_percent(row["roof_fraction"])]
+
+
+def _versus_notes(rows, roof_text=()):
+    notes = ["Times: the fastest repeat of each (other work only slows a call down). "
+             "fastattn / peer below 1: fastattn's fastest backend is faster; only ratios of "
+             "points measured side by side in one run are given. Decode: N is the context "
+             "length n_k, one query. GFLOP/s and % roof: of the fastattn kernel at that time."]
+    if any(r["above_roof"] for r in rows):
+        notes.append(ABOVE_ROOF_NOTE)
+    return notes + list(roof_text)
+
+
+def format_versus(rows, roof_text=()):
+    """The text table of :func:`versus_rows` (what ``fastattn bench`` prints)."""
+    if not rows:
+        return ""
+    cells = [_versus_cells(r) for r in rows]
+    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(_VERSUS_HEADER)]
+    lines = ["best fastattn / best peer"]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip()
+              for line in [list(_VERSUS_HEADER), ["-" * w for w in widths]] + cells]
+    return "\n".join(lines + [""] + [f"  {n}" for n in _versus_notes(rows, roof_text)])
+
+
+def versus_markdown(rows, roof_text=()):
+    """The Markdown table of :func:`versus_rows`, ready for the README (marker first)."""
+    def line(cells):
+        return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
+
+    out = [VERSUS_MARKER, "", line(_VERSUS_HEADER), line(["---"] * len(_VERSUS_HEADER))]
+    out += [line(_versus_cells(r)) for r in rows]
+    return "\n".join(out + [""] + [f"- {n}" for n in _versus_notes(rows, roof_text)]) + "\n"
+
+
+def write_versus_markdown(rows, path, roof_text=()):
+    """Write :func:`versus_markdown` atomically; refuse a file this module did not write."""
+    check_target(path, "markdown")
+    return atomic_write(path, versus_markdown(rows, roof_text))
+
+
+# ---------------------------------------------------------------------- the roof, said
+def roof_statements(roofs):
+    """Sentences saying which GEMM was probed: per dtype, threads, d and library, the shape
+    ``n x d @ d x n`` and every n probed, the library and version, the threads, when, the best
+    GFLOP/s (and at which n), and which library is the roof (the fastest)."""
+    groups = {}
+    for r in roofs:
+        if r.get("probe", "gemm") == "gemm" and r.get("gflops") and len(r.get("shape") or ()) == 3:
+            key = (str(r.get("dtype")), r.get("threads"), r["shape"][1])
+            groups.setdefault(key, {}).setdefault(r.get("blas") or r.get("library") or
+                                                  "NumPy's BLAS", []).append(r)
+    lines = []
+    for (dtype, threads, d), by_library in sorted(groups.items(), key=str):
+        best = {lib: max(rs, key=lambda r: r["gflops"]) for lib, rs in by_library.items()}
+        roof = max(best, key=lambda lib: best[lib]["gflops"])
+        for lib, rs in by_library.items():
+            ns = sorted({r["shape"][0] for r in rs})
+            when = sorted({r.get("probed_at") for r in rs if r.get("probed_at")})
+            top = best[lib]
+            lines.append(
+                f"{dtype}, {threads} thread(s): GEMM n x {d} @ {d} x n at n = "
+                f"{', '.join(map(str, ns))}, {lib}"
+                + (f", probed {when[0]}" if when else "")
+                + f": best {top['gflops']:.1f} GFLOP/s (n = {top['shape'][0]})"
+                + (" - the roof" if lib == roof else
+                   f" (below {roof}: not the roof)"))
+    if lines:
+        from .engine import MAX_PROBE_N
+
+        lines.append("A point's roof is the fastest of these probes at its d, over every n and "
+                     f"library (an attention shape above n = {MAX_PROBE_N} is probed at "
+                     f"n = {MAX_PROBE_N}).")
+    return lines

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from scipy import stats
 
-from ..bench.engine import gemm_probes, roof_for
+from ..bench.engine import gemm_probes, probe_n, roof_for
 
 from ..bench.results import DEFAULT_REGIME, POINT_KEYS, point_key
 
@@ -97,7 +97,9 @@ class Curve:
     ``label``: ``"<backend> <attention>"``, `` (peer)`` and in brackets what tells it from
     its machine's other curves.  Arrays are per ``n`` (NaN: not recorded); ``fit_s`` (the
     ``statistic``: ``"min"``, or ``"median"`` where asv kept no samples) is what fits and
-    crossovers use; ``check_failed``: the ``n`` whose output disagreed with the reference."""
+    crossovers use; ``check_failed``: the ``n`` whose output disagreed with the reference;
+    ``above_roof``: per n, True where the kernel ran faster than its roof (``roof_fraction``
+    above 1) or than the GEMM probed at that n (:func:`above_roof`)."""
 
     key: dict
     peer: bool
@@ -120,6 +122,7 @@ class Curve:
     memory_fit: Fit = None
     held_bytes: np.ndarray = None
     held_fit: Fit = None
+    above_roof: np.ndarray = None
 
     attention = property(lambda self: self.key["attention"])
     backend = property(lambda self: self.key["backend"])
@@ -186,6 +189,7 @@ def curves(points, roofs=()):
             check_failed=[p["n_k"] for p in pts if p.get("check_ok") is False])
         curve.time_fit = fit_exponent(curve.n, curve.fit_s)
         curve.memory_fit = fit_exponent(curve.n, curve.peak_bytes)
+        curve.above_roof = above_roof(curve, roofs)
         curve.held_bytes = _column(pts, "held_bytes")
         curve.held_fit = fit_exponent(curve.n, curve.held_bytes)
         result.append(curve)
@@ -277,14 +281,44 @@ def envelope(curve_list):
     return np.array(ns, dtype=np.int64), np.array([best[n] for n in ns])
 
 
-def roof_curve(roofs, dtype, threads, d=None, machine=None):
-    """``n, gflops``: the best GEMM ``(n, d) @ (d, n)`` probe at each probed n (empty: none)."""
+def roof_curve(roofs, dtype, threads, d=None, machine=None, blas=None):
+    """``n, gflops``: the best GEMM ``(n, d) @ (d, n)`` probe at each probed n (empty: none),
+    of every library probed, or of the one labelled ``blas`` only."""
     best = {}
     for r in gemm_probes(roofs, dtype, threads, machine):
-        if d is None or r["shape"][1] == d:
+        if (d is None or r["shape"][1] == d) and (blas is None or _blas(r) == blas):
             best[r["shape"][0]] = max(best.get(r["shape"][0], 0.0), float(r["gflops"]))
     ns = sorted(best)
     return np.array(ns, dtype=np.int64), np.array([best[n] for n in ns])
+
+
+def _blas(probe):
+    return probe.get("blas") or probe.get("library") or "NumPy's BLAS"
+
+
+def roof_libraries(roofs, dtype, threads, d, machine=None):
+    """``[(blas, is_roof)]``: the libraries probed at this setting, the fastest marked."""
+    found = [r for r in gemm_probes(roofs, dtype, threads, machine) if r["shape"][1] == d]
+    best = {}
+    for r in found:
+        best[_blas(r)] = max(best.get(_blas(r), 0.0), float(r["gflops"]))
+    top = max(best, key=best.get) if best else None
+    return [(name, name == top) for name in sorted(best, key=lambda b: -best[b])]
+
+
+def above_roof(curve, roofs):
+    """Per n of ``curve``: True where its GFLOP/s exceed its roof (``roof_fraction`` > 1) or
+    the fastest GEMM probed at that n (:func:`~fastattn.bench.engine.probe_n`) and its d."""
+    ns, values = roof_curve(roofs, curve.key.get("dtype"), curve.key.get("threads"),
+                            d=curve.key.get("d_k"), machine=curve.machine)
+    at_n = dict(zip(ns.tolist(), values.tolist()))
+    out = []
+    for n, gflops, fraction in zip(curve.n.tolist(), curve.gflops.tolist(),
+                                   curve.roof_fraction.tolist()):
+        probe = at_n.get(probe_n(n))
+        out.append(bool((math.isfinite(fraction) and fraction > 1.0)
+                        or (probe and math.isfinite(gflops) and gflops > probe)))
+    return np.array(out, dtype=bool)
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,6 @@ import re
 import subprocess
 from pathlib import Path
 
-from ..bench.flops import attention_flops
 from ..bench.results import SCHEMA, is_number
 
 
@@ -24,10 +23,16 @@ SUITE_D = 64
 SUITE_BATCH = 1
 SUITE_HEADS = 1
 SUITE_FEATURE_MAP = {"softmax": None, "linear": "elu"}
+#: Heads of the decode benchmarks (benchmarks/common.py: DECODE_HEADS).
+SUITE_DECODE_HEADS = 8
 
-#: asv benchmark name ``<attention>.<Class>.<method>`` -> the point field it fills.
-_METHOD_FIELDS = {"time_forward": "median_s", "track_peak_bytes": "peak_bytes",
-                  "track_max_abs_error": "max_abs_err"}
+#: asv benchmark name ``<module>.<Class>.<method>`` -> the point field it fills.
+_METHOD_FIELDS = {"time_forward": "median_s", "time_token": "median_s",
+                  "track_peak_bytes": "peak_bytes", "track_max_abs_error": "max_abs_err",
+                  "track_bytes_per_head": "held_bytes"}
+#: Modules of the suite whose benchmarks are points: softmax, linear (prefill), decode
+#: (one token after n keys: benchmarks/decode.py) and feature_maps (benchmarks/feature_maps.py).
+POINT_MODULES = ("softmax", "linear", "decode", "feature_maps")
 _THREADS_BENCHMARK = "threads.Threads.track_threads"
 _VERSIONS_BENCHMARK = "threads.Versions.track_version"
 
@@ -159,22 +164,44 @@ def _environment_record(machine, machine_info, data, meta, chosen):
             "thread_counts": thread_counts, "chosen": chosen}
 
 
+def _identity(module, cls, params):
+    """What a benchmark's combination measures: ``attention, regime, feature_map,
+    num_features, heads`` (a point's fields beyond backend, causal, dtype and n), or None."""
+    if module in SUITE_FEATURE_MAP:
+        return module, "prefill", SUITE_FEATURE_MAP[module], None, SUITE_HEADS
+    if module == "decode":
+        attention = params.get("attention")
+        return (attention, "decode", SUITE_FEATURE_MAP.get(attention), None,
+                SUITE_DECODE_HEADS) if attention in SUITE_FEATURE_MAP else None
+    if module == "feature_maps":
+        if cls == "Favor":
+            return "linear", "prefill", "favor", params.get("m"), SUITE_HEADS
+        return "linear", "prefill", params.get("feature_map"), None, SUITE_HEADS
+    return None
+
+
 def _points_of(machine, data, meta):
-    """Point records of one result file, keyed by (attention, backend, causal, dtype, n)."""
+    """Point records of one result file, keyed by their identity (attention, regime,
+    feature map, m, backend, causal, dtype, n)."""
     _, threads = _threads_of(data, meta)
     points = {}
     for name in sorted(data["results"]):
-        attention = name.partition(".")[0]
+        module, _, rest = name.partition(".")
+        cls = rest.partition(".")[0]
         field = _METHOD_FIELDS.get(name.rsplit(".", 1)[-1])
-        if field is None or attention not in SUITE_FEATURE_MAP:
+        if field is None or module not in POINT_MODULES:
             continue
         for params, value, stats in _rows(data, name, meta):
-            key = (attention, params.get("backend"), params.get("causal"),
-                   params.get("dtype"), params.get("n"))
+            identity = _identity(module, cls, params)
+            if identity is None:
+                continue
+            causal = True if identity[1] == "decode" else params.get("causal")
+            key = identity + (params.get("backend"), causal, params.get("dtype"),
+                              params.get("n"))
             if key not in points:
                 if value is None and field == "max_abs_err":
                     continue  # a point only for a skipped accuracy check is noise
-                points[key] = _new_point(machine, data, attention, params, threads)
+                points[key] = _new_point(machine, data, identity, causal, params, threads)
             point = points[key]
             if value is None:
                 if stats["missing"] == FAILED:
@@ -204,18 +231,21 @@ def _points_of(machine, data, meta):
     return points
 
 
-def _new_point(machine, data, attention, params, threads):
-    n, causal = params.get("n"), params.get("causal")
+def _new_point(machine, data, identity, causal, params, threads):
+    from ..bench.engine import point_flops
+
+    attention, regime, feature_map, num_features, heads = identity
+    n = params.get("n")
+    fields = {"attention": attention, "regime": regime, "causal": causal,
+              "dtype": params.get("dtype"), "batch": SUITE_BATCH, "heads": heads,
+              "n_q": 1 if regime == "decode" else n, "n_k": n, "d_k": SUITE_D, "d_v": SUITE_D,
+              "feature_map": feature_map, "num_features": num_features}
     return {"schema": SCHEMA, "record": "point", "source": "asv", "machine": machine,
             "commit": data.get("commit_hash"), "date": _iso(data.get("date")),
-            "env_name": data.get("env_name"), "attention": attention,
-            "backend": params.get("backend"), "peer": False, "causal": causal,
-            "dtype": params.get("dtype"), "batch": SUITE_BATCH, "heads": SUITE_HEADS,
-            "n_q": n, "n_k": n, "d_k": SUITE_D, "d_v": SUITE_D,
-            "feature_map": SUITE_FEATURE_MAP[attention], "threads": threads, "status": None,
+            "env_name": data.get("env_name"), "backend": params.get("backend"), "peer": False,
+            **fields, "threads": threads, "status": None,
             "reason": None, "times_s": None, "median_s": None, "min_s": None, "max_s": None,
-            "flops": attention_flops(attention, n, n, SUITE_D, SUITE_D, causal, SUITE_BATCH,
-                                     SUITE_HEADS) if n else None, "gflops": None,
+            "flops": point_flops(fields) if n else None, "gflops": None,
             "peak_bytes": None, "memory_method": "rss-hwm", "max_abs_err": None,
             "benchmarks": {}, "failed": []}
 

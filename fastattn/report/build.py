@@ -8,7 +8,9 @@ import jinja2
 import numpy as np
 
 from .. import __version__
-from ..bench.table import format_bytes, format_number, format_percent, format_seconds, mask_name
+from ..bench.engine import MAX_PROBE_N
+from ..bench.table import (ABOVE_ROOF_WHY, format_bytes, format_number, format_percent,
+                           format_seconds, mask_name, roof_statements)
 from . import analysis, figures, frontier, generation
 
 #: Marker written into every report; an existing file at the output path is
@@ -139,6 +141,7 @@ def _point_tables(curve_list):
                 "range": f"{format_seconds(c.min_s[i])}–{format_seconds(c.max_s[i])}",
                 "repeats": int(c.repeats[i]), "gflops": format_number(c.gflops[i]),
                 "roof_pct": format_percent(c.roof_fraction[i]),
+                "above_roof": bool(c.above_roof[i]),
                 "check_failed": int(c.n[i]) in c.check_failed,
                 "memory": format_bytes(c.peak_bytes[i]), "err": format_number(c.max_abs_err[i], 2)})
             if group:
@@ -191,10 +194,15 @@ def _machine_section(name, env, roofs, points, every_curve):
     roof_lines = []
     for dtype, threads, d in sorted({(str(c.key.get("dtype")), c.key.get("threads"),
                                       c.key.get("d_k")) for c in curve_list}, key=str):
-        ns, values = analysis.roof_curve(roofs, dtype, threads, d=d, machine=name)
-        if len(ns):
+        for blas, is_roof in analysis.roof_libraries(roofs, dtype, threads, d, machine=name):
+            ns, values = analysis.roof_curve(roofs, dtype, threads, d=d, machine=name, blas=blas)
             shape = f"n×{d} @ {d}×n" if len(ns) > 1 else f"{ns[0]}×{d} @ {d}×{ns[0]}"
-            roof_lines.append((f"GEMM roof, {shape} ({dtype}, {threads} threads)", ns, values))
+            library = blas.split(" (")[0].split(" through ")[0]
+            via = blas.split(" through ")[1].split()[0] if " through " in blas else ""
+            roof_lines.append((f"{'roof: ' if is_roof else ''}GEMM {shape}, {library}"
+                               + (f" via {via}" if via else "") + f" ({dtype})", ns, values))
+    above = [f"{c.label}, {mask_name(c.causal)}, at n = {n}" for c in curve_list
+             for n, flag in zip(c.n.tolist(), c.above_roof.tolist()) if flag]
     loads = np.concatenate([c.load_avg for c in curve_list] or [np.array([])])
     loads = loads[np.isfinite(loads)]
     threads, dtypes = _joined(c.key.get("threads") for c in every_curve), \
@@ -216,6 +224,9 @@ def _machine_section(name, env, roofs, points, every_curve):
         "roof_png": (figures.data_uri(figures.roofline_figure(panels, roof_lines))
                      if any(np.isfinite(c.gflops).any() for c in curve_list) else None),
         "roof_lines": [label for label, _, _ in roof_lines],
+        "roof_statements": roof_statements([r for r in roofs
+                                            if r.get("machine") in (None, name)]),
+        "above_roof": above, "above_roof_why": ABOVE_ROOF_WHY,
         "roofs": [r for r in roofs if r.get("machine") in (None, name)],
         "exponents": _exponent_rows(curve_list),
         "crossovers": analysis.crossover_rows(curve_list),
@@ -342,5 +353,6 @@ def build_report(records, *, source="", quality=None, history=None, history_benc
         comparison_png=comparison_png, peer_help=PEER_HELP,
         summary=_summary(sections[0], quality), quality=_quality_section(quality, all_curves),
         history=_history_section(history, history_benchmark), fit_min_n=analysis.FIT_MIN_N,
+        max_probe_n=MAX_PROBE_N,
         from_asv=any(p.get("source") == "asv" for p in points), n_records=len(records))
     return Report(page, pngs[0])

@@ -112,7 +112,9 @@ def sweep_points(ns, quick=False):
     at ``ns`` (default :data:`~fastattn.bench.sweep.DEFAULT_NS`, :data:`QUICK_NS` if
     ``quick``); the decode regime at :data:`~fastattn.bench.sweep.DECODE_NS` (``ns`` or
     QUICK_NS if given); and, on the default grid, the fast backends' linear attention with
-    every feature map (:func:`~fastattn.bench.sweep.feature_map_grid`)."""
+    every feature map (:func:`~fastattn.bench.sweep.feature_map_grid`) and their non-causal
+    softmax attention at the same n (:data:`~fastattn.bench.sweep.FEATURE_MAP_NS`, 4096 and
+    16384), which the feature-map frontier times the maps against."""
     from ..bench import sweep
 
     prefill = tuple(ns) if ns else (QUICK_NS if quick else DEFAULT_NS)
@@ -120,7 +122,8 @@ def sweep_points(ns, quick=False):
     fast = [b for b in sweep.default_backends(peers_too=False) if b != "reference"]
     return list(dict.fromkeys(  # the feature-map grid's elu points are on the main grid
         sweep.default_grid(ns=prefill) + sweep.default_grid(ns=decode, regime="decode")
-        + ([] if ns or quick else sweep.feature_map_grid(fast))))
+        + ([] if ns or quick else sweep.feature_map_grid(fast) + sweep.default_grid(
+            ("softmax",), fast, sweep.FEATURE_MAP_NS, (False,)))))
 
 
 def _command():

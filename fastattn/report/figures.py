@@ -129,7 +129,8 @@ def scaling_figure(panels, metric="time", ncols=2, title=None, xlabel=None):
 
 def roofline_figure(panels, roofs, ncols=2):
     """PNG of GFLOP/s against n per panel, with each ``(label, n, gflops)`` of ``roofs`` as a
-    line (horizontal when probed at one n)."""
+    line (horizontal when probed at one n); a point above its roof (``Curve.above_roof``) is
+    ringed in red."""
     fig, axes = _panel_grid(panels, ncols)
     for ax, (panel_title, curve_list) in zip(axes, panels):
         for c in curve_list:
@@ -137,6 +138,12 @@ def roofline_figure(panels, roofs, ncols=2):
             if not use.any():
                 continue
             ax.plot(c.n[use], c.gflops[use], label=c.label, **_style(c))
+            over = use & c.above_roof if c.above_roof is not None else np.zeros_like(use)
+            if over.any():  # flagged: the page says why a kernel can pass its roof
+                ringed = "above its roof (see the note)" in ax.get_legend_handles_labels()[1]
+                ax.plot(c.n[over], c.gflops[over], linestyle="none", marker="o", markersize=11,
+                        markerfacecolor="none", markeredgecolor="#d00000", markeredgewidth=1.6,
+                        label=None if ringed else "above its roof (see the note)")
         for i, (label, ns, values) in enumerate(roofs):
             style = {"color": "black", "linewidth": 2.2 - 0.6 * i,
                      "linestyle": ["-", "-.", ":"][i % 3]}
