@@ -34,10 +34,11 @@ def add_parser(subparsers):
     add("--n", nargs="+", type=positive_int, metavar="N",
         help=f"sequence lengths (default {' '.join(map(str, DEFAULT_NS))}; decode: "
              f"{' '.join(map(str, DECODE_NS))})")
-    add("--shape", nargs="+", type=shape_arg, metavar="BxHxNxD",
+    add("--shape", nargs="+", type=shape_arg, metavar="[REGIME:]BxHxNxD",
         help="shapes to measure, e.g. 1x8x2048x64 (batch x heads x n x d_k); each overrides "
-             "--batch, --heads, --n and --d-k for its points; in the decode regime N is the "
-             "context length n_k")
+             "--batch, --heads, --n and --d-k for its points, in every --regime, or in one "
+             "when prefixed (decode:1x8x32768x64); in the decode regime N is the context "
+             "length n_k")
     add("--d-k", type=positive_int, default=64, help="key head dim (default 64)")
     add("--d-v", type=positive_int, default=None, help="value head dim (default: d_k)")
     add("--batch", type=positive_int, default=1, help="batch size (default 1)")
@@ -69,17 +70,22 @@ def add_parser(subparsers):
 
 
 def shape_arg(text):
-    """argparse type: ``BxHxNxD`` as four positive ints ``(batch, heads, n, d_k)``."""
-    parts = text.lower().replace("×", "x").split("x")
+    """argparse type: ``[REGIME:]BxHxNxD`` as ``(batch, heads, n, d_k, regime)``, four
+    positive ints and ``"prefill"``, ``"decode"`` or None (every ``--regime``)."""
+    from .sweep import REGIMES
+
+    regime, _, dims = text.rpartition(":")
+    parts = dims.lower().replace("×", "x").split("x")
     try:
         values = tuple(positive_int(p) for p in parts)
     except argparse.ArgumentTypeError:
         values = ()
-    if len(values) != 4:
+    if len(values) != 4 or (regime and regime not in REGIMES):
         raise argparse.ArgumentTypeError(
             f"expected a shape BxHxNxD of four positive integers (batch x heads x n x d_k, "
-            f"e.g. 1x8x2048x64), got {text!r}")
-    return values
+            f"e.g. 1x8x2048x64), optionally after a regime ({' or '.join(REGIMES)}, e.g. "
+            f"decode:1x8x32768x64), got {text!r}")
+    return values + (regime or None,)
 
 
 class BenchUsageError(ValueError):
@@ -143,9 +149,10 @@ def _plan(args):
     check_target(out.with_suffix(".md"), "markdown")
     if args.num_features and "favor" not in args.feature_map:
         raise BenchUsageError("--num-features sets FAVOR+'s m: give --feature-map favor too")
-    shapes = args.shape or [(args.batch, args.heads, None, args.d_k)]
+    shapes = args.shape or [(args.batch, args.heads, None, args.d_k, None)]
     points = list(dict.fromkeys(  # softmax points are the same for every feature map
-        p for shape in dict.fromkeys(shapes) for regime in args.regime
+        p for shape in dict.fromkeys(shapes) for regime in ([shape[4]] if shape[4]
+                                                            else args.regime)
         for fmap in args.feature_map
         for m in (args.num_features or [None] if fmap == "favor" else [None])
         for p in default_grid(
