@@ -74,6 +74,8 @@ def _kernel_ratio(kernel, v, causal, eps):
     for idx in np.ndindex(*kernel.shape[:-2]):
         for i in range(n_q):
             seen = max(last_visible(i, n_q, n_k, causal) + 1, 0)
+            if seen == 0:
+                continue  # a row that sees no key is 0 (documented), whatever eps
             w = kernel[idx][i, :seen]
             out[idx][i] = w @ v[idx][:seen] / (w.sum() + eps)
     return out
@@ -98,6 +100,11 @@ def user_formula(q, k, v, causal, eps):
 
 
 MAPS = ["favor-m24", "favor-default", "taylor", "callable"]
+
+
+def default_eps(name):
+    """``linear_attention``'s default eps for a map of :data:`MAPS`: 0 for FAVOR+, else 1e-6."""
+    return 0.0 if name.startswith("favor") else 1e-6
 
 
 def _map_and_formula(name, d_k):
@@ -141,7 +148,7 @@ def test_every_map_matches_its_float64_formula(backend, name, dtype, causal, sha
     feature_map, formula = _map_and_formula(name, d_k)
     out, (S, z) = fastattn.linear_attention(q, k, v, feature_map=feature_map, causal=causal,
                                             return_state=True, backend=backend)
-    expected, (S_exp, z_exp) = formula(q, k, v, causal, 1e-6)
+    expected, (S_exp, z_exp) = formula(q, k, v, causal, default_eps(name))
     assert out.dtype == dtype
     assert_close(out, expected, dtype=dtype)
     D = {"favor-m24": 24, "favor-default": fastattn.FavorFeatures(d_k).num_features,
@@ -161,7 +168,7 @@ def test_attention_weights_of_every_map_match_the_formula(name, causal):
     assert weights.shape == (2, 13, 17)
     # The formula's weights: its output for one-hot values is each row of weights.
     eye = np.broadcast_to(np.eye(17), (2, 17, 17))
-    expected, _ = formula(q, k, eye, causal, 1e-6)
+    expected, _ = formula(q, k, eye, causal, default_eps(name))
     assert_close(weights, expected)
     assert_close(weights @ v, fastattn.linear_attention(
         q, k, v, feature_map=feature_map, causal=causal, backend="reference"))
@@ -327,8 +334,7 @@ def test_state_across_pieces_equals_one_pass(backend, name, dtype, pieces):
     # FAVOR+'s pieces work in frames of their own keys, which would shift a
     # non-zero eps (documented); its default eps, 0, makes the ratio exactly
     # frame-free.  The pieces run on the default eps.
-    eps = 0.0 if name.startswith("favor") else 1e-6
-    expected, (S_exp, z_exp) = formula(q, k, v, True, eps)
+    expected, (S_exp, z_exp) = formula(q, k, v, True, default_eps(name))
     outs, state, start = [], None, 0
     for size in pieces:
         sl = slice(start, start + size)
@@ -556,7 +562,7 @@ def test_empty_and_unit_sizes_for_every_map(backend, name, causal, shape):
     if 0 in (n_k, math.prod(lead)):
         assert not out.any() and not S.any() and not z.any()
         return
-    expected, (S_exp, z_exp) = formula(q, k, v, causal, 1e-6)
+    expected, (S_exp, z_exp) = formula(q, k, v, causal, default_eps(name))
     assert_close(out, expected)
     assert_close(S, S_exp)
     assert_close(z, z_exp)
@@ -566,7 +572,7 @@ def test_empty_and_unit_sizes_for_every_map(backend, name, causal, shape):
 def test_float16_and_any_layout_for_every_map(backend, name):
     q, k, v = make_qkv((3, 20, 4), d_v=3, seed=9)
     feature_map, formula = _map_and_formula(name, 4)
-    expected, _ = formula(q, k, v, True, 1e-6)
+    expected, _ = formula(q, k, v, True, default_eps(name))
     half = fastattn.linear_attention(*(x.astype(np.float16) for x in (q, k, v)),
                                      feature_map=feature_map, causal=True, backend=backend)
     assert half.dtype == np.float16

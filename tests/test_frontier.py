@@ -170,9 +170,9 @@ def test_minilm_metrics_match_formulas_written_here(slice_data, fq, key):
             phi_q, phi_k = _elu1(q[h]), _elu1(k[h])
         else:
             omega = FavorFeatures(32, num_features=16 * 32, random_state=frontier.FAVOR_SEED).omega
-            # eps = 1e-6 is measured in the call's shifted frame (FavorFeatures' Notes).
+            # FAVOR+'s default eps is 0 (any other would be measured in the shifted frame).
             phi_q, phi_k = _favor64(q[h], omega, "row"), _favor64(k[h], omega, "all")
-        P, Q = _softmax64(q[h], k[h]), _linear64(phi_q, phi_k)
+        P, Q = _softmax64(q[h], k[h]), _linear64(phi_q, phi_k, 1e-6 if key == "elu" else 0.0)
         a, b = P @ v[h], Q @ v[h]
         cos += list((a * b).sum(-1) / np.linalg.norm(a, axis=-1) / np.linalg.norm(b, axis=-1))
         sq.append(((a - b) ** 2).ravel())
