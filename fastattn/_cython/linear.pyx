@@ -42,6 +42,13 @@ CHUNK = 64
 #: buffer (``128 d_k`` elements) stays in L1 (256 rows measured slower, 1 thread).
 NONCAUSAL_CHUNK = 128
 
+#: Segments a thread when a head is cut into segments (fewer heads than
+#: threads, or any non-causal call with fewer than this many heads a thread):
+#: with several a thread, shared out dynamically, a thread slowed by other
+#: work (another process, a BLAS thread still spinning) leaves its share to
+#: the others.
+SEGMENTS_PER_THREAD = 4
+
 cdef extern from *:
     """
     #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) \
@@ -217,7 +224,7 @@ def _noncausal(
     # No more threads than work items: an idle thread only spins at the barrier.
     with nogil, parallel(num_threads=min(n_threads, n_batch * n_seg)):
         buf = &workspace[0] + threadid() * per_thread
-        for item in prange(n_batch * n_seg, schedule="static"):
+        for item in prange(n_batch * n_seg, schedule="dynamic"):
             b = item // n_seg
             s = item % n_seg
             _fold_keys(&k[b, 0, 0], &v[b, 0, 0], s * n_k // n_seg, (s + 1) * n_k // n_seg,
@@ -227,7 +234,7 @@ def _noncausal(
     S, z = S_arr, z_arr
     with nogil, parallel(num_threads=min(n_threads, n_batch * n_chunks)):
         buf = &workspace[0] + threadid() * per_thread
-        for item in prange(n_batch * n_chunks, schedule="static"):
+        for item in prange(n_batch * n_chunks, schedule="dynamic"):
             b = item // n_chunks
             i0 = (item % n_chunks) * chunk
             i1 = min(i0 + chunk, n_q)
@@ -427,9 +434,14 @@ def linear_attention_forward(q, k, v, feature_map, bint causal, double eps, S0=N
     per_thread = 2 * chunk * d_k + chunk * chunk + chunk if causal else chunk * d_k + chunk
     workspace = np.empty(n_threads * per_thread, dtype)
     code = FEATURE_MAP_CODES[feature_map]
-    # Fewer heads than threads: cut each head into segments run in parallel.
+    # Fewer heads than threads: cut each head into segments run in parallel
+    # (see SEGMENTS_PER_THREAD).  Non-causal segments cost only their sum;
+    # causal ones fold the keys once more whatever their number, so a causal
+    # call with a head a thread or more is not cut.
     n_chunks = -(-(n_q if causal else k.shape[1]) // chunk)
-    n_seg = max(1, min(-(-n_threads // n_batch), n_chunks)) if n_batch < n_threads else 1
+    spread = (n_threads if causal and n_batch >= n_threads
+              else SEGMENTS_PER_THREAD * n_threads)
+    n_seg = max(1, min(-(-spread // n_batch), n_chunks)) if n_batch < spread else 1
     S_seg = np.zeros((n_batch, n_seg, d_k, d_v), dtype)
     z_seg = np.zeros((n_batch, n_seg, d_k), dtype)
     if S0 is not None:
