@@ -283,7 +283,7 @@ def _online_softmax(
                 v.shape[0], n_k, d_v)
             v_all = &v[0, 0, 0]
         with nogil, parallel(num_threads=min(n_threads, n_batch * n_chunks)):
-            for item in prange(n_batch * n_chunks, schedule="static"):
+            for item in prange(n_batch * n_chunks, schedule="dynamic"):
                 b = item // n_chunks
                 j0 = (item % n_chunks) * PACK_KEYS
                 width = min(PACK_KEYS, n_k - j0)
@@ -299,7 +299,7 @@ def _online_softmax(
     cdef unsigned char[::1] finite = np.zeros(max(n_batch, 1), dtype=np.uint8)
     if causal:
         with nogil, parallel(num_threads=min(n_threads, n_batch)):
-            for item in prange(n_batch, schedule="static"):
+            for item in prange(n_batch, schedule="dynamic"):
                 finite[item] = all_finite(v_all + <Py_ssize_t> item * n_k * d_v,
                                           <Py_ssize_t> n_k * d_v)
 
