@@ -5,8 +5,8 @@
 query ``i`` sees.
 
 * Non-causal: the state over all keys is two small products per chunk of
-  :data:`CHUNK` keys (``φ(k)ᵀ v`` by GEMM), then every query chunk is one
-  GEMM ``φ(q) S`` and a dot product with ``z``.  The feature map is applied
+  :data:`NONCAUSAL_CHUNK` keys (``φ(k)ᵀ v`` by GEMM), then every query chunk
+  is one GEMM ``φ(q) S`` and a dot product with ``z``.  The feature map is applied
   chunk by chunk into a small buffer, never to the whole sequence.
 * Causal, chunked (the chunk form of flash-linear-attention): queries are
   taken :data:`CHUNK` at a time; the keys every query of the chunk sees are
@@ -15,8 +15,9 @@ query ``i`` sees.
   the visible keys only, so a NaN or inf behind the mask is never formed.
   The state is carried in from ``(S0, z0)`` and returned after the last key.
 
-Heads are shared out by OpenMP.  With fewer heads than threads each head is
-cut into segments: the segments' keys are folded into partial states in
+Heads are shared out by OpenMP.  With fewer heads than threads (non-causal:
+fewer than :data:`SEGMENTS_PER_THREAD` a thread) each head is cut into
+segments: the segments' keys are folded into partial states in
 parallel, a prefix sum gives each segment its starting state, and the
 segments then run in parallel (the causal chunks inside one segment run in
 order).  BLAS runs single-threaded inside (the caller limits it, see
@@ -421,7 +422,8 @@ def linear_attention_forward(q, k, v, feature_map, bint causal, double eps, S0=N
     Non-causal ``4 · B · n · d_k · d_v`` flops; causal adds the diagonal
     term, ``O(B · n · CHUNK · (d_k + d_v))``.  Extra memory besides the
     outputs: ``T · (2 CHUNK d_k + CHUNK² + CHUNK)`` elements for ``T``
-    threads.  Katharopoulos et al., "Transformers are RNNs" (ICML 2020).
+    threads when causal, ``T · NONCAUSAL_CHUNK · (d_k + 1)`` otherwise, and a
+    ``(d_k, d_v)`` state a segment.  Katharopoulos et al., "Transformers are RNNs" (ICML 2020).
     """
     if feature_map not in FEATURE_MAP_CODES:
         raise ValueError(f"feature_map must be one of {list(FEATURE_MAP_CODES)}, got {feature_map!r}")
