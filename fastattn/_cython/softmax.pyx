@@ -259,7 +259,9 @@ def _online_softmax(
     # Many heads a thread: a work item is a whole head, whose keys (and v,
     # when it is not on a 64-byte boundary) the thread packs into a buffer of
     # its own just before using them, while they are in its L2 -- no pass over
-    # every head before the tiles, no barrier after it.
+    # every head before the tiles, no barrier after it: one parallel region a
+    # call.  (Under load a region's end waits for every thread to be given a
+    # core again, up to a scheduler period.)
     cdef bint per_head = micro and n_batch >= head_items * n_threads
     cdef bint v_aligned = (<size_t> v_all) % 64 == 0
     cdef Py_ssize_t thread_kp = head_kp + (0 if v_aligned else <Py_ssize_t> n_k * d_v)
@@ -297,7 +299,7 @@ def _online_softmax(
     # Causal: whether each head's values are all finite, found once (else every
     # tile the diagonal crosses checks its masked rows of v).
     cdef unsigned char[::1] finite = np.zeros(max(n_batch, 1), dtype=np.uint8)
-    if causal:
+    if causal and not per_head:    # per head: found by the thread that runs the head
         with nogil, parallel(num_threads=min(n_threads, n_batch)):
             for item in prange(n_batch, schedule="dynamic"):
                 finite[item] = all_finite(v_all + <Py_ssize_t> item * n_k * d_v,
@@ -310,6 +312,8 @@ def _online_softmax(
             for b in prange(n_batch, schedule="dynamic"):
                 pack_keys(&k[b, 0, 0], d_k, n_k, d_k, tkp)
                 vh = &v[b, 0, 0]
+                if causal:
+                    finite[b] = all_finite(vh, <Py_ssize_t> n_k * d_v)
                 if not v_aligned:
                     memcpy(<void *> (tkp + head_kp), vh, <size_t> n_k * d_v * sizeof(floating))
                     vh = tkp + head_kp
