@@ -28,6 +28,7 @@ else:
     BUILD_ERROR = None
 
 BQ, BK, CH = (cy.BLOCK_Q, cy.BLOCK_K, cy.CHUNK) if cy is not None else (256, 256, 64)
+NC = cy._linear.NONCAUSAL_CHUNK if cy is not None else 128
 DTYPES = (np.float32, np.float64)
 
 # (leading dims, n_q, n_k, d_k, d_v)
@@ -130,6 +131,48 @@ def test_softmax_tile_products_match_reference(case, dtype, causal):
             cy.set_num_threads(before)
         assert_close(got, reference64(fastattn.softmax_attention, q, k, v, causal=causal),
                      dtype, err_msg=f"{threads} threads")
+
+
+def _copy_at(x, offset):
+    """A C-contiguous copy of ``x`` starting ``offset`` bytes past a 64-byte boundary."""
+    raw = np.empty(x.nbytes + 128, dtype=np.uint8)
+    start = -raw.ctypes.data % 64 + offset
+    out = raw[start:start + x.nbytes].view(x.dtype).reshape(x.shape)
+    out[...] = x
+    assert out.ctypes.data % 64 == offset
+    return out
+
+
+@pytest.mark.parametrize("head_items", [1, 10 ** 9], ids=["head-items", "block-items"])
+@pytest.mark.parametrize("offset", [0, 16], ids=["v64", "v16"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f64"])
+@pytest.mark.parametrize("n_q,n_k", [(BQ + 44, 517), (70, 1100)], ids=lambda n: str(n))
+def test_softmax_work_items_of_whole_heads(n_q, n_k, dtype, causal, offset, head_items,
+                                           monkeypatch):
+    # With HEAD_ITEMS heads a thread or more, a work item is a whole head whose
+    # keys (and an unaligned v) the thread packs into its own buffer; else a
+    # v off a 64-byte boundary is copied 1024 keys at a time by the threads
+    # that pack the keys.  17 heads of 2 query blocks (one partial) or of 1100
+    # keys (two packing chunks), each mode forced, 1 and 2 threads.
+    # Causal: head 5's last value is inf, seen only by its last query; the
+    # head's other rows must not meet 0 * inf (its values are not all finite).
+    monkeypatch.setattr(cy.softmax, "HEAD_ITEMS", head_items)
+    q, k, v = make_qkv((17, n_q, 32), n_k=n_k, d_v=16, dtype=dtype, seed=34)
+    if causal:
+        v[5, -1, 0] = np.inf
+    v_off = _copy_at(v, offset)
+    want = reference64(fastattn.softmax_attention, q, k, v, causal=causal)
+    before = cy.get_num_threads()
+    try:
+        for threads in (1, 2):
+            cy.set_num_threads(threads)
+            got = fastattn.softmax_attention(q, k, v_off, causal=causal, backend="cython")
+            assert np.isfinite(got[:, :-1]).all()
+            assert_close(got[:, :-1], want[:, :-1], dtype, err_msg=f"{threads} threads")
+            assert_close(got[:, -1], want[:, -1], dtype, err_msg=f"{threads} threads, last row")
+    finally:
+        cy.set_num_threads(before)
 
 
 @pytest.mark.parametrize("feature_map", ["elu", "relu"])
@@ -281,6 +324,42 @@ def test_relu_zero_denominator_gives_zero_rows(causal):
     got = fastattn.linear_attention(q, k, v, feature_map="relu", eps=0.0, causal=causal,
                                     backend="cython")
     np.testing.assert_array_equal(got, 0)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f64"])
+@pytest.mark.parametrize("lead,n", [((), 1), ((1,), NC - 1), ((1,), NC), ((2,), NC + 1),
+                                    ((1,), 2 * NC + 3), ((2, 3), 3 * NC - 5)],
+                         ids=lambda x: "x".join(map(str, x)) if isinstance(x, tuple) else f"n{x}")
+def test_noncausal_linear_around_its_chunk_edges(lead, n, dtype, threads):
+    # The non-causal kernel takes NONCAUSAL_CHUNK rows at a time; one head on
+    # two threads folds two segments of keys; n_q != n_k as well.
+    q, k, v = make_qkv((*lead, n, 64), n_k=n + 7, d_v=40, dtype=dtype, seed=31)
+    before = cy.get_num_threads()
+    try:
+        cy.set_num_threads(threads)
+        got, (S, z) = fastattn.linear_attention(q, k, v, return_state=True, backend="cython")
+    finally:
+        cy.set_num_threads(before)
+    want, (S_want, z_want) = reference64(fastattn.linear_attention, q, k, v, return_state=True)
+    assert_close(got, want, dtype)
+    assert_close(S, S_want, dtype, scale=max(1.0, (n + 7) / 100))
+    assert_close(z, z_want, dtype, scale=max(1.0, (n + 7) / 100))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f64"])
+def test_causal_linear_finds_an_inf_past_the_first_block_of_values(dtype):
+    # The values are checked for inf/NaN in blocks of 2**16 elements shared
+    # out by OpenMP: an inf in a later block must still keep the diagonal
+    # term off the GEMM (0 * inf would make earlier rows of its chunk NaN).
+    q, k, v = make_qkv((2, 1100, 8), d_v=32, dtype=dtype, seed=32)
+    v[1, 1050, 3] = np.inf        # element 1100*32 + 1050*32 + 3 > 2**16
+    got = fastattn.linear_attention(q, k, v, causal=True, backend="cython")
+    want = reference64(fastattn.linear_attention, q, k, v, causal=True)
+    assert np.isfinite(got[1, :1050]).all()
+    assert_close(got[:, :1050], want[:, :1050], dtype)
+    assert_close(got[0], want[0], dtype)
+    assert not np.isfinite(got[1, 1050:, 3]).any()
 
 
 def test_elu_at_very_negative_inputs():

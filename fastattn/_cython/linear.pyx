@@ -5,8 +5,8 @@
 query ``i`` sees.
 
 * Non-causal: the state over all keys is two small products per chunk of
-  :data:`CHUNK` keys (``φ(k)ᵀ v`` by GEMM), then every query chunk is one
-  GEMM ``φ(q) S`` and a dot product with ``z``.  The feature map is applied
+  :data:`NONCAUSAL_CHUNK` keys (``φ(k)ᵀ v`` by GEMM), then every query chunk
+  is one GEMM ``φ(q) S`` and a dot product with ``z``.  The feature map is applied
   chunk by chunk into a small buffer, never to the whole sequence.
 * Causal, chunked (the chunk form of flash-linear-attention): queries are
   taken :data:`CHUNK` at a time; the keys every query of the chunk sees are
@@ -15,8 +15,9 @@ query ``i`` sees.
   the visible keys only, so a NaN or inf behind the mask is never formed.
   The state is carried in from ``(S0, z0)`` and returned after the last key.
 
-Heads are shared out by OpenMP.  With fewer heads than threads each head is
-cut into segments: the segments' keys are folded into partial states in
+Heads are shared out by OpenMP.  With fewer heads than threads (non-causal:
+fewer than :data:`SEGMENTS_PER_THREAD` a thread) each head is cut into
+segments: the segments' keys are folded into partial states in
 parallel, a prefix sum gives each segment its starting state, and the
 segments then run in parallel (the causal chunks inside one segment run in
 order).  BLAS runs single-threaded inside (the caller limits it, see
@@ -31,11 +32,101 @@ from cython.parallel cimport parallel, prange, threadid
 from libc.math cimport log, sqrt
 
 from fastattn._cython._blas cimport gemm
-from fastattn._cython._vmath cimport exp_sum, row_max
+from fastattn._cython._vmath cimport all_finite, exp_sum, row_max
 from fastattn._cython._vmath cimport feature_map as _feature_map
 
 #: Rows per chunk: the width of the causal diagonal term and of the buffers.
 CHUNK = 64
+#: Rows per chunk of the non-causal kernel (no diagonal term): each chunk is
+#: one ``φ(k)ᵀ v`` or ``φ(q) S`` GEMM, and 128 rows make it large enough that
+#: the call overheads of BLAS are a small part of it while the feature
+#: buffer (``128 d_k`` elements) stays in L1 (256 rows measured slower, 1 thread).
+NONCAUSAL_CHUNK = 128
+
+#: Segments a thread when a head is cut into segments (fewer heads than
+#: threads, or any non-causal call with fewer than this many heads a thread):
+#: with several a thread, shared out dynamically, a thread slowed by other
+#: work (another process, a BLAS thread still spinning) leaves its share to
+#: the others.
+SEGMENTS_PER_THREAD = 4
+
+cdef extern from *:
+    """
+    #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) \
+        && defined(__linux__) && !defined(FASTATTN_NO_CLONES)
+    #define FASTATTN_LINEAR_TARGETS __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+    #else
+    #define FASTATTN_LINEAR_TARGETS
+    #endif
+    /* The reductions of linear attention, written so that gcc vectorises them
+       ('omp simd reduction', or independent sums along the contiguous axis):
+       a plain loop summing into one scalar is a chain of dependent adds. */
+    #define FASTATTN_LINEAR_REDUCTIONS(T, X) \
+    /* z[a] += sum_{j < rows} x[j d + a], each column summed in double */ \
+    FASTATTN_LINEAR_TARGETS static void fastattn_column_sums_##X(const T *x, int rows, int d, T *z) { \
+        double acc[256]; \
+        for (int a0 = 0; a0 < d; a0 += 256) { \
+            int w = d - a0 < 256 ? d - a0 : 256; \
+            for (int a = 0; a < w; a++) acc[a] = 0; \
+            for (int j = 0; j < rows; j++) { \
+                const T *row = x + (long) j * d + a0; \
+                _Pragma("omp simd") \
+                for (int a = 0; a < w; a++) acc[a] += row[a]; \
+            } \
+            for (int a = 0; a < w; a++) z[a0 + a] += (T) acc[a]; \
+        } \
+    } \
+    /* den[r] = x[r] . z for r < rows (rows of length d) */ \
+    FASTATTN_LINEAR_TARGETS static void fastattn_row_dots_##X(const T *x, int rows, int d, const T *z, T *den) { \
+        for (int r = 0; r < rows; r++) { \
+            const T *row = x + (long) r * d; \
+            T acc = 0; \
+            _Pragma("omp simd reduction(+:acc)") \
+            for (int a = 0; a < d; a++) acc += row[a] * z[a]; \
+            den[r] = acc; \
+        } \
+    } \
+    /* sum x[0:n] */ \
+    FASTATTN_LINEAR_TARGETS static T fastattn_sum_##X(const T *x, int n) { \
+        T acc = 0; \
+        _Pragma("omp simd reduction(+:acc)") \
+        for (int j = 0; j < n; j++) acc += x[j]; \
+        return acc; \
+    }
+    FASTATTN_LINEAR_REDUCTIONS(float, f)
+    FASTATTN_LINEAR_REDUCTIONS(double, d)
+    """
+    void fastattn_column_sums_f(const float *x, int rows, int d, float *z) nogil
+    void fastattn_column_sums_d(const double *x, int rows, int d, double *z) nogil
+    void fastattn_row_dots_f(const float *x, int rows, int d, const float *z, float *den) nogil
+    void fastattn_row_dots_d(const double *x, int rows, int d, const double *z, double *den) nogil
+    float fastattn_sum_f(const float *x, int n) nogil
+    double fastattn_sum_d(const double *x, int n) nogil
+
+
+cdef inline void _column_sums(const floating *x, int rows, int d, floating *z) noexcept nogil:
+    """``z[a] += Σ_{j < rows} x[j, a]`` (rows of length ``d``), each column summed in double."""
+    if floating is float:
+        fastattn_column_sums_f(x, rows, d, z)
+    else:
+        fastattn_column_sums_d(x, rows, d, z)
+
+
+cdef inline void _row_dots(const floating *x, int rows, int d, const floating *z,
+                           floating *den) noexcept nogil:
+    """``den[r] = x[r] · z`` for ``r < rows`` (rows of length ``d``)."""
+    if floating is float:
+        fastattn_row_dots_f(x, rows, d, z, den)
+    else:
+        fastattn_row_dots_d(x, rows, d, z, den)
+
+
+cdef inline floating _sum(const floating *x, int n) noexcept nogil:
+    """``Σ x[0:n]``."""
+    if floating is float:
+        return fastattn_sum_f(x, n)
+    else:
+        return fastattn_sum_d(x, n)
 
 cdef enum:
     RELU = 1
@@ -76,8 +167,7 @@ cdef void _fold_keys(const floating *k, const floating *v, int j0, int j1,
                      int d_k, int d_v, int code, int chunk,
                      floating *S, floating *z, floating *buf) noexcept nogil:
     """``S += φ(k[j0:j1])ᵀ v[j0:j1]``, ``z += Σ φ(k[j0:j1])``, ``chunk`` keys at a time."""
-    cdef int t, c0, rows, j, a
-    cdef double acc
+    cdef int t, c0, rows
     cdef const floating *phi
     for t in range((j1 - j0 + chunk - 1) // chunk if j1 > j0 else 0):
         c0 = j0 + t * chunk
@@ -87,30 +177,19 @@ cdef void _fold_keys(const floating *k, const floating *v, int j0, int j1,
              v + <Py_ssize_t> c0 * d_v, d_v, 1, S, d_v)
         # z gains one chunk sum (taken in double) per chunk, not one key at a
         # time: adding 2^20 keys one by one in float32 drifts by ~4e-3.
-        for a in range(d_k):
-            acc = 0
-            for j in range(rows):
-                acc = acc + phi[<Py_ssize_t> j * d_k + a]
-            z[a] = z[a] + <floating> acc
+        _column_sums(phi, rows, d_k, z)
 
 
 cdef const floating *_query_chunk(const floating *q, int i0, int i1, int d_k, int d_v,
                                   int code, const floating *S, const floating *z,
                                   floating *out, floating *buf, floating *den) noexcept nogil:
     """``out[i0:i1] = φ(q) S`` (unnormalised) and ``den = φ(q) · z``; returns ``φ(q[i0:i1])``."""
-    cdef int rows = i1 - i0, r, a
-    cdef floating acc
-    cdef const floating *prow
+    cdef int rows = i1 - i0
     cdef const floating *phi = _features(q + <Py_ssize_t> i0 * d_k, <Py_ssize_t> rows * d_k,
                                          buf, code)
     gemm(False, False, rows, d_v, d_k, 1, phi, d_k, S, d_v, 0,
          out + <Py_ssize_t> i0 * d_v, d_v)
-    for r in range(rows):
-        prow = phi + <Py_ssize_t> r * d_k
-        acc = 0
-        for a in range(d_k):
-            acc = acc + prow[a] * z[a]
-        den[r] = acc
+    _row_dots(phi, rows, d_k, z, den)
     return phi
 
 
@@ -146,7 +225,7 @@ def _noncausal(
     # No more threads than work items: an idle thread only spins at the barrier.
     with nogil, parallel(num_threads=min(n_threads, n_batch * n_seg)):
         buf = &workspace[0] + threadid() * per_thread
-        for item in prange(n_batch * n_seg, schedule="static"):
+        for item in prange(n_batch * n_seg, schedule="dynamic"):
             b = item // n_seg
             s = item % n_seg
             _fold_keys(&k[b, 0, 0], &v[b, 0, 0], s * n_k // n_seg, (s + 1) * n_k // n_seg,
@@ -156,7 +235,7 @@ def _noncausal(
     S, z = S_arr, z_arr
     with nogil, parallel(num_threads=min(n_threads, n_batch * n_chunks)):
         buf = &workspace[0] + threadid() * per_thread
-        for item in prange(n_batch * n_chunks, schedule="static"):
+        for item in prange(n_batch * n_chunks, schedule="dynamic"):
             b = item // n_chunks
             i0 = (item % n_chunks) * chunk
             i1 = min(i0 + chunk, n_q)
@@ -190,7 +269,7 @@ cdef void _causal_segment(const floating *q, const floating *k, const floating *
     """
     cdef int off = n_k - n_q
     cdef int i0, i1, rows, p0, p1, width, r, j, c, seen, t
-    cdef floating a, total
+    cdef floating a
     cdef floating *arow
     cdef floating *orow
     cdef const floating *vrow
@@ -213,10 +292,7 @@ cdef void _causal_segment(const floating *q, const floating *k, const floating *
             for r in range(rows):
                 seen = min(max(i0 + r + off + 1, 0), n_k) - p0
                 arow = a_buf + <Py_ssize_t> r * width
-                total = 0
-                for j in range(seen):
-                    total = total + arow[j]
-                den[r] = den[r] + total
+                den[r] = den[r] + _sum(arow, seen)
                 if v_finite:
                     for j in range(seen, width):
                         arow[j] = 0
@@ -298,6 +374,18 @@ def _causal(
                             buf + 2 * chunk * d_k + chunk * chunk)
 
 
+def _all_finite(const floating[::1] x, int n_threads):
+    """Whether ``x`` holds no inf and no NaN, checked in blocks shared out by OpenMP."""
+    cdef Py_ssize_t n = x.shape[0], block = 1 << 16
+    cdef Py_ssize_t n_blocks = (n + block - 1) // block
+    cdef Py_ssize_t t
+    cdef unsigned char[::1] finite = np.ones(max(n_blocks, 1), dtype=np.uint8)
+    with nogil, parallel(num_threads=max(1, min(n_threads, n_blocks))):
+        for t in prange(n_blocks, schedule="static"):
+            finite[t] = all_finite(&x[t * block], min(block, n - t * block))
+    return bool(np.asarray(finite).all())
+
+
 def linear_attention_forward(q, k, v, feature_map, bint causal, double eps, S0=None, z0=None,
                              int n_threads=1):
     """Linear attention with state: non-causal by two products, causal by chunks.
@@ -334,7 +422,8 @@ def linear_attention_forward(q, k, v, feature_map, bint causal, double eps, S0=N
     Non-causal ``4 · B · n · d_k · d_v`` flops; causal adds the diagonal
     term, ``O(B · n · CHUNK · (d_k + d_v))``.  Extra memory besides the
     outputs: ``T · (2 CHUNK d_k + CHUNK² + CHUNK)`` elements for ``T``
-    threads.  Katharopoulos et al., "Transformers are RNNs" (ICML 2020).
+    threads when causal, ``T · NONCAUSAL_CHUNK · (d_k + 1)`` otherwise, and a
+    ``(d_k, d_v)`` state a segment.  Katharopoulos et al., "Transformers are RNNs" (ICML 2020).
     """
     if feature_map not in FEATURE_MAP_CODES:
         raise ValueError(f"feature_map must be one of {list(FEATURE_MAP_CODES)}, got {feature_map!r}")
@@ -343,13 +432,18 @@ def linear_attention_forward(q, k, v, feature_map, bint causal, double eps, S0=N
     d_v = v.shape[2]
     dtype = q.dtype
     out = np.empty((n_batch, n_q, d_v), dtype)
-    chunk = CHUNK
-    per_thread = 2 * chunk * d_k + chunk * chunk + chunk
+    chunk = CHUNK if causal else NONCAUSAL_CHUNK
+    per_thread = 2 * chunk * d_k + chunk * chunk + chunk if causal else chunk * d_k + chunk
     workspace = np.empty(n_threads * per_thread, dtype)
     code = FEATURE_MAP_CODES[feature_map]
-    # Fewer heads than threads: cut each head into segments run in parallel.
+    # Fewer heads than threads: cut each head into segments run in parallel
+    # (see SEGMENTS_PER_THREAD).  Non-causal segments cost only their sum;
+    # causal ones fold the keys once more whatever their number, so a causal
+    # call with a head a thread or more is not cut.
     n_chunks = -(-(n_q if causal else k.shape[1]) // chunk)
-    n_seg = max(1, min(-(-n_threads // n_batch), n_chunks)) if n_batch < n_threads else 1
+    spread = (n_threads if causal and n_batch >= n_threads
+              else SEGMENTS_PER_THREAD * n_threads)
+    n_seg = max(1, min(-(-spread // n_batch), n_chunks)) if n_batch < spread else 1
     S_seg = np.zeros((n_batch, n_seg, d_k, d_v), dtype)
     z_seg = np.zeros((n_batch, n_seg, d_k), dtype)
     if S0 is not None:
@@ -358,7 +452,7 @@ def linear_attention_forward(q, k, v, feature_map, bint causal, double eps, S0=N
         z_seg[:, 0] = z0
     if causal:
         _causal(q, k, v, out, S_seg, z_seg, workspace, code, eps, chunk, n_threads,
-                bool(np.isfinite(v).all()))
+                _all_finite(v.reshape(-1), n_threads))
         return out, S_seg[:, -1].copy(), z_seg[:, -1].copy()
     S, z = _noncausal(q, k, v, out, S_seg, z_seg, workspace, code, eps, chunk, n_threads)
     return out, S, z

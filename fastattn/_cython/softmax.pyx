@@ -21,14 +21,18 @@ into panels, q, p and v are read as they lie, and the scores' exp is
 ``O(B n_k (d_k + d_v))`` memory, the size of the inputs.
 
 Work items are (batch, query block) pairs shared out by OpenMP with dynamic
-scheduling, the longest causal blocks first; BLAS runs single-threaded inside
-(the caller limits it, see :mod:`fastattn._cython`).
+scheduling, the longest causal blocks first; with :data:`HEAD_ITEMS` heads a
+thread or more (and the AVX-512 products), a work item is a whole head whose
+keys the thread packs into a buffer of its own just before its query blocks
+use them.  BLAS runs single-threaded inside (the caller limits it, see
+:mod:`fastattn._cython`).
 """
 
 import numpy as np
 
 from cython cimport floating
 from cython.parallel cimport parallel, prange, threadid
+from libc.string cimport memcpy
 
 from fastattn._cython._blas cimport gemm
 from fastattn._cython._microkernel cimport (
@@ -49,6 +53,9 @@ BLOCK_Q = 256
 #: (its maximum, alpha, rescaling), about 2 % at d=64 in a side-by-side run
 #: (1 thread, CPU time, loaded machine).
 BLOCK_K = 512
+#: Heads per thread from which a work item is a whole head (its keys packed by
+#: the thread that uses them) rather than one query block of a head.
+HEAD_ITEMS = 8
 #: Rows per tile where the causal diagonal crosses a key block.
 cdef int DIAGONAL_ROWS = 32
 #: Keys per work item when packing k for the AVX-512 products (a multiple of 16).
@@ -211,13 +218,6 @@ def _aligned_empty(Py_ssize_t size, dtype):
     return raw[start:start + size]
 
 
-def _aligned_copy(x):
-    """A C-contiguous copy of ``x`` starting on a 64-byte boundary."""
-    out = _aligned_empty(x.size, x.dtype).reshape(x.shape)
-    out[...] = x
-    return out
-
-
 def _online_softmax(
     const floating[:, :, ::1] q,
     const floating[:, :, ::1] k,
@@ -229,6 +229,7 @@ def _online_softmax(
     int block_q,
     int block_k,
     int n_threads,
+    int head_items,
 ):
     cdef int n_batch = q.shape[0], n_q = q.shape[1], d_k = q.shape[2]
     cdef int n_k = k.shape[1], d_v = v.shape[2]
@@ -251,30 +252,79 @@ def _online_softmax(
     cdef floating[::1] kpack
     cdef floating *kp_all = NULL
     cdef const floating *v_all = &v[0, 0, 0] if v.shape[0] * n_k * d_v > 0 else NULL
+    cdef const floating *v_src
+    cdef int width
+    cdef Py_ssize_t offset
 
-    if micro:
+    # Many heads a thread: a work item is a whole head, whose keys (and v,
+    # when it is not on a 64-byte boundary) the thread packs into a buffer of
+    # its own just before using them, while they are in its L2 -- no pass over
+    # every head before the tiles, no barrier after it: one parallel region a
+    # call.  (Under load a region's end waits for every thread to be given a
+    # core again, up to a scheduler period.)
+    cdef bint per_head = micro and n_batch >= head_items * n_threads
+    cdef bint v_aligned = (<size_t> v_all) % 64 == 0
+    cdef Py_ssize_t thread_kp = head_kp + (0 if v_aligned else <Py_ssize_t> n_k * d_v)
+    cdef const floating *vh
+    cdef floating *tkp
+
+    if per_head:
+        kpack = _aligned_empty(min(n_threads, n_batch) * thread_kp,
+                               np.float32 if floating is float else np.float64)
+        kp_all = &kpack[0]
+    elif micro:
         kpack = _aligned_empty(n_batch * head_kp, np.float32 if floating is float else np.float64)
         kp_all = &kpack[0]
         # Rows of v at a 64-byte boundary: a 64-byte load that straddles two
         # cache lines costs two (one pass over v here saves it in every tile).
-        if (<size_t> v_all) % 64 != 0:
-            v = _aligned_copy(np.asarray(v))
+        # The copy is shared out with the packing, not made before it on one
+        # thread (a serial pass that was a few % of a 2-thread call).
+        v_src = v_all
+        if not v_aligned:
+            v = _aligned_empty(v.shape[0] * n_k * d_v, np.asarray(v).dtype).reshape(
+                v.shape[0], n_k, d_v)
             v_all = &v[0, 0, 0]
         with nogil, parallel(num_threads=min(n_threads, n_batch * n_chunks)):
-            for item in prange(n_batch * n_chunks, schedule="static"):
+            for item in prange(n_batch * n_chunks, schedule="dynamic"):
                 b = item // n_chunks
                 j0 = (item % n_chunks) * PACK_KEYS
-                pack_keys(&k[b, j0, 0], d_k, min(PACK_KEYS, n_k - j0), d_k,
+                width = min(PACK_KEYS, n_k - j0)
+                pack_keys(&k[b, j0, 0], d_k, width, d_k,
                           kp_all + b * head_kp + <Py_ssize_t> j0 * d_k)
+                if v_src != v_all:
+                    offset = (<Py_ssize_t> b * n_k + j0) * d_v
+                    memcpy(<void *> (v_all + offset), v_src + offset,
+                           <size_t> width * d_v * sizeof(floating))
 
     # Causal: whether each head's values are all finite, found once (else every
     # tile the diagonal crosses checks its masked rows of v).
     cdef unsigned char[::1] finite = np.zeros(max(n_batch, 1), dtype=np.uint8)
-    if causal:
+    if causal and not per_head:    # per head: found by the thread that runs the head
         with nogil, parallel(num_threads=min(n_threads, n_batch)):
-            for item in prange(n_batch, schedule="static"):
+            for item in prange(n_batch, schedule="dynamic"):
                 finite[item] = all_finite(v_all + <Py_ssize_t> item * n_k * d_v,
                                           <Py_ssize_t> n_k * d_v)
+
+    if per_head:
+        with nogil, parallel(num_threads=min(n_threads, n_batch)):
+            buf = &workspace[0] + threadid() * per_thread
+            tkp = kp_all + threadid() * thread_kp
+            for b in prange(n_batch, schedule="dynamic"):
+                pack_keys(&k[b, 0, 0], d_k, n_k, d_k, tkp)
+                vh = &v[b, 0, 0]
+                if causal:
+                    finite[b] = all_finite(vh, <Py_ssize_t> n_k * d_v)
+                if not v_aligned:
+                    memcpy(<void *> (tkp + head_kp), vh, <size_t> n_k * d_v * sizeof(floating))
+                    vh = tkp + head_kp
+                for blk in range(n_blocks - 1, -1, -1):
+                    i0 = blk * block_q
+                    i1 = min(i0 + block_q, n_q)
+                    _query_block(&q[b, 0, 0], &k[b, 0, 0], vh, &out[b, 0, 0],
+                                 n_q, n_k, d_k, d_v, i0, i1, causal, s, block_k,
+                                 buf, buf + block_q * block_k, buf + block_q * block_k + block_q,
+                                 tkp, finite[b])
+        return
 
     # No more threads than work items: an idle thread only spins at the barrier.
     with nogil, parallel(num_threads=min(n_threads, n_items)):
@@ -329,7 +379,8 @@ def online_softmax_forward(q, k, v, bint causal, double scale, int n_threads=1):
     block_k = min(BLOCK_K, k.shape[1])
     out = np.empty((n_batch, n_q, v.shape[2]), dtype=q.dtype)
     workspace = np.empty(n_threads * (block_q * block_k + 2 * block_q), dtype=q.dtype)
-    _online_softmax(q, k, v, out, workspace, causal, scale, block_q, block_k, n_threads)
+    _online_softmax(q, k, v, out, workspace, causal, scale, block_q, block_k, n_threads,
+                    HEAD_ITEMS)
     return out
 
 
