@@ -7,10 +7,12 @@ one GEMM per 256 keys with a single row.  Here each head's keys are cut in
 every query of its head over its range only (Milakov & Gimelshein 2018),
 keeping its own running maximum ``m``, sum ``l`` and unnormalised output
 ``acc``, in key blocks of :data:`SPLIT_KEYS_BLOCK_K` keys.  A decode step is
-bound by reading K and V, so there is no BLAS call: a key block's scores are
-SIMD dot products of each key row with every query (the row read once, while
-it is in L1), then ``p v`` adds each value row into the accumulators, both in
-C loops compiled for AVX-512, AVX2 and the baseline (picked at load time).
+bound by reading K and V, so with up to :data:`FUSED_MAX_N_Q` queries there
+is no BLAS call: a key block's scores are SIMD dot products of each key row
+with every query (the row read once, while it is in L1), then ``p v`` adds
+each value row into the accumulators, both in C loops compiled for AVX-512,
+AVX2 and the baseline (picked at load time).  With more queries the scores,
+and ``p v`` of a block every row sees whole, are GEMMs.
 The partial results are merged with the usual rescaling (Dao, Haziza,
 Massa & Sizov, "Flash-Decoding for long-context inference", 2023)::
 
@@ -32,18 +34,28 @@ import numpy as np
 from cython cimport floating
 from cython.parallel cimport parallel, prange, threadid
 
+from fastattn._cython._blas cimport gemm
 from fastattn._cython._online cimport online_softmax_row
 from fastattn._cython._vmath cimport feature_map, fexp
 
 from fastattn._cython._openmp import get_num_threads
 from fastattn._dispatch import split_count
-from fastattn._threads import kernel_threads
+from fastattn._threads import kernel_threads, single_threaded_blas
 
 #: Keys per block inside a split (one pass of scores, one of ``p v``).
 #: Measured here (fused loops, float32, n_q=1, n_k=32768, H=8, d=64,
 #: 1 thread, min of 20 interleaved calls, loaded machine): 128 keys 22.8 ms,
 #: 256 to 4096 keys 13.3-14.0 ms, beside 13.6 ms for torch to sum K and V.
 SPLIT_KEYS_BLOCK_K = 1024
+
+#: Queries up to which a key block's scores are the fused SIMD dots; with
+#: more, each key row's dots cost more than a GEMM (side by side, H=8,
+#: n_k=8192, 2 threads, loaded machine: against Numba's BLAS kernel 0.8-1.0x
+#: at 2 and 4 queries, 1.5-1.6x at 8 and 16), so the scores, and the ``p v``
+#: of blocks every row sees whole, are BLAS GEMMs (BLAS held at one thread
+#: while several run).
+FUSED_MAX_N_Q = 2
+cdef int FUSED_ROWS = FUSED_MAX_N_Q
 
 cdef double NEG_INF = -float("inf")
 
@@ -56,12 +68,14 @@ cdef extern from *:
     #else
     #define FASTATTN_DECODE_TARGETS
     #endif
-    /* s[r * ld + j] = q_r . k_j for r < n_q, j < width: each key row is read
-       once (from memory) and dotted with every query while it is in L1. */
+    /* s[r * ld + j] = (q_r . k_j) scale for r < n_q, j < width: each key row is
+       read once (from memory) and dotted with every query while it is in L1.
+       The scale multiplies the dot, not q: scale q may overflow where the
+       logits do not. */
     #define FASTATTN_KEY_SCORES(X, T)                                              \
     FASTATTN_DECODE_TARGETS static void fastattn_key_scores_##X(                     \
             const T *restrict q, int n_q, const T *restrict k, int width, int d_k,  \
-            T *restrict s, int ld) {                                                \
+            T scale, T *restrict s, int ld) {                                       \
         for (int j = 0; j < width; j++) {                                           \
             const T *kr = k + (long) j * d_k;                                       \
             for (int r = 0; r < n_q; r++) {                                         \
@@ -69,7 +83,7 @@ cdef extern from *:
                 T t = 0;                                                            \
                 _Pragma("omp simd reduction(+:t)")                                  \
                 for (int c = 0; c < d_k; c++) t += qr[c] * kr[c];                   \
-                s[(long) r * ld + j] = t;                                           \
+                s[(long) r * ld + j] = t * scale;                                   \
             }                                                                       \
         }                                                                           \
     }
@@ -105,9 +119,9 @@ cdef extern from *:
     FASTATTN_WEIGHTED_VALUES(d, double)
     """
     void fastattn_key_scores_f(const float *q, int n_q, const float *k, int width, int d_k,
-                               float *s, int ld) nogil
+                               float scale, float *s, int ld) nogil
     void fastattn_key_scores_d(const double *q, int n_q, const double *k, int width, int d_k,
-                               double *s, int ld) nogil
+                               double scale, double *s, int ld) nogil
     void fastattn_weighted_values_f(const float *p, int n_q, int ld, const float *v, int width,
                                     int d_v, const int *lim, float *acc) nogil
     void fastattn_weighted_values_d(const double *p, int n_q, int ld, const double *v, int width,
@@ -115,11 +129,11 @@ cdef extern from *:
 
 
 cdef inline void _key_scores(const floating *q, int n_q, const floating *k, int width, int d_k,
-                             floating *s, int ld) noexcept nogil:
+                             floating scale, floating *s, int ld) noexcept nogil:
     if floating is float:
-        fastattn_key_scores_f(q, n_q, k, width, d_k, s, ld)
+        fastattn_key_scores_f(q, n_q, k, width, d_k, scale, s, ld)
     else:
-        fastattn_key_scores_d(q, n_q, k, width, d_k, s, ld)
+        fastattn_key_scores_d(q, n_q, k, width, d_k, scale, s, ld)
 
 
 cdef inline void _weighted_values(const floating *p, int n_q, int ld, const floating *v,
@@ -134,16 +148,16 @@ cdef inline void _weighted_values(const floating *p, int n_q, int ld, const floa
 cdef void _key_range(
     const floating *q, const floating *k, const floating *v,
     int n_q, int n_k, int d_k, int d_v, int j_lo, int j_hi, bint causal,
-    floating scale, int block_k, floating *s_buf, floating *qs, int *lim,
+    floating scale, int block_k, floating *s_buf, int *lim,
     floating *m, floating *l, floating *acc,
 ) noexcept nogil:
     """Online softmax of all ``n_q`` rows of one head over keys ``[j_lo, j_hi)``.
 
     Leaves the unnormalised partial result in ``m (n_q)``, ``l (n_q)`` and
     ``acc (n_q, d_v)``; ``q, k, v`` point at the head.  ``s_buf`` holds
-    ``n_q · block_k`` scores, ``qs`` the ``n_q · d_k`` scaled queries and
-    ``lim`` ``n_q`` ints.  No BLAS: a key block's scores and its ``p v`` are
-    fused loops that read each key and value row once.
+    ``n_q · block_k`` scores and ``lim`` ``n_q`` ints.  Up to ``FUSED_ROWS``
+    queries, a key block's scores and its ``p v`` are fused loops that read
+    each key and value row once; with more, GEMMs.
     """
     cdef int off = n_k - n_q
     cdef int r, c, j0, width, w
@@ -154,8 +168,6 @@ cdef void _key_range(
         l[r] = 0
     for c in range(n_q * d_v):
         acc[c] = 0
-    for c in range(n_q * d_k):
-        qs[c] = q[c] * scale
     j0 = j_lo
     while j0 < j_hi:
         width = min(block_k, j_hi - j0)
@@ -164,14 +176,23 @@ cdef void _key_range(
             lim[r] = min(max(r + off + 1 - j0, 0), width) if causal else width
         if lim[n_q - 1] == 0:
             break                      # no row sees this block, nor any later one
-        _key_scores(qs, n_q, k + <Py_ssize_t> j0 * d_k, width, d_k, s_buf, width)
+        if n_q <= FUSED_ROWS:
+            _key_scores(q, n_q, k + <Py_ssize_t> j0 * d_k, width, d_k, scale, s_buf, width)
+        else:
+            gemm(False, True, n_q, width, d_k, scale, q, d_k, k + <Py_ssize_t> j0 * d_k, d_k,
+                 0, s_buf, width)
         for r in range(n_q):
             w = lim[r]
             if w > 0:
                 srow = s_buf + <Py_ssize_t> r * width
                 online_softmax_row(srow, w, &m[r], &l[r], acc + <Py_ssize_t> r * d_v, d_v,
                                    False)
-        _weighted_values(s_buf, n_q, width, v + <Py_ssize_t> j0 * d_v, width, d_v, lim, acc)
+        if n_q > FUSED_ROWS and lim[0] == width:
+            # Every row sees the whole block: one GEMM (no masked p, no masked v).
+            gemm(False, False, n_q, d_v, width, 1, s_buf, width, v + <Py_ssize_t> j0 * d_v,
+                 d_v, 1, acc, d_v)
+        else:
+            _weighted_values(s_buf, n_q, width, v + <Py_ssize_t> j0 * d_v, width, d_v, lim, acc)
         j0 = j0 + width
 
 
@@ -234,7 +255,7 @@ def _split_key_softmax(
     cdef floating *part_l = part_m + n_parts
     cdef floating *part_acc = part_l + n_parts
     cdef floating *scratch = part_acc + n_parts * d_v
-    cdef Py_ssize_t per_thread = <Py_ssize_t> n_q * (block_k + d_k)
+    cdef Py_ssize_t per_thread = <Py_ssize_t> n_q * block_k
     cdef int item, b, sp, j_lo, j_hi, t
     cdef floating *buf = NULL   # per-thread scratch, set in each parallel block
     cdef floating s = <floating> scale
@@ -248,8 +269,7 @@ def _split_key_softmax(
             j_lo = sp * span
             j_hi = min(n_k, j_lo + span)
             _key_range(&q[b, 0, 0], &k[b, 0, 0], &v[b, 0, 0], n_q, n_k, d_k, d_v,
-                       j_lo, j_hi, causal, s, block_k, buf, buf + <Py_ssize_t> n_q * block_k,
-                       &limits[t * n_q], part_m + <Py_ssize_t> item * n_q,
+                       j_lo, j_hi, causal, s, block_k, buf, &limits[t * n_q], part_m + <Py_ssize_t> item * n_q,
                        part_l + <Py_ssize_t> item * n_q, part_acc + <Py_ssize_t> item * n_q * d_v)
     with nogil:
         for b in range(n_batch):
@@ -277,7 +297,8 @@ def split_key_softmax_forward(q, k, v, bint causal, double scale, n_threads=None
     n_threads : int, optional
         OpenMP threads at most; default the backend's count.  Fewer run when
         the call is too small to split (:func:`fastattn._threads.kernel_threads`);
-        ignored in a build without OpenMP.  No BLAS is called.
+        ignored in a build without OpenMP.  BLAS is called (held at one thread
+        while several run) only with more than :data:`FUSED_MAX_N_Q` queries.
     n_splits : int, optional
         Key ranges per head, from 1 to ``n_k``; default
         :func:`fastattn._dispatch.split_count` for ``n_threads``.
@@ -294,8 +315,7 @@ def split_key_softmax_forward(q, k, v, bint causal, double scale, n_threads=None
     -----
     ``4 · B · n_q · n_k · d`` flops; extra memory ``B · n_splits · n_q ·
     (d_v + 2)`` elements for the partial results and ``T · n_q ·
-    (SPLIT_KEYS_BLOCK_K + d_k)`` for the scores and scaled queries of ``T``
-    threads, in one allocation.  Flash-Decoding
+    SPLIT_KEYS_BLOCK_K`` for the scores of ``T`` threads, in one allocation.  Flash-Decoding
     (Dao et al. 2023) over the online softmax of Milakov & Gimelshein (2018).
     """
     n_threads = get_num_threads() if n_threads is None else max(1, n_threads)
@@ -309,12 +329,17 @@ def split_key_softmax_forward(q, k, v, bint causal, double scale, n_threads=None
     block_k = min(SPLIT_KEYS_BLOCK_K, (n_k + n_splits - 1) // n_splits)
     out = np.empty((n_batch, n_q, d_v), dtype=q.dtype)
     # One allocation: the partial (m, l, acc) of every work item, then each
-    # thread's scores and scaled queries.
-    workspace = np.empty(n_batch * n_splits * n_q * (d_v + 2) + n_threads * n_q * (block_k + d_k),
+    # thread's scores.
+    workspace = np.empty(n_batch * n_splits * n_q * (d_v + 2) + n_threads * n_q * block_k,
                          dtype=q.dtype)
     limits = np.empty(n_threads * n_q, dtype=np.intc)
-    _split_key_softmax(q, k, v, out, workspace, limits, n_splits, n_k, causal, scale, block_k,
-                       n_threads)
+    if n_threads == 1 or n_q <= FUSED_MAX_N_Q:
+        _split_key_softmax(q, k, v, out, workspace, limits, n_splits, n_k, causal, scale,
+                           block_k, n_threads)
+    else:
+        with single_threaded_blas():
+            _split_key_softmax(q, k, v, out, workspace, limits, n_splits, n_k, causal, scale,
+                               block_k, n_threads)
     return out
 
 
