@@ -76,7 +76,25 @@ cdef extern from *:
     FASTATTN_DECODE_TARGETS static void fastattn_key_scores_##X(                     \
             const T *restrict q, int n_q, const T *restrict k, int width, int d_k,  \
             T scale, T *restrict s, int ld) {                                       \
-        for (int j = 0; j < width; j++) {                                           \
+        int j0 = 0;                                                                 \
+        if (n_q == 1) {                                                             \
+            /* Four keys at a time: four independent sums hide the latency of   \
+               the FMAs and of each sum's final reduction across lanes. */        \
+            for (; j0 + 4 <= width; j0 += 4) {                                      \
+                const T *k0 = k + (long) j0 * d_k, *k1 = k0 + d_k;                  \
+                const T *k2 = k1 + d_k, *k3 = k2 + d_k;                             \
+                T t0 = 0, t1 = 0, t2 = 0, t3 = 0;                                   \
+                _Pragma("omp simd reduction(+:t0,t1,t2,t3)")                        \
+                for (int c = 0; c < d_k; c++) {                                     \
+                    T x = q[c];                                                     \
+                    t0 += x * k0[c]; t1 += x * k1[c];                               \
+                    t2 += x * k2[c]; t3 += x * k3[c];                               \
+                }                                                                   \
+                s[j0] = t0 * scale; s[j0 + 1] = t1 * scale;                         \
+                s[j0 + 2] = t2 * scale; s[j0 + 3] = t3 * scale;                     \
+            }                                                                       \
+        }                                                                           \
+        for (int j = j0; j < width; j++) {                                          \
             const T *kr = k + (long) j * d_k;                                       \
             for (int r = 0; r < n_q; r++) {                                         \
                 const T *qr = q + (long) r * d_k;                                   \
