@@ -68,6 +68,9 @@ cdef extern from *:
     #else
     #define FASTATTN_DECODE_TARGETS
     #endif
+    /* Rows ahead that the one-query loops prefetch (K and V stream from
+       memory); 0: none.  Set by _set_prefetch_rows, to measure. */
+    static int fastattn_prefetch_rows = 16;
     /* s[r * ld + j] = (q_r . k_j) scale for r < n_q, j < width: each key row is
        read once (from memory) and dotted with every query while it is in L1.
        The scale multiplies the dot, not q: scale q may overflow where the
@@ -83,6 +86,12 @@ cdef extern from *:
             for (; j0 + 4 <= width; j0 += 4) {                                      \
                 const T *k0 = k + (long) j0 * d_k, *k1 = k0 + d_k;                  \
                 const T *k2 = k1 + d_k, *k3 = k2 + d_k;                             \
+                /* The key rows prefetch_rows ahead, one cache line at a time. */  \
+                if (fastattn_prefetch_rows) {                                       \
+                    const char *ahead = (const char *) (k0 + (long) fastattn_prefetch_rows * d_k); \
+                    for (long b = 0; b < (long) (4 * d_k * sizeof(T)); b += 64)        \
+                        __builtin_prefetch(ahead + b);                              \
+                }                                                                   \
                 T t0 = 0, t1 = 0, t2 = 0, t3 = 0;                                   \
                 _Pragma("omp simd reduction(+:t0,t1,t2,t3)")                        \
                 for (int c = 0; c < d_k; c++) {                                     \
@@ -114,6 +123,11 @@ cdef extern from *:
         if (n_q == 1) {                                                             \
             for (int j = 0; j < lim[0]; j++) {                                      \
                 const T *vr = v + (long) j * d_v;                                   \
+                if (fastattn_prefetch_rows) {                                       \
+                    const char *ahead = (const char *) (vr + (long) fastattn_prefetch_rows * d_v); \
+                    for (long b = 0; b < (long) (d_v * sizeof(T)); b += 64)            \
+                        __builtin_prefetch(ahead + b);                              \
+                }                                                                   \
                 T pj = p[j];                                                        \
                 _Pragma("omp simd")                                                 \
                 for (int c = 0; c < d_v; c++) acc[c] += pj * vr[c];                 \
@@ -136,6 +150,7 @@ cdef extern from *:
     FASTATTN_WEIGHTED_VALUES(f, float)
     FASTATTN_WEIGHTED_VALUES(d, double)
     """
+    int fastattn_prefetch_rows
     void fastattn_key_scores_f(const float *q, int n_q, const float *k, int width, int d_k,
                                float scale, float *s, int ld) nogil
     void fastattn_key_scores_d(const double *q, int n_q, const double *k, int width, int d_k,
@@ -144,6 +159,12 @@ cdef extern from *:
                                     int d_v, const int *lim, float *acc) nogil
     void fastattn_weighted_values_d(const double *p, int n_q, int ld, const double *v, int width,
                                     int d_v, const int *lim, double *acc) nogil
+
+
+def _set_prefetch_rows(int rows):
+    """Rows ahead (0: none) that the one-query loops prefetch; for measuring only."""
+    global fastattn_prefetch_rows
+    fastattn_prefetch_rows = rows
 
 
 cdef inline void _key_scores(const floating *q, int n_q, const floating *k, int width, int d_k,
