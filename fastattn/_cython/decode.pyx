@@ -121,13 +121,23 @@ cdef extern from *:
             const T *restrict p, int n_q, int ld, const T *restrict v, int width,   \
             int d_v, const int *restrict lim, T *restrict acc) {                    \
         if (n_q == 1) {                                                             \
-            for (int j = 0; j < lim[0]; j++) {                                      \
-                const T *vr = v + (long) j * d_v;                                   \
+            int j = 0;                                                              \
+            /* Four value rows at a time: one load and store of acc per four.  */ \
+            for (; j + 4 <= lim[0]; j += 4) {                                       \
+                const T *v0 = v + (long) j * d_v, *v1 = v0 + d_v;                   \
+                const T *v2 = v1 + d_v, *v3 = v2 + d_v;                             \
                 if (fastattn_prefetch_rows) {                                       \
-                    const char *ahead = (const char *) (vr + (long) fastattn_prefetch_rows * d_v); \
-                    for (long b = 0; b < (long) (d_v * sizeof(T)); b += 64)            \
+                    const char *ahead = (const char *) (v0 + (long) fastattn_prefetch_rows * d_v); \
+                    for (long b = 0; b < (long) (4 * d_v * sizeof(T)); b += 64)        \
                         __builtin_prefetch(ahead + b);                              \
                 }                                                                   \
+                T p0 = p[j], p1 = p[j + 1], p2 = p[j + 2], p3 = p[j + 3];           \
+                _Pragma("omp simd")                                                 \
+                for (int c = 0; c < d_v; c++)                                       \
+                    acc[c] += (p0 * v0[c] + p1 * v1[c]) + (p2 * v2[c] + p3 * v3[c]); \
+            }                                                                       \
+            for (; j < lim[0]; j++) {                                               \
+                const T *vr = v + (long) j * d_v;                                   \
                 T pj = p[j];                                                        \
                 _Pragma("omp simd")                                                 \
                 for (int c = 0; c < d_v; c++) acc[c] += pj * vr[c];                 \
