@@ -71,6 +71,14 @@ cdef extern from *:
     /* Rows ahead that the one-query loops prefetch (K and V stream from
        memory); 0: none.  Set by _set_prefetch_rows, to measure. */
     static int fastattn_prefetch_rows = 16;
+    /* Prefetch the four rows of `len` elements fastattn_prefetch_rows rows
+       after `row`, one 64-byte cache line at a time. */
+    #define FASTATTN_PREFETCH_AHEAD(row, len)                                       \
+        if (fastattn_prefetch_rows) {                                               \
+            const char *ahead_ = (const char *) ((row) + (long) fastattn_prefetch_rows * (len)); \
+            for (long b_ = 0; b_ < (long) (4 * (len) * sizeof(*(row))); b_ += 64)   \
+                __builtin_prefetch(ahead_ + b_);                                    \
+        }
     /* s[r * ld + j] = (q_r . k_j) scale for r < n_q, j < width: each key row is
        read once (from memory) and dotted with every query while it is in L1.
        The scale multiplies the dot, not q: scale q may overflow where the
@@ -86,12 +94,7 @@ cdef extern from *:
             for (; j0 + 4 <= width; j0 += 4) {                                      \
                 const T *k0 = k + (long) j0 * d_k, *k1 = k0 + d_k;                  \
                 const T *k2 = k1 + d_k, *k3 = k2 + d_k;                             \
-                /* The key rows prefetch_rows ahead, one cache line at a time. */  \
-                if (fastattn_prefetch_rows) {                                       \
-                    const char *ahead = (const char *) (k0 + (long) fastattn_prefetch_rows * d_k); \
-                    for (long b = 0; b < (long) (4 * d_k * sizeof(T)); b += 64)        \
-                        __builtin_prefetch(ahead + b);                              \
-                }                                                                   \
+                FASTATTN_PREFETCH_AHEAD(k0, d_k);                                   \
                 T t0 = 0, t1 = 0, t2 = 0, t3 = 0;                                   \
                 _Pragma("omp simd reduction(+:t0,t1,t2,t3)")                        \
                 for (int c = 0; c < d_k; c++) {                                     \
@@ -126,11 +129,7 @@ cdef extern from *:
             for (; j + 4 <= lim[0]; j += 4) {                                       \
                 const T *v0 = v + (long) j * d_v, *v1 = v0 + d_v;                   \
                 const T *v2 = v1 + d_v, *v3 = v2 + d_v;                             \
-                if (fastattn_prefetch_rows) {                                       \
-                    const char *ahead = (const char *) (v0 + (long) fastattn_prefetch_rows * d_v); \
-                    for (long b = 0; b < (long) (4 * d_v * sizeof(T)); b += 64)        \
-                        __builtin_prefetch(ahead + b);                              \
-                }                                                                   \
+                FASTATTN_PREFETCH_AHEAD(v0, d_v);                                   \
                 T p0 = p[j], p1 = p[j + 1], p2 = p[j + 2], p3 = p[j + 3];           \
                 _Pragma("omp simd")                                                 \
                 for (int c = 0; c < d_v; c++)                                       \
