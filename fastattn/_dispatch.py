@@ -71,6 +71,22 @@ def split_count(batch, n_k, n_threads):
 #             linear causal n=1024..8192:           numba 1.00, cython 1.5-1.7 (n=4096: 1.36 vs 2.32 ms)
 #             linear non-causal n=1024..8192:       cython 1.00, numba 1.3-1.4
 #
+# Re-derived 2026-12-01 (11:20 UTC) after the fused Cython decode kernel, side
+# by side in one process (backends interleaved, min over 7 rounds; d=64,
+# 2 threads; Intel Xeon with AVX-512, 2 cores, load average 3.5-4, so again
+# single points can be far off; tools/auto_check.py narrowed to these shapes, with float64),
+# float32 | float64, ratio to the fastest:
+#
+#   short     softmax causal n=128, 256, 512:       cython 1.00 | 1.00-1.01,
+#             numba 1.29, 1.36, 1.77 | 1.04, 1.00, 1.31  -> cython first now
+#             softmax non-causal n=128, 512:        cython 1.00 | 1.11, 1.00; numba 1.44-1.87 | 1.00, 5.1
+#             linear causal n=128:                  numba 1.00, cython 1.22 | 1.28 (unchanged)
+#   tiny      softmax n_q=1, n_k=128 and 512, H=1 and 8, both masks (Cython now runs its
+#             split-key kernel for n_q <= 16 at any n_k): cython 1.00-1.13, numba 1.00-1.43
+#   decode    softmax n_q=1, n_k=8192, H=1:         cython 1.00-1.11, numba 1.00-1.15
+#             H=8: cython 1.14-1.82 against numba (both mostly waiting on memory; one
+#             thread, side by side: cython/numba 0.98-1.15 at n_k 8192 and 32768)
+#
 # Where two backends are within 1.3x the Cython one is named first: it needs
 # no JIT start-up (importing Numba costs 1-2 s in a new process).  The rule is
 # per shape class, not per backend version: re-derive it (the commands are in
@@ -110,7 +126,7 @@ AUTO_RULE = {
     ("linear", "decode", False): _CYTHON_FIRST,
     ("linear", "decode", True): _CYTHON_FIRST,
     ("softmax", "short", False): _CYTHON_FIRST,
-    ("softmax", "short", True): _NUMBA_FIRST,
+    ("softmax", "short", True): _CYTHON_FIRST,
     ("linear", "short", False): _CYTHON_FIRST,
     ("linear", "short", True): _NUMBA_FIRST,
     ("softmax", "long", False): _CYTHON_FIRST,

@@ -94,10 +94,18 @@ def test_split_key_softmax_masked_non_finite_keys(backend, dtype, n_q, n_k):
                     assert (got[:, i] == 0).all(), f"row {i} sees no key and must be 0"
 
 
+#: Where each backend's softmax_forward looks up the split-key kernel it routes to.
+ROUTING_MODULES = {"numba": "fastattn._numba.softmax", "cython": "fastattn._cython"}
+
+
 @pytest.mark.parametrize("backend", FAST_BACKENDS)
 def test_softmax_forward_routes_decode_calls_to_split_keys(backend, monkeypatch):
-    """softmax_attention sends few queries over many keys to the split-key kernel, not prefill."""
-    module = importlib.import_module(SOFTMAX_MODULES[backend])
+    """softmax_attention sends few queries over many keys to the split-key kernel, not prefill.
+
+    Cython sends every call of at most SPLIT_KEYS_MAX_N_Q queries there, at any n_k
+    (its tiled kernel is slower with so few rows); Numba from 2 * SPLIT_KEYS_MIN_KEYS keys.
+    """
+    module = importlib.import_module(ROUTING_MODULES[backend])
     real = module.split_key_softmax_forward
     calls = []
 
@@ -113,8 +121,10 @@ def test_softmax_forward_routes_decode_calls_to_split_keys(backend, monkeypatch)
         assert_close(got, reference64(fastattn.softmax_attention, q, k, v, causal=True),
                      np.float32)
     q, k, v = make_qkv((3, 1, 16), n_k=n_k - 1, dtype=np.float32)
-    fastattn.softmax_attention(q, k, v, backend=backend)
-    assert calls == [(3, 1, 16), (3, _dispatch.SPLIT_KEYS_MAX_N_Q, 16)]
+    got = fastattn.softmax_attention(q, k, v, backend=backend)
+    assert_close(got, reference64(fastattn.softmax_attention, q, k, v), np.float32)
+    decode_calls = [(3, 1, 16), (3, _dispatch.SPLIT_KEYS_MAX_N_Q, 16)]
+    assert calls == decode_calls + ([(3, 1, 16)] if backend == "cython" else [])
 
 
 @pytest.mark.parametrize("batch, n_k, threads, want", [
@@ -122,3 +132,26 @@ def test_softmax_forward_routes_decode_calls_to_split_keys(backend, monkeypatch)
 ], ids=["B1-nk32768-T2", "B8-nk32768-T2", "B1-nk1024-T2", "B3-nk8192-T4", "B1-nk600-T2"])
 def test_split_count_gives_two_items_per_thread(batch, n_k, threads, want):
     assert _dispatch.split_count(batch, n_k, threads) == want
+
+
+@pytest.mark.parametrize("d_k, d_v", [(64, 64), (33, 17)], ids=["dk64-dv64", "dk33-dv17"])
+@pytest.mark.parametrize("n_q", [1, 5, 16], ids=lambda n: f"nq{n}")
+@pytest.mark.parametrize("backend", FAST_BACKENDS)
+def test_split_key_softmax_small_blocks_match_reference(backend, n_q, d_k, d_v, monkeypatch):
+    """Blocks of 16 keys: every block boundary and the causal diagonal inside and across blocks.
+
+    Head sizes of full SIMD width (64) and odd ones (33, 17) exercise the
+    vector loops' bodies and remainders; n_k below n_q leaves whole causal
+    rows (and every key block of them) unseen.
+    """
+    monkeypatch.setattr(_decode(backend), "SPLIT_KEYS_BLOCK_K", 16)
+    for dtype in (np.float32, np.float64):
+        for n_k in sorted({1, max(1, n_q - 3), 15, 16, 17, 47, 48, 49, 100}):
+            q, k, v = make_qkv((2, 3, n_q, d_k), n_k=n_k, d_v=d_v, dtype=dtype, seed=7 * n_k + n_q)
+            for causal in (False, True):
+                want = reference64(fastattn.softmax_attention, q, k, v, causal=causal)
+                args = [x.reshape((6,) + x.shape[2:]) for x in (q, k, v)]
+                for n_splits in (1, 3):
+                    got = _split_key(backend, *args, causal, d_k ** -0.5, n_splits)
+                    assert_close(got.reshape(want.shape), want, dtype,
+                                 err_msg=f"n_k={n_k} causal={causal} n_splits={n_splits}")

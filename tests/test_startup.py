@@ -61,3 +61,36 @@ def test_a_backend_loads_alone_and_takes_the_recorded_thread_count(backend):
         assert "fastattn._numba" not in seen["first call"]
     # set_num_threads(1) came before the backend loaded, and still holds.
     assert seen["threads"] == 1
+
+
+SCIPY_CHILD = textwrap.dedent(
+    """
+    import json, sys
+    import numpy as np
+    import fastattn
+    seen = {"import": sorted(m for m in ("scipy.special", "scipy.linalg", "psutil") if m in sys.modules)}
+    fastattn.set_num_threads(2)
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((2, 300, 64)).astype(np.float32) for _ in range(3))
+    got = fastattn.softmax_attention(q, k, v, backend="cython")    # BLAS GEMMs
+    seen["cython call"] = sorted(m for m in ("scipy.special", "scipy.linalg") if m in sys.modules)
+    want = fastattn.softmax_attention(q, k, v, backend="reference")
+    seen["max error"] = float(abs(got - want).max())
+    import scipy.linalg.cython_blas
+    seen["complete"] = hasattr(scipy.linalg, "solve") and "sgemm" in scipy.linalg.cython_blas.__pyx_capi__
+    print(json.dumps(seen))
+    """
+)
+
+
+@pytest.mark.skipif("cython" not in BACKENDS, reason="Cython backend not built")
+def test_a_cython_call_imports_neither_scipy_linalg_nor_scipy_special():
+    """The extensions take SciPy's BLAS table without ``scipy.linalg``; a later import is whole."""
+    proc = subprocess.run([sys.executable, "-c", SCIPY_CHILD], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert "scipy.special" not in seen["import"], "import fastattn imported scipy.special"
+    assert seen["cython call"] == [], "a Cython call imported scipy.linalg or scipy.special"
+    assert seen["max error"] < 1e-5
+    assert seen["complete"], "import scipy.linalg.cython_blas after a Cython call is incomplete"

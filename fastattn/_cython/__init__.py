@@ -12,10 +12,55 @@ call too small to split, or made in a child forked after the OpenMP pool
 started, runs on one thread without waking the pool.
 """
 
+import contextlib
+import importlib.machinery
+import importlib.util
+import os
+import sys
+
 from .._threads import kernel_threads, single_threaded_blas
 
+
+@contextlib.contextmanager
+def _scipy_cython_blas_alone():
+    """While the extensions load, ``scipy.linalg.cython_blas`` is loaded without ``scipy.linalg``.
+
+    The extensions import that module when they load, to take the BLAS
+    function pointers from its table; importing it the usual way first runs
+    ``scipy/linalg/__init__.py``, which imports most of SciPy's linear algebra
+    (0.15-0.5 s, most of a first Cython call's cost) for a table that needs
+    none of it.  Here the module is loaded from its file under its own name
+    for the extensions, then taken out of ``sys.modules`` again (the pointers
+    stay valid: the shared library stays loaded), so that a later ``import
+    scipy.linalg.cython_blas`` (Numba's) is the usual, complete import.  If
+    SciPy is laid out otherwise, nothing is done and the usual import runs.
+    """
+    name = "scipy.linalg.cython_blas"
+    module = None
+    if name not in sys.modules and "scipy.linalg" not in sys.modules:
+        try:
+            import scipy
+
+            found = importlib.machinery.PathFinder.find_spec(
+                "cython_blas", [os.path.join(os.path.dirname(scipy.__file__), "linalg")])
+            if found is not None and isinstance(found.loader,
+                                                importlib.machinery.ExtensionFileLoader):
+                spec = importlib.util.spec_from_file_location(name, found.origin)
+                module = importlib.util.module_from_spec(spec)
+                spec.loader.exec_module(module)
+                sys.modules[name] = module
+        except Exception:  # noqa: BLE001  (any failure: the usual import runs instead)
+            module = None
+    try:
+        yield
+    finally:
+        if module is not None and sys.modules.get(name) is module:
+            del sys.modules[name]
+
+
 try:
-    from . import _blas, _openmp, linear, softmax  # noqa: F401  (compiled extensions)
+    with _scipy_cython_blas_alone():
+        from . import _blas, _openmp, decode, linear, softmax  # noqa: F401  (compiled extensions)
 except ImportError as exc:
     raise ImportError(
         "the Cython kernels of fastattn are not built here (install the package "
@@ -25,6 +70,8 @@ from ._openmp import get_num_threads, openmp_enabled, set_num_threads
 from . import linear as _linear
 from .linear import CHUNK, linear_attention_forward
 from .softmax import BLOCK_K, BLOCK_Q, _build_features, online_softmax_forward
+from .decode import split_key_softmax_forward
+from .._dispatch import SPLIT_KEYS_MAX_N_Q
 
 __all__ = [
     "softmax_forward",
@@ -54,6 +101,10 @@ def vector_exp_enabled():
 def softmax_forward(q, k, v, causal, scale):
     """Softmax attention by the tiled online softmax (see ``online_softmax_forward``).
 
+    Calls of at most :data:`fastattn._dispatch.SPLIT_KEYS_MAX_N_Q` queries run
+    the split-key decode kernel (:mod:`fastattn._cython.decode`) instead, at
+    any ``n_k``.
+
     Parameters
     ----------
     q : ndarray of shape (B, n_q, d_k), float32 or float64, C-contiguous
@@ -68,6 +119,11 @@ def softmax_forward(q, k, v, causal, scale):
     """
     n_batch, n_q, d_k = q.shape
     n_k, d_v = k.shape[1], v.shape[2]
+    if n_q <= SPLIT_KEYS_MAX_N_Q:
+        # A decode step (or a call of a few rows): the split-key kernel at
+        # every n_k (the tiled kernel's few-row GEMMs and key packing cost
+        # 1.5-8x more below 1024 keys, H=8, side by side, loaded machine).
+        return split_key_softmax_forward(q, k, v, causal, scale)
     n_threads = kernel_threads(get_num_threads(), n_batch * -(-n_q // BLOCK_Q),
                                n_batch * n_q * n_k * (d_k + d_v))
     if n_threads == 1:

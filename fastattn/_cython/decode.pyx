@@ -6,19 +6,22 @@ one GEMM per 256 keys with a single row.  Here each head's keys are cut in
 ``n_splits`` contiguous ranges; one work item runs the online softmax of
 every query of its head over its range only (Milakov & Gimelshein 2018),
 keeping its own running maximum ``m``, sum ``l`` and unnormalised output
-``acc``, in key blocks of :data:`SPLIT_KEYS_BLOCK_K` keys (one GEMM for the
-scores and one for ``p v`` each, GEMVs for a single query, which read the
-block in place where a one-row GEMM would first pack it; every key and value
-is read from memory once).  The partial results are merged with the usual rescaling (Dao, Haziza,
+``acc``, in key blocks of :data:`SPLIT_KEYS_BLOCK_K` keys.  A decode step is
+bound by reading K and V, so with up to :data:`FUSED_MAX_N_Q` queries there
+is no BLAS call: a key block's scores are SIMD dot products of each key row
+with every query (the row read once, while it is in L1), then ``p v`` adds
+each value row into the accumulators, both in C loops compiled for AVX-512,
+AVX2 and the baseline (picked at load time).  With more queries the scores,
+and ``p v`` of a block every row sees whole, are GEMMs.
+The partial results are merged with the usual rescaling (Dao, Haziza,
 Massa & Sizov, "Flash-Decoding for long-context inference", 2023)::
 
     M   = max_s m_s
     out = Σ_s exp(m_s - M) acc_s / Σ_s exp(m_s - M) l_s
 
 Causal stays bottom-right aligned (query ``i`` sees key ``j <= i + n_k - n_q``).
-In a key block the diagonal crosses, masked scores are replaced by 0 and, if
-a masked value row is not finite, ``p v`` is formed row by row over the
-visible keys only, so a NaN or inf behind the mask never reaches a row.  A
+In a key block the diagonal crosses, each row folds in and adds ``p v`` of
+the keys it sees only, so a NaN or inf behind the mask never reaches it.  A
 row that sees no key is 0.
 
 :func:`recurrent_linear_step` is linear attention for one query and one key
@@ -32,64 +35,181 @@ from cython cimport floating
 from cython.parallel cimport parallel, prange, threadid
 
 from fastattn._cython._blas cimport gemm
-from fastattn._cython._vmath cimport exp_sum, feature_map, fexp, row_max
-from scipy.linalg.cython_blas cimport dgemv, sgemv
+from fastattn._cython._online cimport online_softmax_row
+from fastattn._cython._vmath cimport feature_map, fexp
 
 from fastattn._cython._openmp import get_num_threads
 from fastattn._dispatch import split_count
 from fastattn._threads import kernel_threads, single_threaded_blas
 
-#: Keys per block inside a split (one scores product and one ``p v`` product).
-#: Measured here (float32, n_q=1, d=64, 2 threads, min of repeats, one
-#: process, loaded machine): with one-row GEMMs, n_k=32768 one head 0.31 ms
-#: at 512 or 1024 keys, 0.63 at 2048; with GEMV (now), 0.37-0.39 ms from 512
-#: to 4096 keys, and n_k=8192 eight heads 0.72-0.78 ms.
+#: Keys per block inside a split (one pass of scores, one of ``p v``).
+#: Measured here (fused loops, float32, n_q=1, n_k=32768, H=8, d=64,
+#: 1 thread, min of 20 interleaved calls, loaded machine): 128 keys 22.8 ms,
+#: 256 to 4096 keys 13.3-14.0 ms, beside 13.6 ms for torch to sum K and V.
 SPLIT_KEYS_BLOCK_K = 1024
+
+#: Queries up to which a key block's scores are the fused SIMD dots; with
+#: more, each key row's dots cost more than a GEMM (side by side, H=8,
+#: n_k=8192, 2 threads, loaded machine: against Numba's BLAS kernel 0.8-1.0x
+#: at 2 and 4 queries, 1.5-1.6x at 8 and 16), so the scores, and the ``p v``
+#: of blocks every row sees whole, are BLAS GEMMs (BLAS held at one thread
+#: while several run).
+FUSED_MAX_N_Q = 2
+cdef int FUSED_ROWS = FUSED_MAX_N_Q
 
 cdef double NEG_INF = -float("inf")
 
 
-cdef inline void _gemv(bint trans, int m, int n, floating alpha, const floating *a,
-                       const floating *x, floating beta, floating *y) noexcept nogil:
-    """``y = alpha · op(A) x + beta · y`` for a column-major ``m x n`` matrix ``A`` (lda = m).
-
-    With one query, the scores (``trans``: ``k_blk q``) and ``p v_blk`` are
-    matrix-vector products; a GEMM of one row would pack the key block first.
+cdef extern from *:
     """
-    cdef char t = b'T' if trans else b'N'
-    cdef int one = 1
+    #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) \
+        && defined(__linux__) && !defined(FASTATTN_NO_CLONES)
+    #define FASTATTN_DECODE_TARGETS __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+    #else
+    #define FASTATTN_DECODE_TARGETS
+    #endif
+    /* Rows ahead that the one-query loops prefetch (K and V stream from
+       memory); 0: none.  Set by _set_prefetch_rows, to measure. */
+    static int fastattn_prefetch_rows = 16;
+    /* Prefetch the four rows of `len` elements fastattn_prefetch_rows rows
+       after `row`, one 64-byte cache line at a time. */
+    #define FASTATTN_PREFETCH_AHEAD(row, len)                                       \
+        if (fastattn_prefetch_rows) {                                               \
+            const char *ahead_ = (const char *) ((row) + (long) fastattn_prefetch_rows * (len)); \
+            for (long b_ = 0; b_ < (long) (4 * (len) * sizeof(*(row))); b_ += 64)   \
+                __builtin_prefetch(ahead_ + b_);                                    \
+        }
+    /* s[r * ld + j] = (q_r . k_j) scale for r < n_q, j < width: each key row is
+       read once (from memory) and dotted with every query while it is in L1.
+       The scale multiplies the dot, not q: scale q may overflow where the
+       logits do not. */
+    #define FASTATTN_KEY_SCORES(X, T)                                              \
+    FASTATTN_DECODE_TARGETS static void fastattn_key_scores_##X(                     \
+            const T *restrict q, int n_q, const T *restrict k, int width, int d_k,  \
+            T scale, T *restrict s, int ld) {                                       \
+        int j0 = 0;                                                                 \
+        if (n_q == 1) {                                                             \
+            /* Four keys at a time: four independent sums hide the latency of   \
+               the FMAs and of each sum's final reduction across lanes. */        \
+            for (; j0 + 4 <= width; j0 += 4) {                                      \
+                const T *k0 = k + (long) j0 * d_k, *k1 = k0 + d_k;                  \
+                const T *k2 = k1 + d_k, *k3 = k2 + d_k;                             \
+                FASTATTN_PREFETCH_AHEAD(k0, d_k);                                   \
+                T t0 = 0, t1 = 0, t2 = 0, t3 = 0;                                   \
+                _Pragma("omp simd reduction(+:t0,t1,t2,t3)")                        \
+                for (int c = 0; c < d_k; c++) {                                     \
+                    T x = q[c];                                                     \
+                    t0 += x * k0[c]; t1 += x * k1[c];                               \
+                    t2 += x * k2[c]; t3 += x * k3[c];                               \
+                }                                                                   \
+                s[j0] = t0 * scale; s[j0 + 1] = t1 * scale;                         \
+                s[j0 + 2] = t2 * scale; s[j0 + 3] = t3 * scale;                     \
+            }                                                                       \
+        }                                                                           \
+        for (int j = j0; j < width; j++) {                                          \
+            const T *kr = k + (long) j * d_k;                                       \
+            for (int r = 0; r < n_q; r++) {                                         \
+                const T *qr = q + (long) r * d_k;                                   \
+                T t = 0;                                                            \
+                _Pragma("omp simd reduction(+:t)")                                  \
+                for (int c = 0; c < d_k; c++) t += qr[c] * kr[c];                   \
+                s[(long) r * ld + j] = t * scale;                                   \
+            }                                                                       \
+        }                                                                           \
+    }
+    /* acc_r += sum_{j < lim[r]} p[r * ld + j] v_j: each value row is read once;
+       a row never reads a value it does not see (a NaN behind the mask). */
+    #define FASTATTN_WEIGHTED_VALUES(X, T)                                          \
+    FASTATTN_DECODE_TARGETS static void fastattn_weighted_values_##X(                \
+            const T *restrict p, int n_q, int ld, const T *restrict v, int width,   \
+            int d_v, const int *restrict lim, T *restrict acc) {                    \
+        if (n_q == 1) {                                                             \
+            int j = 0;                                                              \
+            /* Four value rows at a time: one load and store of acc per four.  */ \
+            for (; j + 4 <= lim[0]; j += 4) {                                       \
+                const T *v0 = v + (long) j * d_v, *v1 = v0 + d_v;                   \
+                const T *v2 = v1 + d_v, *v3 = v2 + d_v;                             \
+                FASTATTN_PREFETCH_AHEAD(v0, d_v);                                   \
+                T p0 = p[j], p1 = p[j + 1], p2 = p[j + 2], p3 = p[j + 3];           \
+                _Pragma("omp simd")                                                 \
+                for (int c = 0; c < d_v; c++)                                       \
+                    acc[c] += (p0 * v0[c] + p1 * v1[c]) + (p2 * v2[c] + p3 * v3[c]); \
+            }                                                                       \
+            for (; j < lim[0]; j++) {                                               \
+                const T *vr = v + (long) j * d_v;                                   \
+                T pj = p[j];                                                        \
+                _Pragma("omp simd")                                                 \
+                for (int c = 0; c < d_v; c++) acc[c] += pj * vr[c];                 \
+            }                                                                       \
+            return;                                                                 \
+        }                                                                           \
+        for (int j = 0; j < width; j++) {                                           \
+            const T *vr = v + (long) j * d_v;                                       \
+            for (int r = 0; r < n_q; r++) {                                         \
+                if (j >= lim[r]) continue;                                          \
+                T pj = p[(long) r * ld + j];                                        \
+                T *ar = acc + (long) r * d_v;                                       \
+                _Pragma("omp simd")                                                 \
+                for (int c = 0; c < d_v; c++) ar[c] += pj * vr[c];                  \
+            }                                                                       \
+        }                                                                           \
+    }
+    FASTATTN_KEY_SCORES(f, float)
+    FASTATTN_KEY_SCORES(d, double)
+    FASTATTN_WEIGHTED_VALUES(f, float)
+    FASTATTN_WEIGHTED_VALUES(d, double)
+    """
+    int fastattn_prefetch_rows
+    void fastattn_key_scores_f(const float *q, int n_q, const float *k, int width, int d_k,
+                               float scale, float *s, int ld) nogil
+    void fastattn_key_scores_d(const double *q, int n_q, const double *k, int width, int d_k,
+                               double scale, double *s, int ld) nogil
+    void fastattn_weighted_values_f(const float *p, int n_q, int ld, const float *v, int width,
+                                    int d_v, const int *lim, float *acc) nogil
+    void fastattn_weighted_values_d(const double *p, int n_q, int ld, const double *v, int width,
+                                    int d_v, const int *lim, double *acc) nogil
+
+
+def _set_prefetch_rows(int rows):
+    """Rows ahead (0: none) that the one-query loops prefetch; for measuring only."""
+    global fastattn_prefetch_rows
+    fastattn_prefetch_rows = rows
+
+
+cdef inline void _key_scores(const floating *q, int n_q, const floating *k, int width, int d_k,
+                             floating scale, floating *s, int ld) noexcept nogil:
     if floating is float:
-        sgemv(&t, &m, &n, &alpha, <float *> a, &m, <float *> x, &one, &beta, y, &one)
+        fastattn_key_scores_f(q, n_q, k, width, d_k, scale, s, ld)
     else:
-        dgemv(&t, &m, &n, &alpha, <double *> a, &m, <double *> x, &one, &beta, y, &one)
+        fastattn_key_scores_d(q, n_q, k, width, d_k, scale, s, ld)
 
 
-cdef inline bint _all_finite(const floating *x, Py_ssize_t count) noexcept nogil:
-    """Whether ``count`` consecutive values are all finite (no NaN, no inf)."""
-    cdef Py_ssize_t t
-    cdef floating acc = 0
-    for t in range(count):
-        acc = acc + x[t] * 0      # inf * 0 and NaN * 0 are NaN
-    return acc == 0
+cdef inline void _weighted_values(const floating *p, int n_q, int ld, const floating *v,
+                                  int width, int d_v, const int *lim,
+                                  floating *acc) noexcept nogil:
+    if floating is float:
+        fastattn_weighted_values_f(p, n_q, ld, v, width, d_v, lim, acc)
+    else:
+        fastattn_weighted_values_d(p, n_q, ld, v, width, d_v, lim, acc)
 
 
 cdef void _key_range(
     const floating *q, const floating *k, const floating *v,
     int n_q, int n_k, int d_k, int d_v, int j_lo, int j_hi, bint causal,
-    floating scale, int block_k, floating *s_buf, floating *m, floating *l, floating *acc,
+    floating scale, int block_k, floating *s_buf, int *lim,
+    floating *m, floating *l, floating *acc,
 ) noexcept nogil:
     """Online softmax of all ``n_q`` rows of one head over keys ``[j_lo, j_hi)``.
 
     Leaves the unnormalised partial result in ``m (n_q)``, ``l (n_q)`` and
-    ``acc (n_q, d_v)``; ``q, k, v`` point at the head.
+    ``acc (n_q, d_v)``; ``q, k, v`` point at the head.  ``s_buf`` holds
+    ``n_q · block_k`` scores and ``lim`` ``n_q`` ints.  Up to ``FUSED_ROWS``
+    queries, a key block's scores and its ``p v`` are fused loops that read
+    each key and value row once; with more, GEMMs.
     """
     cdef int off = n_k - n_q
-    cdef int r, j, c, j0, width, w, w_min
-    cdef bint full
-    cdef floating mx, m_new, shift, alpha, p
+    cdef int r, c, j0, width, w
     cdef floating *srow
-    cdef floating *arow
-    cdef const floating *vrow
 
     for r in range(n_q):
         m[r] = NEG_INF
@@ -99,53 +219,28 @@ cdef void _key_range(
     j0 = j_lo
     while j0 < j_hi:
         width = min(block_k, j_hi - j0)
-        if n_q == 1:
-            _gemv(True, d_k, width, scale, k + <Py_ssize_t> j0 * d_k, q, 0, s_buf)
+        # Row r sees keys j <= r + off: the block's first w of them.
+        for r in range(n_q):
+            lim[r] = min(max(r + off + 1 - j0, 0), width) if causal else width
+        if lim[n_q - 1] == 0:
+            break                      # no row sees this block, nor any later one
+        if n_q <= FUSED_ROWS:
+            _key_scores(q, n_q, k + <Py_ssize_t> j0 * d_k, width, d_k, scale, s_buf, width)
         else:
             gemm(False, True, n_q, width, d_k, scale, q, d_k, k + <Py_ssize_t> j0 * d_k, d_k,
                  0, s_buf, width)
-        # Every row sees every key of the block: row 0 sees keys j <= off.
-        full = not causal or j0 + width - 1 <= off
-        w_min = width
         for r in range(n_q):
-            srow = s_buf + <Py_ssize_t> r * width
-            w = width
-            if not full:
-                w = min(max(r + off + 1 - j0, 0), width)
-                w_min = min(w_min, w)
-                for j in range(w, width):
-                    srow[j] = 0          # masked: p = 0, whatever the score was
-            if w == 0:
-                continue
-            mx = row_max(srow, w)
-            m_new = mx if mx > m[r] else m[r]
-            # All scores -inf so far: shift by 0 so exp gives 0, not NaN.
-            shift = m_new if m_new != NEG_INF else 0
-            alpha = fexp(m[r] - shift)
-            l[r] = l[r] * alpha + exp_sum(srow, w, shift)
-            m[r] = m_new
-            if alpha != 1:
-                arow = acc + <Py_ssize_t> r * d_v
-                for c in range(d_v):
-                    arow[c] = arow[c] * alpha
-        # p v: one GEMM, unless a masked value row is not finite (0 * inf is NaN).
-        if full or _all_finite(v + <Py_ssize_t> (j0 + w_min) * d_v,
-                               <Py_ssize_t> (width - w_min) * d_v):
-            if n_q == 1:
-                _gemv(False, d_v, width, 1, v + <Py_ssize_t> j0 * d_v, s_buf, 1, acc)
-            else:
-                gemm(False, False, n_q, d_v, width, 1, s_buf, width,
-                     v + <Py_ssize_t> j0 * d_v, d_v, 1, acc, d_v)
-        else:
-            for r in range(n_q):
-                w = min(max(r + off + 1 - j0, 0), width)
+            w = lim[r]
+            if w > 0:
                 srow = s_buf + <Py_ssize_t> r * width
-                arow = acc + <Py_ssize_t> r * d_v
-                for j in range(w):
-                    p = srow[j]
-                    vrow = v + <Py_ssize_t> (j0 + j) * d_v
-                    for c in range(d_v):
-                        arow[c] = arow[c] + p * vrow[c]
+                online_softmax_row(srow, w, &m[r], &l[r], acc + <Py_ssize_t> r * d_v, d_v,
+                                   False)
+        if n_q > FUSED_ROWS and lim[0] == width:
+            # Every row sees the whole block: one GEMM (no masked p, no masked v).
+            gemm(False, False, n_q, d_v, width, 1, s_buf, width, v + <Py_ssize_t> j0 * d_v,
+                 d_v, 1, acc, d_v)
+        else:
+            _weighted_values(s_buf, n_q, width, v + <Py_ssize_t> j0 * d_v, width, d_v, lim, acc)
         j0 = j0 + width
 
 
@@ -189,40 +284,46 @@ def _split_key_softmax(
     const floating[:, :, ::1] k,
     const floating[:, :, ::1] v,
     floating[:, :, ::1] out,
-    floating[:, :, ::1] part_m,
-    floating[:, :, ::1] part_l,
-    floating[:, :, :, ::1] part_acc,
     floating[::1] workspace,
+    int[::1] limits,
+    int n_splits,
     int n_k,
     bint causal,
     double scale,
     int block_k,
     int n_threads,
 ):
+    """Fill ``out``; ``workspace`` holds the partial results, then each thread's scratch."""
     cdef int n_batch = q.shape[0], n_q = q.shape[1], d_k = q.shape[2]
     cdef int d_v = v.shape[2]
-    cdef int n_splits = part_m.shape[1]
     cdef int span = (n_k + n_splits - 1) // n_splits
     cdef int n_items = n_batch * n_splits
+    cdef Py_ssize_t n_parts = <Py_ssize_t> n_items * n_q
+    cdef floating *part_m = &workspace[0]
+    cdef floating *part_l = part_m + n_parts
+    cdef floating *part_acc = part_l + n_parts
+    cdef floating *scratch = part_acc + n_parts * d_v
     cdef Py_ssize_t per_thread = <Py_ssize_t> n_q * block_k
-    cdef int item, b, sp, j_lo, j_hi
-    cdef floating *buf = NULL   # per-thread workspace, set in each parallel block
+    cdef int item, b, sp, j_lo, j_hi, t
+    cdef floating *buf = NULL   # per-thread scratch, set in each parallel block
     cdef floating s = <floating> scale
 
     with nogil, parallel(num_threads=min(n_threads, n_items)):
-        buf = &workspace[0] + threadid() * per_thread
+        t = threadid()
+        buf = scratch + t * per_thread
         for item in prange(n_items, schedule="dynamic"):
             b = item // n_splits
             sp = item % n_splits
             j_lo = sp * span
             j_hi = min(n_k, j_lo + span)
             _key_range(&q[b, 0, 0], &k[b, 0, 0], &v[b, 0, 0], n_q, n_k, d_k, d_v,
-                       j_lo, j_hi, causal, s, block_k, buf,
-                       &part_m[b, sp, 0], &part_l[b, sp, 0], &part_acc[b, sp, 0, 0])
+                       j_lo, j_hi, causal, s, block_k, buf, &limits[t * n_q], part_m + <Py_ssize_t> item * n_q,
+                       part_l + <Py_ssize_t> item * n_q, part_acc + <Py_ssize_t> item * n_q * d_v)
     with nogil:
         for b in range(n_batch):
-            _merge(&part_m[b, 0, 0], &part_l[b, 0, 0], &part_acc[b, 0, 0, 0],
-                   n_splits, n_q, d_v, &out[b, 0, 0])
+            _merge(part_m + <Py_ssize_t> b * n_splits * n_q, part_l + <Py_ssize_t> b * n_splits * n_q,
+                   part_acc + <Py_ssize_t> b * n_splits * n_q * d_v, n_splits, n_q, d_v,
+                   &out[b, 0, 0])
 
 
 def split_key_softmax_forward(q, k, v, bint causal, double scale, n_threads=None, n_splits=None,
@@ -243,9 +344,9 @@ def split_key_softmax_forward(q, k, v, bint causal, double scale, n_threads=None
         Multiplies the logits.
     n_threads : int, optional
         OpenMP threads at most; default the backend's count.  Fewer run when
-        the call is too small to split (:func:`fastattn._threads.kernel_threads`),
-        with BLAS held at one thread while several do; ignored in a build
-        without OpenMP.
+        the call is too small to split (:func:`fastattn._threads.kernel_threads`);
+        ignored in a build without OpenMP.  BLAS is called (held at one thread
+        while several run) only with more than :data:`FUSED_MAX_N_Q` queries.
     n_splits : int, optional
         Key ranges per head, from 1 to ``n_k``; default
         :func:`fastattn._dispatch.split_count` for ``n_threads``.
@@ -262,7 +363,7 @@ def split_key_softmax_forward(q, k, v, bint causal, double scale, n_threads=None
     -----
     ``4 · B · n_q · n_k · d`` flops; extra memory ``B · n_splits · n_q ·
     (d_v + 2)`` elements for the partial results and ``T · n_q ·
-    SPLIT_KEYS_BLOCK_K`` for the scores of ``T`` threads.  Flash-Decoding
+    SPLIT_KEYS_BLOCK_K`` for the scores of ``T`` threads, in one allocation.  Flash-Decoding
     (Dao et al. 2023) over the online softmax of Milakov & Gimelshein (2018).
     """
     n_threads = get_num_threads() if n_threads is None else max(1, n_threads)
@@ -274,19 +375,19 @@ def split_key_softmax_forward(q, k, v, bint causal, double scale, n_threads=None
     n_splits = max(1, min(int(n_splits), n_k))
     n_threads = kernel_threads(n_threads, n_batch * n_splits, n_batch * n_q * n_k * (d_k + d_v))
     block_k = min(SPLIT_KEYS_BLOCK_K, (n_k + n_splits - 1) // n_splits)
-    dtype = q.dtype
-    out = np.empty((n_batch, n_q, d_v), dtype=dtype)
-    part_m = np.empty((n_batch, n_splits, n_q), dtype=dtype)
-    part_l = np.empty((n_batch, n_splits, n_q), dtype=dtype)
-    part_acc = np.empty((n_batch, n_splits, n_q, d_v), dtype=dtype)
-    workspace = np.empty(n_threads * n_q * block_k, dtype=dtype)
-    if n_threads == 1:
-        _split_key_softmax(q, k, v, out, part_m, part_l, part_acc, workspace, n_k, causal,
-                           scale, block_k, 1)
+    out = np.empty((n_batch, n_q, d_v), dtype=q.dtype)
+    # One allocation: the partial (m, l, acc) of every work item, then each
+    # thread's scores.
+    workspace = np.empty(n_batch * n_splits * n_q * (d_v + 2) + n_threads * n_q * block_k,
+                         dtype=q.dtype)
+    limits = np.empty(n_threads * n_q, dtype=np.intc)
+    if n_threads == 1 or n_q <= FUSED_MAX_N_Q:
+        _split_key_softmax(q, k, v, out, workspace, limits, n_splits, n_k, causal, scale,
+                           block_k, n_threads)
     else:
         with single_threaded_blas():
-            _split_key_softmax(q, k, v, out, part_m, part_l, part_acc, workspace, n_k, causal,
-                               scale, block_k, n_threads)
+            _split_key_softmax(q, k, v, out, workspace, limits, n_splits, n_k, causal, scale,
+                               block_k, n_threads)
     return out
 
 

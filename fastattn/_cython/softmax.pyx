@@ -36,11 +36,12 @@ from libc.string cimport memcpy
 
 from fastattn._cython._blas cimport gemm
 from fastattn._cython._microkernel cimport (
-    FASTATTN_MICROKERNEL, exp_sum_avx512, fastattn_microkernel_ok, output, pack_keys, scores,
+    FASTATTN_MICROKERNEL, fastattn_microkernel_ok, output, pack_keys, scores,
 )
 from fastattn._cython._vmath cimport (
-    FASTATTN_CLONES, FASTATTN_VECTOR_EXP, all_finite, exp_sum, fexp, row_max,
+    FASTATTN_CLONES, FASTATTN_VECTOR_EXP, all_finite,
 )
+from fastattn._cython._online cimport online_softmax_row
 
 from fastattn._cython.decode import split_key_softmax_forward
 from fastattn._dispatch import use_split_keys
@@ -93,7 +94,7 @@ cdef void _tile(
     """
     cdef int rows = r1 - r0
     cdef int r, ri, j, c, w, w_min
-    cdef floating mx, m_new, shift, alpha, p
+    cdef floating p
     cdef floating *srow
     cdef floating *orow
     cdef const floating *vrow
@@ -116,20 +117,8 @@ cdef void _tile(
                 srow[j] = 0              # masked: p = 0, whatever the score was
         if w == 0:
             continue
-        mx = row_max(srow, w)
-        m_new = mx if mx > m[ri] else m[ri]
-        # All scores -inf so far: shift by 0 so exp gives 0, not NaN.
-        shift = m_new if m_new != NEG_INF else 0
-        alpha = fexp(m[ri] - shift)
-        if kp != NULL:
-            l[ri] = l[ri] * alpha + exp_sum_avx512(srow, w, shift)
-        else:
-            l[ri] = l[ri] * alpha + exp_sum(srow, w, shift)
-        m[ri] = m_new
-        if alpha != 1:
-            orow = out + <Py_ssize_t> (i0 + ri) * d_v
-            for c in range(d_v):
-                orow[c] = orow[c] * alpha
+        online_softmax_row(srow, w, &m[ri], &l[ri], out + <Py_ssize_t> (i0 + ri) * d_v, d_v,
+                           kp != NULL)
 
     # p v: one GEMM, unless a masked value row is not finite (0 * inf is NaN).
     if full or v_finite or all_finite(v + <Py_ssize_t> (j0 + w_min) * d_v,

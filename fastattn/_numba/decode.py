@@ -31,6 +31,7 @@ from numba import njit, prange
 from .._dispatch import split_count
 from .config import JIT_PARALLEL, JIT_SERIAL, SPLIT_KEYS_BLOCK_K
 from ._exp import fast_exp_nonpositive
+from ._online import online_softmax_row
 from ._threads import get_num_threads, launch
 
 
@@ -65,7 +66,7 @@ def split_key_softmax(q, k, v, n_k, causal, consts, n_splits, block_k):
             for c in range(d_v):
                 acc[i, c] = zero
             for c in range(d_k):
-                qs[i, c] = q[b, i, c] * scale
+                qs[i, c] = q[b, i, c]
         j_lo = sp * span
         # Keys of this range that the last query sees (all of them: the
         # mask is aligned at the bottom right).
@@ -79,26 +80,7 @@ def split_key_softmax(q, k, v, n_k, causal, consts, n_splits, block_k):
             crosses = causal and j1 - 1 > off
             for i in range(n_q):
                 lim = min(cols, i + off + 1 - j0) if crosses else cols
-                if lim <= 0:
-                    alpha[i] = 1
-                    for j in range(cols):
-                        s[i, j] = zero
-                    continue
-                mx = m[i]
-                for j in range(lim):
-                    mx = max(mx, s[i, j])
-                shift = mx if mx > neg_inf else zero
-                total = zero
-                for j in range(lim):
-                    p = fast_exp_nonpositive(s[i, j] - shift)
-                    s[i, j] = p
-                    total += p
-                for j in range(lim, cols):
-                    s[i, j] = zero
-                a = fast_exp_nonpositive(m[i] - shift)
-                alpha[i] = a
-                l[i] = l[i] * a + total
-                m[i] = mx
+                online_softmax_row(s, i, lim, cols, scale, m, l, alpha, neg_inf, zero)
             use_gemm = True
             if crosses:
                 for j in range(cols):

@@ -29,7 +29,7 @@ import numpy as np
 from numba import njit, prange
 
 from .config import JIT_PARALLEL, JIT_SERIAL, SOFTMAX_BLOCK_K, SOFTMAX_BLOCK_Q, SOFTMAX_MIN_BLOCK_Q
-from ._exp import fast_exp_nonpositive
+from ._online import online_softmax_row
 from .._dispatch import use_split_keys
 from .decode import split_key_softmax_forward
 from ._threads import get_num_threads, launch
@@ -66,33 +66,7 @@ def _query_block(q, k, v, out, b, qb, causal, consts, sbuf, acc, tmp, m, l, alph
         crosses = causal and j1 - 1 > i0 + off
         for i in range(rows):
             lim = min(cols, i0 + i + off + 1 - j0) if crosses else cols
-            if lim <= 0:
-                # The row sees no key of this block: p = 0, its state unchanged.
-                alpha[i] = 1
-                for j in range(cols):
-                    s[i, j] = zero
-                continue
-            # The logits, rounded once and stored: the largest then shifts
-            # to exactly 0 (an FMA of s * scale - max would keep the
-            # product's rounding error, which at |logit| ~ 1e300 is not small).
-            mx = m[i]
-            for j in range(lim):
-                x = s[i, j] * scale
-                s[i, j] = x
-                mx = max(mx, x)
-            # A row whose logits are all -inf so far keeps shift 0 (its p are 0).
-            shift = mx if mx > neg_inf else zero
-            total = zero
-            for j in range(lim):
-                p = fast_exp_nonpositive(s[i, j] - shift)
-                s[i, j] = p
-                total += p
-            for j in range(lim, cols):
-                s[i, j] = zero
-            a = fast_exp_nonpositive(m[i] - shift)
-            alpha[i] = a
-            l[i] = l[i] * a + total
-            m[i] = mx
+            online_softmax_row(s, i, lim, cols, scale, m, l, alpha, neg_inf, zero)
         # A block that crosses the diagonal may still use one gemm (its masked
         # p are 0) when its values are all finite, so 0 * v forms no NaN.
         use_gemm = not crosses

@@ -65,6 +65,10 @@ def add_parser(subparsers):
     add("--no-memory", action="store_true", help="skip the memory probe")
     add("--no-check", action="store_true", help="skip the check against the float64 reference")
     add("--no-progress", action="store_true", help="no progress bar")
+    add("--startup", action="store_true",
+        help="instead of the sweep: time --repeats new processes per fastattn backend "
+             "(--backends, default all and auto), import numpy alone against import "
+             "fastattn, set_num_threads and a first call (min and median)")
     parser.set_defaults(func=run)
     return parser
 
@@ -121,6 +125,15 @@ def resolve_backends(requested):
 def run(args):
     """Run ``fastattn bench`` with parsed ``args``; return the exit code."""
     try:
+        if args.startup:
+            from .startup import run_startup, startup_backends
+
+            try:
+                startup_backends(args.backends)
+            except ValueError as exc:
+                raise BenchUsageError(str(exc)) from None
+            out = args.out or Path("results") / time.strftime("startup-%Y%m%d-%H%M%S.jsonl")
+            return run_startup(args, out)
         return _run(args)
     except (BenchUsageError, ResultsFileError) as exc:
         print(f"fastattn bench: error: {exc}", file=sys.stderr)

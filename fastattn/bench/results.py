@@ -1,6 +1,6 @@
 """The one results format: JSON lines appended as each record is measured, reports only read.
 A line holds ``"schema": SCHEMA``, ``run_id`` and a ``"record"`` type: ``"environment"``,
-``"roof"`` or ``"point"``; :func:`read_records` checks :data:`FIELD_TYPES`."""
+``"roof"``, ``"point"`` or ``"startup"``; :func:`read_records` checks :data:`FIELD_TYPES`."""
 
 
 import json
@@ -11,7 +11,7 @@ import uuid
 from pathlib import Path
 
 SCHEMA = "fastattn.results/1"
-RECORD_TYPES = ("environment", "roof", "point")
+RECORD_TYPES = ("environment", "roof", "point", "startup")
 STATUSES = ("ok", "skipped", "error")
 
 #: Keys that identify a point: two records with equal values measure the same thing.
@@ -37,7 +37,7 @@ FIELD_TYPES = {
     "gflops": _NUMBER, "roof_gflops": _NUMBER, "roof_fraction": _NUMBER,
     "peak_bytes": _NUMBER, "peak_bytes_tracemalloc": _NUMBER, "max_abs_err": _NUMBER, "check_tol": _NUMBER,
     "load_avg_1m": _NUMBER, "gelem_s": _NUMBER, "started": _NUMBER, "warmup_s": _NUMBER,
-    "held_bytes": _NUMBER,
+    "held_bytes": _NUMBER, "numpy_min_s": _NUMBER, "numpy_median_s": _NUMBER,
     "times_s": "a list of numbers >= 0", "shape": "a list of positive ints",
     "roof_shape": "a list of positive ints",
 }
@@ -45,6 +45,7 @@ REQUIRED = {
     "point": ("attention", "backend", "causal", "dtype", "batch", "heads", "n_q", "n_k",
               "d_k", "d_v", "threads", "status"),
     "roof": ("dtype",),
+    "startup": ("backend", "threads", "min_s", "median_s"),   # fastattn bench --startup
     "environment": (),
 }
 #: Fields a point with status "ok" must hold.

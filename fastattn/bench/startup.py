@@ -1,0 +1,119 @@
+"""``fastattn bench --startup``: what a first call costs in a new process, beside ``import numpy``.
+
+Each measurement is a new Python process (warm file and Numba caches: one
+untimed process per backend runs first).  A child times, with
+:func:`time.perf_counter`, ``import numpy`` and then ``import fastattn;
+fastattn.set_num_threads(T)`` plus one trivial call (softmax attention, n=1,
+d=64, one head, float32) on the backend; a baseline child imports NumPy
+alone.  Reported per backend: the minimum and median over the processes of
+the time beyond ``import numpy`` (seconds), written to the results file as
+``"startup"`` records (the reports read only ``"point"`` records and pass over
+these).
+"""
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+from .. import _api
+
+#: The child: prints ``{"numpy_s": ..., "first_call_s": ...}`` (the second
+#: only with a backend argument): import numpy, then fastattn, set the
+#: threads and make one trivial call.
+CHILD = r"""
+import sys, time, json
+t0 = time.perf_counter()
+import numpy as np
+t1 = time.perf_counter()
+out = {"numpy_s": t1 - t0}
+if len(sys.argv) > 1:
+    import fastattn
+    fastattn.set_num_threads(int(sys.argv[2]))
+    q = np.ones((1, 64), np.float32)
+    fastattn.softmax_attention(q, q, q, backend=sys.argv[1])
+    out["first_call_s"] = time.perf_counter() - t1
+print(json.dumps(out))
+"""
+
+#: What the table calls the baseline process.
+BASELINE = "import numpy"
+
+
+class StartupError(RuntimeError):
+    """A child process failed (its stderr's tail is in the message)."""
+
+
+def startup_backends(requested):
+    """The fastattn backends to time (``auto`` included); ValueError for any other name."""
+    available = list(_api.available_backends())
+    if not requested:
+        return available + ["auto"]
+    names = list(dict.fromkeys(n for item in requested for n in item.split(",") if n))
+    for name in names:
+        if name != "auto" and name not in available:
+            raise ValueError(f"--startup times fastattn backends, got {name!r}; "
+                             f"available here: {', '.join(available + ['auto'])}")
+    return names
+
+
+def _child(args):
+    proc = subprocess.run([sys.executable, "-c", CHILD, *args], capture_output=True, text=True,
+                          timeout=600)
+    if proc.returncode:
+        raise StartupError(f"the start-up child {' '.join(args) or '(numpy)'} failed: "
+                           f"{proc.stderr[-1500:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def measure_startup(backends, threads, repeats):
+    """Time ``repeats`` new processes per backend, interleaved round by round.
+
+    Returns
+    -------
+    dict of str to list of float
+        ``BASELINE`` -> ``import numpy`` times; each backend -> times beyond
+        ``import numpy`` of ``import fastattn``, ``set_num_threads(threads)``
+        and the first call (seconds).
+    """
+    for name in backends:           # warm the caches (Numba's, the file system's)
+        _child([name, str(threads)])
+    times = {BASELINE: [], **{name: [] for name in backends}}
+    for _ in range(repeats):
+        times[BASELINE].append(_child([])["numpy_s"])
+        for name in backends:
+            times[name].append(_child([name, str(threads)])["first_call_s"])
+    return times
+
+
+def format_startup(times, threads):
+    """The table: one row per backend, min and median in ms."""
+    lines = [f"start-up in a new process ({threads} threads; first call: softmax n=1, d=64, "
+             "float32)", f"{'':34s} {'min':>9s} {'median':>9s}"]
+    for name, values in times.items():
+        label = BASELINE if name == BASELINE else f"{name}: beyond import numpy"
+        lines.append(f"{label:34s} {min(values) * 1e3:7.1f}ms "
+                     f"{statistics.median(values) * 1e3:7.1f}ms")
+    return "\n".join(lines)
+
+
+def run_startup(args, out):
+    """``fastattn bench --startup``: measure, print the table, append the records to ``out``."""
+    from .._threads import default_num_threads
+    from .results import ResultsWriter
+
+    threads = args.threads or default_num_threads()
+    backends = startup_backends(args.backends)
+    writer = ResultsWriter(out, resume=True)
+    times = measure_startup(backends, threads, args.repeats)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    base = times[BASELINE]
+    for name in backends:
+        writer.write("startup", backend=name, threads=threads, repeats=args.repeats,
+                     min_s=min(times[name]), median_s=statistics.median(times[name]),
+                     times_s=times[name], numpy_min_s=min(base),
+                     numpy_median_s=statistics.median(base), load_avg_1m=load)
+    print(format_startup(times, threads))
+    print(f"\nresults: {out}")
+    return 0
