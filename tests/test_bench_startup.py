@@ -1,7 +1,5 @@
 """``fastattn bench --startup``: first-call times from new processes, as records the readers accept."""
 
-import argparse
-
 import pytest
 
 from fastattn.bench import startup
@@ -12,13 +10,15 @@ from fastattn.report.analysis import split_records
 
 def test_startup_records_are_written_read_back_and_passed_over_by_the_report(tmp_path, capsys):
     out = tmp_path / "startup.jsonl"
-    args = argparse.Namespace(backends=["reference", "auto"], threads=1, repeats=2)
-    assert startup.run_startup(args, out) == 0
+    # Through the command line, as a user runs it (--threads takes several counts).
+    assert main(["bench", "--startup", "--backends", "reference", "auto", "--threads", "1", "2",
+                 "--repeats", "2", "--out", str(out)]) == 0
     records = read_records(out)
-    assert [r["record"] for r in records] == ["startup", "startup"]
-    assert [r["backend"] for r in records] == ["reference", "auto"]
+    assert [r["record"] for r in records] == ["startup"] * 4
+    assert [(r["backend"], r["threads"]) for r in records] == [
+        ("reference", 1), ("auto", 1), ("reference", 2), ("auto", 2)]
     for r in records:
-        assert r["threads"] == 1 and r["repeats"] == 2 and len(r["times_s"]) == 2
+        assert r["repeats"] == 2 and len(r["times_s"]) == 2
         assert 0 < r["min_s"] <= r["median_s"] <= max(r["times_s"])
         assert 0 < r["numpy_min_s"] <= r["numpy_median_s"]
     table = capsys.readouterr().out

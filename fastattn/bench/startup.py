@@ -103,17 +103,17 @@ def run_startup(args, out):
     from .._threads import default_num_threads
     from .results import ResultsWriter
 
-    threads = args.threads or default_num_threads()
     backends = startup_backends(args.backends)
     writer = ResultsWriter(out, resume=True)
-    times = measure_startup(backends, threads, args.repeats)
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-    base = times[BASELINE]
-    for name in backends:
-        writer.write("startup", backend=name, threads=threads, repeats=args.repeats,
-                     min_s=min(times[name]), median_s=statistics.median(times[name]),
-                     times_s=times[name], numpy_min_s=min(base),
-                     numpy_median_s=statistics.median(base), load_avg_1m=load)
-    print(format_startup(times, threads))
+    for threads in args.threads or [default_num_threads()]:
+        times = measure_startup(backends, threads, args.repeats)
+        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+        base = times[BASELINE]
+        for name in backends:
+            writer.write("startup", backend=name, threads=threads, repeats=args.repeats,
+                         min_s=min(times[name]), median_s=statistics.median(times[name]),
+                         times_s=times[name], numpy_min_s=min(base),
+                         numpy_median_s=statistics.median(base), load_avg_1m=load)
+        print(format_startup(times, threads))
     print(f"\nresults: {out}")
     return 0
