@@ -495,3 +495,36 @@ def test_idle_cores_leaves_out_the_cores_other_work_keeps_busy(monkeypatch):
     assert sweep.idle_cores() == 2
     monkeypatch.setattr(psutil, "cpu_percent", lambda interval=None, percpu=False: [100., 100.])
     assert sweep.idle_cores() == 1          # never fewer than one thread
+
+
+_FAULTS_CHILD = r"""
+import resource, sys
+import numpy as np
+from fastattn.bench import engine
+
+def faults_per_call(call, calls=50):
+    for _ in range(5):
+        call()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(calls):
+        call()
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / calls
+
+call = lambda: np.empty(256 * 1024 // 8).fill(1.0)   # a kernel's 256 KiB output, written
+print(faults_per_call(call))
+engine.peak_extra_bytes(call)                          # the memory probe, then timing again
+print(faults_per_call(call))
+"""
+
+
+@pytest.mark.skipif(engine._LIBC is None, reason="glibc's mallopt is not available here")
+def test_timed_calls_reuse_heap_pages_before_and_after_the_memory_probe():
+    # The probe serves every block >= 64 KiB by its own mmap; set process-wide (as it
+    # once was, on importing the engine), every timed call faulted its arrays in afresh.
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _FAULTS_CHILD], capture_output=True, text=True,
+                         check=True, timeout=120).stdout.split()
+    pages = 256 // 4
+    assert [float(x) < pages / 4 for x in out] == [True, True], out
