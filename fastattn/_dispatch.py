@@ -87,6 +87,16 @@ def split_count(batch, n_k, n_threads):
 #             H=8: cython 1.14-1.82 against numba (both mostly waiting on memory; one
 #             thread, side by side: cython/numba 0.98-1.15 at n_k 8192 and 32768)
 #
+# Re-checked 2026-12-01 (12:33 UTC) on a default `fastattn report` run (2 threads,
+# load 0.5-1.4, after the bench engine stopped timing every call with fresh mmap'd
+# pages, which had slowed Cython's linear kernels most) and one `fastattn bench`
+# run of the issue-12 shapes: Cython's causal linear attention is now the faster
+# on every long shape, 1.25-1.5x (n=8192: 2.31 against 3.51 ms; 1x8x2048x64:
+# 4.98 against 7.10 ms; n=1024: 0.45 against 0.43 ms) -> cython first; short causal
+# linear stays numba first (n=128: 0.11 against 0.22 ms).  With that change the
+# rule picks within 1.3x of the fastest on all 42 shapes of the default grid that
+# run on two or more backends (worst 1.11, one-token linear steps of 20-40 us).
+#
 # Where two backends are within 1.3x the Cython one is named first: it needs
 # no JIT start-up (importing Numba costs 1-2 s in a new process).  The rule is
 # per shape class, not per backend version: re-derive it (the commands are in
@@ -132,7 +142,7 @@ AUTO_RULE = {
     ("softmax", "long", False): _CYTHON_FIRST,
     ("softmax", "long", True): _CYTHON_FIRST,
     ("linear", "long", False): _CYTHON_FIRST,
-    ("linear", "long", True): _NUMBA_FIRST,
+    ("linear", "long", True): _CYTHON_FIRST,
 }
 
 

@@ -37,7 +37,7 @@ RULE = [
     (("linear", 512, 512, False), "short", "cython"),
     (("softmax", 513, 513, True), "long", "cython"),
     (("softmax", 8192, 8192, False), "long", "cython"),
-    (("linear", 1024, 1024, True), "long", "numba"),
+    (("linear", 1024, 1024, True), "long", "cython"),
     (("linear", 4096, 4096, False), "long", "cython"),
 ]
 IDS = [f"{k}-nq{nq}-nk{nk}-{'causal' if c else 'full'}" for (k, nq, nk, c), _, _ in RULE]
