@@ -397,8 +397,12 @@ def linear_forward(module, spec, feats, q, k, v, causal, eps, S0, z0):
             phi_k = phi_k.copy()
             phi_k[lift] *= np.exp(shift[lift] - frame[lift])[:, None, None].astype(phi_k.dtype)
         shift = frame
-        into = np.exp(fixed - shift).astype(S0.dtype)
-        S0, z0 = S0 * into[:, None, None], z0 * into[:, None]
+        # In float64, and 0 stays 0: the factor itself may exceed float32 (an earlier
+        # state whose keys all underflowed, z0 = 0), while its products never do.
+        into = np.exp(fixed - shift)
+        with np.errstate(over="ignore", invalid="ignore"):
+            S0 = np.where(S0 == 0, 0, S0 * into[:, None, None]).astype(S0.dtype)
+            z0 = np.where(z0 == 0, 0, z0 * into[:, None]).astype(z0.dtype)
     out, S, z = module.linear_forward(feats.q, phi_k, v, "identity", causal, eps, S0, z0)
     back = np.exp(shift - fixed).astype(S.dtype)
     return out, S * back[:, None, None], z * back[:, None]

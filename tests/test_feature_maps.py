@@ -580,3 +580,38 @@ def test_float16_and_any_layout_for_every_map(backend, name):
     strided = [np.asfortranarray(x)[:, ::-1][:, ::-1] for x in (q, k, v)]
     assert_close(fastattn.linear_attention(*strided, feature_map=feature_map, causal=True,
                                            backend=backend), expected)
+
+
+# Found by a fresh-user trial: float32 FAVOR+ at large norms (‖q‖, ‖k‖ ~ 60 at d_k = 8).
+def _large_norm_qkv(scale):
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 16, 8)).astype(np.float32) for _ in range(3))
+    return q * scale, k * scale, v
+
+
+@pytest.mark.parametrize("scale", [12, 20], ids=lambda s: f"scale={s}-n=16-d=8")
+def test_favor_float32_piece_after_an_underflowed_state_is_finite(scale):
+    # Every key of the first piece underflows in the returned (fixed-frame) state; the
+    # factor into the second piece's frame then exceeded float32 and 0 * inf gave NaN.
+    q, k, v = _large_norm_qkv(scale)
+    _, state = fastattn.linear_attention(q[:, :8], k[:, :8], v[:, :8], feature_map="favor",
+                                         causal=True, return_state=True)
+    second = fastattn.linear_attention(q[:, 8:], k[:, 8:], v[:, 8:], feature_map="favor",
+                                       causal=True, initial_state=state)
+    assert np.isfinite(second).all()
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["non-causal", "causal"])
+def test_favor_float32_subnormal_denominators_give_finite_rows_on_every_backend(causal):
+    # At this norm a row's float32 denominator is subnormal: Numba and Cython returned
+    # -inf rows where the float64 computation is finite; now such a call is redone in float64.
+    q, k, v = _large_norm_qkv(20)
+    want = fastattn.linear_attention(*(x.astype(np.float64) for x in (q, k, v)),
+                                     feature_map="favor", causal=causal, backend="reference")
+    for backend in ("numba", "cython"):
+        if backend not in fastattn.available_backends():
+            continue
+        got = fastattn.linear_attention(q, k, v, feature_map="favor", causal=causal,
+                                        backend=backend)
+        assert got.dtype == np.float32 and np.isfinite(got).all(), backend
+        assert_close(got, want.astype(np.float32), "float32")
