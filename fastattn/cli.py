@@ -8,7 +8,7 @@ import argparse
 import sys
 
 from . import __version__
-from ._argtypes import positive_int as _positive_int
+from ._argtypes import nonnegative_int, positive_int as _positive_int
 
 
 def _add_compare(subparsers):
@@ -24,7 +24,7 @@ def _add_compare(subparsers):
     )
     parser.add_argument("--n", type=_positive_int, default=64, help="sequence length (default 64)")
     parser.add_argument("--d", type=_positive_int, default=32, help="head dimension (default 32)")
-    parser.add_argument("--seed", type=int, default=42, help="NumPy seed (default 42)")
+    parser.add_argument("--seed", type=nonnegative_int, default=42, help="NumPy seed (default 42)")
     parser.set_defaults(func=_run_compare)
 
 

@@ -7,9 +7,11 @@ a fastattn record (a corrupt line, a foreign file) is refused with an error
 naming the file and line, and the file is left byte for byte as it was.
 """
 
+import contextlib
 import json
 import math
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -335,3 +337,30 @@ def test_every_record_is_checked_on_reading(tmp_path, record, message):
                     + "\n")
     with pytest.raises(ResultsFileError, match=f"r.jsonl:2 .*{message}"):
         read_records(path)
+
+
+# Found by a fresh-user trial: these went out as tracebacks (some after measuring).
+@pytest.mark.parametrize("argv, message", [
+    (["compare", "--n", "8", "--d", "4", "--seed", "-1"], "--seed: expected an integer >= 0"),
+    (["bench", "--startup", "--backends", "reference", "--repeats", "1", "--out", "{dir}"],
+     "is a directory"),
+    (["bench", "--n", "8", "--backends", "reference", "--out", "{file}/x.jsonl"],
+     "is a file, not a folder"),
+    (["bench", "--n", "8", "--backends", "reference", "--out", "/proc/fastattn-x.jsonl"],
+     "does not take new files"),
+    (["report", "--quick", "--out", "{file}/x.html"], "is a file, not a folder"),
+], ids=["compare-negative-seed", "startup-out-dir", "bench-out-under-a-file", "bench-out-in-proc",
+        "report-out-under-a-file"])
+def test_bad_output_paths_and_seeds_are_refused_before_any_work(tmp_path, capsys, argv, message):
+    from fastattn.cli import main
+
+    (tmp_path / "adir").mkdir()
+    (tmp_path / "afile").write_text("mine\n")
+    argv = [a.format(dir=tmp_path / "adir", file=tmp_path / "afile") for a in argv]
+    if argv[-1].startswith("/proc/") and not Path("/proc").is_dir():
+        pytest.skip("no /proc here")
+    with pytest.raises(SystemExit) if argv[0] == "compare" else contextlib.nullcontext():
+        assert main(argv) == 2
+    assert message in capsys.readouterr().err
+    assert (tmp_path / "afile").read_text() == "mine\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adir", "afile"]

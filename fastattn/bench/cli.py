@@ -132,7 +132,12 @@ def run(args):
                 startup_backends(args.backends)
             except ValueError as exc:
                 raise BenchUsageError(str(exc)) from None
+            from .results import check_writable, read_records
+
             out = args.out or Path("results") / time.strftime("startup-%Y%m%d-%H%M%S.jsonl")
+            check_writable(out, "results file")
+            if out.exists():
+                read_records(out)
             return run_startup(args, out)
         return _run(args)
     except (BenchUsageError, ResultsFileError) as exc:

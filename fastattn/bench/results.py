@@ -168,6 +168,26 @@ def check_writable(path, what="file"):
     if path.exists() and not (os.access(path, os.W_OK) and path.stat().st_mode & 0o222):
         raise ResultsFileError(f"{path} is read-only; not changing this {what} (make it "
                                "writable, or choose another path)")
+    if not path.exists():
+        _check_creatable(path, what)
+
+
+def _check_creatable(path, what):
+    """ResultsFileError, before any work, if no file can be made at ``path``: an ancestor is
+    a file, or the nearest existing folder refuses new files (read-only, ``/proc``)."""
+    folder = path.parent
+    while not folder.exists():
+        folder = folder.parent
+    if not folder.is_dir():
+        raise ResultsFileError(f"cannot write the {what} {path}: {folder} is a file, not a "
+                               "folder")
+    probe = folder / f".fastattn-{uuid.uuid4().hex}.probe"
+    try:
+        probe.open("xb").close()
+    except OSError as exc:
+        raise ResultsFileError(f"cannot write the {what} {path}: {folder} does not take new "
+                               f"files ({exc.strerror or exc})") from None
+    probe.unlink(missing_ok=True)
 
 
 def check_replaceable(path, what, marker, empty_ok=False):
