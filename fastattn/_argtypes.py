@@ -3,26 +3,24 @@
 import argparse
 
 
-def positive_int(text):
-    """argparse type: an integer of at least 1, with a message naming the bad value."""
+def _int_at_least(text, low, what):
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+    if value < low:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
     return value
+
+
+def positive_int(text):
+    """argparse type: an integer of at least 1, with a message naming the bad value."""
+    return _int_at_least(text, 1, "a positive integer")
 
 
 def nonnegative_int(text):
     """argparse type: an integer of at least 0 (a seed), with a message naming the bad value."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
+    return _int_at_least(text, 0, "an integer >= 0")
 
 
 def thread_count(text):
