@@ -338,14 +338,22 @@ class LinearAttentionState:
         Raises
         ------
         TypeError, ValueError
-            As :func:`fastattn.linear_attention`; ``q`` and ``k`` must hold
-            the same number of tokens.  The state is unchanged after an error.
+            As :func:`fastattn.linear_attention`; ``q``, ``k`` and ``v`` must
+            match the state's ``batch_shape``, ``d_k`` and ``d_v`` (the message
+            names the argument and the shape expected) and hold the same
+            number of tokens.  The state is unchanged after an error.
         """
-        if isinstance(q, np.ndarray) and isinstance(k, np.ndarray) and q.ndim >= 2 and k.ndim >= 2 \
-                and q.shape[-2] != k.shape[-2]:
-            raise ValueError(
-                f"q and k must hold the same number of tokens; got q {q.shape}, k {k.shape}"
-            )
+        for x, name, dim in ((q, "q", "d_k"), (k, "k", "d_k"), (v, "v", "d_v")):
+            _api._check_array(x, name)
+            d = getattr(self, dim)
+            if x.shape != self.batch_shape + (x.shape[-2], d):
+                raise ValueError(
+                    f"{name} must have shape batch_shape + (t, {dim}) = "
+                    f"{self.batch_shape + ('t', d)}, this state's, got {x.shape}"
+                )
+        if not q.shape[-2] == k.shape[-2] == v.shape[-2]:
+            raise ValueError(f"q, k and v must hold the same number of tokens; got q {q.shape}, "
+                             f"k {k.shape}, v {v.shape}")
         out, (S, z) = _api.linear_attention(
             q, k, v, feature_map=self.feature_map, causal=True, eps=self.eps,
             initial_state=None if self.S is None else (self.S, self.z), return_state=True,

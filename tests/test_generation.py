@@ -284,10 +284,15 @@ def test_linear_state_rejects_bad_input_and_keeps_its_state():
     S, z = state.S.copy(), state.z.copy()
     with pytest.raises(ValueError, match="same number of tokens"):
         state.step(np.zeros((2, 2, 4)), k, v)
-    with pytest.raises(ValueError, match="initial_state"):
+    # A mismatch with the state names the argument and the state's shape (not
+    # initial_state, which the caller never passed).
+    with pytest.raises(ValueError, match=r"q must have shape batch_shape \+ \(t, d_k\) = "
+                                         r"\(2, 't', 4\), this state's, got \(1, 1, 4\)"):
         state.step(q[:1], k[:1], v[:1])
-    with pytest.raises(ValueError, match="d_k"):
+    with pytest.raises(ValueError, match=r"q must have shape .*got \(2, 1, 3\)"):
         state.step(np.zeros((2, 1, 3)), np.zeros((2, 1, 3)), v)
+    with pytest.raises(ValueError, match=r"v must have shape batch_shape \+ \(t, d_v\)"):
+        state.step(q, k, np.zeros((2, 1, 5)))
     np.testing.assert_array_equal(state.S, S)
     np.testing.assert_array_equal(state.z, z)
     assert state.tokens == 1
