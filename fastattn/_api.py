@@ -490,18 +490,9 @@ def linear_attention(
     if D is None:  # a user's map: D is known once it has run
         D = feats.num_features
         S0, z0 = _check_state(initial_state, batch_shape, D, d_v, dtype, _dim_name(spec))
-    vv = _as_kernel_input(v, dtype)
-    out, S, z = feature_maps.linear_forward(kernel, spec, feats, qq, kk, vv,
-                                            causal and not empty, eps, S0, z0)
-    if spec.name == "favor" and dtype == np.float32 and not np.isfinite(out).all() and all(
-            x is None or np.isfinite(x).all() for x in (qq, kk, vv, S0, z0)):
-        # Finite float32 inputs of large norm can leave a row's FAVOR+ denominator
-        # subnormal, where the ratio loses every digit (up to inf): such a call is
-        # computed in float64, then rounded to float32.
-        wide = [None if x is None else x.astype(np.float64) for x in (qq, kk, vv, S0, z0)]
-        feats = feature_maps.features(kernel, spec, wide[0], wide[1], batch_shape)
-        out, S, z = (x.astype(np.float32) for x in feature_maps.linear_forward(
-            kernel, spec, feats, *wide[:3], causal and not empty, eps, *wide[3:]))
+    out, S, z = feature_maps.linear_forward(
+        kernel, spec, feats, qq, kk, _as_kernel_input(v, dtype), causal and not empty, eps, S0, z0
+    )
     out = out.reshape(out_shape).astype(result, copy=False)
     if not return_state:
         return out

@@ -378,13 +378,29 @@ def linear_forward(module, spec, feats, q, k, v, causal, eps, S0, z0):
 
     For FAVOR+ the key features are in the call's frame (shift ``c_K`` per
     head); the state is converted from and to the fixed frame
-    ``spec.favor.state_shift`` (see :class:`FavorFeatures`).
+    ``spec.favor.state_shift`` (see :class:`FavorFeatures`).  A float32 FAVOR+
+    call that comes out non-finite from finite inputs is computed in float64.
     """
     if feats is None:
         return module.linear_forward(q, k, v, spec.name, causal, eps, S0, z0)
-    phi_k = feats.k
     if feats.key_shift is None:
-        return module.linear_forward(feats.q, phi_k, v, "identity", causal, eps, S0, z0)
+        return module.linear_forward(feats.q, feats.k, v, "identity", causal, eps, S0, z0)
+    result = _favor_forward(module, spec, feats, v, causal, eps, S0, z0)
+    if q.dtype == np.float32 and not np.isfinite(result[0]).all() and all(
+            x is None or np.isfinite(x).all() for x in (q, k, v, S0, z0)):
+        # Finite float32 inputs of large norm can leave a row's denominator subnormal,
+        # where the ratio loses every digit (up to inf): such a call is computed in
+        # float64, then rounded to float32.
+        q, k, v, S0, z0 = (None if x is None else x.astype(np.float64) for x in (q, k, v, S0, z0))
+        wide = features(module, spec, q, k, None)
+        result = tuple(x.astype(np.float32) for x in
+                       _favor_forward(module, spec, wide, v, causal, eps, S0, z0))
+    return result
+
+
+def _favor_forward(module, spec, feats, v, causal, eps, S0, z0):
+    """FAVOR+ from its features, the state converted from and to the fixed frame."""
+    phi_k = feats.k
     fixed = spec.favor.state_shift
     shift = feats.key_shift
     if S0 is not None:
