@@ -129,16 +129,11 @@ def run(args):
             from .startup import run_startup, startup_backends
 
             try:
-                startup_backends(args.backends)
+                backends = startup_backends(args.backends)
             except ValueError as exc:
                 raise BenchUsageError(str(exc)) from None
-            from .results import check_writable, read_records
-
             out = args.out or Path("results") / time.strftime("startup-%Y%m%d-%H%M%S.jsonl")
-            check_writable(out, "results file")
-            if out.exists():
-                read_records(out)
-            return run_startup(args, out)
+            return run_startup(args, out, backends)
         return _run(args)
     except (BenchUsageError, ResultsFileError) as exc:
         print(f"fastattn bench: error: {exc}", file=sys.stderr)

@@ -229,9 +229,9 @@ class ResultsWriter:
 
     def __init__(self, path, resume=True):
         self.path = Path(path)
+        check_writable(self.path, "results file")
         exists = self.path.exists()
         self.existing = read_records(self.path) if exists else []
-        check_writable(self.path, "results file")
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if exists and not resume:
             atomic_write(self.path, b"")

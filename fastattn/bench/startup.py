@@ -98,12 +98,12 @@ def format_startup(times, threads):
     return "\n".join(lines)
 
 
-def run_startup(args, out):
-    """``fastattn bench --startup``: measure, print the table, append the records to ``out``."""
+def run_startup(args, out, backends):
+    """``fastattn bench --startup``: measure ``backends`` (:func:`startup_backends`), print
+    the table, append the records to ``out``."""
     from .._threads import default_num_threads
     from .results import ResultsWriter
 
-    backends = startup_backends(args.backends)
     writer = ResultsWriter(out, resume=True)
     for threads in args.threads or [default_num_threads()]:
         times = measure_startup(backends, threads, args.repeats)
