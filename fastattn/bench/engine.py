@@ -42,9 +42,6 @@ MIN_REPEAT_S = 2e-4
 MIN_TIME_S = 0.25
 MAX_REPEATS = 100
 
-#: GEMM shapes above this n are probed at this n (the rate is flat beyond it).
-MAX_PROBE_N = 4096
-
 
 def make_inputs(spec, seed=DEFAULT_SEED):
     """Seeded Gaussian ``q (B, n_q, d_k)``, ``k, v (B, n_k, d)``, ``B = batch * heads``, keyed
