@@ -67,8 +67,8 @@ def test_split_key_softmax_matches_reference(backend, n_q):
                                  err_msg=f"n_k={n_k} causal={causal} n_splits={n_splits}")
 
 
-@pytest.mark.parametrize("n_q, n_k", [(4, 1025), (16, 3000), (7, 3)],
-                         ids=["nq4-nk1025", "nq16-nk3000", "nq7-nk3"])
+@pytest.mark.parametrize("n_q, n_k", [(2, 17), (2, 1025), (4, 1025), (16, 3000), (7, 3)],
+                         ids=["nq2-nk17", "nq2-nk1025", "nq4-nk1025", "nq16-nk3000", "nq7-nk3"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["f32", "f64"])
 @pytest.mark.parametrize("backend", FAST_BACKENDS)
 def test_split_key_softmax_masked_non_finite_keys(backend, dtype, n_q, n_k):
@@ -92,6 +92,30 @@ def test_split_key_softmax_masked_non_finite_keys(backend, dtype, n_q, n_k):
                 assert_close(got[:, i], want[:, i], dtype, err_msg=f"row {i} n_splits={n_splits}")
                 if i + off + 1 <= 0:
                     assert (got[:, i] == 0).all(), f"row {i} sees no key and must be 0"
+
+
+@pytest.mark.parametrize("d_k, d_v", [(16, 16), (64, 48), (64, 80), (128, 128), (24, 64)],
+                         ids=["dk16-dv16", "dk64-dv48", "dk64-dv80", "dk128-dv128", "dk24-dv64"])
+@pytest.mark.parametrize("n_q", [1, 2], ids=lambda n: f"nq{n}")
+def test_cython_one_query_loops_match_reference(n_q, d_k, d_v):
+    """Cython's one- and two-query loops (AVX-512 where d_k and d_v are whole vectors).
+
+    Every key count from 1 to 33 leaves each remainder of a 16- (float32) or
+    8-key (float64) group of scores; d_v of 3, 5 and 8 vectors of 16 columns
+    leaves each remainder of the 4-vector column groups of ``p v``; d_k = 24
+    is not a whole number of vectors (the portable loops).
+    """
+    if "cython" not in FAST_BACKENDS:
+        pytest.skip("cython backend not built")
+    for dtype in (np.float32, np.float64):
+        for n_k in list(range(1, 34)) + [1023, 1025, 2049]:
+            q, k, v = make_qkv((3, n_q, d_k), n_k=n_k, d_v=d_v, dtype=dtype, seed=n_k + d_v)
+            for causal in (False, True):
+                want = reference64(fastattn.softmax_attention, q, k, v, causal=causal)
+                for n_splits in (1, 2):
+                    got = _split_key("cython", q, k, v, causal, d_k ** -0.5, min(n_splits, n_k))
+                    assert_close(got, want, dtype,
+                                 err_msg=f"n_k={n_k} causal={causal} n_splits={n_splits}")
 
 
 #: Where each backend's softmax_forward looks up the split-key kernel it routes to.

@@ -33,6 +33,7 @@ cdef extern from *:
     #define FASTATTN_MICROKERNEL 1
     #define FA_AVX512 __attribute__((target("avx512f")))
     #define FA_INLINE static inline __attribute__((always_inline))
+    #define FA_PREFETCH(address) __builtin_prefetch(address)
 
     static int fastattn_microkernel_ok(void) {
         static int cached = -1;    /* a benign race: every thread finds the same */
@@ -41,6 +42,43 @@ cdef extern from *:
             cached = __builtin_cpu_supports("avx512f") ? 1 : 0;
         }
         return cached;
+    }
+
+    /* Lane sums of 16 (float) or 8 (double) vectors: lane t of the result is the sum of
+       the lanes of x[t].  Lanes are added in pairs within each 128-bit lane (unpack,
+       shuffle), then the 128-bit lanes of four such vectors are transposed and added. */
+    #define FA_QUARTER_SUMS(X, VT, SHUF, ADD)                                          \
+    /* wi holds, in 128-bit lane L, vector i's partial sums of part L; returns, in     \
+       128-bit lane i, wi summed over L */                                             \
+    FA_AVX512 FA_INLINE VT fa_quarter_sums_##X(VT w0, VT w1, VT w2, VT w3) {         \
+        VT y01 = ADD(SHUF(w0, w1, _MM_SHUFFLE(1, 0, 1, 0)), SHUF(w0, w1, _MM_SHUFFLE(3, 2, 3, 2))); \
+        VT y23 = ADD(SHUF(w2, w3, _MM_SHUFFLE(1, 0, 1, 0)), SHUF(w2, w3, _MM_SHUFFLE(3, 2, 3, 2))); \
+        return ADD(SHUF(y01, y23, _MM_SHUFFLE(2, 0, 2, 0)), SHUF(y01, y23, _MM_SHUFFLE(3, 1, 3, 1))); \
+    }
+    FA_QUARTER_SUMS(f, __m512, _mm512_shuffle_f32x4, _mm512_add_ps)
+    FA_QUARTER_SUMS(d, __m512d, _mm512_shuffle_f64x2, _mm512_add_pd)
+    #undef FA_QUARTER_SUMS
+    FA_AVX512 FA_INLINE __m512 fa_pair_sums_f(__m512 a, __m512 b) {
+        /* per 128-bit lane [a0+a2, b0+b2, a1+a3, b1+b3] */
+        return _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+    }
+    FA_AVX512 FA_INLINE __m512 fa_quad_sums_f(const __m512 *x) {
+        /* per 128-bit lane L, [x0, x1, x2, x3], each summed over its lanes in L */
+        __m512 ab = fa_pair_sums_f(x[0], x[1]), cd = fa_pair_sums_f(x[2], x[3]);
+        return _mm512_add_ps(_mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
+    }
+    FA_AVX512 FA_INLINE __m512 fa_lane_sums_f(const __m512 *x) {
+        return fa_quarter_sums_f(fa_quad_sums_f(x), fa_quad_sums_f(x + 4), fa_quad_sums_f(x + 8),
+                                 fa_quad_sums_f(x + 12));
+    }
+    FA_AVX512 FA_INLINE __m512d fa_pair_sums_d(__m512d a, __m512d b) {
+        /* per 128-bit lane [a0+a1, b0+b1] */
+        return _mm512_add_pd(_mm512_unpacklo_pd(a, b), _mm512_unpackhi_pd(a, b));
+    }
+    FA_AVX512 FA_INLINE __m512d fa_lane_sums_d(const __m512d *x) {
+        return fa_quarter_sums_d(fa_pair_sums_d(x[0], x[1]), fa_pair_sums_d(x[2], x[3]),
+                                 fa_pair_sums_d(x[4], x[5]), fa_pair_sums_d(x[6], x[7]));
     }
 
     #define FA_T float
@@ -57,6 +95,8 @@ cdef extern from *:
     #define FA_VFMADD _mm512_fmadd_ps
     #define FA_VMUL _mm512_mul_ps
     #define FA_VSUB _mm512_sub_ps
+    #define FA_VADD _mm512_add_ps
+    #define FA_LANE_SUMS fa_lane_sums_f
     #define FA_VMADD _mm512_mask_add_ps
     #define FA_VSCALEF _mm512_scalef_ps
     #define FA_VREDUCE_ADD _mm512_reduce_add_ps
@@ -86,6 +126,8 @@ cdef extern from *:
     #undef FA_VFMADD
     #undef FA_VMUL
     #undef FA_VSUB
+    #undef FA_VADD
+    #undef FA_LANE_SUMS
     #undef FA_VMADD
     #undef FA_VSCALEF
     #undef FA_VREDUCE_ADD
@@ -106,6 +148,8 @@ cdef extern from *:
     #define FA_VFMADD _mm512_fmadd_pd
     #define FA_VMUL _mm512_mul_pd
     #define FA_VSUB _mm512_sub_pd
+    #define FA_VADD _mm512_add_pd
+    #define FA_LANE_SUMS fa_lane_sums_d
     #define FA_VMADD _mm512_mask_add_pd
     #define FA_VSCALEF _mm512_scalef_pd
     #define FA_VREDUCE_ADD _mm512_reduce_add_pd
@@ -137,7 +181,11 @@ cdef extern from *:
                                         int d, T scale, T *s, int lds) {} \
         static void fastattn_output_##X(const T *p, int ldp, const T *v, int ldv, int rows, \
                                         int width, int d_v, T *o, int ldo) {} \
-        static T fastattn_exp_sum_avx512_##X(T *s, int n, T shift) { return 0; }
+        static T fastattn_exp_sum_avx512_##X(T *s, int n, T shift) { return 0; } \
+        static void fastattn_query_scores_##X(const T *q, const T *k, int width, int d_k, \
+                                              T scale, T *s, int ahead) {} \
+        static void fastattn_query_values_##X(const T *p, const T *v, int width, int d_v, \
+                                              T *acc, int ahead) {}
     FA_STUBS(float, f)
     FA_STUBS(double, d)
     #endif
@@ -156,6 +204,14 @@ cdef extern from *:
                            int d_v, double *o, int ldo) nogil
     float fastattn_exp_sum_avx512_f(float *s, int n, float shift) nogil
     double fastattn_exp_sum_avx512_d(double *s, int n, double shift) nogil
+    void fastattn_query_scores_f(const float *q, const float *k, int width, int d_k, float scale,
+                                 float *s, int ahead) nogil
+    void fastattn_query_scores_d(const double *q, const double *k, int width, int d_k,
+                                 double scale, double *s, int ahead) nogil
+    void fastattn_query_values_f(const float *p, const float *v, int width, int d_v, float *acc,
+                                 int ahead) nogil
+    void fastattn_query_values_d(const double *p, const double *v, int width, int d_v,
+                                 double *acc, int ahead) nogil
 
 
 cdef inline void pack_keys(const floating *k, int ldk, int width, int d, floating *kp) noexcept nogil:
@@ -190,3 +246,23 @@ cdef inline floating exp_sum_avx512(floating *s, int n, floating shift) noexcept
         return fastattn_exp_sum_avx512_f(s, n, shift)
     else:
         return fastattn_exp_sum_avx512_d(s, n, shift)
+
+
+cdef inline void query_scores(const floating *q, const floating *k, int width, int d_k,
+                              floating scale, floating *s, int ahead) noexcept nogil:
+    """One query: ``s[j] = scale q . k[j]`` for ``j < width`` (AVX-512, ``d_k`` a multiple of
+    the lanes); prefetches the key row ``ahead`` rows on (0: none)."""
+    if floating is float:
+        fastattn_query_scores_f(q, k, width, d_k, scale, s, ahead)
+    else:
+        fastattn_query_scores_d(q, k, width, d_k, scale, s, ahead)
+
+
+cdef inline void query_values(const floating *p, const floating *v, int width, int d_v,
+                              floating *acc, int ahead) noexcept nogil:
+    """One query: ``acc += sum_{j < width} p[j] v[j]`` (AVX-512, ``d_v`` a multiple of the
+    lanes); prefetches the value row ``ahead`` rows on (0: none)."""
+    if floating is float:
+        fastattn_query_values_f(p, v, width, d_v, acc, ahead)
+    else:
+        fastattn_query_values_d(p, v, width, d_v, acc, ahead)

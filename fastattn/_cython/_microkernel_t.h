@@ -22,6 +22,89 @@ static void FA_NAME(fastattn_pack_keys)(const FA_T *k, int ldk, int width, int d
     }
 }
 
+/* One query (a decode step): s[j] = scale q . k_j for j < width, k rows of d_k as
+ * they lie.  Each key's d_k/L products go into one vector; FA_L such vectors
+ * become one vector of FA_L scores by FA_LANE_SUMS (a transpose-and-add tree,
+ * about 3 shuffles and adds a key, in place of a reduction across lanes per
+ * key).  Keys past width are never read.  `ahead`: rows ahead to prefetch
+ * (K streams from memory), 0 for none. */
+FA_AVX512 FA_INLINE FA_VT FA_NAME(fa_key_dot)(const FA_T *q, const FA_T *kr, int d_k) {
+    FA_VT a = FA_VMUL(FA_VLOAD(q), FA_VLOAD(kr));
+    for (int c = FA_L; c < d_k; c += FA_L) a = FA_VFMADD(FA_VLOAD(q + c), FA_VLOAD(kr + c), a);
+    return a;
+}
+
+FA_AVX512 static void FA_NAME(fastattn_query_scores)(const FA_T *q, const FA_T *k, int width,
+                                                     int d_k, FA_T scale, FA_T *s, int ahead) {
+    const FA_VT sc = FA_VSET1(scale);
+    const size_t row_bytes = (size_t) d_k * sizeof(FA_T);
+    for (int j0 = 0; j0 < width; j0 += FA_L) {
+        int keys = width - j0 < FA_L ? width - j0 : FA_L;
+        FA_VT part[FA_L];
+        for (int t = 0; t < FA_L; t++) {
+            const FA_T *kr = k + (size_t) (j0 + t) * d_k;
+            if (t >= keys) {
+                part[t] = FA_VZERO();
+                continue;
+            }
+            if (ahead)
+                for (size_t b = 0; b < row_bytes; b += 64)
+                    FA_PREFETCH((const char *) (kr + (size_t) ahead * d_k) + b);
+            part[t] = d_k == 4 * FA_L ? FA_NAME(fa_key_dot)(q, kr, 4 * FA_L)
+                                      : FA_NAME(fa_key_dot)(q, kr, d_k);
+        }
+        FA_VT x = FA_VMUL(FA_LANE_SUMS(part), sc);
+        if (keys == FA_L) FA_VSTORE(s + j0, x);
+        else FA_VMSTORE(s + j0, (FA_MT) ((1u << keys) - 1u), x);
+    }
+}
+
+/* NC column vectors of acc += sum_{j < width} p[j] v_j, two keys at a time into two sets of
+ * accumulators (the FMAs' latency) */
+FA_AVX512 FA_INLINE void FA_NAME(fa_query_values_block)(const FA_T *p, const FA_T *v, int ldv,
+                                                        int width, FA_T *acc, int ahead,
+                                                        const int NC) {
+    FA_VT a[4], b[4];
+    for (int c = 0; c < NC; c++) {
+        a[c] = FA_VLOAD(acc + FA_L * c);
+        b[c] = FA_VZERO();
+    }
+    int j = 0;
+    for (; j + 2 <= width; j += 2) {
+        const FA_T *v0 = v + (size_t) j * ldv, *v1 = v0 + ldv;
+        if (ahead) {
+            for (int c = 0; c < ldv / FA_L; c++) {      /* the whole row: a vector is a 64-byte line */
+                FA_PREFETCH(v0 + (size_t) ahead * ldv + FA_L * c);
+                FA_PREFETCH(v1 + (size_t) ahead * ldv + FA_L * c);
+            }
+        }
+        FA_VT p0 = FA_VSET1(p[j]), p1 = FA_VSET1(p[j + 1]);
+        for (int c = 0; c < NC; c++) {
+            a[c] = FA_VFMADD(p0, FA_VLOAD(v0 + FA_L * c), a[c]);
+            b[c] = FA_VFMADD(p1, FA_VLOAD(v1 + FA_L * c), b[c]);
+        }
+    }
+    if (j < width) {
+        FA_VT p0 = FA_VSET1(p[j]);
+        for (int c = 0; c < NC; c++) a[c] = FA_VFMADD(p0, FA_VLOAD(v + (size_t) j * ldv + FA_L * c), a[c]);
+    }
+    for (int c = 0; c < NC; c++) FA_VSTORE(acc + FA_L * c, FA_VADD(a[c], b[c]));
+}
+
+/* One query: acc[0:d_v] += sum_{j < width} p[j] v[j, 0:d_v] (d_v a multiple of L), value rows
+ * as they lie; rows past width are never read.  `ahead` as for fastattn_query_scores. */
+FA_AVX512 static void FA_NAME(fastattn_query_values)(const FA_T *p, const FA_T *v, int width,
+                                                     int d_v, FA_T *acc, int ahead) {
+    for (int c0 = 0; c0 < d_v; c0 += 4 * FA_L) {
+        int nc = (d_v - c0) / FA_L < 4 ? (d_v - c0) / FA_L : 4;
+        int pf = c0 == 0 ? ahead : 0;      /* the first pass brings the rows in */
+        if (nc == 4) FA_NAME(fa_query_values_block)(p, v + c0, d_v, width, acc + c0, pf, 4);
+        else if (nc == 3) FA_NAME(fa_query_values_block)(p, v + c0, d_v, width, acc + c0, pf, 3);
+        else if (nc == 2) FA_NAME(fa_query_values_block)(p, v + c0, d_v, width, acc + c0, pf, 2);
+        else FA_NAME(fa_query_values_block)(p, v + c0, d_v, width, acc + c0, pf, 1);
+    }
+}
+
 /* R rows x NP panels of scores; 'left' keys remain from this panel group's first */
 FA_AVX512 FA_INLINE void FA_NAME(fa_scores_block)(const FA_T *q, int ldq, const FA_T *kp, int d,
                                                   FA_VT scale, FA_T *s, int lds, int left,

@@ -35,6 +35,9 @@ from cython cimport floating
 from cython.parallel cimport parallel, prange, threadid
 
 from fastattn._cython._blas cimport gemm
+from fastattn._cython._microkernel cimport (
+    FASTATTN_MICROKERNEL, fastattn_microkernel_ok, query_scores, query_values,
+)
 from fastattn._cython._online cimport online_softmax_row
 from fastattn._cython._vmath cimport feature_map, fexp
 
@@ -197,15 +200,16 @@ cdef void _key_range(
     const floating *q, const floating *k, const floating *v,
     int n_q, int n_k, int d_k, int d_v, int j_lo, int j_hi, bint causal,
     floating scale, int block_k, floating *s_buf, int *lim,
-    floating *m, floating *l, floating *acc,
+    floating *m, floating *l, floating *acc, bint micro,
 ) noexcept nogil:
     """Online softmax of all ``n_q`` rows of one head over keys ``[j_lo, j_hi)``.
 
     Leaves the unnormalised partial result in ``m (n_q)``, ``l (n_q)`` and
     ``acc (n_q, d_v)``; ``q, k, v`` point at the head.  ``s_buf`` holds
     ``n_q · block_k`` scores and ``lim`` ``n_q`` ints.  Up to ``FUSED_ROWS``
-    queries, a key block's scores and its ``p v`` are fused loops that read
-    each key and value row once; with more, GEMMs.
+    queries, a key block's scores and its ``p v`` are SIMD loops over the key
+    and value rows (``micro``: the AVX-512 ones of :file:`_microkernel.pxd`,
+    one query at a time); with more, GEMMs.
     """
     cdef int off = n_k - n_q
     cdef int r, c, j0, width, w
@@ -224,6 +228,19 @@ cdef void _key_range(
             lim[r] = min(max(r + off + 1 - j0, 0), width) if causal else width
         if lim[n_q - 1] == 0:
             break                      # no row sees this block, nor any later one
+        if micro and n_q <= FUSED_ROWS:
+            for r in range(n_q):
+                w = lim[r]
+                if w > 0:
+                    srow = s_buf + <Py_ssize_t> r * width
+                    query_scores(q + <Py_ssize_t> r * d_k, k + <Py_ssize_t> j0 * d_k, w, d_k,
+                                 scale, srow, fastattn_prefetch_rows)
+                    online_softmax_row(srow, w, &m[r], &l[r], acc + <Py_ssize_t> r * d_v, d_v,
+                                       True)
+                    query_values(srow, v + <Py_ssize_t> j0 * d_v, w, d_v,
+                                 acc + <Py_ssize_t> r * d_v, fastattn_prefetch_rows)
+            j0 = j0 + width
+            continue
         if n_q <= FUSED_ROWS:
             _key_scores(q, n_q, k + <Py_ssize_t> j0 * d_k, width, d_k, scale, s_buf, width)
         else:
@@ -307,6 +324,10 @@ def _split_key_softmax(
     cdef int item, b, sp, j_lo, j_hi, t
     cdef floating *buf = NULL   # per-thread scratch, set in each parallel block
     cdef floating s = <floating> scale
+    # AVX-512 one-query loops when the rows are whole vectors (16 float32, 8 float64 lanes).
+    cdef int lanes = 16 if floating is float else 8
+    cdef bint micro = (FASTATTN_MICROKERNEL and d_k % lanes == 0 and d_v % lanes == 0
+                       and fastattn_microkernel_ok())
 
     with nogil, parallel(num_threads=min(n_threads, n_items)):
         t = threadid()
@@ -318,7 +339,8 @@ def _split_key_softmax(
             j_hi = min(n_k, j_lo + span)
             _key_range(&q[b, 0, 0], &k[b, 0, 0], &v[b, 0, 0], n_q, n_k, d_k, d_v,
                        j_lo, j_hi, causal, s, block_k, buf, &limits[t * n_q], part_m + <Py_ssize_t> item * n_q,
-                       part_l + <Py_ssize_t> item * n_q, part_acc + <Py_ssize_t> item * n_q * d_v)
+                       part_l + <Py_ssize_t> item * n_q, part_acc + <Py_ssize_t> item * n_q * d_v,
+                       micro)
     with nogil:
         for b in range(n_batch):
             _merge(part_m + <Py_ssize_t> b * n_splits * n_q, part_l + <Py_ssize_t> b * n_splits * n_q,
