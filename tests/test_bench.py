@@ -266,6 +266,46 @@ def test_refuses_a_corrupt_line_in_the_middle(tmp_path):
     assert path.read_bytes() == before
 
 
+def test_points_of_one_shape_take_turns_and_others_are_timed_alone(tmp_path, monkeypatch):
+    """The backends of one shape are timed in rounds, one repeat each, the first of each
+    round one further on (load then falls on every backend alike); a shape measured on
+    one backend only gets its repeats in one go."""
+    from conftest import FAST_BACKENDS
+
+    if not FAST_BACKENDS:
+        pytest.skip("no fast backend built")
+    fast = FAST_BACKENDS[0]
+    turns, make_call, time_call = [], engine.make_call, engine.time_call
+
+    def tagged(spec, q, k, v):
+        call = make_call(spec, q, k, v)
+        return lambda: (turns.append(spec["backend"]), call())[1]
+
+    timed = []
+
+    def logged(call, repeats, *args, **kwargs):
+        first = len(turns)
+        timing = time_call(call, repeats, *args, **kwargs)
+        timed.append(turns[first])
+        return timing
+
+    monkeypatch.setattr(engine, "make_call", tagged)
+    monkeypatch.setattr(engine, "time_call", logged)
+    points = [Point("softmax", "reference", False, 64, d_k=8, d_v=8),
+              Point("softmax", fast, False, 64, d_k=8, d_v=8),
+              Point("softmax", "reference", False, 32, d_k=8, d_v=8)]
+    records = run_sweep(points, tmp_path / "turns.jsonl",
+                        Options(repeats=3, memory=False, check=False, roof=False, min_time_s=0),
+                        threads=1, progress=None, isolate=False)
+    assert timed == ["reference", fast, fast, "reference", "reference", fast, "reference"]
+    together, alone = records[:2], records[2]
+    for record in together:
+        assert record["status"] == "ok"
+        assert record["rounds"] == 3 and record["repeats"] == len(record["times_s"]) == 3
+        assert record["min_s"] == min(record["times_s"]) <= record["median_s"]
+    assert alone["rounds"] == 1 and alone["repeats"] == 3
+
+
 def test_run_sweep_validates_arguments(tmp_path):
     with pytest.raises(TypeError, match="Point"):
         run_sweep([("softmax", "reference")], tmp_path / "x.jsonl", progress=None)

@@ -422,18 +422,17 @@ def _load():
     return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
 
 
-def measure_point(spec, repeats=5, memory=True, check=True, seed=DEFAULT_SEED,
-                  references=None, max_point_s=None, min_time_s=None):
-    """The outcome fields of one point: warm-up, memory probe (also an estimate of one call),
-    timed repeats (at most ``max_point_s`` seconds, at least 3), flops and the check.
+def prepare_point(spec, repeats=5, memory=True, check=True, seed=DEFAULT_SEED,
+                  references=None, max_point_s=None):
+    """Everything of one point but its timed repeats: ``(call, fields, n_repeats, estimate_s)``.
 
-    ``status`` ("ok", "skipped", "error"), ``reason`` and when ok the fields of
-    :func:`time_call`, ``flops``, ``gflops``, ``peak_bytes``, ``memory_method`` (and
-    ``peak_bytes_tracemalloc`` for the reference), the check's, ``seed``, ``load_avg_1m``,
-    ``warmup_s``."""
+    The warm-up call, the memory probe (also an estimate of one call), the check and the
+    repeats the point gets (``repeats``, fewer when that would pass ``max_point_s``, at
+    least 3).  ``call`` is None when the point is skipped or failed; ``fields`` then says
+    why.  Time the call with :func:`time_call` and finish with :func:`finish_point`."""
     reason = why_skip(spec)
     if reason:
-        return {"status": "skipped", "reason": reason}
+        return None, {"status": "skipped", "reason": reason}, 0, 0.0
     try:
         call = make_call(spec, *make_inputs(spec, seed))
         time.sleep(SETTLE_S)  # let the previous point's thread pools go to sleep
@@ -450,20 +449,58 @@ def measure_point(spec, repeats=5, memory=True, check=True, seed=DEFAULT_SEED,
         n_repeats = repeats
         if max_point_s is not None and estimate > 0:
             n_repeats = max(min(3, repeats), min(repeats, int(max_point_s / estimate)))
-        fields.update(time_call(call, n_repeats, estimate, min_time_s))
-        flops = point_flops(spec)
-        fields.update(flops=flops, gflops=flops / fields["median_s"] / 1e9
-                      if fields["median_s"] > 0 else None)
-        if spec.get("regime") == "decode":
-            fields["held_bytes"] = held_bytes(spec)
         if check:
             from threadpoolctl import threadpool_limits
 
             with threadpool_limits(1):  # the float64 reference leaves no spinning pool
                 fields.update(check_accuracy(spec, out, references or ReferenceCache(), seed))
-    except MemoryError as exc:
-        return {"status": "skipped", "reason": f"MemoryError: {exc}"}
+        if spec.get("regime") == "decode":
+            fields["held_bytes"] = held_bytes(spec)
     except Exception as exc:  # a failing kernel is a result, not the end of the sweep
-        return {"status": "error", "reason": f"{type(exc).__name__}: {exc}",
-                "traceback": traceback.format_exc(limit=6)}
+        return None, failure(exc), 0, 0.0
+    return call, fields, n_repeats, estimate
+
+
+def failure(exc):
+    """The outcome of a point whose call raised ``exc`` (in the handler): MemoryError is a
+    skip (the machine is too small), anything else an error with its traceback."""
+    if isinstance(exc, MemoryError):
+        return {"status": "skipped", "reason": f"MemoryError: {exc}"}
+    return {"status": "error", "reason": f"{type(exc).__name__}: {exc}",
+            "traceback": traceback.format_exc(limit=6)}
+
+
+def merge_timings(timings):
+    """One :func:`time_call` result from several (the rounds of an interleaved point)."""
+    times = [t for timing in timings for t in timing["times_s"]]
+    return {"times_s": times, "median_s": float(np.median(times)), "min_s": min(times),
+            "max_s": max(times), "number": timings[0]["number"], "repeats": len(times)}
+
+
+def finish_point(spec, fields, timing):
+    """``fields`` of :func:`prepare_point` with the timing, flops and GFLOP/s (from the median)."""
+    fields = {**fields, **timing}
+    flops = point_flops(spec)
+    fields.update(flops=flops, gflops=flops / fields["median_s"] / 1e9
+                  if fields["median_s"] > 0 else None)
     return fields
+
+
+def measure_point(spec, repeats=5, memory=True, check=True, seed=DEFAULT_SEED,
+                  references=None, max_point_s=None, min_time_s=None):
+    """The outcome fields of one point measured on its own: :func:`prepare_point`, its
+    timed repeats (:func:`time_call`) and :func:`finish_point`.
+
+    ``status`` ("ok", "skipped", "error"), ``reason`` and when ok the fields of
+    :func:`time_call`, ``flops``, ``gflops``, ``peak_bytes``, ``memory_method`` (and
+    ``peak_bytes_tracemalloc`` for the reference), the check's, ``seed``, ``load_avg_1m``,
+    ``warmup_s``."""
+    call, fields, n_repeats, estimate = prepare_point(spec, repeats, memory, check, seed,
+                                                      references, max_point_s)
+    if call is None:
+        return fields
+    try:
+        timing = time_call(call, n_repeats, estimate, min_time_s)
+    except Exception as exc:
+        return failure(exc)
+    return finish_point(spec, fields, timing)

@@ -1,6 +1,7 @@
 """The sweep: a grid of :class:`Point` measured in ``spawn`` worker processes (a crash costs
 one point; peers get their own, as PyTorch runs ~5x slower once Numba's OpenMP pool has
-started), each record appended to a results file as it finishes, so a run resumes."""
+started), the backends of one shape timed in turns (:func:`_measure_group`), each record
+appended to a results file as its shape finishes, so a run resumes."""
 
 import contextlib
 import multiprocessing
@@ -208,18 +209,33 @@ def _serve(task, state):
     if kind == "roof":
         return engine.probe_roof(payload["shapes"], payload["dtypes"], payload["budget_s"],
                                  library=payload.get("library", "numpy"))
-    options = payload["options"]
-    outcome = engine.measure_point(payload["spec"], options.repeats, options.memory,
-                                   options.check, references=state["references"],
-                                   max_point_s=options.max_point_s,
-                                   min_time_s=options.min_time_s)
-    if outcome["status"] == "ok":  # the counts in force right after the call
+    if kind == "prepare":  # warm-up, memory, check; the call is kept for "time"
+        options = payload["options"]
+        call, fields, n_repeats, estimate = engine.prepare_point(
+            payload["spec"], options.repeats, options.memory, options.check,
+            references=state["references"], max_point_s=options.max_point_s)
+        if call is not None:
+            state["calls"][payload["key"]] = (call, estimate)
+        return {"fields": fields, "repeats": n_repeats}
+    if kind == "time":
+        if payload["key"] not in state["calls"]:
+            return None  # this process was replaced since the point was prepared
+        call, estimate = state["calls"][payload["key"]]
+        try:
+            timing = engine.time_call(call, payload["repeats"], estimate, payload["min_time_s"],
+                                      payload["max_repeats"])
+        except Exception as exc:
+            return {"failure": engine.failure(exc)}
         from .._threads import blas_threads, get_num_threads
 
-        outcome["thread_counts"] = {**({"blas": blas_threads()} if state["peers_only"]
-                                       else get_num_threads()), **peers.peer_threads()}
-    return outcome
-
+        # the counts in force right after the call
+        timing["thread_counts"] = {**({"blas": blas_threads()} if state["peers_only"]
+                                      else get_num_threads()), **peers.peer_threads()}
+        return timing
+    if kind == "release":
+        state["calls"].pop(payload["key"], None)
+        return None
+    raise ValueError(f"unknown request {kind!r}")
 
 
 def _setup(threads, peers_only):
@@ -233,7 +249,7 @@ def _setup(threads, peers_only):
 
         set_num_threads(threads)
     peers.set_peer_threads(threads)
-    return {"peers_only": peers_only, "references": engine.ReferenceCache()}
+    return {"peers_only": peers_only, "references": engine.ReferenceCache(), "calls": {}}
 
 
 def _worker_main(conn, threads, peers_only):
@@ -350,19 +366,104 @@ def _write_header(writer, worker, peer_worker, todo, threads, why, options, run_
     return records
 
 
-def _measure(point, worker, options, roofs):
-    try:
-        outcome = dict(worker.request("point", {"spec": point.spec(), "options": options},
-                                      timeout_s=options.point_timeout_s))
-    except RuntimeError as exc:  # WorkerDied included
-        return {"status": "error", "reason": str(exc)}
-    if outcome["status"] == "ok":
-        probe = engine.roof_probe(roofs, point.dtype, point.d_k)
+def _shape_key(point):
+    """What the points of one comparison share: everything but the backend."""
+    return tuple(value for name, value in sorted(point.spec().items()) if name != "backend")
+
+
+class _Entry:
+    """One point of a comparison as it is measured: its worker, the fields of its
+    preparation, its timings so far and the seconds its requests took."""
+
+    def __init__(self, point, worker):
+        self.point, self.worker, self.key = point, worker, point.label()
+        self.fields, self.repeats, self.timings, self.spent = None, 0, [], 0.0
+        self.thread_counts = None
+
+    ok = property(lambda self: self.fields is not None and self.fields["status"] == "ok")
+
+    def request(self, kind, payload, options):
+        """The worker's answer, within what is left of the point's ``point_timeout_s``."""
+        left = None if options.point_timeout_s is None else \
+            max(options.point_timeout_s - self.spent, 1e-3)
+        start = time.perf_counter()
+        try:
+            return self.worker.request(kind, payload, timeout_s=left)
+        finally:
+            self.spent += time.perf_counter() - start
+
+    def prepare(self, options):
+        try:
+            answer = self.request("prepare", {"spec": self.point.spec(), "options": options,
+                                              "key": self.key}, options)
+        except RuntimeError as exc:  # WorkerDied included
+            return {"status": "error", "reason": str(exc)}
+        self.repeats = answer["repeats"]
+        return answer["fields"]
+
+    def time(self, repeats, min_time_s, max_repeats, options):
+        """One round of timed repeats; False when the point has failed."""
+        payload = {"key": self.key, "repeats": repeats, "min_time_s": min_time_s,
+                   "max_repeats": max_repeats}
+        try:
+            timing = self.request("time", payload, options)
+            if timing is None:  # its process was replaced (another point timed out): again
+                self.prepare(options)
+                timing = self.request("time", payload, options)
+        except RuntimeError as exc:
+            self.fields = {"status": "error", "reason": str(exc)}
+            return False
+        if timing is None or "failure" in timing:
+            self.fields = timing["failure"] if timing else {
+                "status": "error", "reason": "the measuring process lost the prepared call"}
+            return False
+        self.thread_counts = timing.pop("thread_counts")
+        self.timings.append(timing)
+        return True
+
+    def outcome(self, roofs):
+        if not self.ok or not self.timings:
+            return self.fields
+        outcome = engine.finish_point(self.point.spec(), self.fields,
+                                      engine.merge_timings(self.timings))
+        outcome.update(thread_counts=self.thread_counts, rounds=len(self.timings))
+        probe = engine.roof_probe(roofs, self.point.dtype, self.point.d_k)
         roof, gflops = probe and probe["gflops"], outcome.get("gflops")
         outcome.update(roof_gflops=roof, roof_fraction=gflops / roof if gflops and roof
                        else None, roof_blas=probe and probe.get("blas"),
                        roof_shape=probe and probe.get("shape"))
-    return outcome
+        return outcome
+
+
+def _measure_group(points, workers, options, roofs, threads):
+    """Outcomes of the points of one shape on several backends, timed side by side.
+
+    Each point is prepared (warm-up, memory probe, check) in its worker (the kernels' or
+    the peers'), then the points take turns: round ``r`` times one repeat of each point
+    still owed one (a share of ``min_time_s`` for a fast call), starting one point further
+    on each round, so a spell of load from elsewhere falls on every point alike and the
+    ratios of their times are measured side by side.  With more than one thread, each turn
+    starts after :data:`~.engine.SETTLE_S` idle (another process's pool may spin)."""
+    entries = [_Entry(point, workers[point.peer]) for point in points]
+    for entry in entries:
+        entry.fields = entry.prepare(options)
+    live = [entry for entry in entries if entry.ok]
+    if len(live) == 1:  # alone: its repeats in one go, as they always were
+        entry = live[0]
+        entry.time(entry.repeats, options.min_time_s, None, options)
+    for r in range(max((entry.repeats for entry in live), default=0) if len(live) > 1 else 0):
+        turn = [entry for entry in live[r % len(live):] + live[:r % len(live)]
+                if entry.ok and r < entry.repeats]
+        for entry in turn:
+            if threads > 1:
+                time.sleep(engine.SETTLE_S)
+            entry.time(1, options.min_time_s / entry.repeats,
+                       max(1, engine.MAX_REPEATS // entry.repeats), options)
+    outcomes = [entry.outcome(roofs) for entry in entries]
+    for entry in live:
+        with contextlib.suppress(RuntimeError):
+            entry.worker.request("release", {"key": entry.key})
+    return outcomes
 
 
 def run_sweep(points, results_path, options=Options(), *, threads=None, threads_reason=None,
@@ -401,14 +502,19 @@ def run_sweep(points, results_path, options=Options(), *, threads=None, threads_
     try:
         roofs = _write_header(writer, worker, peer_worker, todo, threads, why, options,
                               run_id) if todo else []
+        groups = {}
         for point in todo:
-            bar.set_postfix_str(point.label(), refresh=False)
+            groups.setdefault(_shape_key(point), []).append(point)
+        for group in groups.values():
+            bar.set_postfix_str(group[0].label().rsplit(" ", 1)[0], refresh=False)
             started = time.time()
-            outcome = _measure(point, peer_worker if point.peer else worker, options, roofs)
-            record = writer.write("point", run_id=run_id, started=started,
-                                  **point.record_fields(threads), **outcome)
-            found[point_key(record)] = record
-            bar.update(1)
+            outcomes = _measure_group(group, {False: worker, True: peer_worker}, options,
+                                      roofs, threads)
+            for point, outcome in zip(group, outcomes):
+                record = writer.write("point", run_id=run_id, started=started,
+                                      **point.record_fields(threads), **outcome)
+                found[point_key(record)] = record
+            bar.update(len(group))
     finally:
         bar.close()
         worker.close()
