@@ -304,6 +304,16 @@ def test_points_of_one_shape_take_turns_and_others_are_timed_alone(tmp_path, mon
         assert record["rounds"] == 3 and record["repeats"] == len(record["times_s"]) == 3
         assert record["min_s"] == min(record["times_s"]) <= record["median_s"]
     assert alone["rounds"] == 1 and alone["repeats"] == 3
+    # Fewer rounds than repeats (the report's): a turn times several, 3 = 2 + 1.
+    timed.clear()
+    records = run_sweep(points[:2], tmp_path / "rounds.jsonl",
+                        Options(repeats=3, rounds=2, memory=False, check=False, roof=False,
+                                min_time_s=0),
+                        threads=1, progress=None, isolate=False)
+    assert timed == ["reference", fast, fast, "reference"]
+    assert [(r["rounds"], r["repeats"]) for r in records] == [(2, 3), (2, 3)]
+    with pytest.raises(ValueError, match="rounds"):
+        Options(rounds=0)
 
 
 def test_run_sweep_validates_arguments(tmp_path):

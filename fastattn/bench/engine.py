@@ -35,6 +35,9 @@ MEMORY_HEADROOM = 0.7
 
 #: Idle seconds before each point, so spinning pools (OpenBLAS ~0.1 s) are asleep.
 SETTLE_S = 0.2
+#: Idle seconds before each turn when the backends of one shape take turns (more than one
+#: thread): the previous turn's pool (OpenBLAS spins ~0.1 s) is then asleep or nearly so.
+TURN_SETTLE_S = 0.1
 #: A timed repeat lasts at least this long (``number`` calls of a fast kernel).
 MIN_REPEAT_S = 2e-4
 #: A fast call is repeated for this long at least (at most MAX_REPEATS times), so

@@ -123,9 +123,12 @@ class Options:
     """How each point is measured: ``repeats`` after a warm-up, ``min_time_s`` and
     ``max_point_s`` as in :func:`~fastattn.bench.engine.measure_point`, the ``memory``
     probe and the ``check``, ``point_timeout_s`` (then an error, the worker replaced),
-    and the GEMM ``roof`` probe (``roof_budget_s`` seconds each)."""
+    and the GEMM ``roof`` probe (``roof_budget_s`` seconds each).  The backends of one
+    shape take turns over ``rounds`` rounds (default: one a repeat; fewer make a long grid
+    quicker, a turn then timing several repeats)."""
 
     repeats: int = 5
+    rounds: int | None = None
     min_time_s: float = engine.MIN_TIME_S
     memory: bool = True
     check: bool = True
@@ -137,6 +140,8 @@ class Options:
 
     def __post_init__(self):
         check_count("repeats", self.repeats)
+        if self.rounds is not None:
+            check_count("rounds", self.rounds)
         for library in self.roof_libraries or ():
             if library not in engine.ROOF_LIBRARIES:
                 raise ValueError(f"roof_libraries must be among {engine.ROOF_LIBRARIES}, "
@@ -435,6 +440,12 @@ class _Entry:
         return outcome
 
 
+def _turns(repeats, rounds):
+    """``repeats`` timed repeats spread over at most ``rounds`` turns, as evenly as may be."""
+    rounds = max(1, min(repeats, rounds))
+    return [repeats // rounds + (t < repeats % rounds) for t in range(rounds)]
+
+
 def _measure_group(points, workers, options, roofs, threads):
     """Outcomes of the points of one shape on several backends, timed side by side.
 
@@ -442,23 +453,25 @@ def _measure_group(points, workers, options, roofs, threads):
     the peers'), then the points take turns: round ``r`` times one repeat of each point
     still owed one (a share of ``min_time_s`` for a fast call), starting one point further
     on each round, so a spell of load from elsewhere falls on every point alike and the
-    ratios of their times are measured side by side.  With more than one thread, each turn
-    starts after :data:`~.engine.SETTLE_S` idle (another process's pool may spin)."""
+    ratios of their times are measured side by side.  ``options.rounds`` (default: one a
+    repeat) caps the rounds, a turn then timing several repeats.  With more than one
+    thread, each turn starts after :data:`~.engine.TURN_SETTLE_S` idle (the previous
+    turn's pool may still spin)."""
     entries = [_Entry(point, workers[point.peer]) for point in points]
     for entry in entries:
         entry.fields = entry.prepare(options)
     live = [entry for entry in entries if entry.ok]
-    if len(live) == 1:  # alone: its repeats in one go, as they always were
-        entry = live[0]
-        entry.time(entry.repeats, options.min_time_s, None, options)
-    for r in range(max((entry.repeats for entry in live), default=0) if len(live) > 1 else 0):
-        turn = [entry for entry in live[r % len(live):] + live[:r % len(live)]
-                if entry.ok and r < entry.repeats]
-        for entry in turn:
-            if threads > 1:
-                time.sleep(engine.SETTLE_S)
-            entry.time(1, options.min_time_s / entry.repeats,
-                       max(1, engine.MAX_REPEATS // entry.repeats), options)
+    rounds = len(live) if len(live) < 2 else options.rounds or max(e.repeats for e in live)
+    plan = {entry.key: _turns(entry.repeats, rounds) for entry in live}
+    for r in range(rounds):
+        for entry in live[r % len(live):] + live[:r % len(live)]:
+            if not entry.ok or r >= len(plan[entry.key]):
+                continue
+            n = plan[entry.key][r]
+            if len(live) > 1 and threads > 1:
+                time.sleep(engine.TURN_SETTLE_S)
+            entry.time(n, options.min_time_s * n / entry.repeats,
+                       max(n, engine.MAX_REPEATS * n // entry.repeats), options)
     outcomes = [entry.outcome(roofs) for entry in entries]
     for entry in live:
         with contextlib.suppress(RuntimeError):

@@ -16,6 +16,9 @@ from ..bench.sweep import DEFAULT_NS
 DEFAULT_REPEATS = 5
 #: Seconds of timed repeats a point may take (slower calls get fewer, never under 3).
 MAX_POINT_S = 3.0
+#: Rounds the backends of one shape take turns in (see fastattn.bench.sweep.Options): two
+#: keep the default report within 5 minutes on 2 cores.
+ROUNDS = 2
 #: A point still running after this long is recorded as an error.
 POINT_TIMEOUT_S = 300.0
 #: ``--quick``: a tiny grid for tests and CI (two points at n >= 1024 for every fit).
@@ -186,7 +189,7 @@ def _measure(args, results):
                 f"(e.g. {r['attention']} n={r['n_k']} {r['backend']}), so it was measured with "
                 "other options (--quick, --n, --threads); resume it with the options it was "
                 "started with, or give a new results file")
-    options = sweep.Options(repeats=repeats, memory=not args.quick,
+    options = sweep.Options(repeats=repeats, rounds=ROUNDS, memory=not args.quick,
                             max_point_s=QUICK_MAX_POINT_S if args.quick else MAX_POINT_S,
                             point_timeout_s=POINT_TIMEOUT_S)
     try:
