@@ -211,6 +211,17 @@ def test_report_states_exponents_and_crossover(report_html):
     assert any("|causal" in r and "n ≈ 4,000" in r for r in crossovers)
 
 
+def test_headline_exponents_say_when_they_rest_on_two_points(quality, report_html):
+    """The "In short" exponents come from fits of 3+ points; a grid with only two n >= 1024
+    (``--quick``) still quotes them, saying they rest on 2 points."""
+    headline = re.search(r"Fitted time exponents[^<]*", report_html).group(0)
+    assert "softmax 2.00 over" in headline and "2 points" not in headline
+    two = build_report(synthetic_records(ns=(128, 512, 1024, 2048)), source="synthetic",
+                       quality=quality).html
+    headline = re.search(r"Fitted time exponents[^<]*", two).group(0)
+    assert headline.count("each fitted to 2 points only") == 2   # softmax and linear
+
+
 def test_report_numbers_are_medians_with_range(report_html):
     # numba softmax non-causal at n=1024: 1e-9 * 1024² s = 1.05 ms, range 0.98x..1.05x.
     assert "1.05 ms<small>1.03 ms–1.1 ms (3×)</small>" in report_html
