@@ -8,11 +8,16 @@ every query of its head over its range only (Milakov & Gimelshein 2018),
 keeping its own running maximum ``m``, sum ``l`` and unnormalised output
 ``acc``, in key blocks of :data:`SPLIT_KEYS_BLOCK_K` keys.  A decode step is
 bound by reading K and V, so with up to :data:`FUSED_MAX_N_Q` queries there
-is no BLAS call: a key block's scores are SIMD dot products of each key row
-with every query (the row read once, while it is in L1), then ``p v`` adds
-each value row into the accumulators, both in C loops compiled for AVX-512,
-AVX2 and the baseline (picked at load time).  With more queries the scores,
-and ``p v`` of a block every row sees whole, are GEMMs.
+is no BLAS call.  When ``d_k`` and ``d_v`` are whole AVX-512 vectors (16
+float32, 8 float64) and the CPU has AVX-512, each query's scores are taken
+16 (8) keys at a time, each key's products in one vector and the 16 vectors
+summed across lanes by one transpose-and-add tree, and ``p v`` adds value
+rows into accumulators held in registers (:file:`_microkernel_t.h`).
+Otherwise a key block's scores are SIMD dot products of each key row with
+every query (the row read once, while it is in L1), then ``p v`` adds each
+value row into the accumulators, both in C loops compiled for AVX-512, AVX2
+and the baseline (picked at load time).  With more queries the scores, and
+``p v`` of a block every row sees whole, are GEMMs.
 The partial results are merged with the usual rescaling (Dao, Haziza,
 Massa & Sizov, "Flash-Decoding for long-context inference", 2023)::
 
