@@ -493,6 +493,16 @@ def _causal(
                             &seen[threadid() * chunk], micro)
 
 
+def _takes_products(int d_v, dtype):
+    """Whether a call with values ``d_v`` wide in ``dtype`` (float32 or float64)
+    takes the AVX-512 products (else BLAS)."""
+    cdef float f32 = 0
+    cdef double f64 = 0
+    if np.dtype(dtype) == np.float32:
+        return bool(_use_products(d_v, &f32))
+    return bool(_use_products(d_v, &f64))
+
+
 def _all_finite(const floating[::1] x, int n_threads):
     """Whether ``x`` holds no inf and no NaN, checked in blocks shared out by OpenMP."""
     cdef Py_ssize_t n = x.shape[0], block = 1 << 16
