@@ -57,7 +57,7 @@ FA_AVX512 FA_INLINE void FA_NAME(fl_product_block)(const FA_T *p, long prs, long
  * then times scale[r] when scale is not NULL.  w_r = width, or when seen is not
  * NULL seen[r0 + R - 1] for the block of rows [r0, r0 + R) holding r (seen
  * nondecreasing, p zero past each row's own seen[r]).  d_v a multiple of FA_L. */
-FA_AVX512 static void FA_NAME(fastattn_linear_product)(const FA_T *p, long prs, long pjs,
+FA_AVX512 __attribute__((unused)) static void FA_NAME(fastattn_linear_product)(const FA_T *p, long prs, long pjs,
                                                        const FA_T *v, int ldv, int rows,
                                                        int width, const int *seen, int d_v,
                                                        FA_T *o0, int ldo, int accumulate,
@@ -84,7 +84,7 @@ FA_AVX512 static void FA_NAME(fastattn_linear_product)(const FA_T *p, long prs, 
 /* The masked diagonal of a causal chunk: for r < rows, den[r] += sum_{j < seen[r]} a[r, j]
  * and a[r, seen[r]:w_r] = 0, w_r = seen[r0 + R - 1] the keys fastattn_linear_product
  * reads for the block of 6 rows holding r (seen nondecreasing, a[r, :w_r] formed). */
-FA_AVX512 static void FA_NAME(fastattn_linear_mask)(FA_T *a, int lda, int rows, const int *seen,
+FA_AVX512 __attribute__((unused)) static void FA_NAME(fastattn_linear_mask)(FA_T *a, int lda, int rows, const int *seen,
                                                     FA_T *den) {
     for (int r = 0; r < rows; r++) {
         int r_last = r - r % 6 + 5 < rows - 1 ? r - r % 6 + 5 : rows - 1;
@@ -118,7 +118,7 @@ FA_AVX512 static void FA_NAME(fastattn_linear_mask)(FA_T *a, int lda, int rows, 
  * _vmath.pxd (fastattn_feature_map, elu), with exp(x) = 2**t as in
  * fastattn_exp_sum_avx512 (vscalef for 2**round(t)) and 0 for t <= the
  * smallest normal exponent, as there. */
-FA_AVX512 static void FA_NAME(fastattn_linear_elu)(const FA_T *x, long n, FA_T *out) {
+FA_AVX512 __attribute__((unused)) static void FA_NAME(fastattn_linear_elu)(const FA_T *x, long n, FA_T *out) {
     const FA_VT log2e = FA_VSET1((FA_T) 1.4426950408889634), one = FA_VSET1((FA_T) 1);
     const FA_VT zero = FA_VZERO(), lowest = FA_VSET1(FL_EXP_FLOOR);
     for (long j = 0; j < n; j += FA_L) {

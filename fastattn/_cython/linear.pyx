@@ -550,9 +550,11 @@ def linear_attention_forward(q, k, v, feature_map, bint causal, double eps, S0=N
     -----
     Non-causal ``4 · B · n · d_k · d_v`` flops; causal adds the diagonal
     term, ``O(B · n · CHUNK · (d_k + d_v))``.  Extra memory besides the
-    outputs: ``T · (3 CHUNK d_k + CHUNK² + CHUNK)`` elements for ``T``
-    threads when causal, ``T · NONCAUSAL_CHUNK · (d_k + 1)`` otherwise, and a
-    ``(d_k, d_v)`` state a segment.  Katharopoulos et al., "Transformers are RNNs" (ICML 2020).
+    outputs: ``T · (3 CHUNK d_k + CHUNK² + CHUNK)`` elements and ``T · CHUNK``
+    ints for ``T`` threads when causal, ``T · NONCAUSAL_CHUNK · (d_k + 1)``
+    otherwise, and a ``(d_k, d_v)`` state a segment.  Causal with fewer heads
+    than threads, a later segment folds the keys before it again (see
+    :func:`causal_bounds`).  Katharopoulos et al., "Transformers are RNNs" (ICML 2020).
     """
     if feature_map not in FEATURE_MAP_CODES:
         raise ValueError(f"feature_map must be one of {list(FEATURE_MAP_CODES)}, got {feature_map!r}")
