@@ -409,8 +409,9 @@ LINEAR_PRODUCT_CASES = [
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f64"])
 @pytest.mark.parametrize("case", LINEAR_PRODUCT_CASES, ids=case_id)
 def test_linear_products_match_reference(case, dtype, causal, threads):
-    # With the AVX-512 products (d_v a multiple of the lanes) or BLAS; 1-3
-    # threads: 1 to 3 segments a head (causal), with an initial state.
+    # With the AVX-512 products (d_v a multiple of the lanes) or BLAS, with an
+    # initial state; causal with fewer heads than the 1-3 threads: a state a
+    # chunk, folded in parallel and prefix-summed.
     q, k, v = _inputs(case, dtype, seed=41)
     lead, n_q, n_k, d_k, d_v = case
     rng = np.random.default_rng(42)
@@ -443,22 +444,6 @@ def test_causal_linear_products_keep_a_masked_inf_out(dtype, where, threads):
     assert_close(got[:, :bad], want[:, :bad], dtype)
     assert_close(got[0], want[0], dtype)
     assert not np.isfinite(got[1, bad:]).all(axis=-1).any()
-
-
-@pytest.mark.parametrize("n_chunks,n_seg,fold_share,want", [
-    (64, 1, 0.33, [0, 64]),
-    # K1 = 64 / (2 - 0.33) = 38.3: 0.33 K1 + (64 - K1) = K1
-    (64, 2, 0.33, [0, 38, 64]),
-    # folding free: equal parts
-    (90, 3, 0.0, [0, 30, 60, 90]),
-    # K1 = 100 / (1 + 0.5 + 0.25) = 57.1, K2 = 0.5 K1 + K1 = 85.7
-    (100, 3, 0.5, [0, 57, 86, 100]),
-    # too few chunks: a chunk a segment at least
-    (3, 3, 0.33, [0, 1, 2, 3]),
-])
-def test_causal_segments_end_together(n_chunks, n_seg, fold_share, want):
-    got = cy._linear.causal_bounds(n_chunks, n_seg, fold_share)
-    assert got.tolist() == want
 
 
 def test_elu_at_very_negative_inputs():

@@ -18,9 +18,10 @@ query ``i`` sees.
 Heads are shared out by OpenMP, one parallel region a call.  With fewer
 heads than threads a head is cut into segments: non-causal (fewer than
 :data:`SEGMENTS_PER_THREAD` heads a thread), the segments' keys are folded into
-partial states, summed behind a barrier, then the query chunks run; causal, a
-segment a thread, each folding the keys before it itself and then running its
-chunks in order (sized by :data:`FOLD_SHARE`).  With AVX-512 and ``d_v`` a
+partial states, summed behind a barrier, then the query chunks run; causal,
+every chunk's keys are folded into a state of their own, a prefix sum gives
+each chunk its starting state, and the chunks run in parallel (see
+:func:`_causal`).  With AVX-512 and ``d_v`` a
 multiple of the lanes every product is a register-blocked kernel of
 ``_linear_t.h`` (no packing, the row scales applied at its store); otherwise
 BLAS, single-threaded inside (the caller limits it, see
@@ -48,13 +49,6 @@ CHUNK = 64
 #: the call overheads of BLAS are a small part of it while the feature
 #: buffer (``128 d_k`` elements) stays in L1 (256 rows measured slower, 1 thread).
 NONCAUSAL_CHUNK = 128
-
-#: Causal, fewer heads than threads (a head cut into a segment a thread):
-#: the cost of folding one chunk of keys into the state, as a share of a whole
-#: causal chunk (features, products, diagonal), which sizes the segments so
-#: that the later ones, which fold the keys before them first, end together
-#: (see :func:`causal_bounds`).
-FOLD_SHARE = 0.33
 
 #: Non-causal, fewer than this many heads a thread: segments of keys a thread:
 #: with several a thread, shared out dynamically, a thread slowed by other
@@ -359,13 +353,14 @@ def _noncausal(
 cdef void _causal_segment(const floating *q, const floating *k, const floating *v,
                           floating *out, floating *S, floating *z,
                           int n_q, int n_k, int d_k, int d_v, int code, floating eps,
-                          int chunk, int c_begin, int c_end, int folded, bint last,
+                          int chunk, int c_begin, int c_end, int folded, bint last, bint fold,
                           bint v_finite, floating *q_buf, floating *k_buf, floating *a_buf,
                           floating *den, floating *kp, int *seen, bint micro) noexcept nogil:
     """Query chunks ``[c_begin, c_end)`` of one head, in order, from the state ``(S, z)``.
 
     ``(S, z)`` holds the keys ``[0, folded)`` on entry; keys are folded in as
-    the chunks advance (to ``n_k`` at the end when ``last``).  ``micro``: the
+    the chunks advance (to ``n_k`` at the end when ``last``); not ``fold``: a
+    single chunk whose state is formed already, ``(S, z)`` only read.  ``micro``: the
     AVX-512 products (``kp``: room for the chunk's keys packed in panels), and
     when ``v_finite`` the diagonal is a product over each block of rows'
     visible keys; else BLAS.
@@ -436,10 +431,18 @@ cdef void _causal_segment(const floating *q, const floating *k, const floating *
                          v + <Py_ssize_t> p0 * d_v, d_v, 1, out + <Py_ssize_t> i0 * d_v, d_v)
                 _scale_rows(out + <Py_ssize_t> i0 * d_v, rows, d_v, den)
             # The diagonal's keys join the state, their features formed once.
-            _fold_features(phi_k, v + <Py_ssize_t> p0 * d_v, width, d_k, d_v, S, z, micro)
-            folded = p1
+            if fold:
+                _fold_features(phi_k, v + <Py_ssize_t> p0 * d_v, width, d_k, d_v, S, z, micro)
+                folded = p1
     if last:
         _fold_keys(k, v, folded, n_k, d_k, d_v, code, chunk, S, z, k_buf, micro)
+
+
+cdef inline int _chunk_keys(int c, int n_chunks, int chunk, int n_q, int n_k) noexcept nogil:
+    """Keys every query of chunk ``c`` sees (``n_k`` for ``c = n_chunks``)."""
+    if c >= n_chunks:
+        return n_k
+    return min(max(c * chunk + n_k - n_q, 0), n_k)
 
 
 def _causal(
@@ -447,9 +450,8 @@ def _causal(
     const floating[:, :, ::1] k,
     const floating[:, :, ::1] v,
     floating[:, :, ::1] out,
-    floating[:, :, :, ::1] S_seg,
-    floating[:, :, ::1] z_seg,
-    const int[::1] bounds,
+    floating[:, :, :, ::1] S_c,
+    floating[:, :, ::1] z_c,
     floating[::1] workspace,
     int[::1] seen,
     int code,
@@ -458,39 +460,74 @@ def _causal(
     int n_threads,
     bint v_finite,
 ):
-    """Chunked causal linear attention, each head cut into ``S_seg.shape[1]`` segments.
+    """Chunked causal linear attention, one parallel region.
 
-    Segment ``s`` of a head runs query chunks ``[bounds[s], bounds[s + 1])``
-    from ``(S_seg[b, s], z_seg[b, s])``, the initial state on entry, after
-    folding in the keys of the segments before it itself: one parallel region,
-    no barrier between segments.  On return the last segment's entry holds the
-    state after the last key.  ``v_finite``: every value is finite, so the
-    diagonal term may be one product over weights zeroed where masked (else
-    it forms only the visible terms).  ``seen``: ``chunk`` ints a thread.
+    ``S_c.shape[1] == 1``: a head a work item, its chunks in order from
+    ``(S_c[b, 0], z_c[b, 0])`` (the initial state on entry, the state after
+    the last key on return).  Else (fewer heads than threads) ``n_chunks + 1``
+    states a head, the initial state in entry 0 and zeros after it on entry:
+    (1) every chunk's keys (those its successor sees first) are folded into
+    the entry after it, in parallel; (2) a prefix sum over the entries, split
+    by rows of the state, makes entry ``c`` the state chunk ``c`` starts from
+    and the last one the state after the last key; (3) the chunks run in
+    parallel from their states.  Every key is folded once, each step behind a
+    loop's barrier.  ``v_finite``: every value is finite, so the diagonal term
+    may be one product over weights zeroed where masked (else it forms only
+    the visible terms).  ``seen``: ``chunk`` ints a thread.
     """
     cdef int n_batch = q.shape[0], n_q = q.shape[1], d_k = q.shape[2]
     cdef int n_k = k.shape[1], d_v = v.shape[2]
-    cdef int n_seg = S_seg.shape[1]
+    cdef int n_chunks = (n_q + chunk - 1) // chunk
+    cdef bint by_chunk = S_c.shape[1] > 1
+    cdef int n_items = n_batch * (n_chunks + 1) if by_chunk else n_batch
     cdef Py_ssize_t per_thread = 3 * <Py_ssize_t> chunk * d_k + chunk * chunk + chunk
-    cdef int item, b, s
+    cdef int item, b, c, a, j
     cdef floating *buf = NULL   # per-thread workspace, set in the parallel block
     cdef floating e = <floating> eps
     cdef bint micro = _use_products(d_v, buf)
     if micro and code == ELU:
         code = ELU_AVX512
 
-    with nogil, parallel(num_threads=min(n_threads, n_batch * n_seg)):
+    with nogil, parallel(num_threads=max(1, min(n_threads, n_items))):
         buf = &workspace[0] + threadid() * per_thread
-        for item in prange(n_batch * n_seg, schedule="dynamic"):
-            b = item // n_seg
-            s = item % n_seg
-            _causal_segment(&q[b, 0, 0], &k[b, 0, 0], &v[b, 0, 0], &out[b, 0, 0],
-                            &S_seg[b, s, 0, 0], &z_seg[b, s, 0], n_q, n_k, d_k, d_v, code, e,
-                            chunk, bounds[s], bounds[s + 1], 0, s == n_seg - 1,
-                            v_finite, buf, buf + chunk * d_k, buf + 2 * chunk * d_k,
-                            buf + 2 * chunk * d_k + chunk * chunk,
-                            buf + 2 * chunk * d_k + chunk * chunk + chunk,
-                            &seen[threadid() * chunk], micro)
+        if not by_chunk:
+            for item in prange(n_batch, schedule="dynamic"):
+                _causal_segment(&q[item, 0, 0], &k[item, 0, 0], &v[item, 0, 0], &out[item, 0, 0],
+                                &S_c[item, 0, 0, 0], &z_c[item, 0, 0], n_q, n_k, d_k, d_v, code,
+                                e, chunk, 0, n_chunks, 0, True, True, v_finite, buf,
+                                buf + chunk * d_k, buf + 2 * chunk * d_k,
+                                buf + 2 * chunk * d_k + chunk * chunk,
+                                buf + 2 * chunk * d_k + chunk * chunk + chunk,
+                                &seen[threadid() * chunk], micro)
+        else:
+            # (1) entry c + 1 += the keys [start of chunk c, start of chunk c + 1),
+            # entry 0 += the keys before the first chunk's.
+            for item in prange(n_batch * (n_chunks + 1), schedule="dynamic"):
+                b = item // (n_chunks + 1)
+                c = item % (n_chunks + 1) - 1
+                _fold_keys(&k[b, 0, 0], &v[b, 0, 0],
+                           _chunk_keys(c, n_chunks, chunk, n_q, n_k) if c >= 0 else 0,
+                           _chunk_keys(c + 1, n_chunks, chunk, n_q, n_k), d_k, d_v, code, chunk,
+                           &S_c[b, c + 1, 0, 0], &z_c[b, c + 1, 0], buf, micro)
+            # (2) the prefix sum, a row of the state at a time
+            for item in prange(n_batch * d_k, schedule="static"):
+                b = item // d_k
+                a = item % d_k
+                for c in range(1, n_chunks + 1):
+                    for j in range(d_v):
+                        S_c[b, c, a, j] = S_c[b, c, a, j] + S_c[b, c - 1, a, j]
+                    z_c[b, c, a] = z_c[b, c, a] + z_c[b, c - 1, a]
+            # (3) the chunks from their states
+            for item in prange(n_batch * n_chunks, schedule="dynamic"):
+                b = item // n_chunks
+                c = item % n_chunks
+                _causal_segment(&q[b, 0, 0], &k[b, 0, 0], &v[b, 0, 0], &out[b, 0, 0],
+                                &S_c[b, c, 0, 0], &z_c[b, c, 0], n_q, n_k, d_k, d_v, code, e,
+                                chunk, c, c + 1, _chunk_keys(c, n_chunks, chunk, n_q, n_k),
+                                False, False, v_finite, buf, buf + chunk * d_k,
+                                buf + 2 * chunk * d_k, buf + 2 * chunk * d_k + chunk * chunk,
+                                buf + 2 * chunk * d_k + chunk * chunk + chunk,
+                                &seen[threadid() * chunk], micro)
 
 
 def _takes_products(int d_v, dtype):
@@ -552,9 +589,9 @@ def linear_attention_forward(q, k, v, feature_map, bint causal, double eps, S0=N
     term, ``O(B · n · CHUNK · (d_k + d_v))``.  Extra memory besides the
     outputs: ``T · (3 CHUNK d_k + CHUNK² + CHUNK)`` elements and ``T · CHUNK``
     ints for ``T`` threads when causal, ``T · NONCAUSAL_CHUNK · (d_k + 1)``
-    otherwise, and a ``(d_k, d_v)`` state a segment.  Causal with fewer heads
-    than threads, a later segment folds the keys before it again (see
-    :func:`causal_bounds`).  Katharopoulos et al., "Transformers are RNNs" (ICML 2020).
+    otherwise, and a ``(d_k, d_v)`` state a segment: causal with fewer heads
+    than threads, a state a chunk, ``B (n_q / CHUNK + 1) d_k d_v`` elements
+    (as much as ``q`` at ``d_k = d_v = CHUNK``).  Katharopoulos et al., "Transformers are RNNs" (ICML 2020).
     """
     if feature_map not in FEATURE_MAP_CODES:
         raise ValueError(f"feature_map must be one of {list(FEATURE_MAP_CODES)}, got {feature_map!r}")
@@ -569,9 +606,8 @@ def linear_attention_forward(q, k, v, feature_map, bint causal, double eps, S0=N
     code = FEATURE_MAP_CODES[feature_map]
     n_chunks = -(-(n_q if causal else k.shape[1]) // chunk)
     if causal:
-        # Fewer heads than threads: each head cut into a segment a thread,
-        # sized for the prefix each folds first (see causal_bounds).
-        n_seg = max(1, min(-(-n_threads // n_batch), n_chunks))
+        # Fewer heads than threads: a state a chunk (see _causal).
+        n_seg = n_chunks + 1 if n_batch < n_threads and n_chunks > 1 else 1
     else:
         # Fewer than SEGMENTS_PER_THREAD heads a thread: each head's keys
         # folded in segments (that cost only their sum).
@@ -579,43 +615,18 @@ def linear_attention_forward(q, k, v, feature_map, bint causal, double eps, S0=N
         n_seg = max(1, min(-(-spread // n_batch), n_chunks)) if n_batch < spread else 1
     S_seg = np.zeros((n_batch, n_seg, d_k, d_v), dtype)
     z_seg = np.zeros((n_batch, n_seg, d_k), dtype)
-    if causal:
-        # Every segment starts from the initial state.
-        if S0 is not None:
-            S_seg[:] = np.asarray(S0)[:, None]
-        if z0 is not None:
-            z_seg[:] = np.asarray(z0)[:, None]
-        _causal(q, k, v, out, S_seg, z_seg, causal_bounds(n_chunks, n_seg), workspace,
-                np.empty(n_threads * chunk, np.intc), code, eps, chunk, n_threads,
-                _all_finite(v.reshape(-1), n_threads))
-        return out, S_seg[:, -1].copy(), z_seg[:, -1].copy()
     if S0 is not None:
         S_seg[:, 0] = S0
     if z0 is not None:
         z_seg[:, 0] = z0
+    if causal:
+        _causal(q, k, v, out, S_seg, z_seg, workspace, np.empty(n_threads * chunk, np.intc),
+                code, eps, chunk, n_threads, _all_finite(v.reshape(-1), n_threads))
+        return out, S_seg[:, -1].copy(), z_seg[:, -1].copy()
     S = np.empty((n_batch, d_k, d_v), dtype)
     z = np.empty((n_batch, d_k), dtype)
     _noncausal(q, k, v, out, S_seg, z_seg, S, z, workspace, code, eps, chunk, n_threads)
     return out, S, z
-
-
-def causal_bounds(int n_chunks, int n_seg, double fold_share=FOLD_SHARE):
-    """First query chunk of each of ``n_seg`` causal segments, and ``n_chunks`` last.
-
-    Segment ``s`` first folds the keys of the ``K_s`` chunks before it (at
-    ``fold_share`` of a chunk's whole cost each), then runs its own: equal
-    times ``τ`` give ``K_{s+1} = (1 - f) K_s + τ``, so
-    ``K_s = n_chunks (1 - (1 - f)^s) / (1 - (1 - f)^n_seg)``; rounded, every
-    segment at least one chunk.
-    """
-    f = min(max(fold_share, 1e-6), 1.0)
-    total = 1 - (1 - f) ** n_seg
-    bounds = [int(round(n_chunks * (1 - (1 - f) ** s) / total)) for s in range(n_seg + 1)]
-    for s in range(1, n_seg + 1):
-        bounds[s] = max(bounds[s], bounds[s - 1] + 1) if s < n_seg else n_chunks
-    for s in range(n_seg - 1, 0, -1):
-        bounds[s] = min(bounds[s], bounds[s + 1] - 1)
-    return np.asarray(bounds, np.intc)
 
 
 def _favor_exponents(
