@@ -427,14 +427,15 @@ def test_linear_products_match_reference(case, dtype, causal, threads):
     assert_close(z, z_want, dtype, scale=max(1.0, n_k / 100), err_msg="z " + case_id(case))
 
 
-@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("where", ["value", "key"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f64"])
 def test_causal_linear_products_keep_a_masked_inf_out(dtype, where, threads):
     # An inf value or key at row 2 CH + 3 (inside its chunk's diagonal, and
     # inside the block of 6 rows the diagonal product reads for rows
     # 2 CH..2 CH + 5): every earlier row stays finite and right, the later rows
-    # of the head see it.  d_v = 64: the AVX-512 products where the CPU has them.
+    # of the head see it.  d_v = 64: the AVX-512 products where the CPU has them;
+    # 3 threads for 2 heads: a state a chunk.
     q, k, v = make_qkv((2, 4 * CH, 64), d_v=64, dtype=dtype, seed=43)
     bad = 2 * CH + 3
     (v if where == "value" else k)[1, bad, 5] = np.inf
