@@ -362,6 +362,91 @@ def test_causal_linear_finds_an_inf_past_the_first_block_of_values(dtype):
     assert not np.isfinite(got[1, 1050:, 3]).any()
 
 
+def _linear_direct(q, k, v, causal, threads, feature_map="elu", S0=None, z0=None):
+    """The Cython kernel on ``threads`` OpenMP threads (even more than the cores:
+    the segment plan follows the count), leading dims flattened."""
+    lead = q.shape[:-2]
+    flat = [np.ascontiguousarray(x.reshape(-1, *x.shape[-2:])) for x in (q, k, v)]
+    if S0 is not None:
+        S0, z0 = S0.reshape(-1, *S0.shape[-2:]), z0.reshape(-1, z0.shape[-1])
+    out, S, z = cy._linear.linear_attention_forward(*flat, feature_map, causal, 1e-6, S0, z0,
+                                                    threads)
+    return (out.reshape(*lead, *out.shape[1:]), S.reshape(*lead, *S.shape[1:]),
+            z.reshape(*lead, z.shape[-1]))
+
+
+def test_linear_takes_the_avx512_products_where_the_cpu_has_them():
+    from fastattn._cython.softmax import _build_features
+
+    if not _build_features()["avx512_tile_products"]:
+        pytest.skip("no AVX-512 products in this build or on this CPU")
+    assert cy._linear._takes_products(64, np.float32)
+    assert cy._linear._takes_products(8, np.float64)
+    assert not cy._linear._takes_products(40, np.float32)     # BLAS
+    assert not cy._linear._takes_products(20, np.float64)
+
+
+# (leading dims, n_q, n_k, d_k, d_v): around the causal CHUNK and NONCAUSAL_CHUNK,
+# n_q != n_k both ways, d_k not a multiple of the lanes (any d_k takes the
+# products), d_v of 1, 4 and 5 vectors (float32; twice as many in float64), and
+# d_v = 40 (float32: BLAS) / 20 (both: BLAS).
+LINEAR_PRODUCT_CASES = [
+    ((), CH - 1, CH - 1, 64, 64),
+    ((), CH, CH, 64, 64),
+    ((2,), CH + 1, CH + 1, 64, 64),
+    ((), 2 * CH + 5, 2 * CH + 12, 24, 16),
+    ((2, 3), NC - 1, NC + 1, 64, 80),
+    ((), NC + 1, NC - 7, 16, 32),
+    ((3,), 5 * CH + 3, 5 * CH + 3, 64, 64),
+    ((), 700, 3, 32, 32),
+    ((2,), 4 * NC + 9, 4 * NC + 2, 64, 40),
+    ((), 3 * CH + 1, 3 * CH + 1, 12, 20),
+]
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f64"])
+@pytest.mark.parametrize("case", LINEAR_PRODUCT_CASES, ids=case_id)
+def test_linear_products_match_reference(case, dtype, causal, threads):
+    # With the AVX-512 products (d_v a multiple of the lanes) or BLAS, with an
+    # initial state; causal with fewer heads than the 1-3 threads: a state a
+    # chunk, folded in parallel and prefix-summed.
+    q, k, v = _inputs(case, dtype, seed=41)
+    lead, n_q, n_k, d_k, d_v = case
+    rng = np.random.default_rng(42)
+    S0 = rng.standard_normal((*lead, d_k, d_v)).astype(dtype)
+    z0 = rng.uniform(1, 5, (*lead, d_k)).astype(dtype)
+    got, S, z = _linear_direct(q, k, v, causal, threads, S0=S0, z0=z0)
+    want, (S_want, z_want) = reference64(
+        fastattn.linear_attention, q, k, v, causal=causal, return_state=True,
+        initial_state=(S0.astype(np.float64), z0.astype(np.float64)),
+    )
+    assert_close(got, want, dtype, err_msg=case_id(case))
+    assert_close(S, S_want, dtype, scale=max(1.0, n_k / 100), err_msg="S " + case_id(case))
+    assert_close(z, z_want, dtype, scale=max(1.0, n_k / 100), err_msg="z " + case_id(case))
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("where", ["value", "key"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f64"])
+def test_causal_linear_products_keep_a_masked_inf_out(dtype, where, threads):
+    # An inf value or key at row 2 CH + 3 (inside its chunk's diagonal, and
+    # inside the block of 6 rows the diagonal product reads for rows
+    # 2 CH..2 CH + 5): every earlier row stays finite and right, the later rows
+    # of the head see it.  d_v = 64: the AVX-512 products where the CPU has them;
+    # 3 threads for 2 heads: a state a chunk.
+    q, k, v = make_qkv((2, 4 * CH, 64), d_v=64, dtype=dtype, seed=43)
+    bad = 2 * CH + 3
+    (v if where == "value" else k)[1, bad, 5] = np.inf
+    got, _, _ = _linear_direct(q, k, v, True, threads)
+    want = reference64(fastattn.linear_attention, q, k, v, causal=True)
+    assert np.isfinite(got[1, :bad]).all()
+    assert_close(got[:, :bad], want[:, :bad], dtype)
+    assert_close(got[0], want[0], dtype)
+    assert not np.isfinite(got[1, bad:]).all(axis=-1).any()
+
+
 def test_elu_at_very_negative_inputs():
     q, k, v = make_qkv((80, 6), dtype=np.float32, seed=11)
     q, k = q - 30, k - 30          # φ = exp(x) ~ 1e-13: tiny but positive

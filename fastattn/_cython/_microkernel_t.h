@@ -230,3 +230,6 @@ FA_AVX512 static FA_T FA_NAME(fastattn_exp_sum_avx512)(FA_T *s, int n, FA_T shif
     }
     return FA_VREDUCE_ADD(total);
 }
+
+/* Linear attention's products, for the same element type. */
+#include "_linear_t.h"

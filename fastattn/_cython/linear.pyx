@@ -15,12 +15,16 @@ query ``i`` sees.
   the visible keys only, so a NaN or inf behind the mask is never formed.
   The state is carried in from ``(S0, z0)`` and returned after the last key.
 
-Heads are shared out by OpenMP.  With fewer heads than threads (non-causal:
-fewer than :data:`SEGMENTS_PER_THREAD` a thread) each head is cut into
-segments: the segments' keys are folded into partial states in
-parallel, a prefix sum gives each segment its starting state, and the
-segments then run in parallel (the causal chunks inside one segment run in
-order).  BLAS runs single-threaded inside (the caller limits it, see
+Heads are shared out by OpenMP, one parallel region a call.  With fewer
+heads than threads a head is cut into segments: non-causal (fewer than
+:data:`SEGMENTS_PER_THREAD` heads a thread), the segments' keys are folded into
+partial states, summed behind a barrier, then the query chunks run; causal,
+every chunk's keys are folded into a state of their own, a prefix sum gives
+each chunk its starting state, and the chunks run in parallel (see
+:func:`_causal`).  With AVX-512 and ``d_v`` a
+multiple of the lanes every product is a register-blocked kernel of
+``_linear_t.h`` (no packing, the row scales applied at its store); otherwise
+BLAS, single-threaded inside (the caller limits it, see
 :mod:`fastattn._cython`).
 """
 
@@ -32,6 +36,9 @@ from cython.parallel cimport parallel, prange, threadid
 from libc.math cimport log, sqrt
 
 from fastattn._cython._blas cimport gemm
+from fastattn._cython._microkernel cimport (
+    FASTATTN_MICROKERNEL, fastattn_microkernel_ok, pack_keys, scores,
+)
 from fastattn._cython._vmath cimport all_finite, exp_sum, row_max
 from fastattn._cython._vmath cimport feature_map as _feature_map
 
@@ -43,8 +50,7 @@ CHUNK = 64
 #: buffer (``128 d_k`` elements) stays in L1 (256 rows measured slower, 1 thread).
 NONCAUSAL_CHUNK = 128
 
-#: Segments a thread when a head is cut into segments (fewer heads than
-#: threads, or any non-causal call with fewer than this many heads a thread):
+#: Non-causal, fewer than this many heads a thread: segments of keys a thread:
 #: with several a thread, shared out dynamically, a thread slowed by other
 #: work (another process, a BLAS thread still spinning) leaves its share to
 #: the others.
@@ -95,7 +101,27 @@ cdef extern from *:
     }
     FASTATTN_LINEAR_REDUCTIONS(float, f)
     FASTATTN_LINEAR_REDUCTIONS(double, d)
+    #if !FASTATTN_MICROKERNEL
+    #define FASTATTN_LINEAR_STUBS(T, X) \
+    static void fastattn_linear_product_##X(const T *p, long prs, long pjs, const T *v, int ldv, \
+                                            int rows, int width, const int *seen, int d_v, T *o, \
+                                            int ldo, int accumulate, const T *scale) {} \
+    static void fastattn_linear_mask_##X(T *a, int lda, int rows, const int *seen, T *den) {} \
+    static void fastattn_linear_elu_##X(const T *x, long n, T *out) {}
+    FASTATTN_LINEAR_STUBS(float, f)
+    FASTATTN_LINEAR_STUBS(double, d)
+    #endif
     """
+    void fastattn_linear_product_f(const float *p, long prs, long pjs, const float *v, int ldv,
+                                   int rows, int width, const int *seen, int d_v, float *o,
+                                   int ldo, int accumulate, const float *scale) nogil
+    void fastattn_linear_product_d(const double *p, long prs, long pjs, const double *v, int ldv,
+                                   int rows, int width, const int *seen, int d_v, double *o,
+                                   int ldo, int accumulate, const double *scale) nogil
+    void fastattn_linear_mask_f(float *a, int lda, int rows, const int *seen, float *den) nogil
+    void fastattn_linear_mask_d(double *a, int lda, int rows, const int *seen, double *den) nogil
+    void fastattn_linear_elu_f(const float *x, long n, float *out) nogil
+    void fastattn_linear_elu_d(const double *x, long n, double *out) nogil
     void fastattn_column_sums_f(const float *x, int rows, int d, float *z) nogil
     void fastattn_column_sums_d(const double *x, int rows, int d, double *z) nogil
     void fastattn_row_dots_f(const float *x, int rows, int d, const float *z, float *den) nogil
@@ -129,8 +155,10 @@ cdef inline floating _sum(const floating *x, int n) noexcept nogil:
         return fastattn_sum_d(x, n)
 
 cdef enum:
+    ELU = 0
     RELU = 1
     IDENTITY = 2
+    ELU_AVX512 = 3     # elu by fastattn_linear_elu (internal: the kernels pick it)
     _FEATURE_BLOCK = 128
 
 #: Rows per work item of the feature kernels (FAVOR+, Taylor).
@@ -138,7 +166,7 @@ FEATURE_BLOCK = _FEATURE_BLOCK
 
 #: Feature map name -> code passed to the kernels.  ``identity``: the inputs
 #: are features already (FAVOR+, Taylor, a user's map), of any dimension D.
-FEATURE_MAP_CODES = {"elu": 0, "relu": RELU, "identity": IDENTITY}
+FEATURE_MAP_CODES = {"elu": ELU, "relu": RELU, "identity": IDENTITY}
 
 
 cdef inline const floating *_features(const floating *x, Py_ssize_t n, floating *buf,
@@ -146,50 +174,117 @@ cdef inline const floating *_features(const floating *x, Py_ssize_t n, floating 
     """``φ(x[0:n])``: ``x`` itself for the identity map, else written into ``buf``."""
     if code == IDENTITY:
         return x
+    if code == ELU_AVX512:
+        if floating is float:
+            fastattn_linear_elu_f(x, n, buf)
+        else:
+            fastattn_linear_elu_d(x, n, buf)
+        return buf
     _feature_map(x, n, buf, code == RELU)
     return buf
 
 
-cdef inline void _normalise_row(floating *row, int d_v, floating denominator) noexcept nogil:
-    """``row /= denominator``, or ``row * 0`` where the denominator is exactly 0."""
-    cdef int c
-    cdef floating inv
-    if denominator != 0:
-        inv = 1 / denominator
-        for c in range(d_v):
-            row[c] = row[c] * inv
+cdef inline void _product(const floating *p, long prs, long pjs, const floating *v, int ldv,
+                          int rows, int width, const int *seen, int d_v, floating *o, int ldo,
+                          bint accumulate, const floating *scale) noexcept nogil:
+    """``o[r] (+)= Σ_{j < width} p[r prs + j pjs] v[j]``, times ``scale[r]`` (AVX-512).
+
+    See ``fastattn_linear_product`` in ``_linear_t.h`` (``seen``: the keys
+    each block of rows reads, for the masked diagonal).
+    """
+    if floating is float:
+        fastattn_linear_product_f(p, prs, pjs, v, ldv, rows, width, seen, d_v, o, ldo,
+                                  accumulate, scale)
     else:
+        fastattn_linear_product_d(p, prs, pjs, v, ldv, rows, width, seen, d_v, o, ldo,
+                                  accumulate, scale)
+
+
+cdef inline void _mask_diagonal(floating *a, int lda, int rows, const int *seen,
+                                floating *den) noexcept nogil:
+    """``den[r] += Σ_{j < seen[r]} a[r, j]`` and the rest of what :func:`_product`
+    reads of the row zeroed (AVX-512, ``fastattn_linear_mask`` in ``_linear_t.h``)."""
+    if floating is float:
+        fastattn_linear_mask_f(a, lda, rows, seen, den)
+    else:
+        fastattn_linear_mask_d(a, lda, rows, seen, den)
+
+
+cdef inline bint _use_products(int d_v, floating *dtype_tag) noexcept nogil:
+    """Whether the AVX-512 products run: built, the CPU has AVX-512F, and
+    ``d_v`` is a multiple of the lanes (16 float32, 8 float64); else BLAS."""
+    cdef int lanes = 16 if floating is float else 8
+    return FASTATTN_MICROKERNEL and d_v % lanes == 0 and fastattn_microkernel_ok()
+
+
+cdef inline void _scales(floating *den, int rows, floating eps) noexcept nogil:
+    """``den[r] = 1 / (den[r] + eps)`` in place, or 0 where that denominator
+    is exactly 0 (its row becomes ``row * 0``)."""
+    cdef int r
+    cdef floating x
+    for r in range(rows):
+        x = den[r] + eps
+        den[r] = 1 / x if x != 0 else 0
+
+
+cdef inline void _scale_rows(floating *o, int rows, int d_v, const floating *scale) noexcept nogil:
+    """``o[r] *= scale[r]`` for ``r < rows`` (rows of length ``d_v``)."""
+    cdef int r, c
+    cdef floating *row
+    for r in range(rows):
+        row = o + <Py_ssize_t> r * d_v
         for c in range(d_v):
-            row[c] = row[c] * 0
+            row[c] = row[c] * scale[r]
+
+
+cdef inline void _fold_features(const floating *phi, const floating *v, int rows, int d_k,
+                                int d_v, floating *S, floating *z, bint micro) noexcept nogil:
+    """``S += φᵀ v``, ``z += Σ φ`` over ``rows`` keys whose features ``φ`` are formed."""
+    if micro:
+        # φᵀ read down the columns of φ: no transpose.
+        _product(phi, 1, d_k, v, d_v, d_k, rows, NULL, d_v, S, d_v, True, NULL)
+    else:
+        gemm(True, False, d_k, d_v, rows, 1, phi, d_k, v, d_v, 1, S, d_v)
+    # z gains one chunk sum (taken in double) per chunk, not one key at a
+    # time: adding 2^20 keys one by one in float32 drifts by ~4e-3.
+    _column_sums(phi, rows, d_k, z)
 
 
 cdef void _fold_keys(const floating *k, const floating *v, int j0, int j1,
                      int d_k, int d_v, int code, int chunk,
-                     floating *S, floating *z, floating *buf) noexcept nogil:
+                     floating *S, floating *z, floating *buf, bint micro) noexcept nogil:
     """``S += φ(k[j0:j1])ᵀ v[j0:j1]``, ``z += Σ φ(k[j0:j1])``, ``chunk`` keys at a time."""
     cdef int t, c0, rows
-    cdef const floating *phi
     for t in range((j1 - j0 + chunk - 1) // chunk if j1 > j0 else 0):
         c0 = j0 + t * chunk
         rows = min(chunk, j1 - c0)
-        phi = _features(k + <Py_ssize_t> c0 * d_k, <Py_ssize_t> rows * d_k, buf, code)
-        gemm(True, False, d_k, d_v, rows, 1, phi, d_k,
-             v + <Py_ssize_t> c0 * d_v, d_v, 1, S, d_v)
-        # z gains one chunk sum (taken in double) per chunk, not one key at a
-        # time: adding 2^20 keys one by one in float32 drifts by ~4e-3.
-        _column_sums(phi, rows, d_k, z)
+        _fold_features(_features(k + <Py_ssize_t> c0 * d_k, <Py_ssize_t> rows * d_k, buf, code),
+                       v + <Py_ssize_t> c0 * d_v, rows, d_k, d_v, S, z, micro)
 
 
 cdef const floating *_query_chunk(const floating *q, int i0, int i1, int d_k, int d_v,
                                   int code, const floating *S, const floating *z,
-                                  floating *out, floating *buf, floating *den) noexcept nogil:
-    """``out[i0:i1] = φ(q) S`` (unnormalised) and ``den = φ(q) · z``; returns ``φ(q[i0:i1])``."""
+                                  floating *out, floating *buf, floating *den,
+                                  bint normalise, floating eps, bint micro) noexcept nogil:
+    """``out[i0:i1] = φ(q) S`` and ``den = φ(q) · z``; returns ``φ(q[i0:i1])``.
+
+    ``normalise``: the rows are divided by ``den + eps`` too and ``den``
+    holds the row scales (:func:`_scales`) on return.
+    """
     cdef int rows = i1 - i0
     cdef const floating *phi = _features(q + <Py_ssize_t> i0 * d_k, <Py_ssize_t> rows * d_k,
                                          buf, code)
+    _row_dots(phi, rows, d_k, z, den)
+    if normalise:
+        _scales(den, rows, eps)
+    if micro:
+        _product(phi, d_k, 1, S, d_v, rows, d_k, NULL, d_v, out + <Py_ssize_t> i0 * d_v, d_v,
+                 False, den if normalise else NULL)
+        return phi
     gemm(False, False, rows, d_v, d_k, 1, phi, d_k, S, d_v, 0,
          out + <Py_ssize_t> i0 * d_v, d_v)
-    _row_dots(phi, rows, d_k, z, den)
+    if normalise:
+        _scale_rows(out + <Py_ssize_t> i0 * d_v, rows, d_v, den)
     return phi
 
 
@@ -200,118 +295,154 @@ def _noncausal(
     floating[:, :, ::1] out,
     floating[:, :, :, ::1] S_seg,
     floating[:, :, ::1] z_seg,
+    floating[:, :, ::1] S,
+    floating[:, ::1] z,
     floating[::1] workspace,
     int code,
     double eps,
     int chunk,
     int n_threads,
 ):
-    """Non-causal linear attention; returns the state ``(S, z)`` over all keys.
+    """Non-causal linear attention; writes the state over all keys into ``(S, z)``.
 
-    The keys of each head are cut into ``S_seg.shape[1]`` segments folded in
-    parallel into ``S_seg[b, s]`` (``S_seg[b, 0]`` holds the initial state),
-    summed, then every query chunk is one GEMM with the summed state.
+    One parallel region: the keys of each head are cut into ``S_seg.shape[1]``
+    segments folded into ``S_seg[b, s]`` (``S_seg[b, 0]`` holds the initial
+    state), summed into ``(S, z)`` row by row, then every query chunk is one
+    product with ``S`` (each step behind the loop's barrier).
     """
     cdef int n_batch = q.shape[0], n_q = q.shape[1], d_k = q.shape[2]
     cdef int n_k = k.shape[1], d_v = v.shape[2]
     cdef int n_seg = S_seg.shape[1]
     cdef int n_chunks = (n_q + chunk - 1) // chunk
     cdef Py_ssize_t per_thread = <Py_ssize_t> chunk * d_k + chunk
-    cdef int b, s, item, i0, i1, r
-    cdef floating *buf = NULL   # per-thread workspace, set in each parallel block
-    cdef floating[:, :, ::1] S
-    cdef floating[:, ::1] z
+    cdef int b, s, item, i0, i1, a, c
+    cdef floating *buf = NULL   # per-thread workspace, set in the parallel block
+    cdef floating total
+    cdef bint micro = _use_products(d_v, buf)
+    if micro and code == ELU:
+        code = ELU_AVX512
 
-    # No more threads than work items: an idle thread only spins at the barrier.
-    with nogil, parallel(num_threads=min(n_threads, n_batch * n_seg)):
+    # No more threads than work items: an idle thread only spins at the barriers.
+    with nogil, parallel(num_threads=max(1, min(n_threads, n_batch * max(n_seg, n_chunks)))):
         buf = &workspace[0] + threadid() * per_thread
         for item in prange(n_batch * n_seg, schedule="dynamic"):
             b = item // n_seg
             s = item % n_seg
             _fold_keys(&k[b, 0, 0], &v[b, 0, 0], s * n_k // n_seg, (s + 1) * n_k // n_seg,
-                       d_k, d_v, code, chunk, &S_seg[b, s, 0, 0], &z_seg[b, s, 0], buf)
-    S_arr = np.asarray(S_seg).sum(axis=1)
-    z_arr = np.asarray(z_seg).sum(axis=1)
-    S, z = S_arr, z_arr
-    with nogil, parallel(num_threads=min(n_threads, n_batch * n_chunks)):
-        buf = &workspace[0] + threadid() * per_thread
+                       d_k, d_v, code, chunk, &S_seg[b, s, 0, 0], &z_seg[b, s, 0], buf, micro)
+        for item in prange(n_batch * d_k, schedule="static"):
+            b = item // d_k
+            a = item % d_k
+            for c in range(d_v):
+                total = 0
+                for s in range(n_seg):
+                    total = total + S_seg[b, s, a, c]
+                S[b, a, c] = total
+            total = 0
+            for s in range(n_seg):
+                total = total + z_seg[b, s, a]
+            z[b, a] = total
         for item in prange(n_batch * n_chunks, schedule="dynamic"):
             b = item // n_chunks
             i0 = (item % n_chunks) * chunk
             i1 = min(i0 + chunk, n_q)
             _query_chunk(&q[b, 0, 0], i0, i1, d_k, d_v, code, &S[b, 0, 0], &z[b, 0],
-                         &out[b, 0, 0], buf, buf + chunk * d_k)
-            for r in range(i1 - i0):
-                _normalise_row(&out[b, i0 + r, 0], d_v, buf[chunk * d_k + r] + <floating> eps)
-    return S_arr, z_arr
-
-
-cdef inline int _segment_start(int s, int n_segments, int n_chunks, int chunk,
-                               int n_q, int n_k) noexcept nogil:
-    """Keys already in the state when segment ``s`` (of query chunks) starts."""
-    cdef int i0
-    if s == 0:
-        return 0
-    i0 = (s * n_chunks // n_segments) * chunk
-    return min(max(i0 + n_k - n_q + 1, 0), n_k)
+                         &out[b, 0, 0], buf, buf + chunk * d_k, True, <floating> eps, micro)
 
 
 cdef void _causal_segment(const floating *q, const floating *k, const floating *v,
                           floating *out, floating *S, floating *z,
                           int n_q, int n_k, int d_k, int d_v, int code, floating eps,
-                          int chunk, int c_begin, int c_end, int folded, bint last,
+                          int chunk, int c_begin, int c_end, int folded, bint last, bint fold,
                           bint v_finite, floating *q_buf, floating *k_buf, floating *a_buf,
-                          floating *den) noexcept nogil:
+                          floating *den, floating *kp, int *seen, bint micro) noexcept nogil:
     """Query chunks ``[c_begin, c_end)`` of one head, in order, from the state ``(S, z)``.
 
     ``(S, z)`` holds the keys ``[0, folded)`` on entry; keys are folded in as
-    the chunks advance (to ``n_k`` at the end when ``last``).
+    the chunks advance (to ``n_k`` at the end when ``last``); not ``fold``: a
+    single chunk whose state is formed already, ``(S, z)`` only read.  ``micro``: the
+    AVX-512 products (``kp``: room for the chunk's keys packed in panels), and
+    when ``v_finite`` the diagonal is a product over each block of rows'
+    visible keys; else BLAS.
     """
     cdef int off = n_k - n_q
-    cdef int i0, i1, rows, p0, p1, width, r, j, c, seen, t
+    cdef int i0, i1, rows, p0, p1, width, r, r0, j, c, t, w
     cdef floating a
     cdef floating *arow
     cdef floating *orow
     cdef const floating *vrow
     cdef const floating *phi_q
     cdef const floating *phi_k
+    cdef bint diag_product
     for t in range(c_begin, c_end):
         i0 = t * chunk
         i1 = min(i0 + chunk, n_q)
         rows = i1 - i0
-        # Keys [0, p0) are seen by every query of the chunk, [p0, p1) by some.
-        p0 = min(max(i0 + off + 1, 0), n_k)
+        # Keys [0, p0) are seen by every query of the chunk, [p0, p1) by some
+        # (the diagonal, each query's own key included), then folded in.
+        p0 = min(max(i0 + off, 0), n_k)
         p1 = min(max(i1 + off, 0), n_k)
-        _fold_keys(k, v, folded, p0, d_k, d_v, code, chunk, S, z, k_buf)
+        _fold_keys(k, v, folded, p0, d_k, d_v, code, chunk, S, z, k_buf, micro)
         folded = p0
-        phi_q = _query_chunk(q, i0, i1, d_k, d_v, code, S, z, out, q_buf, den)
         width = p1 - p0
+        diag_product = micro and v_finite
+        # Without a diagonal, or when its product applies the row scales, the
+        # rows are normalised there; else below.
+        phi_q = _query_chunk(q, i0, i1, d_k, d_v, code, S, z, out, q_buf, den,
+                             width == 0, eps, micro)
         if width > 0:
             phi_k = _features(k + <Py_ssize_t> p0 * d_k, <Py_ssize_t> width * d_k, k_buf, code)
-            gemm(False, True, rows, width, d_k, 1, phi_q, d_k, phi_k, d_k, 0, a_buf, width)
             for r in range(rows):
-                seen = min(max(i0 + r + off + 1, 0), n_k) - p0
+                seen[r] = min(max(i0 + r + off + 1, 0), n_k) - p0
+            if micro:
+                pack_keys(phi_k, d_k, width, d_k, kp)
+                # Each block of 6 rows (the product's) only over the keys it sees.
+                for r0 in range(0, rows, 6):
+                    w = seen[min(r0 + 6, rows) - 1]
+                    if w > 0:
+                        scores(phi_q + <Py_ssize_t> r0 * d_k, d_k, kp, min(6, rows - r0), w,
+                               d_k, 1, a_buf + <Py_ssize_t> r0 * width, width)
+            else:
+                gemm(False, True, rows, width, d_k, 1, phi_q, d_k, phi_k, d_k, 0, a_buf, width)
+            if diag_product:
+                _mask_diagonal(a_buf, width, rows, seen, den)
+            for r in range(rows if not diag_product else 0):
                 arow = a_buf + <Py_ssize_t> r * width
-                den[r] = den[r] + _sum(arow, seen)
+                den[r] = den[r] + _sum(arow, seen[r])
                 if v_finite:
-                    for j in range(seen, width):
+                    for j in range(seen[r], width):
                         arow[j] = 0
                 else:
                     # Form only the terms the row sees: 0 * inf must not reach it.
                     orow = out + <Py_ssize_t> (i0 + r) * d_v
-                    for j in range(seen):
+                    for j in range(seen[r]):
                         a = arow[j]
                         vrow = v + <Py_ssize_t> (p0 + j) * d_v
                         for c in range(d_v):
                             orow[c] = orow[c] + a * vrow[c]
-            if v_finite:
-                # Masked weights are 0 and every value is finite: one GEMM.
-                gemm(False, False, rows, d_v, width, 1, a_buf, width,
-                     v + <Py_ssize_t> p0 * d_v, d_v, 1, out + <Py_ssize_t> i0 * d_v, d_v)
-        for r in range(rows):
-            _normalise_row(out + <Py_ssize_t> (i0 + r) * d_v, d_v, den[r] + eps)
+            _scales(den, rows, eps)
+            if diag_product:
+                _product(a_buf, width, 1, v + <Py_ssize_t> p0 * d_v, d_v, rows, width, seen,
+                         d_v, out + <Py_ssize_t> i0 * d_v, d_v, True, den)
+            else:
+                if v_finite:
+                    # Masked weights are 0 and every value is finite: one GEMM.
+                    gemm(False, False, rows, d_v, width, 1, a_buf, width,
+                         v + <Py_ssize_t> p0 * d_v, d_v, 1, out + <Py_ssize_t> i0 * d_v, d_v)
+                _scale_rows(out + <Py_ssize_t> i0 * d_v, rows, d_v, den)
+            # The diagonal's keys join the state, their features formed once.
+            if fold:
+                _fold_features(phi_k, v + <Py_ssize_t> p0 * d_v, width, d_k, d_v, S, z, micro)
+                folded = p1
     if last:
-        _fold_keys(k, v, folded, n_k, d_k, d_v, code, chunk, S, z, k_buf)
+        _fold_keys(k, v, folded, n_k, d_k, d_v, code, chunk, S, z, k_buf, micro)
+
+
+cdef inline int _chunk_keys(int c, int n_chunks, int chunk, int n_q, int n_k) noexcept nogil:
+    """Keys every query of chunk ``c`` sees (``n_k`` for ``c = n_chunks``)."""
+    if c >= n_chunks:
+        return n_k
+    return min(max(c * chunk + n_k - n_q, 0), n_k)
 
 
 def _causal(
@@ -319,59 +450,94 @@ def _causal(
     const floating[:, :, ::1] k,
     const floating[:, :, ::1] v,
     floating[:, :, ::1] out,
-    floating[:, :, :, ::1] S_seg,
-    floating[:, :, ::1] z_seg,
+    floating[:, :, :, ::1] S_c,
+    floating[:, :, ::1] z_c,
     floating[::1] workspace,
+    int[::1] seen,
     int code,
     double eps,
     int chunk,
     int n_threads,
     bint v_finite,
 ):
-    """Chunked causal linear attention, each head cut into ``S_seg.shape[1]`` segments.
+    """Chunked causal linear attention, one parallel region.
 
-    ``v_finite``: every value is finite, so the diagonal term may be one GEMM
-    over weights zeroed where masked (else it forms only the visible terms).
-
-    ``S_seg[b, 0], z_seg[b, 0]`` hold the initial state and the other
-    segments' entries zeros on entry.  Pass 1 (parallel) sums each segment's
-    keys into the next segment's entry, a prefix sum makes them the state
-    each segment starts from, and pass 2 (parallel) runs the segments; on
-    return the last segment's entry holds the state after the last key.
+    ``S_c.shape[1] == 1``: a head a work item, its chunks in order from
+    ``(S_c[b, 0], z_c[b, 0])`` (the initial state on entry, the state after
+    the last key on return).  Else (fewer heads than threads) ``n_chunks + 1``
+    states a head, the initial state in entry 0 and zeros after it on entry:
+    (1) every chunk's keys (those its successor sees first) are folded into
+    the entry after it, in parallel; (2) a prefix sum over the entries, split
+    by rows of the state, makes entry ``c`` the state chunk ``c`` starts from
+    and the last one the state after the last key; (3) the chunks run in
+    parallel from their states.  Every key is folded once, each step behind a
+    loop's barrier.  ``v_finite``: every value is finite, so the diagonal term
+    may be one product over weights zeroed where masked (else it forms only
+    the visible terms).  ``seen``: ``chunk`` ints a thread.
     """
     cdef int n_batch = q.shape[0], n_q = q.shape[1], d_k = q.shape[2]
     cdef int n_k = k.shape[1], d_v = v.shape[2]
-    cdef int n_seg = S_seg.shape[1]
     cdef int n_chunks = (n_q + chunk - 1) // chunk
-    cdef Py_ssize_t per_thread = 2 * <Py_ssize_t> chunk * d_k + chunk * chunk + chunk
-    cdef int item, b, s
-    cdef floating *buf = NULL   # per-thread workspace, set in each parallel block
+    cdef bint by_chunk = S_c.shape[1] > 1
+    cdef int n_items = n_batch * (n_chunks + 1) if by_chunk else n_batch
+    cdef Py_ssize_t per_thread = 3 * <Py_ssize_t> chunk * d_k + chunk * chunk + chunk
+    cdef int item, b, c, a, j
+    cdef floating *buf = NULL   # per-thread workspace, set in the parallel block
     cdef floating e = <floating> eps
+    cdef bint micro = _use_products(d_v, buf)
+    if micro and code == ELU:
+        code = ELU_AVX512
 
-    if n_seg > 1:
-        with nogil, parallel(num_threads=min(n_threads, n_batch * (n_seg - 1))):
-            buf = &workspace[0] + threadid() * per_thread
-            for item in prange(n_batch * (n_seg - 1), schedule="dynamic"):
-                b = item // (n_seg - 1)
-                s = item % (n_seg - 1)
-                _fold_keys(&k[b, 0, 0], &v[b, 0, 0],
-                           _segment_start(s, n_seg, n_chunks, chunk, n_q, n_k),
-                           _segment_start(s + 1, n_seg, n_chunks, chunk, n_q, n_k),
-                           d_k, d_v, code, chunk, &S_seg[b, s + 1, 0, 0], &z_seg[b, s + 1, 0], buf)
-        np.cumsum(S_seg, axis=1, out=np.asarray(S_seg))
-        np.cumsum(z_seg, axis=1, out=np.asarray(z_seg))
-
-    with nogil, parallel(num_threads=min(n_threads, n_batch * n_seg)):
+    with nogil, parallel(num_threads=max(1, min(n_threads, n_items))):
         buf = &workspace[0] + threadid() * per_thread
-        for item in prange(n_batch * n_seg, schedule="dynamic"):
-            b = item // n_seg
-            s = item % n_seg
-            _causal_segment(&q[b, 0, 0], &k[b, 0, 0], &v[b, 0, 0], &out[b, 0, 0],
-                            &S_seg[b, s, 0, 0], &z_seg[b, s, 0], n_q, n_k, d_k, d_v, code, e,
-                            chunk, s * n_chunks // n_seg, (s + 1) * n_chunks // n_seg,
-                            _segment_start(s, n_seg, n_chunks, chunk, n_q, n_k), s == n_seg - 1,
-                            v_finite, buf, buf + chunk * d_k, buf + 2 * chunk * d_k,
-                            buf + 2 * chunk * d_k + chunk * chunk)
+        if not by_chunk:
+            for item in prange(n_batch, schedule="dynamic"):
+                _causal_segment(&q[item, 0, 0], &k[item, 0, 0], &v[item, 0, 0], &out[item, 0, 0],
+                                &S_c[item, 0, 0, 0], &z_c[item, 0, 0], n_q, n_k, d_k, d_v, code,
+                                e, chunk, 0, n_chunks, 0, True, True, v_finite, buf,
+                                buf + chunk * d_k, buf + 2 * chunk * d_k,
+                                buf + 2 * chunk * d_k + chunk * chunk,
+                                buf + 2 * chunk * d_k + chunk * chunk + chunk,
+                                &seen[threadid() * chunk], micro)
+        else:
+            # (1) entry c + 1 += the keys [start of chunk c, start of chunk c + 1),
+            # entry 0 += the keys before the first chunk's.
+            for item in prange(n_batch * (n_chunks + 1), schedule="dynamic"):
+                b = item // (n_chunks + 1)
+                c = item % (n_chunks + 1) - 1
+                _fold_keys(&k[b, 0, 0], &v[b, 0, 0],
+                           _chunk_keys(c, n_chunks, chunk, n_q, n_k) if c >= 0 else 0,
+                           _chunk_keys(c + 1, n_chunks, chunk, n_q, n_k), d_k, d_v, code, chunk,
+                           &S_c[b, c + 1, 0, 0], &z_c[b, c + 1, 0], buf, micro)
+            # (2) the prefix sum, a row of the state at a time
+            for item in prange(n_batch * d_k, schedule="static"):
+                b = item // d_k
+                a = item % d_k
+                for c in range(1, n_chunks + 1):
+                    for j in range(d_v):
+                        S_c[b, c, a, j] = S_c[b, c, a, j] + S_c[b, c - 1, a, j]
+                    z_c[b, c, a] = z_c[b, c, a] + z_c[b, c - 1, a]
+            # (3) the chunks from their states
+            for item in prange(n_batch * n_chunks, schedule="dynamic"):
+                b = item // n_chunks
+                c = item % n_chunks
+                _causal_segment(&q[b, 0, 0], &k[b, 0, 0], &v[b, 0, 0], &out[b, 0, 0],
+                                &S_c[b, c, 0, 0], &z_c[b, c, 0], n_q, n_k, d_k, d_v, code, e,
+                                chunk, c, c + 1, _chunk_keys(c, n_chunks, chunk, n_q, n_k),
+                                False, False, v_finite, buf, buf + chunk * d_k,
+                                buf + 2 * chunk * d_k, buf + 2 * chunk * d_k + chunk * chunk,
+                                buf + 2 * chunk * d_k + chunk * chunk + chunk,
+                                &seen[threadid() * chunk], micro)
+
+
+def _takes_products(int d_v, dtype):
+    """Whether a call with values ``d_v`` wide in ``dtype`` (float32 or float64)
+    takes the AVX-512 products (else BLAS)."""
+    cdef float f32 = 0
+    cdef double f64 = 0
+    if np.dtype(dtype) == np.float32:
+        return bool(_use_products(d_v, &f32))
+    return bool(_use_products(d_v, &f64))
 
 
 def _all_finite(const floating[::1] x, int n_threads):
@@ -421,9 +587,11 @@ def linear_attention_forward(q, k, v, feature_map, bint causal, double eps, S0=N
     -----
     Non-causal ``4 · B · n · d_k · d_v`` flops; causal adds the diagonal
     term, ``O(B · n · CHUNK · (d_k + d_v))``.  Extra memory besides the
-    outputs: ``T · (2 CHUNK d_k + CHUNK² + CHUNK)`` elements for ``T``
-    threads when causal, ``T · NONCAUSAL_CHUNK · (d_k + 1)`` otherwise, and a
-    ``(d_k, d_v)`` state a segment.  Katharopoulos et al., "Transformers are RNNs" (ICML 2020).
+    outputs: ``T · (3 CHUNK d_k + CHUNK² + CHUNK)`` elements and ``T · CHUNK``
+    ints for ``T`` threads when causal, ``T · NONCAUSAL_CHUNK · (d_k + 1)``
+    otherwise, and a ``(d_k, d_v)`` state a segment: causal with fewer heads
+    than threads, a state a chunk, ``B (n_q / CHUNK + 1) d_k d_v`` elements
+    (as much as ``q`` at ``d_k = d_v = CHUNK``).  Katharopoulos et al., "Transformers are RNNs" (ICML 2020).
     """
     if feature_map not in FEATURE_MAP_CODES:
         raise ValueError(f"feature_map must be one of {list(FEATURE_MAP_CODES)}, got {feature_map!r}")
@@ -433,17 +601,18 @@ def linear_attention_forward(q, k, v, feature_map, bint causal, double eps, S0=N
     dtype = q.dtype
     out = np.empty((n_batch, n_q, d_v), dtype)
     chunk = CHUNK if causal else NONCAUSAL_CHUNK
-    per_thread = 2 * chunk * d_k + chunk * chunk + chunk if causal else chunk * d_k + chunk
+    per_thread = 3 * chunk * d_k + chunk * chunk + chunk if causal else chunk * d_k + chunk
     workspace = np.empty(n_threads * per_thread, dtype)
     code = FEATURE_MAP_CODES[feature_map]
-    # Fewer heads than threads: cut each head into segments run in parallel
-    # (see SEGMENTS_PER_THREAD).  Non-causal segments cost only their sum;
-    # causal ones fold the keys once more whatever their number, so a causal
-    # call with a head a thread or more is not cut.
     n_chunks = -(-(n_q if causal else k.shape[1]) // chunk)
-    spread = (n_threads if causal and n_batch >= n_threads
-              else SEGMENTS_PER_THREAD * n_threads)
-    n_seg = max(1, min(-(-spread // n_batch), n_chunks)) if n_batch < spread else 1
+    if causal:
+        # Fewer heads than threads: a state a chunk (see _causal).
+        n_seg = n_chunks + 1 if n_batch < n_threads and n_chunks > 1 else 1
+    else:
+        # Fewer than SEGMENTS_PER_THREAD heads a thread: each head's keys
+        # folded in segments (that cost only their sum).
+        spread = SEGMENTS_PER_THREAD * n_threads
+        n_seg = max(1, min(-(-spread // n_batch), n_chunks)) if n_batch < spread else 1
     S_seg = np.zeros((n_batch, n_seg, d_k, d_v), dtype)
     z_seg = np.zeros((n_batch, n_seg, d_k), dtype)
     if S0 is not None:
@@ -451,10 +620,12 @@ def linear_attention_forward(q, k, v, feature_map, bint causal, double eps, S0=N
     if z0 is not None:
         z_seg[:, 0] = z0
     if causal:
-        _causal(q, k, v, out, S_seg, z_seg, workspace, code, eps, chunk, n_threads,
-                _all_finite(v.reshape(-1), n_threads))
+        _causal(q, k, v, out, S_seg, z_seg, workspace, np.empty(n_threads * chunk, np.intc),
+                code, eps, chunk, n_threads, _all_finite(v.reshape(-1), n_threads))
         return out, S_seg[:, -1].copy(), z_seg[:, -1].copy()
-    S, z = _noncausal(q, k, v, out, S_seg, z_seg, workspace, code, eps, chunk, n_threads)
+    S = np.empty((n_batch, d_k, d_v), dtype)
+    z = np.empty((n_batch, d_k), dtype)
+    _noncausal(q, k, v, out, S_seg, z_seg, S, z, workspace, code, eps, chunk, n_threads)
     return out, S, z
 
 

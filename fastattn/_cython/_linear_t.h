@@ -1,0 +1,141 @@
+/* AVX-512 products of linear attention, included at the end of
+ * _microkernel_t.h once per element type (FA_T, FA_L, FA_NAME and the FA_V...
+ * vector operations defined there, see _microkernel.pxd).
+ *
+ * One register-blocked product o[r, :] (=|+=) sum_j p[r, j] v[j, :], R = 6
+ * rows x NC = 4 vectors of o held in 24 zmm over all of j, v read in rows as
+ * it lies, p read by broadcasts at any strides (prs along r, pjs along j).
+ * So with no packing and no copy:
+ *
+ * * the state      S += phi(k)^T v     p = phi(k) read down its columns
+ *                                       (prs = 1, pjs = d_k), rows = d_k;
+ * * the queries    o = phi(q) S / den  p = phi(q) (prs = d_k, pjs = 1),
+ *                                       the row scale applied at the store;
+ * * the diagonal   o += A v            A the masked phi(q) phi(k)^T of the
+ *                                       chunk (fastattn_scores), each block
+ *                                       of rows only over the keys it sees.
+ *
+ * Sums run in the order of j, one FMA at a time, in the input's precision,
+ * like BLAS.
+ */
+
+/* R rows x NC vectors of o: o (= or +=) p v over j < width, then times scale[r] */
+FA_AVX512 FA_INLINE void FA_NAME(fl_product_block)(const FA_T *p, long prs, long pjs,
+                                                   const FA_T *v, int ldv, int width, FA_T *o,
+                                                   int ldo, int accumulate, const FA_T *scale,
+                                                   const int R, const int NC) {
+    FA_VT acc[6][4];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < NC; c++)
+            acc[r][c] = accumulate ? FA_VLOAD(o + (size_t) r * ldo + FA_L * c) : FA_VZERO();
+    for (int j = 0; j < width; j++) {
+        FA_VT vv[4];
+        for (int c = 0; c < NC; c++) vv[c] = FA_VLOAD(v + (size_t) j * ldv + FA_L * c);
+        for (int r = 0; r < R; r++) {
+            FA_VT pb = FA_VSET1(p[r * prs + j * pjs]);
+            for (int c = 0; c < NC; c++) acc[r][c] = FA_VFMADD(pb, vv[c], acc[r][c]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        FA_VT sc = scale ? FA_VSET1(scale[r]) : FA_VZERO();
+        for (int c = 0; c < NC; c++)
+            FA_VSTORE(o + (size_t) r * ldo + FA_L * c, scale ? FA_VMUL(acc[r][c], sc) : acc[r][c]);
+    }
+}
+
+#define FL_PRODUCT_R(NC) \
+    switch (R) { \
+    case 6: FA_NAME(fl_product_block)(pr, prs, pjs, v, ldv, w, o, ldo, accumulate, sc, 6, NC); break; \
+    case 5: FA_NAME(fl_product_block)(pr, prs, pjs, v, ldv, w, o, ldo, accumulate, sc, 5, NC); break; \
+    case 4: FA_NAME(fl_product_block)(pr, prs, pjs, v, ldv, w, o, ldo, accumulate, sc, 4, NC); break; \
+    case 3: FA_NAME(fl_product_block)(pr, prs, pjs, v, ldv, w, o, ldo, accumulate, sc, 3, NC); break; \
+    case 2: FA_NAME(fl_product_block)(pr, prs, pjs, v, ldv, w, o, ldo, accumulate, sc, 2, NC); break; \
+    default: FA_NAME(fl_product_block)(pr, prs, pjs, v, ldv, w, o, ldo, accumulate, sc, 1, NC); break; \
+    }
+
+/* For r < rows: o[r, :d_v] (= or, when accumulate, +=) sum_{j < w_r} p[r prs + j pjs] v[j, :d_v],
+ * then times scale[r] when scale is not NULL.  w_r = width, or when seen is not
+ * NULL seen[r0 + R - 1] for the block of rows [r0, r0 + R) holding r (seen
+ * nondecreasing, p zero past each row's own seen[r]).  d_v a multiple of FA_L. */
+FA_AVX512 __attribute__((unused)) static void FA_NAME(fastattn_linear_product)(const FA_T *p, long prs, long pjs,
+                                                       const FA_T *v, int ldv, int rows,
+                                                       int width, const int *seen, int d_v,
+                                                       FA_T *o0, int ldo, int accumulate,
+                                                       const FA_T *scale) {
+    for (int c0 = 0; c0 < d_v; c0 += 4 * FA_L) {
+        int nc = (d_v - c0) / FA_L < 4 ? (d_v - c0) / FA_L : 4;
+        for (int r0 = 0; r0 < rows; r0 += 6) {
+            int R = rows - r0 < 6 ? rows - r0 : 6;
+            int w = seen ? seen[r0 + R - 1] : width;
+            const FA_T *pr = p + r0 * prs;
+            const FA_T *sc = scale ? scale + r0 : NULL;
+            FA_T *o = o0 + (size_t) r0 * ldo + c0;
+            v += c0;
+            if (nc == 4) { FL_PRODUCT_R(4) }
+            else if (nc == 3) { FL_PRODUCT_R(3) }
+            else if (nc == 2) { FL_PRODUCT_R(2) }
+            else { FL_PRODUCT_R(1) }
+            v -= c0;
+        }
+    }
+}
+#undef FL_PRODUCT_R
+
+/* The masked diagonal of a causal chunk: for r < rows, den[r] += sum_{j < seen[r]} a[r, j]
+ * and a[r, seen[r]:w_r] = 0, w_r = seen[r0 + R - 1] the keys fastattn_linear_product
+ * reads for the block of 6 rows holding r (seen nondecreasing, a[r, :w_r] formed). */
+FA_AVX512 __attribute__((unused)) static void FA_NAME(fastattn_linear_mask)(FA_T *a, int lda, int rows, const int *seen,
+                                                    FA_T *den) {
+    for (int r = 0; r < rows; r++) {
+        int r_last = r - r % 6 + 5 < rows - 1 ? r - r % 6 + 5 : rows - 1;
+        int w = seen[r_last], s = seen[r];
+        FA_T *row = a + (size_t) r * lda;
+        FA_VT total = FA_VZERO();
+        for (int j = 0; j < w; j += FA_L) {
+            int in = s - j < 0 ? 0 : (s - j < FA_L ? s - j : FA_L);
+            int all = w - j < FA_L ? w - j : FA_L;
+            FA_MT keep = (FA_MT) ((1u << in) - 1u), span = (FA_MT) ((1u << all) - 1u);
+            FA_VT x = FA_VMLOADZ(keep, row + j);
+            total = FA_VMADD(total, keep, total, x);
+            FA_VMSTORE(row + j, span, x);
+        }
+        den[r] += FA_VREDUCE_ADD(total);
+    }
+}
+
+#if FA_L == 16
+#define FL_VMIN _mm512_min_ps
+#define FL_CMP _mm512_cmp_ps_mask
+#define FL_VMOVZ _mm512_maskz_mov_ps
+#define FL_EXP_FLOOR (-126.0f)
+#else
+#define FL_VMIN _mm512_min_pd
+#define FL_CMP _mm512_cmp_pd_mask
+#define FL_VMOVZ _mm512_maskz_mov_pd
+#define FL_EXP_FLOOR (-1022.0)
+#endif
+/* out = elu(x) + 1 = x > 0 ? x + 1 : exp(x), NaN kept: the feature map of
+ * _vmath.pxd (fastattn_feature_map, elu), with exp(x) = 2**t as in
+ * fastattn_exp_sum_avx512 (vscalef for 2**round(t)) and 0 for t <= the
+ * smallest normal exponent, as there. */
+FA_AVX512 __attribute__((unused)) static void FA_NAME(fastattn_linear_elu)(const FA_T *x, long n, FA_T *out) {
+    const FA_VT log2e = FA_VSET1((FA_T) 1.4426950408889634), one = FA_VSET1((FA_T) 1);
+    const FA_VT zero = FA_VZERO(), lowest = FA_VSET1(FL_EXP_FLOOR);
+    for (long j = 0; j < n; j += FA_L) {
+        FA_MT m = n - j >= FA_L ? (FA_MT) ~0u : (FA_MT) ((1u << (n - j)) - 1u);
+        FA_VT a = FA_VMLOADZ(m, x + j);
+        /* min(0, a) keeps a NaN a (vminps returns its second operand then) */
+        FA_VT t = FA_VMUL(FL_VMIN(zero, a), log2e);
+        FA_VT e = FA_VROUND(t);
+        FA_VT f = FA_VSUB(t, e);
+        FA_VT p;
+        FA_EXP2_POLY(p, f);
+        p = FL_VMOVZ(FL_CMP(t, lowest, _CMP_NLE_UQ), FA_VSCALEF(p, e));
+        p = FA_VMADD(p, FL_CMP(a, zero, _CMP_GT_OQ), a, one);
+        FA_VMSTORE(out + j, m, p);
+    }
+}
+#undef FL_VMIN
+#undef FL_CMP
+#undef FL_VMOVZ
+#undef FL_EXP_FLOOR
