@@ -97,6 +97,14 @@ def split_count(batch, n_k, n_threads):
 # rule picks within 1.3x of the fastest on all 42 shapes of the default grid that
 # run on two or more backends (worst 1.11, one-token linear steps of 20-40 us).
 #
+# Re-checked 2026-12-01 (15:05 UTC) on a default `fastattn report` run (2 threads,
+# load 1.0-1.7, the run itself) after Cython's linear attention got its own AVX-512
+# products: Cython's short causal linear attention is now the faster too, 1.17-1.59x
+# (n=128: 0.085 against 0.100 ms; 256: 0.119 against 0.156; 512: 0.136 against
+# 0.216) -> cython first; every class now names Cython first.  With that the rule
+# picks within 1.3x of the fastest on all 42 shapes of the default grid that run on
+# two or more backends (worst 1.24: causal softmax at n=128, 2 threads).
+#
 # Where two backends are within 1.3x the Cython one is named first: it needs
 # no JIT start-up (importing Numba costs 1-2 s in a new process).  The rule is
 # per shape class, not per backend version: re-derive it (the commands are in
@@ -118,7 +126,6 @@ RECURRENT_STEP_MODULES = {"numba": "fastattn._numba.decode", "cython": "fastattn
 RECURRENT_STEP_FEATURE_MAPS = ("elu", "relu")
 
 _CYTHON_FIRST = ("cython", "numba", "reference")
-_NUMBA_FIRST = ("numba", "cython", "reference")
 
 #: The rule: (kind, regime, causal) -> backends, fastest first.  ``auto``
 #: takes the first that is available (the reference always is).
@@ -138,7 +145,7 @@ AUTO_RULE = {
     ("softmax", "short", False): _CYTHON_FIRST,
     ("softmax", "short", True): _CYTHON_FIRST,
     ("linear", "short", False): _CYTHON_FIRST,
-    ("linear", "short", True): _NUMBA_FIRST,
+    ("linear", "short", True): _CYTHON_FIRST,
     ("softmax", "long", False): _CYTHON_FIRST,
     ("softmax", "long", True): _CYTHON_FIRST,
     ("linear", "long", False): _CYTHON_FIRST,

@@ -33,7 +33,7 @@ RULE = [
     (("softmax", 128, 128, True), "short", "cython"),
     (("softmax", 512, 512, True), "short", "cython"),
     (("softmax", 256, 256, False), "short", "cython"),
-    (("linear", 128, 128, True), "short", "numba"),
+    (("linear", 128, 128, True), "short", "cython"),
     (("linear", 512, 512, False), "short", "cython"),
     (("softmax", 513, 513, True), "long", "cython"),
     (("softmax", 8192, 8192, False), "long", "cython"),
