@@ -90,6 +90,8 @@ class KVCache:
         or float64.
     ValueError
         If ``capacity``, ``d_k`` or ``d_v`` is not a positive integer.
+    MemoryError
+        If the buffers for ``capacity`` keys and values cannot be allocated.
 
     Notes
     -----
@@ -119,8 +121,16 @@ class KVCache:
         self.d_v = self.d_k if d_v is None else _check_dim(d_v, "d_v", 1)
         self.dtype = _check_storage_dtype(dtype)
         self.length = 0
-        self._k = np.empty(self.batch_shape + (self.capacity, self.d_k), self.dtype)
-        self._v = np.empty(self.batch_shape + (self.capacity, self.d_v), self.dtype)
+        try:
+            self._k = np.empty(self.batch_shape + (self.capacity, self.d_k), self.dtype)
+            self._v = np.empty(self.batch_shape + (self.capacity, self.d_v), self.dtype)
+        except (MemoryError, ValueError) as exc:  # numpy: "array is too big" or no memory
+            need = math.prod(self.batch_shape) * self.capacity * (self.d_k + self.d_v) \
+                * np.dtype(self.dtype).itemsize
+            raise MemoryError(
+                f"KVCache: capacity={self.capacity} needs {need:,} bytes for the keys and "
+                f"values of batch shape {self.batch_shape}, more than this machine can "
+                f"allocate ({exc}); give a smaller capacity") from None
 
     @property
     def nbytes(self):

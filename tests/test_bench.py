@@ -316,6 +316,32 @@ def test_points_of_one_shape_take_turns_and_others_are_timed_alone(tmp_path, mon
         Options(rounds=0)
 
 
+def test_bench_says_which_options_its_points_ignore(tmp_path, capsys):
+    argv = ["bench", "--kind", "softmax", "--regime", "decode", "--causal", "no",
+            "--feature-map", "relu", "--n", "8", "--backends", "reference", "--repeats", "1",
+            "--no-memory", "--no-progress", "--out", str(tmp_path / "notes.jsonl")]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "a decode point is causal" in err and "--causal no applies to the prefill" in err
+    assert "--kind softmax ignores it" in err
+    records = [r for r in read_records(tmp_path / "notes.jsonl") if r["record"] == "point"]
+    assert records and all(r["causal"] for r in records)
+
+
+def test_an_interrupted_bench_names_its_results_file(tmp_path, capsys, monkeypatch):
+    from fastattn.bench import sweep
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(sweep, "run_sweep", interrupted)
+    out = tmp_path / "cut short.jsonl"
+    assert main(["bench", "--n", "8", "--backends", "reference", "--no-progress", "--fresh",
+                 "--out", str(out)]) == 130
+    err = capsys.readouterr().err
+    assert f"the points measured so far are in {out}" in err
+    assert f"--out '{out}'" in err and "without --fresh" in err
+
+
 def test_run_sweep_validates_arguments(tmp_path):
     with pytest.raises(TypeError, match="Point"):
         run_sweep([("softmax", "reference")], tmp_path / "x.jsonl", progress=None)
@@ -579,3 +605,11 @@ def test_timed_calls_reuse_heap_pages_before_and_after_the_memory_probe():
                          check=True, timeout=120).stdout.split()
     pages = 256 // 4
     assert [float(x) < pages / 4 for x in out] == [True, True], out
+
+
+def test_a_point_far_above_its_roof_is_called_a_slowed_probe():
+    from fastattn.bench.table import FAR_ABOVE_ROOF, far_above_roof
+
+    records = [{"roof_fraction": 1.2}, {"roof_fraction": FAR_ABOVE_ROOF * 1.5},
+               {"roof_fraction": None}, {}]
+    assert far_above_roof(records) == [records[1]]

@@ -296,3 +296,8 @@ def test_linear_state_rejects_bad_input_and_keeps_its_state():
     np.testing.assert_array_equal(state.S, S)
     np.testing.assert_array_equal(state.z, z)
     assert state.tokens == 1
+
+
+def test_kv_cache_too_large_to_allocate_names_capacity():
+    with pytest.raises(MemoryError, match=r"capacity=1000000000000000 needs [\d,]+ bytes"):
+        fastattn.KVCache((2,), capacity=10**15, d_k=64)

@@ -246,7 +246,7 @@ def test_report_says_which_minilm_data(quality, report_html):
 
 
 def test_peers_note_when_absent_and_shown_when_present(quality, report_html):
-    assert "No peer implementation was measured" in report_html
+    assert "No peer ran the prefill points" in report_html
     assert 'pip install &#34;fastattn[torch]&#34;' in report_html   # the hint from the record
     records = synthetic_records(peers=("torch",))
     for r in records:
@@ -258,7 +258,7 @@ def test_peers_note_when_absent_and_shown_when_present(quality, report_html):
     first_point["load_avg_1m"] = 7.5       # one point measured on a busy machine (2 cores)
     with_torch = build_report(records, quality=None).html
     assert "torch softmax (peer)" in with_torch
-    assert "No peer implementation was measured" not in with_torch
+    assert "No peer ran the prefill points" not in with_torch
     assert "Output check failed" in with_torch
     assert "torch linear (peer) at n = 2048" in with_torch
     assert "machine was busy" in with_torch and "1.0 to 7.5" in with_torch

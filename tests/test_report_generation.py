@@ -241,3 +241,13 @@ def test_report_has_a_generation_section_with_the_known_answers():
     assert f"{1 / (A * 65536):.3g}/s" in section        # tokens per second at 65536
     scaling = html[html.index('id="scaling"'):html.index('id="generation"')]
     assert "decode" not in scaling                      # decode curves stay out of scaling
+
+
+def test_peers_seen_only_in_generation_are_named_not_denied():
+    records = synthetic_generation(("numba",))
+    records += [dict(r, backend="numpy", peer=True) for r in records
+                if r.get("regime") == "decode" and r.get("attention") == "linear"]
+    html = build_report(records, source="t").html
+    peers = html[html.index("<h4>Peers</h4>"):html.index("<h4>All measured points</h4>")]
+    assert "in the Generation section only" in peers and "numpy" in peers
+    assert "No peer ran the prefill points" in peers     # torch is still absent there

@@ -1,6 +1,7 @@
 """``fastattn bench``: every kernel side by side with its peers and the machine's roof."""
 
 import argparse
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -55,7 +56,9 @@ def add_parser(subparsers):
         help="threads for every backend, BLAS and peers (default: usable cores); several "
              "(e.g. --threads 1 2) measure every point at each, in one run")
     add("--repeats", type=positive_int, default=5,
-        help="timed repeats per point after a warm-up (default 5)")
+        help="timed repeats per point after a warm-up (default 5; a fast call is repeated "
+             "for 0.25 s, up to 100 times); the backends of one shape take turns, one "
+             "repeat each a round")
     add("--baseline", default=None, metavar="NAME",
         help="backend the ratio column compares with (default reference)")
     add("--out", type=Path, default=None,
@@ -143,7 +146,7 @@ def run(args):
 def _plan(args):
     """The grid, the results path and the baseline; refuses what cannot be written, first."""
     from .results import check_writable, read_records
-    from .sweep import DECODE_NS, DEFAULT_NS, default_grid
+    from .sweep import DECODE_NS, DEFAULT_NS, FEATURE_MAPS, default_grid
     from .table import check_target
 
     backends, absent = resolve_backends(args.backends)
@@ -178,6 +181,14 @@ def _plan(args):
             regime=regime, num_features=m)))
     if args.shape and args.n:
         print("note: --shape sets n for its points; --n is ignored", file=sys.stderr)
+    regimes = {shape[4] for shape in shapes if shape[4]} | (
+        set(args.regime) if any(not shape[4] for shape in shapes) else set())
+    if "decode" in regimes and args.causal == "no":
+        print("note: a decode point is causal (its query is the newest token); --causal no "
+              "applies to the prefill points only", file=sys.stderr)
+    if args.kind == "softmax" and args.feature_map != [FEATURE_MAPS[0]]:
+        print("note: --feature-map applies to linear attention; --kind softmax ignores it",
+              file=sys.stderr)
     return points, out, backends, baseline, absent
 
 
@@ -185,8 +196,9 @@ def _run(args):
     from .._threads import default_num_threads
     from .results import read_records
     from .sweep import Options, new_run_id, run_sweep
-    from .table import (format_tables, format_versus, roof_statements, versus_rows, write_csv,
-                        write_summary, write_versus_markdown)
+    from .table import (FAR_ABOVE_ROOF, far_above_roof, format_tables, format_versus,
+                        roof_statements, versus_rows, write_csv, write_summary,
+                        write_versus_markdown)
 
     points, out, backends, baseline, absent = _plan(args)
     for name, hint in absent.items():
@@ -194,12 +206,18 @@ def _run(args):
     options = Options(repeats=args.repeats, memory=not args.no_memory, check=not args.no_check)
     run_id, records = new_run_id(), []
     resume = not args.fresh
-    for threads in dict.fromkeys(args.threads or [None]):  # one sweep per thread count
-        records += run_sweep(points, out, options, threads=threads, resume=resume,
-                             threads_reason="as asked (--threads)" if threads else None,
-                             progress=None if args.no_progress else "fastattn bench",
-                             run_id=run_id)
-        resume = True  # the next thread count adds to this run's file
+    try:
+        for threads in dict.fromkeys(args.threads or [None]):  # one sweep per thread count
+            records += run_sweep(points, out, options, threads=threads, resume=resume,
+                                 threads_reason="as asked (--threads)" if threads else None,
+                                 progress=None if args.no_progress else "fastattn bench",
+                                 run_id=run_id)
+            resume = True  # the next thread count adds to this run's file
+    except KeyboardInterrupt:
+        print(f"\ninterrupted: the points measured so far are in {out}; to measure the rest, "
+              f"run the same command with --out {shlex.quote(str(out))}"
+              + (" and without --fresh" if args.fresh else ""), file=sys.stderr)
+        return 130
     print()
     print(format_tables(records, baseline=baseline, backend_order=backends))
     runs = {r.get("run_id") for r in records}
@@ -208,6 +226,12 @@ def _run(args):
     if roof_text:
         print("\nroof (the GEMM probed in this run, on the same threads):\n  "
               + "\n  ".join(roof_text))
+    far = far_above_roof(records)
+    if far:
+        print(f"\nwarning: {len(far)} point(s) ran at more than {FAR_ABOVE_ROOF:g}x the GEMM "
+              "roof probed beside them: the probe was most likely slowed by other work on the "
+              "machine (each probe's load is in the results file), so their % roof means "
+              "little; measure again on a quiet machine.", file=sys.stderr)
     rows = versus_rows(records)
     if any(r["peer"] for r in rows):
         print("\n" + format_versus(rows))

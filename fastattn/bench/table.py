@@ -13,6 +13,7 @@ CSV_COLUMNS = (
     "max_s", "repeats", "number", "flops", "gflops", "roof_gflops", "roof_fraction",
     "peak_bytes", "memory_method", "peak_bytes_tracemalloc", "max_abs_err", "check_n",
     "check_ok", "run_id", "regime", "num_features", "held_bytes", "roof_blas", "roof_shape",
+    "rounds",
 )
 #: Schema tag of the JSON summary ``fastattn bench`` writes beside its results.
 SUMMARY_SCHEMA = "fastattn.bench-summary/1"
@@ -67,6 +68,17 @@ ABOVE_ROOF_WHY = (
 
 #: The footnote of a table with a ``!`` in its % roof column.
 ABOVE_ROOF_NOTE = f"!: above the roof. Why a kernel can be there: {ABOVE_ROOF_WHY}."
+
+
+#: A point this many times above its roof says more about the probe than the kernel.
+FAR_ABOVE_ROOF = 2.0
+
+
+def far_above_roof(records):
+    """The records more than :data:`FAR_ABOVE_ROOF` times above their roof: a probe slowed
+    by other work, not a kernel beating a GEMM by that much."""
+    return [r for r in records if not _missing(r.get("roof_fraction"))
+            and r["roof_fraction"] > FAR_ABOVE_ROOF]
 
 
 def above_roof(fraction):

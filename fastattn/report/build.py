@@ -17,7 +17,7 @@ from . import analysis, figures, frontier, generation
 #: only replaced when it carries it.
 REPORT_MARKER = '<meta name="generator" content="fastattn report">'
 
-PEER_HELP = ("No peer implementation was measured: these results hold no PyTorch points (torch "
+PEER_HELP = ("No peer ran the prefill points: these results hold no PyTorch points (torch "
              "was not installed where they were measured). To put PyTorch's SDPA and a PyTorch "
              "linear attention beside fastattn's kernels, install torch and run fastattn "
              "report again:")
@@ -234,6 +234,7 @@ def _machine_section(name, env, roofs, points, every_curve):
         "not_ok": [p for p in points if p.get("machine") == name and p.get("status") != "ok"],
         "backends": sorted({c.backend for c in curve_list if not c.peer}),
         "peers": sorted({c.backend for c in curve_list if c.peer}),
+        "all_peers": sorted({c.backend for c in every_curve if c.peer}),
         "n_points": sum(len(c.n) for c in curve_list), "fastest": _fastest_lines(curve_list),
         "load": f"{loads.min():.1f} to {loads.max():.1f}" if len(loads) else None,
         "busy": bool(len(loads) and env.get("cores_logical")

@@ -63,7 +63,9 @@ def add_parser(subparsers):
         help="threads for every backend and BLAS (default: the usable cores, or those "
              "other work leaves idle)")
     add("--repeats", metavar="R", type=positive_int,
-        help=f"timed repeats per point (default {DEFAULT_REPEATS}, {QUICK_REPEATS} with --quick)")
+        help=f"timed repeats per point (default {DEFAULT_REPEATS}, {QUICK_REPEATS} with --quick; "
+             f"fewer for a slow call, never under 3, more for a fast one, timed for 0.25 s), "
+             f"the backends of one shape taking turns over {ROUNDS} rounds")
     add("--quick", action="store_true",
         help=f"a tiny grid (n = {' '.join(map(str, QUICK_NS))}, {QUICK_REPEATS} repeats, no "
              "memory probe): for tests and CI")
@@ -159,7 +161,8 @@ def _measure(args, results):
     def announce(todo, done):
         print(f"fastattn report: measuring {todo} points into {results}"
               + (f" ({done} already there)" if done else "")
-              + f" (up to {repeats} timed repeats each{', quick grid' if args.quick else ''})",
+              + f" ({repeats} timed repeats each, more for fast calls, fewer for slow ones"
+              + f"{'; quick grid' if args.quick else ''})",
               file=sys.stderr)
         print(f"  interrupted? continue with: {resume}", file=sys.stderr)
 
