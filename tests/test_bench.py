@@ -302,6 +302,7 @@ def test_points_of_one_shape_take_turns_and_others_are_timed_alone(tmp_path, mon
     for record in together:
         assert record["status"] == "ok"
         assert record["rounds"] == 3 and record["repeats"] == len(record["times_s"]) == 3
+        assert record["round_min_s"] == record["times_s"]   # one repeat a round
         assert record["min_s"] == min(record["times_s"]) <= record["median_s"]
     assert alone["rounds"] == 1 and alone["repeats"] == 3
     # Fewer rounds than repeats (the report's): a turn times several, 3 = 2 + 1.

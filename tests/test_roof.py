@@ -181,6 +181,21 @@ def test_versus_rows_pick_the_fastest_of_each_side_by_the_fastest_repeat():
     assert row["roof_fraction"] == pytest.approx(row["gflops"] / 100.0)
 
 
+def test_the_paired_ratio_is_the_median_of_the_rounds_ratios():
+    """A slow spell in rounds 2-3 slows both sides; the peer's one fast repeat (round 4)
+    decides the ratio of fastest repeats, not the paired one."""
+    ours = _point("cython", 0.020, round_min_s=[0.020, 0.030, 0.031, 0.021, 0.020])
+    theirs = _point("torch", 0.016, peer=True, round_min_s=[0.024, 0.036, 0.037, 0.016, 0.025])
+    (row,) = table.versus_rows([ours, theirs])
+    assert row["ratio"] == pytest.approx(0.020 / 0.016)
+    assert row["paired"] == pytest.approx(0.030 / 0.036)   # median of 0.83, 0.83, 0.84, 1.31, 0.8
+    assert "0.83" in table.format_versus([row])
+    one_round = _point("torch", 0.016, peer=True, round_min_s=[0.016])
+    uneven = _point("torch", 0.016, peer=True, round_min_s=[0.016, 0.02])
+    for peer in (one_round, uneven, _point("torch", 0.016, peer=True)):
+        assert table.versus_rows([ours, peer])[0]["paired"] is None
+
+
 def test_versus_rows_give_no_ratio_across_runs_or_without_a_peer():
     rows = table.versus_rows([_point("cython", 0.02, run_id="a"),
                               _point("torch", 0.01, peer=True, run_id="b"),
@@ -207,7 +222,7 @@ def test_versus_markdown_is_a_table_and_refuses_a_foreign_file(tmp_path):
     assert lines[0].startswith("| shape BxHxNxD | attention | mask")
     # 4 * 8 heads * 512^2 * 64 flops in 5 ms: 107 GFLOP/s, above the roof of 100
     assert lines[2] == ("| 1x8x512x64 | softmax | non-causal | float32 | 2 | cython | 5 ms "
-                        "| torch | 25 ms | 0.20 | 107 | 107%! |")
+                        "| torch | 25 ms | 0.20 | – | 107 | 107%! |")   # no rounds: no pairs
     assert "- roof line" in text and "above the roof" in text
     foreign = tmp_path / "README.md"
     foreign.write_text("# my notes\n")

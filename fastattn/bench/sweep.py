@@ -431,7 +431,8 @@ class _Entry:
             return self.fields
         outcome = engine.finish_point(self.point.spec(), self.fields,
                                       engine.merge_timings(self.timings))
-        outcome.update(thread_counts=self.thread_counts, rounds=len(self.timings))
+        outcome.update(thread_counts=self.thread_counts, rounds=len(self.timings),
+                       round_min_s=[t["min_s"] for t in self.timings])
         probe = engine.roof_probe(roofs, self.point.dtype, self.point.d_k)
         roof, gflops = probe and probe["gflops"], outcome.get("gflops")
         outcome.update(roof_gflops=roof, roof_fraction=gflops / roof if gflops and roof

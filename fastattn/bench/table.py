@@ -3,6 +3,7 @@
 import csv
 import io
 import math
+import statistics
 
 from .results import atomic_write, check_replaceable, to_json
 
@@ -229,12 +230,26 @@ def shape_text(record):
     return f"{record['batch']}x{record['heads']}x{record['n_k']}x{d}"
 
 
+def paired_ratio(ours, theirs):
+    """The median over rounds of ``ours``' fastest repeat of a round over ``theirs``' of the
+    same round (``round_min_s``), or None unless both took the same two or more turns.  The
+    turns of a round are side by side in time, so a slow spell of the machine slows both
+    sides of a pair alike, where the fastest repeats of the two may come from different
+    spells."""
+    a, b = ours.get("round_min_s"), theirs.get("round_min_s")
+    if not a or not b or len(a) != len(b) or len(a) < 2:
+        return None
+    pairs = [x / y for x, y in zip(a, b) if x > 0 and y > 0]
+    return float(statistics.median(pairs)) if pairs else None
+
+
 def versus_rows(records):
     """Per shape, dtype, mask, threads (:data:`VERSUS_KEYS`), the fastest fastattn backend and
     the fastest peer by their fastest repeat, and ``ratio`` = fastattn time / peer time (below
     1: fastattn is faster), only when both were measured in the same run (``run_id``; else
     ``note`` says why there is none); ``gflops`` and ``roof_fraction`` of the fastattn kernel
-    at that time, ``above_roof`` when it exceeds its roof.  In the records' order."""
+    at that time, ``above_roof`` when it exceeds its roof, and ``paired``
+    (:func:`paired_ratio`).  In the records' order."""
     groups = {}
     for r in records:
         if r.get("record", "point") == "point" and r.get("status") == "ok" \
@@ -253,6 +268,7 @@ def versus_rows(records):
             note = "measured in different runs: no ratio"
         else:
             ratio = _fastest_s(best) / _fastest_s(peer)
+        paired = paired_ratio(best, peer) if ratio is not None else None
         gflops = fraction = None
         if best is not None and best.get("flops"):
             gflops = best["flops"] / _fastest_s(best) / 1e9
@@ -261,13 +277,14 @@ def versus_rows(records):
                      "fastattn": best and best["backend"],
                      "fastattn_s": best and _fastest_s(best),
                      "peer": peer and peer["backend"], "peer_s": peer and _fastest_s(peer),
-                     "ratio": ratio, "note": note, "gflops": gflops, "roof_fraction": fraction,
+                     "ratio": ratio, "paired": paired, "note": note, "gflops": gflops,
+                     "roof_fraction": fraction,
                      "roof_blas": best and best.get("roof_blas"), "above_roof": above_roof(fraction)})
     return rows
 
 
 _VERSUS_HEADER = ("shape BxHxNxD", "attention", "mask", "dtype", "threads", "best fastattn",
-                  "time", "best peer", "time", "fastattn / peer", "GFLOP/s", "% roof")
+                  "time", "best peer", "time", "fastattn / peer", "paired", "GFLOP/s", "% roof")
 
 
 def _versus_cells(row):
@@ -280,13 +297,16 @@ def _versus_cells(row):
             row["fastattn"] or MISSING, format_seconds(row["fastattn_s"]),
             row["peer"] or MISSING, format_seconds(row["peer_s"]),
             f"{row['ratio']:.2f}" if row["ratio"] is not None else (row["note"] or MISSING),
+            f"{row['paired']:.2f}" if row.get("paired") is not None else MISSING,
             format_number(row["gflops"]), format_roof_percent(row["roof_fraction"])]
 
 
 def _versus_notes(rows, roof_text=()):
     notes = ["Times: the fastest repeat of each (other work only slows a call down). "
              "fastattn / peer below 1: fastattn's fastest backend is faster; only ratios of "
-             "points measured side by side in one run are given. Decode: N is the context "
+             "points measured side by side in one run are given. paired: the median over the "
+             "rounds of the same ratio taken round by round (each round's fastest repeat "
+             "of both), which a slow spell of the machine moves less. Decode: N is the context "
              "length n_k, one query. GFLOP/s and % roof: of the fastattn kernel at that time."]
     if any(r["above_roof"] for r in rows):
         notes.append(ABOVE_ROOF_NOTE)
