@@ -181,9 +181,7 @@ def _plan(args):
             regime=regime, num_features=m)))
     if args.shape and args.n:
         print("note: --shape sets n for its points; --n is ignored", file=sys.stderr)
-    regimes = {shape[4] for shape in shapes if shape[4]} | (
-        set(args.regime) if any(not shape[4] for shape in shapes) else set())
-    if "decode" in regimes and args.causal == "no":
+    if args.causal == "no" and any(p.regime == "decode" for p in points):
         print("note: a decode point is causal (its query is the newest token); --causal no "
               "applies to the prefill points only", file=sys.stderr)
     if args.kind == "softmax" and args.feature_map != [FEATURE_MAPS[0]]:

@@ -1,6 +1,7 @@
 """The measuring engine of ``fastattn bench``, ``fastattn report`` and ``benchmarks/``: one
 input factory, call builder, timing loop, memory probe, roof rule and check, run for one
-point (a dict of :meth:`~fastattn.bench.sweep.Point.spec` fields) by :func:`measure_point`."""
+point (a dict of :meth:`~fastattn.bench.sweep.Point.spec` fields) by :func:`prepare_point`,
+:func:`time_call` and :func:`finish_point`."""
 
 import ctypes
 import ctypes.util
@@ -125,6 +126,11 @@ def time_call(call, repeats, estimate_s, min_time_s=None, max_repeats=None):
     deadline = time.perf_counter() + min_time_s
     while len(times) < repeats or (len(times) < max_repeats and time.perf_counter() < deadline):
         times.append(timer.timeit(number) / number)
+    return _timing(times, number)
+
+
+def _timing(times, number):
+    """The fields of :func:`time_call` from its ``times`` (seconds a call) and ``number``."""
     return {"times_s": times, "median_s": float(np.median(times)), "min_s": min(times),
             "max_s": max(times), "number": number, "repeats": len(times)}
 
@@ -475,9 +481,7 @@ def failure(exc):
 
 def merge_timings(timings):
     """One :func:`time_call` result from several (the rounds of an interleaved point)."""
-    times = [t for timing in timings for t in timing["times_s"]]
-    return {"times_s": times, "median_s": float(np.median(times)), "min_s": min(times),
-            "max_s": max(times), "number": timings[0]["number"], "repeats": len(times)}
+    return _timing([t for timing in timings for t in timing["times_s"]], timings[0]["number"])
 
 
 def finish_point(spec, fields, timing):
@@ -488,22 +492,3 @@ def finish_point(spec, fields, timing):
                   if fields["median_s"] > 0 else None)
     return fields
 
-
-def measure_point(spec, repeats=5, memory=True, check=True, seed=DEFAULT_SEED,
-                  references=None, max_point_s=None, min_time_s=None):
-    """The outcome fields of one point measured on its own: :func:`prepare_point`, its
-    timed repeats (:func:`time_call`) and :func:`finish_point`.
-
-    ``status`` ("ok", "skipped", "error"), ``reason`` and when ok the fields of
-    :func:`time_call`, ``flops``, ``gflops``, ``peak_bytes``, ``memory_method`` (and
-    ``peak_bytes_tracemalloc`` for the reference), the check's, ``seed``, ``load_avg_1m``,
-    ``warmup_s``."""
-    call, fields, n_repeats, estimate = prepare_point(spec, repeats, memory, check, seed,
-                                                      references, max_point_s)
-    if call is None:
-        return fields
-    try:
-        timing = time_call(call, n_repeats, estimate, min_time_s)
-    except Exception as exc:
-        return failure(exc)
-    return finish_point(spec, fields, timing)

@@ -121,7 +121,8 @@ class Point:
 @dataclass(frozen=True)
 class Options:
     """How each point is measured: ``repeats`` after a warm-up, ``min_time_s`` and
-    ``max_point_s`` as in :func:`~fastattn.bench.engine.measure_point`, the ``memory``
+    ``max_point_s`` as in :func:`~fastattn.bench.engine.prepare_point` and
+    :func:`~fastattn.bench.engine.time_call`, the ``memory``
     probe and the ``check``, ``point_timeout_s`` (then an error, the worker replaced),
     and the GEMM ``roof`` probe (``roof_budget_s`` seconds each).  The backends of one
     shape take turns over ``rounds`` rounds (default: one a repeat; fewer make a long grid
@@ -407,7 +408,7 @@ class _Entry:
         return answer["fields"]
 
     def time(self, repeats, min_time_s, max_repeats, options):
-        """One round of timed repeats; False when the point has failed."""
+        """One round of timed repeats; on a failure ``fields`` says why (``ok`` is False)."""
         payload = {"key": self.key, "repeats": repeats, "min_time_s": min_time_s,
                    "max_repeats": max_repeats}
         try:
@@ -417,14 +418,13 @@ class _Entry:
                 timing = self.request("time", payload, options)
         except RuntimeError as exc:
             self.fields = {"status": "error", "reason": str(exc)}
-            return False
+            return
         if timing is None or "failure" in timing:
             self.fields = timing["failure"] if timing else {
                 "status": "error", "reason": "the measuring process lost the prepared call"}
-            return False
+            return
         self.thread_counts = timing.pop("thread_counts")
         self.timings.append(timing)
-        return True
 
     def outcome(self, roofs):
         if not self.ok or not self.timings:
