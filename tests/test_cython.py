@@ -348,12 +348,13 @@ def test_noncausal_linear_around_its_chunk_edges(lead, n, dtype, threads):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f64"])
-def test_causal_linear_finds_an_inf_past_the_first_block_of_values(dtype):
-    # The values are checked for inf/NaN in blocks of 2**16 elements shared
-    # out by OpenMP: an inf in a later block must still keep the diagonal
-    # term off the GEMM (0 * inf would make earlier rows of its chunk NaN).
+def test_causal_linear_finds_an_inf_in_a_later_chunk_of_values(dtype):
+    # The values are checked for inf/NaN chunk by chunk: an inf in a later
+    # chunk of the second head must still keep that chunk's diagonal term off
+    # the one product (0 * inf would make earlier rows of its chunk NaN), and
+    # the chunks before it keep the product.
     q, k, v = make_qkv((2, 1100, 8), d_v=32, dtype=dtype, seed=32)
-    v[1, 1050, 3] = np.inf        # element 1100*32 + 1050*32 + 3 > 2**16
+    v[1, 1050, 3] = np.inf        # chunk 16 of head 1
     got = fastattn.linear_attention(q, k, v, causal=True, backend="cython")
     want = reference64(fastattn.linear_attention, q, k, v, causal=True)
     assert np.isfinite(got[1, :1050]).all()

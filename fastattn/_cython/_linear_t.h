@@ -17,18 +17,28 @@
  *
  * Sums run in the order of j, one FMA at a time, in the input's precision,
  * like BLAS.
+ *
+ * Prefetch: the product and the elu map take the next piece of a stream
+ * (`ahead`, `ahead_bytes`: the next chunk's values, queries, keys or
+ * output) and touch one 64-byte line of it an iteration into L2, so that a
+ * stream from memory arrives while this chunk computes instead of stalling
+ * the next one (a 128-key chunk fold waited as long as it computed at
+ * n = 16384, H = 8, 1 thread, before).
  */
+#define FL_PREFETCH(address) __builtin_prefetch((address), 0, 2)
 
 /* R rows x NC vectors of o: o (= or +=) p v over j < width, then times scale[r] */
 FA_AVX512 FA_INLINE void FA_NAME(fl_product_block)(const FA_T *p, long prs, long pjs,
                                                    const FA_T *v, int ldv, int width, FA_T *o,
                                                    int ldo, int accumulate, const FA_T *scale,
+                                                   const char *ahead, long ahead_lines,
                                                    const int R, const int NC) {
     FA_VT acc[6][4];
     for (int r = 0; r < R; r++)
         for (int c = 0; c < NC; c++)
             acc[r][c] = accumulate ? FA_VLOAD(o + (size_t) r * ldo + FA_L * c) : FA_VZERO();
     for (int j = 0; j < width; j++) {
+        if (j < ahead_lines) FL_PREFETCH(ahead + 64 * (long) j);
         FA_VT vv[4];
         for (int c = 0; c < NC; c++) vv[c] = FA_VLOAD(v + (size_t) j * ldv + FA_L * c);
         for (int r = 0; r < R; r++) {
@@ -45,23 +55,27 @@ FA_AVX512 FA_INLINE void FA_NAME(fl_product_block)(const FA_T *p, long prs, long
 
 #define FL_PRODUCT_R(NC) \
     switch (R) { \
-    case 6: FA_NAME(fl_product_block)(pr, prs, pjs, v, ldv, w, o, ldo, accumulate, sc, 6, NC); break; \
-    case 5: FA_NAME(fl_product_block)(pr, prs, pjs, v, ldv, w, o, ldo, accumulate, sc, 5, NC); break; \
-    case 4: FA_NAME(fl_product_block)(pr, prs, pjs, v, ldv, w, o, ldo, accumulate, sc, 4, NC); break; \
-    case 3: FA_NAME(fl_product_block)(pr, prs, pjs, v, ldv, w, o, ldo, accumulate, sc, 3, NC); break; \
-    case 2: FA_NAME(fl_product_block)(pr, prs, pjs, v, ldv, w, o, ldo, accumulate, sc, 2, NC); break; \
-    default: FA_NAME(fl_product_block)(pr, prs, pjs, v, ldv, w, o, ldo, accumulate, sc, 1, NC); break; \
+    case 6: FA_NAME(fl_product_block)(pr, prs, pjs, v, ldv, w, o, ldo, accumulate, sc, ahead, ahead_lines, 6, NC); break; \
+    case 5: FA_NAME(fl_product_block)(pr, prs, pjs, v, ldv, w, o, ldo, accumulate, sc, ahead, ahead_lines, 5, NC); break; \
+    case 4: FA_NAME(fl_product_block)(pr, prs, pjs, v, ldv, w, o, ldo, accumulate, sc, ahead, ahead_lines, 4, NC); break; \
+    case 3: FA_NAME(fl_product_block)(pr, prs, pjs, v, ldv, w, o, ldo, accumulate, sc, ahead, ahead_lines, 3, NC); break; \
+    case 2: FA_NAME(fl_product_block)(pr, prs, pjs, v, ldv, w, o, ldo, accumulate, sc, ahead, ahead_lines, 2, NC); break; \
+    default: FA_NAME(fl_product_block)(pr, prs, pjs, v, ldv, w, o, ldo, accumulate, sc, ahead, ahead_lines, 1, NC); break; \
     }
 
 /* For r < rows: o[r, :d_v] (= or, when accumulate, +=) sum_{j < w_r} p[r prs + j pjs] v[j, :d_v],
  * then times scale[r] when scale is not NULL.  w_r = width, or when seen is not
  * NULL seen[r0 + R - 1] for the block of rows [r0, r0 + R) holding r (seen
- * nondecreasing, p zero past each row's own seen[r]).  d_v a multiple of FA_L. */
+ * nondecreasing, p zero past each row's own seen[r]).  d_v a multiple of FA_L.
+ * ahead_bytes of ahead (NULL, 0: none) are prefetched, a line an iteration. */
 FA_AVX512 __attribute__((unused)) static void FA_NAME(fastattn_linear_product)(const FA_T *p, long prs, long pjs,
                                                        const FA_T *v, int ldv, int rows,
                                                        int width, const int *seen, int d_v,
                                                        FA_T *o0, int ldo, int accumulate,
-                                                       const FA_T *scale) {
+                                                       const FA_T *scale, const void *ahead_to,
+                                                       long ahead_bytes) {
+    const char *ahead = (const char *) ahead_to;
+    long ahead_lines = ahead ? (ahead_bytes + 63) / 64 : 0;
     for (int c0 = 0; c0 < d_v; c0 += 4 * FA_L) {
         int nc = (d_v - c0) / FA_L < 4 ? (d_v - c0) / FA_L : 4;
         for (int r0 = 0; r0 < rows; r0 += 6) {
@@ -76,6 +90,11 @@ FA_AVX512 __attribute__((unused)) static void FA_NAME(fastattn_linear_product)(c
             else if (nc == 2) { FL_PRODUCT_R(2) }
             else { FL_PRODUCT_R(1) }
             v -= c0;
+            if (ahead_lines > 0) {
+                long done = w < ahead_lines ? w : ahead_lines;
+                ahead += 64 * done;
+                ahead_lines -= done;
+            }
         }
     }
 }
@@ -117,13 +136,16 @@ FA_AVX512 __attribute__((unused)) static void FA_NAME(fastattn_linear_mask)(FA_T
 /* out = elu(x) + 1 = x > 0 ? x + 1 : exp(x), NaN kept: the feature map of
  * _vmath.pxd (fastattn_feature_map, elu), with exp(x) = 2**t as in
  * fastattn_exp_sum_avx512 (vscalef for 2**round(t)) and 0 for t <= the
- * smallest normal exponent, as there. */
-FA_AVX512 __attribute__((unused)) static void FA_NAME(fastattn_linear_elu)(const FA_T *x, long n, FA_T *out) {
+ * smallest normal exponent, as there.  ahead (NULL: none): n elements
+ * prefetched, a vector an iteration. */
+FA_AVX512 __attribute__((unused)) static void FA_NAME(fastattn_linear_elu)(const FA_T *x, long n, FA_T *out,
+                                                                          const FA_T *ahead) {
     const FA_VT log2e = FA_VSET1((FA_T) 1.4426950408889634), one = FA_VSET1((FA_T) 1);
     const FA_VT zero = FA_VZERO(), lowest = FA_VSET1(FL_EXP_FLOOR);
     for (long j = 0; j < n; j += FA_L) {
         FA_MT m = n - j >= FA_L ? (FA_MT) ~0u : (FA_MT) ((1u << (n - j)) - 1u);
         FA_VT a = FA_VMLOADZ(m, x + j);
+        if (ahead) FL_PREFETCH(ahead + j);
         /* min(0, a) keeps a NaN a (vminps returns its second operand then) */
         FA_VT t = FA_VMUL(FL_VMIN(zero, a), log2e);
         FA_VT e = FA_VROUND(t);
@@ -139,3 +161,4 @@ FA_AVX512 __attribute__((unused)) static void FA_NAME(fastattn_linear_elu)(const
 #undef FL_CMP
 #undef FL_VMOVZ
 #undef FL_EXP_FLOOR
+#undef FL_PREFETCH

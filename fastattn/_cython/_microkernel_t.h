@@ -5,10 +5,27 @@
  * _microkernel.pxd for what each function does and why.
  */
 
-/* kp[(p d + c) L + t] = k[(L p + t) ldk + c]: keys [0, width) in panels of L, zero past width */
-static void FA_NAME(fastattn_pack_keys)(const FA_T *k, int ldk, int width, int d, FA_T *kp) {
-    int panels = (width + FA_L - 1) / FA_L;
-    for (int p = 0; p < panels; p++) {
+/* kp[(p d + c) L + t] = k[(L p + t) ldk + c]: keys [0, width) in panels of L, zero past width.
+ * A whole panel's column c is one gather (L keys ldk apart); the last, partial panel is
+ * copied element by element. */
+FA_AVX512 static void FA_NAME(fastattn_pack_keys)(const FA_T *k, int ldk, int width, int d, FA_T *kp) {
+    int panels = (width + FA_L - 1) / FA_L, full = width / FA_L;
+#if FA_L == 16
+    const __m512i rows = _mm512_mullo_epi32(
+        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32(ldk));
+#define FA_GATHER_COLUMN(src) _mm512_i32gather_ps(rows, src, sizeof(FA_T))
+#else
+    const __m256i rows = _mm256_mullo_epi32(_mm256_set_epi32(7, 6, 5, 4, 3, 2, 1, 0),
+                                            _mm256_set1_epi32(ldk));
+#define FA_GATHER_COLUMN(src) _mm512_i32gather_pd(rows, src, sizeof(FA_T))
+#endif
+    for (int p = 0; p < full; p++) {
+        const FA_T *src = k + (size_t) p * FA_L * ldk;
+        FA_T *dst = kp + (size_t) p * d * FA_L;
+        for (int c = 0; c < d; c++) FA_VSTORE(dst + (size_t) c * FA_L, FA_GATHER_COLUMN(src + c));
+    }
+#undef FA_GATHER_COLUMN
+    for (int p = full; p < panels; p++) {
         for (int t = 0; t < FA_L; t++) {
             int j = FA_L * p + t;
             FA_T *dst = kp + (size_t) p * d * FA_L + t;

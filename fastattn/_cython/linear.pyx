@@ -34,10 +34,11 @@ from cython cimport floating
 from cython.parallel cimport parallel, prange, threadid
 
 from libc.math cimport log, sqrt
+from libc.string cimport memset
 
 from fastattn._cython._blas cimport gemm
 from fastattn._cython._microkernel cimport (
-    FASTATTN_MICROKERNEL, fastattn_microkernel_ok, pack_keys, scores,
+    FASTATTN_MICROKERNEL, fastattn_microkernel_ok, pack_keys, query_scores, scores,
 )
 from fastattn._cython._vmath cimport all_finite, exp_sum, row_max
 from fastattn._cython._vmath cimport feature_map as _feature_map
@@ -105,23 +106,26 @@ cdef extern from *:
     #define FASTATTN_LINEAR_STUBS(T, X) \
     static void fastattn_linear_product_##X(const T *p, long prs, long pjs, const T *v, int ldv, \
                                             int rows, int width, const int *seen, int d_v, T *o, \
-                                            int ldo, int accumulate, const T *scale) {} \
+                                            int ldo, int accumulate, const T *scale, \
+                                            const void *ahead, long ahead_bytes) {} \
     static void fastattn_linear_mask_##X(T *a, int lda, int rows, const int *seen, T *den) {} \
-    static void fastattn_linear_elu_##X(const T *x, long n, T *out) {}
+    static void fastattn_linear_elu_##X(const T *x, long n, T *out, const T *ahead) {}
     FASTATTN_LINEAR_STUBS(float, f)
     FASTATTN_LINEAR_STUBS(double, d)
     #endif
     """
     void fastattn_linear_product_f(const float *p, long prs, long pjs, const float *v, int ldv,
                                    int rows, int width, const int *seen, int d_v, float *o,
-                                   int ldo, int accumulate, const float *scale) nogil
+                                   int ldo, int accumulate, const float *scale,
+                                   const void *ahead, long ahead_bytes) nogil
     void fastattn_linear_product_d(const double *p, long prs, long pjs, const double *v, int ldv,
                                    int rows, int width, const int *seen, int d_v, double *o,
-                                   int ldo, int accumulate, const double *scale) nogil
+                                   int ldo, int accumulate, const double *scale,
+                                   const void *ahead, long ahead_bytes) nogil
     void fastattn_linear_mask_f(float *a, int lda, int rows, const int *seen, float *den) nogil
     void fastattn_linear_mask_d(double *a, int lda, int rows, const int *seen, double *den) nogil
-    void fastattn_linear_elu_f(const float *x, long n, float *out) nogil
-    void fastattn_linear_elu_d(const double *x, long n, double *out) nogil
+    void fastattn_linear_elu_f(const float *x, long n, float *out, const float *ahead) nogil
+    void fastattn_linear_elu_d(const double *x, long n, double *out, const double *ahead) nogil
     void fastattn_column_sums_f(const float *x, int rows, int d, float *z) nogil
     void fastattn_column_sums_d(const double *x, int rows, int d, double *z) nogil
     void fastattn_row_dots_f(const float *x, int rows, int d, const float *z, float *den) nogil
@@ -160,6 +164,8 @@ cdef enum:
     IDENTITY = 2
     ELU_AVX512 = 3     # elu by fastattn_linear_elu (internal: the kernels pick it)
     _FEATURE_BLOCK = 128
+    _PREFIX_ROWS = 8   # rows of the state a work item of the causal prefix sum
+    _QUERY_RUN = 4     # consecutive query chunks a thread takes (non-causal)
 
 #: Rows per work item of the feature kernels (FAVOR+, Taylor).
 FEATURE_BLOCK = _FEATURE_BLOCK
@@ -170,15 +176,16 @@ FEATURE_MAP_CODES = {"elu": ELU, "relu": RELU, "identity": IDENTITY}
 
 
 cdef inline const floating *_features(const floating *x, Py_ssize_t n, floating *buf,
-                                      int code) noexcept nogil:
-    """``φ(x[0:n])``: ``x`` itself for the identity map, else written into ``buf``."""
+                                      int code, const floating *ahead=NULL) noexcept nogil:
+    """``φ(x[0:n])``: ``x`` itself for the identity map, else written into ``buf``;
+    ``ahead`` (the next ``n`` elements to map, or NULL) prefetched by the AVX-512 elu."""
     if code == IDENTITY:
         return x
     if code == ELU_AVX512:
         if floating is float:
-            fastattn_linear_elu_f(x, n, buf)
+            fastattn_linear_elu_f(x, n, buf, ahead)
         else:
-            fastattn_linear_elu_d(x, n, buf)
+            fastattn_linear_elu_d(x, n, buf, ahead)
         return buf
     _feature_map(x, n, buf, code == RELU)
     return buf
@@ -186,18 +193,20 @@ cdef inline const floating *_features(const floating *x, Py_ssize_t n, floating 
 
 cdef inline void _product(const floating *p, long prs, long pjs, const floating *v, int ldv,
                           int rows, int width, const int *seen, int d_v, floating *o, int ldo,
-                          bint accumulate, const floating *scale) noexcept nogil:
+                          bint accumulate, const floating *scale, const void *ahead=NULL,
+                          Py_ssize_t ahead_bytes=0) noexcept nogil:
     """``o[r] (+)= Σ_{j < width} p[r prs + j pjs] v[j]``, times ``scale[r]`` (AVX-512).
 
     See ``fastattn_linear_product`` in ``_linear_t.h`` (``seen``: the keys
-    each block of rows reads, for the masked diagonal).
+    each block of rows reads, for the masked diagonal; ``ahead_bytes`` from
+    ``ahead`` prefetched meanwhile).
     """
     if floating is float:
         fastattn_linear_product_f(p, prs, pjs, v, ldv, rows, width, seen, d_v, o, ldo,
-                                  accumulate, scale)
+                                  accumulate, scale, ahead, ahead_bytes)
     else:
         fastattn_linear_product_d(p, prs, pjs, v, ldv, rows, width, seen, d_v, o, ldo,
-                                  accumulate, scale)
+                                  accumulate, scale, ahead, ahead_bytes)
 
 
 cdef inline void _mask_diagonal(floating *a, int lda, int rows, const int *seen,
@@ -238,11 +247,14 @@ cdef inline void _scale_rows(floating *o, int rows, int d_v, const floating *sca
 
 
 cdef inline void _fold_features(const floating *phi, const floating *v, int rows, int d_k,
-                                int d_v, floating *S, floating *z, bint micro) noexcept nogil:
-    """``S += φᵀ v``, ``z += Σ φ`` over ``rows`` keys whose features ``φ`` are formed."""
+                                int d_v, floating *S, floating *z, bint micro,
+                                const floating *v_ahead=NULL, int ahead_rows=0) noexcept nogil:
+    """``S += φᵀ v``, ``z += Σ φ`` over ``rows`` keys whose features ``φ`` are formed
+    (``ahead_rows`` of values from ``v_ahead`` prefetched meanwhile)."""
     if micro:
         # φᵀ read down the columns of φ: no transpose.
-        _product(phi, 1, d_k, v, d_v, d_k, rows, NULL, d_v, S, d_v, True, NULL)
+        _product(phi, 1, d_k, v, d_v, d_k, rows, NULL, d_v, S, d_v, True, NULL, v_ahead,
+                 <Py_ssize_t> ahead_rows * d_v * sizeof(floating))
     else:
         gemm(True, False, d_k, d_v, rows, 1, phi, d_k, v, d_v, 1, S, d_v)
     # z gains one chunk sum (taken in double) per chunk, not one key at a
@@ -253,33 +265,45 @@ cdef inline void _fold_features(const floating *phi, const floating *v, int rows
 cdef void _fold_keys(const floating *k, const floating *v, int j0, int j1,
                      int d_k, int d_v, int code, int chunk,
                      floating *S, floating *z, floating *buf, bint micro) noexcept nogil:
-    """``S += φ(k[j0:j1])ᵀ v[j0:j1]``, ``z += Σ φ(k[j0:j1])``, ``chunk`` keys at a time."""
-    cdef int t, c0, rows
+    """``S += φ(k[j0:j1])ᵀ v[j0:j1]``, ``z += Σ φ(k[j0:j1])``, ``chunk`` keys at a time
+    (each chunk prefetching the next one's keys and values)."""
+    cdef int t, c0, rows, next_rows
     for t in range((j1 - j0 + chunk - 1) // chunk if j1 > j0 else 0):
         c0 = j0 + t * chunk
         rows = min(chunk, j1 - c0)
-        _fold_features(_features(k + <Py_ssize_t> c0 * d_k, <Py_ssize_t> rows * d_k, buf, code),
-                       v + <Py_ssize_t> c0 * d_v, rows, d_k, d_v, S, z, micro)
+        next_rows = max(0, min(chunk, j1 - c0 - rows))
+        _fold_features(_features(k + <Py_ssize_t> c0 * d_k, <Py_ssize_t> rows * d_k, buf, code,
+                                 k + <Py_ssize_t> (c0 + rows) * d_k if next_rows else NULL),
+                       v + <Py_ssize_t> c0 * d_v, rows, d_k, d_v, S, z, micro,
+                       v + <Py_ssize_t> (c0 + rows) * d_v, next_rows)
 
 
 cdef const floating *_query_chunk(const floating *q, int i0, int i1, int d_k, int d_v,
                                   int code, const floating *S, const floating *z,
                                   floating *out, floating *buf, floating *den,
-                                  bint normalise, floating eps, bint micro) noexcept nogil:
+                                  bint normalise, floating eps, bint micro,
+                                  int ahead_rows=0) noexcept nogil:
     """``out[i0:i1] = φ(q) S`` and ``den = φ(q) · z``; returns ``φ(q[i0:i1])``.
 
     ``normalise``: the rows are divided by ``den + eps`` too and ``den``
-    holds the row scales (:func:`_scales`) on return.
+    holds the row scales (:func:`_scales`) on return.  ``ahead_rows``: the
+    next chunk's rows of ``q`` and ``out`` from ``i1`` prefetched meanwhile.
     """
     cdef int rows = i1 - i0
     cdef const floating *phi = _features(q + <Py_ssize_t> i0 * d_k, <Py_ssize_t> rows * d_k,
-                                         buf, code)
-    _row_dots(phi, rows, d_k, z, den)
+                                         buf, code,
+                                         q + <Py_ssize_t> i1 * d_k if ahead_rows else NULL)
+    if micro and d_k % (64 // sizeof(floating)) == 0:   # whole vectors
+        # A lane-sum tree a vector of rows, not a reduction across lanes a row.
+        query_scores(z, phi, rows, d_k, 1, den, 0)
+    else:
+        _row_dots(phi, rows, d_k, z, den)
     if normalise:
         _scales(den, rows, eps)
     if micro:
         _product(phi, d_k, 1, S, d_v, rows, d_k, NULL, d_v, out + <Py_ssize_t> i0 * d_v, d_v,
-                 False, den if normalise else NULL)
+                 False, den if normalise else NULL, out + <Py_ssize_t> i1 * d_v,
+                 <Py_ssize_t> ahead_rows * d_v * sizeof(floating))
         return phi
     gemm(False, False, rows, d_v, d_k, 1, phi, d_k, S, d_v, 0,
          out + <Py_ssize_t> i0 * d_v, d_v)
@@ -342,38 +366,42 @@ def _noncausal(
             for s in range(n_seg):
                 total = total + z_seg[b, s, a]
             z[b, a] = total
-        for item in prange(n_batch * n_chunks, schedule="dynamic"):
+        # Runs of _QUERY_RUN chunks a thread, each prefetching the next of its run.
+        for item in prange(n_batch * n_chunks, schedule="dynamic", chunksize=_QUERY_RUN):
             b = item // n_chunks
             i0 = (item % n_chunks) * chunk
             i1 = min(i0 + chunk, n_q)
             _query_chunk(&q[b, 0, 0], i0, i1, d_k, d_v, code, &S[b, 0, 0], &z[b, 0],
-                         &out[b, 0, 0], buf, buf + chunk * d_k, True, <floating> eps, micro)
+                         &out[b, 0, 0], buf, buf + chunk * d_k, True, <floating> eps, micro,
+                         min(chunk, n_q - i1) if (item + 1) % _QUERY_RUN else 0)
 
 
 cdef void _causal_segment(const floating *q, const floating *k, const floating *v,
                           floating *out, floating *S, floating *z,
                           int n_q, int n_k, int d_k, int d_v, int code, floating eps,
                           int chunk, int c_begin, int c_end, int folded, bint last, bint fold,
-                          bint v_finite, floating *q_buf, floating *k_buf, floating *a_buf,
-                          floating *den, floating *kp, int *seen, bint micro) noexcept nogil:
+                          floating *q_buf, floating *k_buf, floating *a_buf,
+                          floating *den, floating *kp, int *seen, bint micro,
+                          bint ahead_last=False) noexcept nogil:
     """Query chunks ``[c_begin, c_end)`` of one head, in order, from the state ``(S, z)``.
 
     ``(S, z)`` holds the keys ``[0, folded)`` on entry; keys are folded in as
     the chunks advance (to ``n_k`` at the end when ``last``); not ``fold``: a
     single chunk whose state is formed already, ``(S, z)`` only read.  ``micro``: the
     AVX-512 products (``kp``: room for the chunk's keys packed in panels), and
-    when ``v_finite`` the diagonal is a product over each block of rows'
-    visible keys; else BLAS.
+    when the chunk's values are all finite the diagonal is a product over each
+    block of rows' visible keys; else BLAS.  Each chunk prefetches the next
+    one's rows (queries, keys, values, output), the last one when ``ahead_last``.
     """
     cdef int off = n_k - n_q
-    cdef int i0, i1, rows, p0, p1, width, r, r0, j, c, t, w
+    cdef int i0, i1, rows, p0, p1, width, r, r0, j, c, t, w, next_rows
     cdef floating a
     cdef floating *arow
     cdef floating *orow
     cdef const floating *vrow
     cdef const floating *phi_q
     cdef const floating *phi_k
-    cdef bint diag_product
+    cdef bint v_finite, diag_product
     for t in range(c_begin, c_end):
         i0 = t * chunk
         i1 = min(i0 + chunk, n_q)
@@ -385,13 +413,18 @@ cdef void _causal_segment(const floating *q, const floating *k, const floating *
         _fold_keys(k, v, folded, p0, d_k, d_v, code, chunk, S, z, k_buf, micro)
         folded = p0
         width = p1 - p0
-        diag_product = micro and v_finite
+        next_rows = min(chunk, n_q - i1) if t + 1 < c_end or ahead_last else 0
         # Without a diagonal, or when its product applies the row scales, the
         # rows are normalised there; else below.
         phi_q = _query_chunk(q, i0, i1, d_k, d_v, code, S, z, out, q_buf, den,
-                             width == 0, eps, micro)
+                             width == 0, eps, micro, next_rows)
         if width > 0:
-            phi_k = _features(k + <Py_ssize_t> p0 * d_k, <Py_ssize_t> width * d_k, k_buf, code)
+            # The diagonal's values all finite (checked here, where they are in
+            # cache): its term may be one product over weights zeroed where masked.
+            v_finite = all_finite(v + <Py_ssize_t> p0 * d_v, <Py_ssize_t> width * d_v)
+            diag_product = micro and v_finite
+            phi_k = _features(k + <Py_ssize_t> p0 * d_k, <Py_ssize_t> width * d_k, k_buf, code,
+                              k + <Py_ssize_t> p1 * d_k if next_rows else NULL)
             for r in range(rows):
                 seen[r] = min(max(i0 + r + off + 1, 0), n_k) - p0
             if micro:
@@ -423,7 +456,8 @@ cdef void _causal_segment(const floating *q, const floating *k, const floating *
             _scales(den, rows, eps)
             if diag_product:
                 _product(a_buf, width, 1, v + <Py_ssize_t> p0 * d_v, d_v, rows, width, seen,
-                         d_v, out + <Py_ssize_t> i0 * d_v, d_v, True, den)
+                         d_v, out + <Py_ssize_t> i0 * d_v, d_v, True, den,
+                         v + <Py_ssize_t> p1 * d_v, <Py_ssize_t> next_rows * d_v * sizeof(floating))
             else:
                 if v_finite:
                     # Masked weights are 0 and every value is finite: one GEMM.
@@ -458,22 +492,20 @@ def _causal(
     double eps,
     int chunk,
     int n_threads,
-    bint v_finite,
 ):
     """Chunked causal linear attention, one parallel region.
 
     ``S_c.shape[1] == 1``: a head a work item, its chunks in order from
     ``(S_c[b, 0], z_c[b, 0])`` (the initial state on entry, the state after
     the last key on return).  Else (fewer heads than threads) ``n_chunks + 1``
-    states a head, the initial state in entry 0 and zeros after it on entry:
-    (1) every chunk's keys (those its successor sees first) are folded into
-    the entry after it, in parallel; (2) a prefix sum over the entries, split
-    by rows of the state, makes entry ``c`` the state chunk ``c`` starts from
-    and the last one the state after the last key; (3) the chunks run in
+    states a head, the initial state in entry 0 on entry (the others are
+    written here): (1) every chunk's keys (those its successor sees first) are
+    folded into the entry after it, zeroed first, in parallel; (2) a prefix sum
+    over the entries, split by blocks of rows of the state (each block's rows
+    contiguous in every entry), makes entry ``c`` the state chunk ``c`` starts
+    from and the last one the state after the last key; (3) the chunks run in
     parallel from their states.  Every key is folded once, each step behind a
-    loop's barrier.  ``v_finite``: every value is finite, so the diagonal term
-    may be one product over weights zeroed where masked (else it forms only
-    the visible terms).  ``seen``: ``chunk`` ints a thread.
+    loop's barrier.  ``seen``: ``chunk`` ints a thread.
     """
     cdef int n_batch = q.shape[0], n_q = q.shape[1], d_k = q.shape[2]
     cdef int n_k = k.shape[1], d_v = v.shape[2]
@@ -481,7 +513,10 @@ def _causal(
     cdef bint by_chunk = S_c.shape[1] > 1
     cdef int n_items = n_batch * (n_chunks + 1) if by_chunk else n_batch
     cdef Py_ssize_t per_thread = 3 * <Py_ssize_t> chunk * d_k + chunk * chunk + chunk
-    cdef int item, b, c, a, j
+    cdef int item, b, c, a, a1, j
+    cdef Py_ssize_t span
+    cdef floating *row
+    cdef const floating *prev
     cdef floating *buf = NULL   # per-thread workspace, set in the parallel block
     cdef floating e = <floating> eps
     cdef bint micro = _use_products(d_v, buf)
@@ -494,7 +529,7 @@ def _causal(
             for item in prange(n_batch, schedule="dynamic"):
                 _causal_segment(&q[item, 0, 0], &k[item, 0, 0], &v[item, 0, 0], &out[item, 0, 0],
                                 &S_c[item, 0, 0, 0], &z_c[item, 0, 0], n_q, n_k, d_k, d_v, code,
-                                e, chunk, 0, n_chunks, 0, True, True, v_finite, buf,
+                                e, chunk, 0, n_chunks, 0, True, True, buf,
                                 buf + chunk * d_k, buf + 2 * chunk * d_k,
                                 buf + 2 * chunk * d_k + chunk * chunk,
                                 buf + 2 * chunk * d_k + chunk * chunk + chunk,
@@ -505,18 +540,27 @@ def _causal(
             for item in prange(n_batch * (n_chunks + 1), schedule="dynamic"):
                 b = item // (n_chunks + 1)
                 c = item % (n_chunks + 1) - 1
+                if c >= 0:
+                    memset(&S_c[b, c + 1, 0, 0], 0, d_k * d_v * sizeof(floating))
+                    memset(&z_c[b, c + 1, 0], 0, d_k * sizeof(floating))
                 _fold_keys(&k[b, 0, 0], &v[b, 0, 0],
                            _chunk_keys(c, n_chunks, chunk, n_q, n_k) if c >= 0 else 0,
                            _chunk_keys(c + 1, n_chunks, chunk, n_q, n_k), d_k, d_v, code, chunk,
                            &S_c[b, c + 1, 0, 0], &z_c[b, c + 1, 0], buf, micro)
-            # (2) the prefix sum, a row of the state at a time
-            for item in prange(n_batch * d_k, schedule="static"):
-                b = item // d_k
-                a = item % d_k
+            # (2) the prefix sum, _PREFIX_ROWS rows of the state at a time
+            for item in prange(n_batch * ((d_k + _PREFIX_ROWS - 1) // _PREFIX_ROWS),
+                               schedule="static"):
+                b = item // ((d_k + _PREFIX_ROWS - 1) // _PREFIX_ROWS)
+                a = item % ((d_k + _PREFIX_ROWS - 1) // _PREFIX_ROWS) * _PREFIX_ROWS
+                a1 = min(a + _PREFIX_ROWS, d_k)
+                span = <Py_ssize_t> (a1 - a) * d_v
                 for c in range(1, n_chunks + 1):
-                    for j in range(d_v):
-                        S_c[b, c, a, j] = S_c[b, c, a, j] + S_c[b, c - 1, a, j]
-                    z_c[b, c, a] = z_c[b, c, a] + z_c[b, c - 1, a]
+                    row = &S_c[b, c, a, 0]
+                    prev = &S_c[b, c - 1, a, 0]
+                    for j in range(span):
+                        row[j] = row[j] + prev[j]
+                    for j in range(a, a1):
+                        z_c[b, c, j] = z_c[b, c, j] + z_c[b, c - 1, j]
             # (3) the chunks from their states
             for item in prange(n_batch * n_chunks, schedule="dynamic"):
                 b = item // n_chunks
@@ -524,7 +568,7 @@ def _causal(
                 _causal_segment(&q[b, 0, 0], &k[b, 0, 0], &v[b, 0, 0], &out[b, 0, 0],
                                 &S_c[b, c, 0, 0], &z_c[b, c, 0], n_q, n_k, d_k, d_v, code, e,
                                 chunk, c, c + 1, _chunk_keys(c, n_chunks, chunk, n_q, n_k),
-                                False, False, v_finite, buf, buf + chunk * d_k,
+                                False, False, buf, buf + chunk * d_k,
                                 buf + 2 * chunk * d_k, buf + 2 * chunk * d_k + chunk * chunk,
                                 buf + 2 * chunk * d_k + chunk * chunk + chunk,
                                 &seen[threadid() * chunk], micro)
@@ -538,18 +582,6 @@ def _takes_products(int d_v, dtype):
     if np.dtype(dtype) == np.float32:
         return bool(_use_products(d_v, &f32))
     return bool(_use_products(d_v, &f64))
-
-
-def _all_finite(const floating[::1] x, int n_threads):
-    """Whether ``x`` holds no inf and no NaN, checked in blocks shared out by OpenMP."""
-    cdef Py_ssize_t n = x.shape[0], block = 1 << 16
-    cdef Py_ssize_t n_blocks = (n + block - 1) // block
-    cdef Py_ssize_t t
-    cdef unsigned char[::1] finite = np.ones(max(n_blocks, 1), dtype=np.uint8)
-    with nogil, parallel(num_threads=max(1, min(n_threads, n_blocks))):
-        for t in prange(n_blocks, schedule="static"):
-            finite[t] = all_finite(&x[t * block], min(block, n - t * block))
-    return bool(np.asarray(finite).all())
 
 
 def linear_attention_forward(q, k, v, feature_map, bint causal, double eps, S0=None, z0=None,
@@ -613,15 +645,14 @@ def linear_attention_forward(q, k, v, feature_map, bint causal, double eps, S0=N
         # folded in segments (that cost only their sum).
         spread = SEGMENTS_PER_THREAD * n_threads
         n_seg = max(1, min(-(-spread // n_batch), n_chunks)) if n_batch < spread else 1
-    S_seg = np.zeros((n_batch, n_seg, d_k, d_v), dtype)
-    z_seg = np.zeros((n_batch, n_seg, d_k), dtype)
-    if S0 is not None:
-        S_seg[:, 0] = S0
-    if z0 is not None:
-        z_seg[:, 0] = z0
+    # Causal, the entries after the first are zeroed by the threads that fold into them.
+    S_seg = (np.empty if causal else np.zeros)((n_batch, n_seg, d_k, d_v), dtype)
+    z_seg = (np.empty if causal else np.zeros)((n_batch, n_seg, d_k), dtype)
+    S_seg[:, 0] = 0 if S0 is None else S0
+    z_seg[:, 0] = 0 if z0 is None else z0
     if causal:
         _causal(q, k, v, out, S_seg, z_seg, workspace, np.empty(n_threads * chunk, np.intc),
-                code, eps, chunk, n_threads, _all_finite(v.reshape(-1), n_threads))
+                code, eps, chunk, n_threads)
         return out, S_seg[:, -1].copy(), z_seg[:, -1].copy()
     S = np.empty((n_batch, d_k, d_v), dtype)
     z = np.empty((n_batch, d_k), dtype)
