@@ -34,7 +34,7 @@ from cython cimport floating
 from cython.parallel cimport parallel, prange, threadid
 
 from libc.math cimport log, sqrt
-from libc.string cimport memset
+from libc.string cimport memcpy, memset
 
 from fastattn._cython._blas cimport gemm
 from fastattn._cython._microkernel cimport (
@@ -50,6 +50,10 @@ CHUNK = 64
 #: the call overheads of BLAS are a small part of it while the feature
 #: buffer (``128 d_k`` elements) stays in L1 (256 rows measured slower, 1 thread).
 NONCAUSAL_CHUNK = 128
+
+#: Causal, fewer heads than threads: each head's chunks in this many runs a
+#: thread, a run's chunks one after another from the run's state.
+RUNS_PER_THREAD = 4
 
 #: Non-causal, fewer than this many heads a thread: segments of keys a thread:
 #: with several a thread, shared out dynamically, a thread slowed by other
@@ -93,6 +97,11 @@ cdef extern from *:
             den[r] = acc; \
         } \
     } \
+    /* y[0:n] += x[0:n] */ \
+    FASTATTN_LINEAR_TARGETS static void fastattn_add_##X(const T *x, long n, T *y) { \
+        _Pragma("omp simd") \
+        for (long j = 0; j < n; j++) y[j] += x[j]; \
+    } \
     /* sum x[0:n] */ \
     FASTATTN_LINEAR_TARGETS static T fastattn_sum_##X(const T *x, int n) { \
         T acc = 0; \
@@ -130,6 +139,8 @@ cdef extern from *:
     void fastattn_column_sums_d(const double *x, int rows, int d, double *z) nogil
     void fastattn_row_dots_f(const float *x, int rows, int d, const float *z, float *den) nogil
     void fastattn_row_dots_d(const double *x, int rows, int d, const double *z, double *den) nogil
+    void fastattn_add_f(const float *x, long n, float *y) nogil
+    void fastattn_add_d(const double *x, long n, double *y) nogil
     float fastattn_sum_f(const float *x, int n) nogil
     double fastattn_sum_d(const double *x, int n) nogil
 
@@ -149,6 +160,14 @@ cdef inline void _row_dots(const floating *x, int rows, int d, const floating *z
         fastattn_row_dots_f(x, rows, d, z, den)
     else:
         fastattn_row_dots_d(x, rows, d, z, den)
+
+
+cdef inline void _add(const floating *x, Py_ssize_t n, floating *y) noexcept nogil:
+    """``y[0:n] += x[0:n]``."""
+    if floating is float:
+        fastattn_add_f(x, n, y)
+    else:
+        fastattn_add_d(x, n, y)
 
 
 cdef inline floating _sum(const floating *x, int n) noexcept nogil:
@@ -264,14 +283,16 @@ cdef inline void _fold_features(const floating *phi, const floating *v, int rows
 
 cdef void _fold_keys(const floating *k, const floating *v, int j0, int j1,
                      int d_k, int d_v, int code, int chunk,
-                     floating *S, floating *z, floating *buf, bint micro) noexcept nogil:
-    """``S += φ(k[j0:j1])ᵀ v[j0:j1]``, ``z += Σ φ(k[j0:j1])``, ``chunk`` keys at a time
-    (each chunk prefetching the next one's keys and values)."""
+                     floating *S, floating *z, floating *buf, bint micro,
+                     int ahead_to=0) noexcept nogil:
+    """``S += φ(k[j0:j1])ᵀ v[j0:j1]``, ``z += Σ φ(k[j0:j1])``, ``chunk`` keys at a time,
+    each chunk prefetching the next one's keys and values (up to key ``ahead_to``
+    when that is past ``j1``: the next work item's)."""
     cdef int t, c0, rows, next_rows
     for t in range((j1 - j0 + chunk - 1) // chunk if j1 > j0 else 0):
         c0 = j0 + t * chunk
         rows = min(chunk, j1 - c0)
-        next_rows = max(0, min(chunk, j1 - c0 - rows))
+        next_rows = max(0, min(chunk, max(j1, ahead_to) - c0 - rows))
         _fold_features(_features(k + <Py_ssize_t> c0 * d_k, <Py_ssize_t> rows * d_k, buf, code,
                                  k + <Py_ssize_t> (c0 + rows) * d_k if next_rows else NULL),
                        v + <Py_ssize_t> c0 * d_v, rows, d_k, d_v, S, z, micro,
@@ -484,8 +505,10 @@ def _causal(
     const floating[:, :, ::1] k,
     const floating[:, :, ::1] v,
     floating[:, :, ::1] out,
-    floating[:, :, :, ::1] S_c,
-    floating[:, :, ::1] z_c,
+    floating[:, :, :, ::1] S_r,
+    floating[:, :, ::1] z_r,
+    floating[:, :, :, ::1] S_d,
+    floating[:, :, ::1] z_d,
     floating[::1] workspace,
     int[::1] seen,
     int code,
@@ -495,29 +518,39 @@ def _causal(
 ):
     """Chunked causal linear attention, one parallel region.
 
-    ``S_c.shape[1] == 1``: a head a work item, its chunks in order from
-    ``(S_c[b, 0], z_c[b, 0])`` (the initial state on entry, the state after
-    the last key on return).  Else (fewer heads than threads) ``n_chunks + 1``
-    states a head, the initial state in entry 0 on entry (the others are
-    written here): (1) every chunk's keys (those its successor sees first) are
-    folded into the entry after it, zeroed first, in parallel; (2) a prefix sum
-    over the entries, split by blocks of rows of the state (each block's rows
-    contiguous in every entry), makes entry ``c`` the state chunk ``c`` starts
-    from and the last one the state after the last key; (3) the chunks run in
-    parallel from their states.  Every key is folded once, each step behind a
-    loop's barrier.  ``seen``: ``chunk`` ints a thread.
+    ``S_d.shape[1] == 0``: a head a work item, its chunks in order from
+    ``(S_r[b, 0], z_r[b, 0])`` (the initial state on entry, the state after
+    the last key on return).  Else (fewer heads than threads) a head's chunks
+    are cut into ``G = S_r.shape[1] - 1`` runs of consecutive chunks,
+    ``(S_d[b, c], z_d[b, c])`` holds the keys of chunk ``c`` (those its
+    successor sees first) and ``(S_r[b, g], z_r[b, g])`` becomes the state run
+    ``g`` starts from (entry 0 the initial state on entry, entry ``G`` the
+    state after the last key on return):
+
+    1. in parallel, entry 0 gains the keys before the first chunk's, and each
+       run folds its chunks' keys into their own ``S_d`` (zeroed first) and
+       sums them into ``S_r[b, g + 1]``;
+    2. a prefix sum over the ``G + 1`` entries of ``S_r``, split by blocks of
+       rows of the state;
+    3. the runs in parallel, each from its entry of ``S_r`` copied into the
+       thread's own state, which gains ``S_d[b, c]`` after each chunk ``c``.
+
+    Every key is folded once, and each chunk's state is written once and read
+    once; each step is behind a loop's barrier.  ``seen``: ``chunk`` ints a thread.
     """
     cdef int n_batch = q.shape[0], n_q = q.shape[1], d_k = q.shape[2]
     cdef int n_k = k.shape[1], d_v = v.shape[2]
     cdef int n_chunks = (n_q + chunk - 1) // chunk
-    cdef bint by_chunk = S_c.shape[1] > 1
-    cdef int n_items = n_batch * (n_chunks + 1) if by_chunk else n_batch
-    cdef Py_ssize_t per_thread = 3 * <Py_ssize_t> chunk * d_k + chunk * chunk + chunk
-    cdef int item, b, c, a, a1, j
-    cdef Py_ssize_t span
-    cdef floating *row
-    cdef const floating *prev
+    cdef bint by_chunk = S_d.shape[1] > 0
+    cdef int n_runs = S_r.shape[1] - 1
+    cdef int run = (n_chunks + n_runs - 1) // n_runs if by_chunk else n_chunks
+    cdef int n_items = n_batch * (n_runs + 1) if by_chunk else n_batch
+    cdef int row_blocks = (d_k + _PREFIX_ROWS - 1) // _PREFIX_ROWS
+    cdef Py_ssize_t state = <Py_ssize_t> d_k * d_v
+    cdef Py_ssize_t per_thread = 3 * <Py_ssize_t> chunk * d_k + chunk * chunk + chunk + state + d_k
+    cdef int item, b, c, g, a, a1, c_end
     cdef floating *buf = NULL   # per-thread workspace, set in the parallel block
+    cdef floating *own = NULL   # the thread's own state in step 3
     cdef floating e = <floating> eps
     cdef bint micro = _use_products(d_v, buf)
     if micro and code == ELU:
@@ -525,53 +558,64 @@ def _causal(
 
     with nogil, parallel(num_threads=max(1, min(n_threads, n_items))):
         buf = &workspace[0] + threadid() * per_thread
+        own = buf + 3 * chunk * d_k + chunk * chunk + chunk
         if not by_chunk:
             for item in prange(n_batch, schedule="dynamic"):
                 _causal_segment(&q[item, 0, 0], &k[item, 0, 0], &v[item, 0, 0], &out[item, 0, 0],
-                                &S_c[item, 0, 0, 0], &z_c[item, 0, 0], n_q, n_k, d_k, d_v, code,
+                                &S_r[item, 0, 0, 0], &z_r[item, 0, 0], n_q, n_k, d_k, d_v, code,
                                 e, chunk, 0, n_chunks, 0, True, True, buf,
                                 buf + chunk * d_k, buf + 2 * chunk * d_k,
                                 buf + 2 * chunk * d_k + chunk * chunk,
                                 buf + 2 * chunk * d_k + chunk * chunk + chunk,
                                 &seen[threadid() * chunk], micro)
         else:
-            # (1) entry c + 1 += the keys [start of chunk c, start of chunk c + 1),
-            # entry 0 += the keys before the first chunk's.
-            for item in prange(n_batch * (n_chunks + 1), schedule="dynamic"):
-                b = item // (n_chunks + 1)
-                c = item % (n_chunks + 1) - 1
-                if c >= 0:
-                    memset(&S_c[b, c + 1, 0, 0], 0, d_k * d_v * sizeof(floating))
-                    memset(&z_c[b, c + 1, 0], 0, d_k * sizeof(floating))
-                _fold_keys(&k[b, 0, 0], &v[b, 0, 0],
-                           _chunk_keys(c, n_chunks, chunk, n_q, n_k) if c >= 0 else 0,
-                           _chunk_keys(c + 1, n_chunks, chunk, n_q, n_k), d_k, d_v, code, chunk,
-                           &S_c[b, c + 1, 0, 0], &z_c[b, c + 1, 0], buf, micro)
-            # (2) the prefix sum, _PREFIX_ROWS rows of the state at a time
-            for item in prange(n_batch * ((d_k + _PREFIX_ROWS - 1) // _PREFIX_ROWS),
-                               schedule="static"):
-                b = item // ((d_k + _PREFIX_ROWS - 1) // _PREFIX_ROWS)
-                a = item % ((d_k + _PREFIX_ROWS - 1) // _PREFIX_ROWS) * _PREFIX_ROWS
+            # (1) entry 0 += the keys before the first chunk's; run g: S_d[b, c] = the keys
+            # [start of chunk c, start of chunk c + 1), S_r[b, g + 1] = their sum over the run.
+            for item in prange(n_batch * (n_runs + 1), schedule="dynamic"):
+                b = item // (n_runs + 1)
+                g = item % (n_runs + 1) - 1
+                if g < 0:
+                    _fold_keys(&k[b, 0, 0], &v[b, 0, 0], 0, _chunk_keys(0, n_chunks, chunk, n_q, n_k),
+                               d_k, d_v, code, chunk, &S_r[b, 0, 0, 0], &z_r[b, 0, 0], buf, micro)
+                    continue
+                memset(&S_r[b, g + 1, 0, 0], 0, state * sizeof(floating))
+                memset(&z_r[b, g + 1, 0], 0, d_k * sizeof(floating))
+                c_end = min((g + 1) * run, n_chunks)
+                for c in range(g * run, c_end):
+                    memset(&S_d[b, c, 0, 0], 0, state * sizeof(floating))
+                    memset(&z_d[b, c, 0], 0, d_k * sizeof(floating))
+                    _fold_keys(&k[b, 0, 0], &v[b, 0, 0], _chunk_keys(c, n_chunks, chunk, n_q, n_k),
+                               _chunk_keys(c + 1, n_chunks, chunk, n_q, n_k), d_k, d_v, code,
+                               chunk, &S_d[b, c, 0, 0], &z_d[b, c, 0], buf, micro,
+                               _chunk_keys(c + 2, n_chunks, chunk, n_q, n_k) if c + 1 < c_end else 0)
+                    _add(&S_d[b, c, 0, 0], state, &S_r[b, g + 1, 0, 0])
+                    _add(&z_d[b, c, 0], d_k, &z_r[b, g + 1, 0])
+            # (2) the prefix sum over the runs, _PREFIX_ROWS rows of the state at a time
+            for item in prange(n_batch * row_blocks, schedule="static"):
+                b = item // row_blocks
+                a = item % row_blocks * _PREFIX_ROWS
                 a1 = min(a + _PREFIX_ROWS, d_k)
-                span = <Py_ssize_t> (a1 - a) * d_v
-                for c in range(1, n_chunks + 1):
-                    row = &S_c[b, c, a, 0]
-                    prev = &S_c[b, c - 1, a, 0]
-                    for j in range(span):
-                        row[j] = row[j] + prev[j]
-                    for j in range(a, a1):
-                        z_c[b, c, j] = z_c[b, c, j] + z_c[b, c - 1, j]
-            # (3) the chunks from their states
-            for item in prange(n_batch * n_chunks, schedule="dynamic"):
-                b = item // n_chunks
-                c = item % n_chunks
-                _causal_segment(&q[b, 0, 0], &k[b, 0, 0], &v[b, 0, 0], &out[b, 0, 0],
-                                &S_c[b, c, 0, 0], &z_c[b, c, 0], n_q, n_k, d_k, d_v, code, e,
-                                chunk, c, c + 1, _chunk_keys(c, n_chunks, chunk, n_q, n_k),
-                                False, False, buf, buf + chunk * d_k,
-                                buf + 2 * chunk * d_k, buf + 2 * chunk * d_k + chunk * chunk,
-                                buf + 2 * chunk * d_k + chunk * chunk + chunk,
-                                &seen[threadid() * chunk], micro)
+                for g in range(1, n_runs + 1):
+                    _add(&S_r[b, g - 1, a, 0], <Py_ssize_t> (a1 - a) * d_v, &S_r[b, g, a, 0])
+                    _add(&z_r[b, g - 1, a], a1 - a, &z_r[b, g, a])
+            # (3) the runs, each chunk from the thread's own state
+            for item in prange(n_batch * n_runs, schedule="dynamic"):
+                b = item // n_runs
+                g = item % n_runs
+                memcpy(own, &S_r[b, g, 0, 0], state * sizeof(floating))
+                memcpy(own + state, &z_r[b, g, 0], d_k * sizeof(floating))
+                c_end = min((g + 1) * run, n_chunks)
+                for c in range(g * run, c_end):
+                    _causal_segment(&q[b, 0, 0], &k[b, 0, 0], &v[b, 0, 0], &out[b, 0, 0],
+                                    own, own + state, n_q, n_k, d_k, d_v, code, e, chunk, c,
+                                    c + 1, _chunk_keys(c, n_chunks, chunk, n_q, n_k), False,
+                                    False, buf, buf + chunk * d_k, buf + 2 * chunk * d_k,
+                                    buf + 2 * chunk * d_k + chunk * chunk,
+                                    buf + 2 * chunk * d_k + chunk * chunk + chunk,
+                                    &seen[threadid() * chunk], micro, c + 1 < c_end)
+                    if c + 1 < c_end:
+                        _add(&S_d[b, c, 0, 0], state, own)
+                        _add(&z_d[b, c, 0], d_k, own + state)
 
 
 def _takes_products(int d_v, dtype):
@@ -619,11 +663,12 @@ def linear_attention_forward(q, k, v, feature_map, bint causal, double eps, S0=N
     -----
     Non-causal ``4 · B · n · d_k · d_v`` flops; causal adds the diagonal
     term, ``O(B · n · CHUNK · (d_k + d_v))``.  Extra memory besides the
-    outputs: ``T · (3 CHUNK d_k + CHUNK² + CHUNK)`` elements and ``T · CHUNK``
-    ints for ``T`` threads when causal, ``T · NONCAUSAL_CHUNK · (d_k + 1)``
-    otherwise, and a ``(d_k, d_v)`` state a segment: causal with fewer heads
-    than threads, a state a chunk, ``B (n_q / CHUNK + 1) d_k d_v`` elements
-    (as much as ``q`` at ``d_k = d_v = CHUNK``).  Katharopoulos et al., "Transformers are RNNs" (ICML 2020).
+    outputs: ``T · (3 CHUNK d_k + CHUNK² + CHUNK + d_k d_v + d_k)`` elements
+    and ``T · CHUNK`` ints for ``T`` threads when causal,
+    ``T · NONCAUSAL_CHUNK · (d_k + 1)`` otherwise, and a ``(d_k, d_v)`` state a
+    segment: causal with fewer heads than threads, a state a chunk and a run,
+    ``B (n_q / CHUNK + RUNS_PER_THREAD T + 1) d_k d_v`` elements (about as
+    much as ``q`` at ``d_k = d_v = CHUNK``).  Katharopoulos et al., "Transformers are RNNs" (ICML 2020).
     """
     if feature_map not in FEATURE_MAP_CODES:
         raise ValueError(f"feature_map must be one of {list(FEATURE_MAP_CODES)}, got {feature_map!r}")
@@ -633,13 +678,17 @@ def linear_attention_forward(q, k, v, feature_map, bint causal, double eps, S0=N
     dtype = q.dtype
     out = np.empty((n_batch, n_q, d_v), dtype)
     chunk = CHUNK if causal else NONCAUSAL_CHUNK
-    per_thread = 3 * chunk * d_k + chunk * chunk + chunk if causal else chunk * d_k + chunk
+    per_thread = (3 * chunk * d_k + chunk * chunk + chunk + d_k * d_v + d_k if causal
+                  else chunk * d_k + chunk)
     workspace = np.empty(n_threads * per_thread, dtype)
     code = FEATURE_MAP_CODES[feature_map]
     n_chunks = -(-(n_q if causal else k.shape[1]) // chunk)
     if causal:
-        # Fewer heads than threads: a state a chunk (see _causal).
-        n_seg = n_chunks + 1 if n_batch < n_threads and n_chunks > 1 else 1
+        # Fewer heads than threads: a state a chunk, in RUNS_PER_THREAD runs of chunks a
+        # thread (see _causal).
+        by_chunk = n_batch < n_threads and n_chunks > 1
+        n_runs = min(n_chunks, RUNS_PER_THREAD * n_threads) if by_chunk else 0
+        n_seg = n_runs + 1
     else:
         # Fewer than SEGMENTS_PER_THREAD heads a thread: each head's keys
         # folded in segments (that cost only their sum).
@@ -651,8 +700,10 @@ def linear_attention_forward(q, k, v, feature_map, bint causal, double eps, S0=N
     S_seg[:, 0] = 0 if S0 is None else S0
     z_seg[:, 0] = 0 if z0 is None else z0
     if causal:
-        _causal(q, k, v, out, S_seg, z_seg, workspace, np.empty(n_threads * chunk, np.intc),
-                code, eps, chunk, n_threads)
+        n_d = n_chunks if n_runs else 0
+        _causal(q, k, v, out, S_seg, z_seg, np.empty((n_batch, n_d, d_k, d_v), dtype),
+                np.empty((n_batch, n_d, d_k), dtype), workspace,
+                np.empty(n_threads * chunk, np.intc), code, eps, chunk, n_threads)
         return out, S_seg[:, -1].copy(), z_seg[:, -1].copy()
     S = np.empty((n_batch, d_k, d_v), dtype)
     z = np.empty((n_batch, d_k), dtype)
