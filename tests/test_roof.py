@@ -26,10 +26,13 @@ def test_probe_roof_probes_every_n_asked_and_labels_library_and_time():
     shapes = [(96, 16), (200, 16), (3 * engine.MAX_PROBE_N, 8)]
     probed = engine.probe_roof(shapes, ["float32"], budget_s=0.003, rounds=1)
     gemm = [r for r in probed if r["probe"] == "gemm"]
-    # Each n as asked (not rounded to a power of two), a larger one at MAX_PROBE_N.
-    assert sorted(tuple(r["shape"]) for r in gemm) == [
-        (96, 16, 96), (200, 16, 200), (engine.MAX_PROBE_N, 8, engine.MAX_PROBE_N)] or \
-        sorted(tuple(r["shape"]) for r in gemm) == [(96, 16, 96), (200, 16, 200)]  # no room
+    # Each n as asked (not rounded to a power of two), a larger one at MAX_PROBE_N, and
+    # the lengths where the GEMM runs fastest at every d of the run.
+    peaks = [(n, d, n) for d in (8, 16) for n in engine.PEAK_PROBE_N]
+    asked = [(96, 16, 96), (200, 16, 200)]
+    assert sorted(tuple(r["shape"]) for r in gemm) in (
+        sorted(asked + peaks + [(engine.MAX_PROBE_N, 8, engine.MAX_PROBE_N)]),
+        sorted(asked + peaks))  # no room for the largest
     for r in probed:
         assert r["library"] == "numpy"
         assert "through NumPy" in r["blas"]
@@ -47,9 +50,11 @@ def test_torch_probe_is_labelled_mkl_through_torch():
     import torch
 
     probed = engine.probe_roof([(64, 8)], ["float32"], budget_s=0.003, rounds=1, library="torch")
-    assert [r["probe"] for r in probed] == ["gemm"]   # no exp probe through torch
-    assert probed[0]["blas"].endswith(f"through torch {torch.__version__}")
-    assert probed[0]["blas"].startswith("MKL" if torch.backends.mkl.is_available() else "BLAS")
+    # n = 64 and the peak lengths; no exp probe through torch
+    assert [r["probe"] for r in probed] == ["gemm"] * (1 + len(engine.PEAK_PROBE_N))
+    for r in probed:
+        assert r["blas"].endswith(f"through torch {torch.__version__}")
+        assert r["blas"].startswith("MKL" if torch.backends.mkl.is_available() else "BLAS")
 
 
 def _probe(n, gflops, blas, d=64, dtype="float32", threads=2):
@@ -81,8 +86,8 @@ def test_sweep_probes_the_roof_at_every_n_of_the_points_and_records_the_library(
                                               roof_libraries=("numpy",)),
                         threads=1, progress=None, isolate=False)
     roofs = [r for r in read_records(path) if r["record"] == "roof" and r["probe"] == "gemm"]
-    assert {tuple(r["shape"]) for r in roofs if r["dtype"] == "float32"} == {(24, 8, 24),
-                                                                             (40, 8, 40)}
+    assert {tuple(r["shape"]) for r in roofs if r["dtype"] == "float32"} == {
+        (24, 8, 24), (40, 8, 40), *((n, 8, n) for n in engine.PEAK_PROBE_N)}
     best = max((r for r in roofs if r["dtype"] == "float32"), key=lambda r: r["gflops"])
     for r in records:
         assert r["roof_gflops"] == best["gflops"]

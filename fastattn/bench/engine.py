@@ -227,6 +227,13 @@ def _peak_extra_bytes(call, method):
 #: grid is probed.
 MAX_PROBE_N = 16384
 
+#: Lengths probed at every d of a run besides its own n: where the GEMM ``n x d @ d x n`` runs
+#: fastest on these machines (its n x n output still in cache; from a few thousand n on the
+#: output's writes bound it).  So the roof, the fastest probe, is the machine's GEMM rate at
+#: that d whatever lengths a run holds: a run of long sequences alone probed 2-thread MKL at
+#: 171 GFLOP/s, one with n = 512 among them at 339.
+PEAK_PROBE_N = (512, 1024)
+
 #: BLAS libraries the roof may be probed through: OpenBLAS by NumPy's ``matmul``, and MKL by
 #: ``torch.matmul`` (in the peers' process, when torch is installed).
 ROOF_LIBRARIES = ("numpy", "torch")
@@ -280,7 +287,8 @@ def _task(kind, dtype, n, d, library="numpy"):
 
 def probe_roof(shapes, dtypes=("float32", "float64"), budget_s=0.1, rounds=3, library="numpy"):
     """Roof records: GEMM GFLOP/s of ``n x d @ d x n`` at each attention shape ``(n, d)``
-    (n up to :data:`MAX_PROBE_N`, :func:`probe_n`; ``shape [n, d, n]``, ``gflops``) through
+    (n up to :data:`MAX_PROBE_N`, :func:`probe_n`) and at :data:`PEAK_PROBE_N` for each d
+    (``shape [n, d, n]``, ``gflops``) through
     ``library`` (:data:`ROOF_LIBRARIES`; ``library``, ``blas`` its label, ``probed_at`` UTC),
     and for NumPy its serial exp rate (``gelem_s``), per dtype; each the best repeat over
     ``rounds`` rounds visiting every task in turn (``budget_s`` seconds a task), so a burst of
@@ -291,7 +299,8 @@ def probe_roof(shapes, dtypes=("float32", "float64"), budget_s=0.1, rounds=3, li
         raise ValueError(f"library must be one of {ROOF_LIBRARIES}, got {library!r}")
     import psutil
 
-    sizes = sorted({(probe_n(n), int(d)) for n, d in shapes})
+    sizes = sorted({(probe_n(n), int(d)) for n, d in shapes}
+                   | {(n, int(d)) for _, d in shapes for n in PEAK_PROBE_N})
     room = MEMORY_HEADROOM * psutil.virtual_memory().available / 2  # the output, and slack
     tasks = [("gemm", np.dtype(dt).name, n, d) for dt in dtypes for n, d in sizes
              if n * n * np.dtype(dt).itemsize <= room]  # a probe that cannot fit is left out
@@ -330,8 +339,8 @@ def gemm_probes(roofs, dtype, threads=None, machine=None):
 
 def roof_probe(roofs, dtype, d, threads=None, machine=None):
     """The one roof rule: the fastest GEMM probe of :func:`gemm_probes` at the nearest ``d``,
-    over every probed n and every BLAS library probed (an upper bound: one slowed probe
-    does not lower it), or None.  Its ``gflops`` is the roof, its ``blas`` the library."""
+    over every probed n (:data:`PEAK_PROBE_N` among them) and every BLAS library probed (an
+    upper bound: one slowed probe does not lower it), or None.  Its ``gflops`` is the roof, its ``blas`` the library."""
     found = gemm_probes(roofs, dtype, threads, machine)
     if not found:
         return None

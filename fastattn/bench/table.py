@@ -59,12 +59,11 @@ def format_percent(fraction):
 
 #: Why a kernel can run above its roof, said wherever one is shown above it.
 ABOVE_ROOF_WHY = (
-    "the roof is a measured GEMM of the attention shape (n x d @ d x n, the fastest BLAS "
-    "probed), not a bound: the probe writes an n x n output, so from a few thousand n on it "
-    "is bound by memory, while the tiled kernels (softmax's online-softmax blocks, linear "
-    "attention's chunks and d x d state) keep their blocks in cache and write only n x d; "
-    "a probe slowed by other work lowers it too (the load of each probe and point is in the "
-    "results file)")
+    "the roof is the fastest measured GEMM n x d @ d x n at the kernel's d (the fastest BLAS "
+    "probed, at the run's n and where that GEMM runs fastest), not a bound on the machine: "
+    "a kernel's own register-blocked products can come closer to the cores' FMA peak than "
+    "that BLAS call does, and a probe slowed by other work lowers the roof (the load of "
+    "each probe and point is in the results file)")
 
 
 #: The footnote of a table with a ``!`` in its % roof column.
@@ -368,9 +367,11 @@ def roof_statements(roofs):
                 + (" - the roof" if lib == roof else
                    f" (below {roof}: not the roof)"))
     if lines:
-        from .engine import MAX_PROBE_N
+        from .engine import MAX_PROBE_N, PEAK_PROBE_N
 
         lines.append("A point's roof is the fastest of these probes at its d, over every n and "
-                     f"library (an attention shape above n = {MAX_PROBE_N} is probed at "
-                     f"n = {MAX_PROBE_N}).")
+                     f"library: every n of the run (above n = {MAX_PROBE_N} at "
+                     f"n = {MAX_PROBE_N}) and n = {' and '.join(map(str, PEAK_PROBE_N))}, "
+                     "where the GEMM runs fastest, so the roof does not depend on the "
+                     "lengths a run holds.")
     return lines

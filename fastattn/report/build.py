@@ -8,7 +8,7 @@ import jinja2
 import numpy as np
 
 from .. import __version__
-from ..bench.engine import MAX_PROBE_N
+from ..bench.engine import MAX_PROBE_N, PEAK_PROBE_N
 from ..bench.table import (ABOVE_ROOF_WHY, format_bytes, format_number, format_percent,
                            format_seconds, mask_name, roof_statements)
 from . import analysis, figures, frontier, generation
@@ -359,6 +359,6 @@ def build_report(records, *, source="", quality=None, history=None, history_benc
         comparison_png=comparison_png, peer_help=PEER_HELP,
         summary=_summary(sections[0], quality), quality=_quality_section(quality, all_curves),
         history=_history_section(history, history_benchmark), fit_min_n=analysis.FIT_MIN_N,
-        max_probe_n=MAX_PROBE_N,
+        max_probe_n=MAX_PROBE_N, peak_probe_n=PEAK_PROBE_N,
         from_asv=any(p.get("source") == "asv" for p in points), n_records=len(records))
     return Report(page, pngs[0])
