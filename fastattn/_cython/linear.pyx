@@ -286,17 +286,18 @@ cdef void _fold_keys(const floating *k, const floating *v, int j0, int j1,
                      floating *S, floating *z, floating *buf, bint micro,
                      int ahead_to=0) noexcept nogil:
     """``S += φ(k[j0:j1])ᵀ v[j0:j1]``, ``z += Σ φ(k[j0:j1])``, ``chunk`` keys at a time,
-    each chunk prefetching the next one's keys and values (up to key ``ahead_to``
-    when that is past ``j1``: the next work item's)."""
+    each chunk prefetching the keys and values of the chunk after the next (up to key
+    ``ahead_to`` when that is past ``j1``: the next work item's)."""
     cdef int t, c0, rows, next_rows
     for t in range((j1 - j0 + chunk - 1) // chunk if j1 > j0 else 0):
         c0 = j0 + t * chunk
         rows = min(chunk, j1 - c0)
-        next_rows = max(0, min(chunk, max(j1, ahead_to) - c0 - rows))
+        # The chunk after the next: its rows have a whole chunk's time to arrive.
+        next_rows = max(0, min(chunk, max(j1, ahead_to) - c0 - rows - chunk))
         _fold_features(_features(k + <Py_ssize_t> c0 * d_k, <Py_ssize_t> rows * d_k, buf, code,
-                                 k + <Py_ssize_t> (c0 + rows) * d_k if next_rows else NULL),
+                                 k + <Py_ssize_t> (c0 + rows + chunk) * d_k if next_rows else NULL),
                        v + <Py_ssize_t> c0 * d_v, rows, d_k, d_v, S, z, micro,
-                       v + <Py_ssize_t> (c0 + rows) * d_v, next_rows)
+                       v + <Py_ssize_t> (c0 + rows + chunk) * d_v, next_rows)
 
 
 cdef const floating *_query_chunk(const floating *q, int i0, int i1, int d_k, int d_v,
