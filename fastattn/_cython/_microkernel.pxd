@@ -214,6 +214,14 @@ cdef extern from *:
                                  double *acc, int ahead) nogil
 
 
+cdef inline bint avx512_rows(int width, const floating *dtype_tag) noexcept nogil:
+    """Whether the AVX-512 loops run on rows of ``width`` elements of ``floating``:
+    built with them, the CPU has AVX-512F, and ``width`` a multiple of the lanes
+    (16 float32, 8 float64).  ``dtype_tag``: any pointer of the element type."""
+    cdef int lanes = 16 if floating is float else 8
+    return FASTATTN_MICROKERNEL and width % lanes == 0 and fastattn_microkernel_ok()
+
+
 cdef inline void pack_keys(const floating *k, int ldk, int width, int d, floating *kp) noexcept nogil:
     """``k[0:width]`` in panels of 16 (float32) or 8 (float64) keys for :func:`scores`."""
     if floating is float:

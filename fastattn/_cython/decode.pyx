@@ -41,7 +41,7 @@ from cython.parallel cimport parallel, prange, threadid
 
 from fastattn._cython._blas cimport gemm
 from fastattn._cython._microkernel cimport (
-    FASTATTN_MICROKERNEL, fastattn_microkernel_ok, query_scores, query_values,
+    avx512_rows, query_scores, query_values,
 )
 from fastattn._cython._online cimport online_softmax_row
 from fastattn._cython._vmath cimport feature_map, fexp
@@ -329,10 +329,8 @@ def _split_key_softmax(
     cdef int item, b, sp, j_lo, j_hi, t
     cdef floating *buf = NULL   # per-thread scratch, set in each parallel block
     cdef floating s = <floating> scale
-    # AVX-512 one-query loops when the rows are whole vectors (16 float32, 8 float64 lanes).
-    cdef int lanes = 16 if floating is float else 8
-    cdef bint micro = (FASTATTN_MICROKERNEL and d_k % lanes == 0 and d_v % lanes == 0
-                       and fastattn_microkernel_ok())
+    # AVX-512 one-query loops when the rows are whole vectors.
+    cdef bint micro = avx512_rows(d_k, buf) and avx512_rows(d_v, buf)
 
     with nogil, parallel(num_threads=min(n_threads, n_items)):
         t = threadid()

@@ -38,7 +38,7 @@ from libc.string cimport memcpy, memset
 
 from fastattn._cython._blas cimport gemm
 from fastattn._cython._microkernel cimport (
-    FASTATTN_MICROKERNEL, fastattn_microkernel_ok, pack_keys, query_scores, scores,
+    FASTATTN_MICROKERNEL, avx512_rows, pack_keys, query_scores, scores,
 )
 from fastattn._cython._vmath cimport all_finite, exp_sum, row_max
 from fastattn._cython._vmath cimport feature_map as _feature_map
@@ -238,13 +238,6 @@ cdef inline void _mask_diagonal(floating *a, int lda, int rows, const int *seen,
         fastattn_linear_mask_d(a, lda, rows, seen, den)
 
 
-cdef inline bint _use_products(int d_v, floating *dtype_tag) noexcept nogil:
-    """Whether the AVX-512 products run: built, the CPU has AVX-512F, and
-    ``d_v`` is a multiple of the lanes (16 float32, 8 float64); else BLAS."""
-    cdef int lanes = 16 if floating is float else 8
-    return FASTATTN_MICROKERNEL and d_v % lanes == 0 and fastattn_microkernel_ok()
-
-
 cdef inline void _scales(floating *den, int rows, floating eps) noexcept nogil:
     """``den[r] = 1 / (den[r] + eps)`` in place, or 0 where that denominator
     is exactly 0 (its row becomes ``row * 0``)."""
@@ -315,7 +308,7 @@ cdef const floating *_query_chunk(const floating *q, int i0, int i1, int d_k, in
     cdef const floating *phi = _features(q + <Py_ssize_t> i0 * d_k, <Py_ssize_t> rows * d_k,
                                          buf, code,
                                          q + <Py_ssize_t> i1 * d_k if ahead_rows else NULL)
-    if micro and d_k % (64 // sizeof(floating)) == 0:   # whole vectors
+    if micro and avx512_rows(d_k, phi):
         # A lane-sum tree a vector of rows, not a reduction across lanes a row.
         query_scores(z, phi, rows, d_k, 1, den, 0)
     else:
@@ -364,7 +357,7 @@ def _noncausal(
     cdef int b, s, item, i0, i1, a, c
     cdef floating *buf = NULL   # per-thread workspace, set in the parallel block
     cdef floating total
-    cdef bint micro = _use_products(d_v, buf)
+    cdef bint micro = avx512_rows(d_v, buf)   # the AVX-512 products, else BLAS
     if micro and code == ELU:
         code = ELU_AVX512
 
@@ -553,7 +546,7 @@ def _causal(
     cdef floating *buf = NULL   # per-thread workspace, set in the parallel block
     cdef floating *own = NULL   # the thread's own state in step 3
     cdef floating e = <floating> eps
-    cdef bint micro = _use_products(d_v, buf)
+    cdef bint micro = avx512_rows(d_v, buf)   # the AVX-512 products, else BLAS
     if micro and code == ELU:
         code = ELU_AVX512
 
@@ -625,8 +618,8 @@ def _takes_products(int d_v, dtype):
     cdef float f32 = 0
     cdef double f64 = 0
     if np.dtype(dtype) == np.float32:
-        return bool(_use_products(d_v, &f32))
-    return bool(_use_products(d_v, &f64))
+        return bool(avx512_rows(d_v, &f32))
+    return bool(avx512_rows(d_v, &f64))
 
 
 def linear_attention_forward(q, k, v, feature_map, bint causal, double eps, S0=None, z0=None,

@@ -36,7 +36,7 @@ from libc.string cimport memcpy
 
 from fastattn._cython._blas cimport gemm
 from fastattn._cython._microkernel cimport (
-    FASTATTN_MICROKERNEL, fastattn_microkernel_ok, output, pack_keys, scores,
+    FASTATTN_MICROKERNEL, avx512_rows, fastattn_microkernel_ok, output, pack_keys, scores,
 )
 from fastattn._cython._vmath cimport (
     FASTATTN_CLONES, FASTATTN_VECTOR_EXP, all_finite,
@@ -232,9 +232,8 @@ def _online_softmax(
     # float64): the tile's own products (see _microkernel.pxd); otherwise
     # BLAS.  Key blocks must start on a panel.
     cdef int lanes = 16 if floating is float else 8
-    cdef bint micro = (FASTATTN_MICROKERNEL and d_k % lanes == 0 and d_v % lanes == 0
-                       and (block_k % lanes == 0 or block_k >= n_k)
-                       and n_k > 0 and fastattn_microkernel_ok())
+    cdef bint micro = (avx512_rows(d_k, buf) and avx512_rows(d_v, buf)
+                       and (block_k % lanes == 0 or block_k >= n_k) and n_k > 0)
     # Every head's keys packed once (panels of lanes keys), shared by its query blocks.
     cdef Py_ssize_t head_kp = <Py_ssize_t> ((n_k + lanes - 1) // lanes) * lanes * d_k
     cdef int n_chunks = (n_k + PACK_KEYS - 1) // PACK_KEYS
