@@ -237,17 +237,23 @@ def test_versus_markdown_is_a_table_and_refuses_a_foreign_file(tmp_path):
 
 
 # ----------------------------------------------------------- --shape and --threads
-@pytest.mark.parametrize("text,expected", [("1x8x2048x64", (1, 8, 2048, 64, None)),
-                                           ("4X12X512X32", (4, 12, 512, 32, None)),
-                                           ("1×1×1×64", (1, 1, 1, 64, None)),
-                                           ("decode:1x8x32768x64", (1, 8, 32768, 64, "decode")),
-                                           ("prefill:2x1x8x4", (2, 1, 8, 4, "prefill"))])
-def test_shape_arg_reads_b_h_n_d_and_an_optional_regime(text, expected):
+@pytest.mark.parametrize("text,expected", [
+    ("1x8x2048x64", (1, 8, 2048, 64, None, None)),
+    ("4X12X512X32", (4, 12, 512, 32, None, None)),
+    ("1×1×1×64", (1, 1, 1, 64, None, None)),
+    ("decode:1x8x32768x64", (1, 8, 32768, 64, "decode", None)),
+    ("prefill:2x1x8x4", (2, 1, 8, 4, "prefill", None)),
+    ("linear:1x8x16384x64", (1, 8, 16384, 64, None, "linear")),
+    ("softmax:decode:1x1x8x4", (1, 1, 8, 4, "decode", "softmax")),
+    ("decode:linear:1x1x8x4", (1, 1, 8, 4, "decode", "linear"))])
+def test_shape_arg_reads_b_h_n_d_and_an_optional_regime_and_attention(text, expected):
     assert shape_arg(text) == expected
 
 
 @pytest.mark.parametrize("text", ["1x8x2048", "1x8x0x64", "axbxcxd", "1x8x2048x64x2", "",
-                                  "prefil:1x8x2048x64", ":1x8x2048x64x1"])
+                                  "prefil:1x8x2048x64", ":1x8x2048x64x1", ":1x8x2048x64",
+                                  "linear:softmax:1x8x2048x64", "decode:prefill:1x1x8x4",
+                                  "favor:1x1x8x4"])
 def test_shape_arg_refuses_what_is_not_four_positive_ints(text):
     with pytest.raises(argparse.ArgumentTypeError, match="BxHxNxD"):
         shape_arg(text)
@@ -289,6 +295,16 @@ def test_a_shape_with_a_regime_is_measured_in_that_regime_only(tmp_path, capsys)
     got = {(r["regime"], r["heads"], r["n_q"], r["n_k"]) for r in read_records(out)
            if r["record"] == "point"}
     assert got == {("prefill", 1, 8, 8), ("decode", 2, 1, 32)}
+
+
+def test_a_shape_with_an_attention_is_measured_for_that_attention_only(tmp_path, capsys):
+    out = tmp_path / "k.jsonl"
+    assert main(["bench", "--backends", "reference", "--shape", "1x1x8x4", "linear:1x2x16x4",
+                 "--causal", "yes", "--threads", "1", "--repeats", "1", "--no-memory",
+                 "--no-check", "--no-progress", "--out", str(out)]) == 0
+    got = {(r["attention"], r["heads"], r["n_q"]) for r in read_records(out)
+           if r["record"] == "point"}
+    assert got == {("softmax", 1, 8), ("linear", 1, 8), ("linear", 2, 16)}
 
 
 def test_bench_prints_the_versus_table_and_the_roof_with_a_peer(tmp_path, capsys):

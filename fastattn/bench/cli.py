@@ -35,11 +35,11 @@ def add_parser(subparsers):
     add("--n", nargs="+", type=positive_int, metavar="N",
         help=f"sequence lengths (default {' '.join(map(str, DEFAULT_NS))}; decode: "
              f"{' '.join(map(str, DECODE_NS))})")
-    add("--shape", nargs="+", type=shape_arg, metavar="[REGIME:]BxHxNxD",
+    add("--shape", nargs="+", type=shape_arg, metavar="[KIND:][REGIME:]BxHxNxD",
         help="shapes to measure, e.g. 1x8x2048x64 (batch x heads x n x d_k); each overrides "
-             "--batch, --heads, --n and --d-k for its points, in every --regime, or in one "
-             "when prefixed (decode:1x8x32768x64); in the decode regime N is the context "
-             "length n_k")
+             "--batch, --heads, --n and --d-k for its points, in every --regime and --kind, "
+             "or in one when prefixed (decode:1x8x32768x64, linear:1x8x16384x64); in the "
+             "decode regime N is the context length n_k")
     add("--d-k", type=positive_int, default=64, help="key head dim (default 64)")
     add("--d-v", type=positive_int, default=None, help="value head dim (default: d_k)")
     add("--batch", type=positive_int, default=1, help="batch size (default 1)")
@@ -76,23 +76,32 @@ def add_parser(subparsers):
     return parser
 
 
+#: The attentions a ``--shape`` may be prefixed with.
+KINDS = ("softmax", "linear")
+
+
 def shape_arg(text):
-    """argparse type: ``[REGIME:]BxHxNxD`` as ``(batch, heads, n, d_k, regime)``, four
-    positive ints and ``"prefill"``, ``"decode"`` or None (every ``--regime``)."""
+    """argparse type: ``[KIND:][REGIME:]BxHxNxD`` as ``(batch, heads, n, d_k, regime,
+    kind)``: four positive ints, ``"prefill"``, ``"decode"`` or None (every ``--regime``),
+    and ``"softmax"``, ``"linear"`` or None (every ``--kind``); the prefixes in either order."""
     from .sweep import REGIMES
 
-    regime, _, dims = text.rpartition(":")
+    *prefixes, dims = text.split(":")
     parts = dims.lower().replace("×", "x").split("x")
     try:
         values = tuple(positive_int(p) for p in parts)
     except argparse.ArgumentTypeError:
         values = ()
-    if len(values) != 4 or (regime and regime not in REGIMES):
+    regimes = [p for p in prefixes if p in REGIMES]
+    kinds = [p for p in prefixes if p in KINDS]
+    if (len(values) != 4 or len(regimes) > 1 or len(kinds) > 1
+            or len(regimes) + len(kinds) != len(prefixes)):
         raise argparse.ArgumentTypeError(
             f"expected a shape BxHxNxD of four positive integers (batch x heads x n x d_k, "
             f"e.g. 1x8x2048x64), optionally after a regime ({' or '.join(REGIMES)}, e.g. "
-            f"decode:1x8x32768x64), got {text!r}")
-    return values + (regime or None,)
+            f"decode:1x8x32768x64) and an attention ({' or '.join(KINDS)}, e.g. "
+            f"linear:1x8x16384x64), got {text!r}")
+    return values + ((regimes or [None])[0], (kinds or [None])[0])
 
 
 class BenchUsageError(ValueError):
@@ -165,14 +174,15 @@ def _plan(args):
     check_target(out.with_suffix(".md"), "markdown")
     if args.num_features and "favor" not in args.feature_map:
         raise BenchUsageError("--num-features sets FAVOR+'s m: give --feature-map favor too")
-    shapes = args.shape or [(args.batch, args.heads, None, args.d_k, None)]
+    shapes = args.shape or [(args.batch, args.heads, None, args.d_k, None, None)]
+    kinds = ("softmax", "linear") if args.kind == "both" else (args.kind,)
     points = list(dict.fromkeys(  # softmax points are the same for every feature map
         p for shape in dict.fromkeys(shapes) for regime in ([shape[4]] if shape[4]
                                                             else args.regime)
         for fmap in args.feature_map
         for m in (args.num_features or [None] if fmap == "favor" else [None])
         for p in default_grid(
-            attentions=("softmax", "linear") if args.kind == "both" else (args.kind,),
+            attentions=(shape[5],) if shape[5] else kinds,
             backends=backends, ns=(shape[2],) if shape[2] else sorted(set(
                 args.n or (DECODE_NS if regime == "decode" else DEFAULT_NS))),
             d_k=shape[3], d_v=args.d_v or shape[3],
