@@ -288,7 +288,9 @@ def get_num_threads():
     dict of str to int
         ``{"requested": ..., "blas": ..., "<backend>": ...}`` for every
         available backend (this loads them); ``requested`` is None until
-        :func:`set_num_threads` is called.
+        :func:`set_num_threads` is called.  In a child forked after an OpenMP
+        pool started (:func:`forked_from_running_pool`) the fast backends
+        report 1: they run serially there, whatever was requested.
     """
     from . import _api
 
@@ -296,7 +298,7 @@ def get_num_threads():
     for name in _api.available_backends():
         getter = getattr(_api.get_backend(name), "get_num_threads", None)
         if getter is not None:
-            counts[name] = getter()
+            counts[name] = 1 if _forked_pool else getter()
     counts["blas"] = blas_threads()
     return counts
 

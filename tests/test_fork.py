@@ -7,6 +7,7 @@ process of its own, under a timeout, so a hang fails the test instead of
 hanging the suite.
 """
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -74,3 +75,39 @@ def test_pool_children_compute_after_a_fast_backend_ran(backend, method, tmp_pat
         for i, exp in enumerate(expected):
             for name in ("parent", "child", "again", "after"):
                 assert_close(data[f"{name}_{i}"], exp, err_msg=f"{name}, call {i}")
+
+
+COUNTS = textwrap.dedent(
+    """
+    import json, multiprocessing, sys
+    import numpy as np
+    import fastattn
+
+    if __name__ == "__main__":
+        fastattn.set_num_threads(2)
+        rng = np.random.default_rng(3)
+        q, k, v = (rng.standard_normal((4, 300, 16)) for _ in range(3))
+        fastattn.softmax_attention(q, k, v, backend="cython")     # starts the OpenMP pool
+        with multiprocessing.get_context(sys.argv[1]).Pool(1) as pool:
+            child = pool.apply(fastattn.get_num_threads)
+        print(json.dumps({"parent": fastattn.get_num_threads(), "child": child}))
+    """
+)
+
+
+@pytest.mark.skipif("cython" not in FAST_BACKENDS, reason="the Cython backend is not built")
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_a_forked_child_reports_the_one_thread_its_kernels_run_on(method, tmp_path):
+    script = tmp_path / "counts.py"
+    script.write_text(COUNTS)
+    proc = subprocess.run([sys.executable, str(script), method], capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    counts = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert counts["parent"]["cython"] == 2
+    fast = [name for name in FAST_BACKENDS if name in counts["child"]]
+    assert fast
+    if method == "fork":   # the pool cannot start again there: every fast kernel is serial
+        assert all(counts["child"][name] == 1 for name in fast)
+    else:                  # a fresh process, nothing requested yet
+        assert counts["child"]["requested"] is None

@@ -86,21 +86,25 @@ def shape_arg(text):
     and ``"softmax"``, ``"linear"`` or None (every ``--kind``); the prefixes in either order."""
     from .sweep import REGIMES
 
-    *prefixes, dims = text.split(":")
-    parts = dims.lower().replace("×", "x").split("x")
+    *prefixes, dims = text.lower().split(":")
+    parts = dims.replace("×", "x").split("x")
     try:
         values = tuple(positive_int(p) for p in parts)
     except argparse.ArgumentTypeError:
         values = ()
     regimes = [p for p in prefixes if p in REGIMES]
     kinds = [p for p in prefixes if p in KINDS]
-    if (len(values) != 4 or len(regimes) > 1 or len(kinds) > 1
-            or len(regimes) + len(kinds) != len(prefixes)):
+    unknown = [p for p in prefixes if p not in REGIMES + KINDS]
+    why = (f"{unknown[0]!r} is neither a regime ({', '.join(REGIMES)}) nor an attention "
+           f"({', '.join(KINDS)})" if unknown else
+           "more than one regime" if len(regimes) > 1 else
+           "more than one attention" if len(kinds) > 1 else
+           f"{dims!r} is not four positive integers" if len(values) != 4 else None)
+    if why:
         raise argparse.ArgumentTypeError(
-            f"expected a shape BxHxNxD of four positive integers (batch x heads x n x d_k, "
-            f"e.g. 1x8x2048x64), optionally after a regime ({' or '.join(REGIMES)}, e.g. "
-            f"decode:1x8x32768x64) and an attention ({' or '.join(KINDS)}, e.g. "
-            f"linear:1x8x16384x64), got {text!r}")
+            f"{why}: expected [KIND:][REGIME:]BxHxNxD, four positive integers (batch x heads "
+            f"x n x d_k, e.g. 1x8x2048x64) after at most one regime (e.g. "
+            f"decode:1x8x32768x64) and one attention (e.g. linear:1x8x16384x64), got {text!r}")
     return values + ((regimes or [None])[0], (kinds or [None])[0])
 
 

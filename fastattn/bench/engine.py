@@ -230,8 +230,8 @@ MAX_PROBE_N = 16384
 #: Lengths probed at every d of a run besides its own n: where the GEMM ``n x d @ d x n`` runs
 #: fastest on these machines (its n x n output still in cache; from a few thousand n on the
 #: output's writes bound it).  So the roof, the fastest probe, is the machine's GEMM rate at
-#: that d whatever lengths a run holds: a run of long sequences alone probed 2-thread MKL at
-#: 171 GFLOP/s, one with n = 512 among them at 339.
+#: that d, not a memory-bound GEMM, even in a run of long sequences alone: such a run probed
+#: 2-thread MKL at 171 GFLOP/s, one with n = 512 among them at 339.
 PEAK_PROBE_N = (512, 1024)
 
 #: BLAS libraries the roof may be probed through: OpenBLAS by NumPy's ``matmul``, and MKL by
@@ -463,7 +463,13 @@ def prepare_point(spec, repeats=5, memory=True, check=True, seed=DEFAULT_SEED,
         if memory:
             fields.update(peak_bytes=peak, memory_method=method)
             if spec["backend"] == "reference" and method == "hwm" and estimate < 1.0:
-                fields["peak_bytes_tracemalloc"] = peak_extra_bytes(call, "tracemalloc")[0]
+                # Linux counts a thread's resident pages into VmRSS in steps (64 page
+                # faults), so the peak RSS can miss a few hundred KiB; NumPy's allocations
+                # are all traced, so the reference keeps the larger of the two.
+                traced = peak_extra_bytes(call, "tracemalloc")[0]
+                fields["peak_bytes_tracemalloc"] = traced
+                if traced > peak:
+                    fields.update(peak_bytes=traced, memory_method="tracemalloc")
         n_repeats = repeats
         if max_point_s is not None and estimate > 0:
             n_repeats = max(min(3, repeats), min(repeats, int(max_point_s / estimate)))

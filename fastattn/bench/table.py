@@ -372,6 +372,8 @@ def roof_statements(roofs):
         lines.append("A point's roof is the fastest of these probes at its d, over every n and "
                      f"library: every n of the run (above n = {MAX_PROBE_N} at "
                      f"n = {MAX_PROBE_N}) and n = {' and '.join(map(str, PEAK_PROBE_N))}, "
-                     "where the GEMM runs fastest, so the roof does not depend on the "
-                     "lengths a run holds.")
+                     "where the GEMM runs fastest on these machines, so a run of long "
+                     "sequences alone is not measured against a GEMM bound by its n x n "
+                     "output. The roofs are measured, so they move with the machine's load "
+                     "from run to run.")
     return lines

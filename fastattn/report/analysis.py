@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from scipy import stats
 
-from ..bench.engine import gemm_probes, probe_n, roof_for
+from ..bench.engine import gemm_probes, roof_for
 
 from ..bench.results import DEFAULT_REGIME, POINT_KEYS, point_key
 
@@ -99,7 +99,7 @@ class Curve:
     ``statistic``: ``"min"``, or ``"median"`` where asv kept no samples) is what fits and
     crossovers use; ``check_failed``: the ``n`` whose output disagreed with the reference;
     ``above_roof``: per n, True where the kernel ran faster than its roof (``roof_fraction``
-    above 1) or than the GEMM probed at that n (:func:`above_roof`)."""
+    above 1, :func:`above_roof`)."""
 
     key: dict
     peer: bool
@@ -189,7 +189,7 @@ def curves(points, roofs=()):
             check_failed=[p["n_k"] for p in pts if p.get("check_ok") is False])
         curve.time_fit = fit_exponent(curve.n, curve.fit_s)
         curve.memory_fit = fit_exponent(curve.n, curve.peak_bytes)
-        curve.above_roof = above_roof(curve, roofs)
+        curve.above_roof = above_roof(curve)
         curve.held_bytes = _column(pts, "held_bytes")
         curve.held_fit = fit_exponent(curve.n, curve.held_bytes)
         result.append(curve)
@@ -306,19 +306,12 @@ def roof_libraries(roofs, dtype, threads, d, machine=None):
     return [(name, name == top) for name in sorted(best, key=lambda b: -best[b])]
 
 
-def above_roof(curve, roofs):
-    """Per n of ``curve``: True where its GFLOP/s exceed its roof (``roof_fraction`` > 1) or
-    the fastest GEMM probed at that n (:func:`~fastattn.bench.engine.probe_n`) and its d."""
-    ns, values = roof_curve(roofs, curve.key.get("dtype"), curve.key.get("threads"),
-                            d=curve.key.get("d_k"), machine=curve.machine)
-    at_n = dict(zip(ns.tolist(), values.tolist()))
-    out = []
-    for n, gflops, fraction in zip(curve.n.tolist(), curve.gflops.tolist(),
-                                   curve.roof_fraction.tolist()):
-        probe = at_n.get(probe_n(n))
-        out.append(bool((math.isfinite(fraction) and fraction > 1.0)
-                        or (probe and math.isfinite(gflops) and gflops > probe)))
-    return np.array(out, dtype=bool)
+def above_roof(curve):
+    """Per n of ``curve``: True where its GFLOP/s exceed its roof (``roof_fraction`` > 1), the
+    one rule of the bench's ``!`` too.  Above the GEMM probed at its own n but below the roof
+    is not above it: from a few thousand n on that GEMM is bound by its n x n output."""
+    fraction = np.asarray(curve.roof_fraction, dtype=float)
+    return np.isfinite(fraction) & (fraction > 1.0)
 
 
 @dataclass(frozen=True)

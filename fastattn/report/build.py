@@ -194,13 +194,21 @@ def _machine_section(name, env, roofs, points, every_curve):
     roof_lines = []
     for dtype, threads, d in sorted({(str(c.key.get("dtype")), c.key.get("threads"),
                                       c.key.get("d_k")) for c in curve_list}, key=str):
+        # The roof (one value: the fastest probe at this d, at any n) as a horizontal line,
+        # then each library's probes against n, which fall below it where the GEMM's n x n
+        # output bounds them.
         for blas, is_roof in analysis.roof_libraries(roofs, dtype, threads, d, machine=name):
             ns, values = analysis.roof_curve(roofs, dtype, threads, d=d, machine=name, blas=blas)
             shape = f"n×{d} @ {d}×n" if len(ns) > 1 else f"{ns[0]}×{d} @ {d}×{ns[0]}"
             library = blas.split(" (")[0].split(" through ")[0]
             via = blas.split(" through ")[1].split()[0] if " through " in blas else ""
-            roof_lines.append((f"{'roof: ' if is_roof else ''}GEMM {shape}, {library}"
-                               + (f" via {via}" if via else "") + f" ({dtype})", ns, values))
+            name_ = library + (f" via {via}" if via else "") + f", {dtype}"
+            if is_roof:
+                best = int(np.argmax(values))
+                roof_lines.insert(0, (f"roof: {values[best]:.0f} GFLOP/s ({name_}, n = {ns[best]})",
+                                      ns[best:best + 1], values[best:best + 1]))
+            if len(ns) > 1:
+                roof_lines.append((f"GEMM {shape}, {name_}", ns, values))
     above = [f"{c.label}, {mask_name(c.causal)}, at n = {n}" for c in curve_list
              for n, flag in zip(c.n.tolist(), c.above_roof.tolist()) if flag]
     loads = np.concatenate([c.load_avg for c in curve_list] or [np.array([])])
