@@ -200,7 +200,8 @@ def _machine_section(name, env, roofs, points, every_curve):
         for blas, is_roof in analysis.roof_libraries(roofs, dtype, threads, d, machine=name):
             ns, values = analysis.roof_curve(roofs, dtype, threads, d=d, machine=name, blas=blas)
             shape = f"n×{d} @ {d}×n" if len(ns) > 1 else f"{ns[0]}×{d} @ {d}×{ns[0]}"
-            library = blas.split(" (")[0].split(" through ")[0]
+            # The library's name only (versions are in the roof statements): the legend fits.
+            library = blas.split(" (")[0].split(" through ")[0].split()[0]
             via = blas.split(" through ")[1].split()[0] if " through " in blas else ""
             name_ = library + (f" via {via}" if via else "") + f", {dtype}"
             if is_roof:
