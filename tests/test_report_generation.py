@@ -5,6 +5,8 @@ token costing ``a · n`` and a linear token costing ``c`` (so the exponents are 
 a linear token is cheaper beyond ``n = c / a``).  No test depends on how fast anything runs.
 """
 
+import re
+
 import numpy as np
 import pytest
 
@@ -241,6 +243,17 @@ def test_report_has_a_generation_section_with_the_known_answers():
     assert f"{1 / (A * 65536):.3g}/s" in section        # tokens per second at 65536
     scaling = html[html.index('id="scaling"'):html.index('id="generation"')]
     assert "decode" not in scaling                      # decode curves stay out of scaling
+
+
+def test_generation_headline_exponents_say_when_they_rest_on_two_points():
+    headline = re.search(r"Generation, time per token[^<]*",
+                         build_report(synthetic_generation(), source="t").html).group(0)
+    assert "softmax 1.00 over 1 curve (expected" in headline and "2 points" not in headline
+    two = [r for r in synthetic_generation()
+           if r.get("regime") != "decode" or r["n_k"] in (128, 2048, 8192)]
+    headline = re.search(r"Generation, time per token[^<]*",
+                         build_report(two, source="t").html).group(0)
+    assert headline.count("each fitted to 2 points only: too few to judge") == 2
 
 
 def test_peers_seen_only_in_generation_are_named_not_denied():

@@ -306,6 +306,22 @@ def roof_libraries(roofs, dtype, threads, d, machine=None):
     return [(name, name == top) for name in sorted(best, key=lambda b: -best[b])]
 
 
+def exponent_range(attention, fits, expected):
+    """``"<attention> lo to hi over N curves (expected about <expected>)"`` for the fitted
+    exponents of ``fits`` (None entries skipped), or None when there are none.  A line
+    through two points has no spread to judge it by: such fits are quoted only when no
+    curve has more, and then said to be too few."""
+    fits = [f for f in fits if f]
+    fits = [f for f in fits if f.points >= 3] or fits
+    if not fits:
+        return None
+    lo, hi = f"{min(f.slope for f in fits):.2f}", f"{max(f.slope for f in fits):.2f}"
+    few = max(f.points for f in fits) < 3
+    return (f"{attention} {lo if lo == hi else f'{lo} to {hi}'} over {len(fits)} "
+            f"curve{'' if len(fits) == 1 else 's'} (expected about {expected})"
+            + (", each fitted to 2 points only: too few to judge" if few else ""))
+
+
 def above_roof(curve):
     """Per n of ``curve``: True where its GFLOP/s exceed its roof (``roof_fraction`` > 1), the
     one rule of the bench's ``!`` too.  Above the GEMM probed at its own n but below the roof

@@ -266,16 +266,10 @@ def _summary(section, quality):
     curves_ = section["curves"] if section else []
     parts = []
     for attention, expected in analysis.EXPECTED_TIME_EXPONENT.items():
-        fits = [c.time_fit for c in curves_ if c.attention == attention and c.time_fit]
-        # A line through two points has no spread to judge it by: quoted only when no
-        # curve has more, and then said so.
-        fits = [f for f in fits if f.points >= 3] or fits
-        if fits:
-            lo, hi = f"{min(f.slope for f in fits):.2f}", f"{max(f.slope for f in fits):.2f}"
-            few = max(f.points for f in fits) < 3
-            parts.append(f"{attention} {lo if lo == hi else f'{lo} to {hi}'} over {len(fits)} "
-                         f"curves (expected about {expected})"
-                         + (", each fitted to 2 points only: too few to judge" if few else ""))
+        text = analysis.exponent_range(
+            attention, [c.time_fit for c in curves_ if c.attention == attention], expected)
+        if text:
+            parts.append(text)
     if parts:
         out.append(f"Fitted time exponents (n ≥ {analysis.FIT_MIN_N}, causal and not, on the "
                    f"{section['statistic']}): " + "; ".join(parts) + ".")

@@ -95,11 +95,11 @@ def section(decode, prefill):
     totals = end_to_end(prefill, decode)
     summary = []
     for attention, expected in EXPECTED_DECODE_EXPONENT.items():
-        slopes = [c.time_fit.slope for c in decode if c.attention == attention and c.time_fit
-                  and not c.peer]
-        if slopes:
-            summary.append(f"{attention} {min(slopes):.2f} to {max(slopes):.2f} (expected "
-                           f"about {expected})")
+        text = analysis.exponent_range(
+            attention, [c.time_fit for c in decode if c.attention == attention and not c.peer],
+            expected)
+        if text:
+            summary.append(text)
     head = [r for r in crossovers if r.kind == "fastattn"] or \
         [r for r in crossovers if r.kind == "backend" and not r.peer]
     summary = ([f"Generation, time per token against context length n (n ≥ "
