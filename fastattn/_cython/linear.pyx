@@ -19,13 +19,14 @@ Heads are shared out by OpenMP, one parallel region a call.  With fewer
 heads than threads a head is cut into segments: non-causal (fewer than
 :data:`SEGMENTS_PER_THREAD` heads a thread), the segments' keys are folded into
 partial states, summed behind a barrier, then the query chunks run; causal,
-every chunk's keys are folded into a state of their own, a prefix sum gives
-each chunk its starting state, and the chunks run in parallel (see
-:func:`_causal`).  With AVX-512 and ``d_v`` a
-multiple of the lanes every product is a register-blocked kernel of
-``_linear_t.h`` (no packing, the row scales applied at its store); otherwise
-BLAS, single-threaded inside (the caller limits it, see
-:mod:`fastattn._cython`).
+the chunks are cut into runs (:data:`RUNS_PER_THREAD` a thread), every
+chunk's keys are folded into a state of their own and summed over its run, a
+prefix sum over the runs gives each run its starting state, and the runs go
+in parallel, a run's chunks in order (see :func:`_causal`).  Each chunk
+prefetches the rows the next one reads.  With AVX-512 and ``d_v`` a multiple
+of the lanes every product is a register-blocked kernel of ``_linear_t.h``
+(no packing, the row scales applied at its store); otherwise BLAS,
+single-threaded inside (the caller limits it, see :mod:`fastattn._cython`).
 """
 
 import numpy as np
