@@ -392,23 +392,40 @@ def _noncausal(
                          min(chunk, n_q - i1) if (item + 1) % _QUERY_RUN else 0)
 
 
+cdef inline Py_ssize_t _segment_buffer(int chunk, int d_k) noexcept nogil:
+    """Elements of :func:`_causal_segment`'s ``buf``: ``φ(q)`` and ``φ(k)`` of a chunk
+    (``chunk d_k`` each), its weights (``chunk²``), denominators (``chunk``) and packed
+    keys (``chunk d_k``)."""
+    return 3 * <Py_ssize_t> chunk * d_k + chunk * chunk + chunk
+
+
+cdef inline Py_ssize_t _causal_workspace(int chunk, int d_k, int d_v) noexcept nogil:
+    """Elements a thread of :func:`_causal` uses: a segment's ``buf`` and its own state
+    ``(d_k, d_v)`` and ``(d_k,)``."""
+    return _segment_buffer(chunk, d_k) + <Py_ssize_t> d_k * d_v + d_k
+
+
 cdef void _causal_segment(const floating *q, const floating *k, const floating *v,
                           floating *out, floating *S, floating *z,
                           int n_q, int n_k, int d_k, int d_v, int code, floating eps,
                           int chunk, int c_begin, int c_end, int folded, bint last, bint fold,
-                          floating *q_buf, floating *k_buf, floating *a_buf,
-                          floating *den, floating *kp, int *seen, bint micro,
+                          floating *buf, int *seen, bint micro,
                           bint ahead_last=False) noexcept nogil:
     """Query chunks ``[c_begin, c_end)`` of one head, in order, from the state ``(S, z)``.
 
     ``(S, z)`` holds the keys ``[0, folded)`` on entry; keys are folded in as
     the chunks advance (to ``n_k`` at the end when ``last``); not ``fold``: a
-    single chunk whose state is formed already, ``(S, z)`` only read.  ``micro``: the
-    AVX-512 products (``kp``: room for the chunk's keys packed in panels), and
-    when the chunk's values are all finite the diagonal is a product over each
+    single chunk whose state is formed already, ``(S, z)`` only read.  ``buf``:
+    :func:`_segment_buffer` elements of scratch.  ``micro``: the AVX-512 products,
+    and when the chunk's values are all finite the diagonal is a product over each
     block of rows' visible keys; else BLAS.  Each chunk prefetches the next
     one's rows (queries, keys, values, output), the last one when ``ahead_last``.
     """
+    cdef floating *q_buf = buf
+    cdef floating *k_buf = q_buf + chunk * d_k
+    cdef floating *a_buf = k_buf + chunk * d_k
+    cdef floating *den = a_buf + chunk * chunk
+    cdef floating *kp = den + chunk      # the chunk's keys packed in panels
     cdef int off = n_k - n_q
     cdef int i0, i1, rows, p0, p1, width, r, r0, j, c, t, w, next_rows
     cdef floating a
@@ -542,7 +559,7 @@ def _causal(
     cdef int n_items = n_batch * (n_runs + 1) if by_chunk else n_batch
     cdef int row_blocks = (d_k + _PREFIX_ROWS - 1) // _PREFIX_ROWS
     cdef Py_ssize_t state = <Py_ssize_t> d_k * d_v
-    cdef Py_ssize_t per_thread = 3 * <Py_ssize_t> chunk * d_k + chunk * chunk + chunk + state + d_k
+    cdef Py_ssize_t per_thread = _causal_workspace(chunk, d_k, d_v)
     cdef int item, b, c, g, a, a1, c_end
     cdef floating *buf = NULL   # per-thread workspace, set in the parallel block
     cdef floating *own = NULL   # the thread's own state in step 3
@@ -553,15 +570,12 @@ def _causal(
 
     with nogil, parallel(num_threads=max(1, min(n_threads, n_items))):
         buf = &workspace[0] + threadid() * per_thread
-        own = buf + 3 * chunk * d_k + chunk * chunk + chunk
+        own = buf + _segment_buffer(chunk, d_k)
         if not by_chunk:
             for item in prange(n_batch, schedule="dynamic"):
                 _causal_segment(&q[item, 0, 0], &k[item, 0, 0], &v[item, 0, 0], &out[item, 0, 0],
                                 &S_r[item, 0, 0, 0], &z_r[item, 0, 0], n_q, n_k, d_k, d_v, code,
                                 e, chunk, 0, n_chunks, 0, True, True, buf,
-                                buf + chunk * d_k, buf + 2 * chunk * d_k,
-                                buf + 2 * chunk * d_k + chunk * chunk,
-                                buf + 2 * chunk * d_k + chunk * chunk + chunk,
                                 &seen[threadid() * chunk], micro)
         else:
             # (1) entry 0 += the keys before the first chunk's; run g: S_d[b, c] = the keys
@@ -604,10 +618,7 @@ def _causal(
                     _causal_segment(&q[b, 0, 0], &k[b, 0, 0], &v[b, 0, 0], &out[b, 0, 0],
                                     own, own + state, n_q, n_k, d_k, d_v, code, e, chunk, c,
                                     c + 1, _chunk_keys(c, n_chunks, chunk, n_q, n_k), False,
-                                    False, buf, buf + chunk * d_k, buf + 2 * chunk * d_k,
-                                    buf + 2 * chunk * d_k + chunk * chunk,
-                                    buf + 2 * chunk * d_k + chunk * chunk + chunk,
-                                    &seen[threadid() * chunk], micro, c + 1 < c_end)
+                                    False, buf, &seen[threadid() * chunk], micro, c + 1 < c_end)
                     if c + 1 < c_end:
                         _add(&S_d[b, c, 0, 0], state, own)
                         _add(&z_d[b, c, 0], d_k, own + state)
@@ -673,8 +684,7 @@ def linear_attention_forward(q, k, v, feature_map, bint causal, double eps, S0=N
     dtype = q.dtype
     out = np.empty((n_batch, n_q, d_v), dtype)
     chunk = CHUNK if causal else NONCAUSAL_CHUNK
-    per_thread = (3 * chunk * d_k + chunk * chunk + chunk + d_k * d_v + d_k if causal
-                  else chunk * d_k + chunk)
+    per_thread = _causal_workspace(chunk, d_k, d_v) if causal else chunk * d_k + chunk
     workspace = np.empty(n_threads * per_thread, dtype)
     code = FEATURE_MAP_CODES[feature_map]
     n_chunks = -(-(n_q if causal else k.shape[1]) // chunk)
