@@ -11,6 +11,7 @@ from scipy import stats
 from ..bench.engine import gemm_probes, roof_for
 
 from ..bench.results import DEFAULT_REGIME, POINT_KEYS, point_key
+from ..bench.table import above_roof as _above_roof
 
 #: The keys that identify one curve: a point's identity without ``n_q``/``n_k``,
 #: plus the machine (set for asv results, absent for a sweep on this machine).
@@ -323,11 +324,11 @@ def exponent_range(attention, fits, expected):
 
 
 def above_roof(curve):
-    """Per n of ``curve``: True where its GFLOP/s exceed its roof (``roof_fraction`` > 1), the
-    one rule of the bench's ``!`` too.  Above the GEMM probed at its own n but below the roof
-    is not above it: from a few thousand n on that GEMM is bound by its n x n output."""
-    fraction = np.asarray(curve.roof_fraction, dtype=float)
-    return np.isfinite(fraction) & (fraction > 1.0)
+    """Per n of ``curve``: True where its GFLOP/s exceed its roof (``roof_fraction`` > 1), by
+    the bench's rule for its ``!`` (:func:`fastattn.bench.table.above_roof`).  Above the GEMM
+    probed at its own n but below the roof is not above it: from a few thousand n on that
+    GEMM is bound by its n x n output."""
+    return np.array([_above_roof(f) for f in curve.roof_fraction.tolist()], dtype=bool)
 
 
 @dataclass(frozen=True)
