@@ -24,7 +24,7 @@ def add_parser(subparsers):
                     "reference, appended to a JSON-lines file as each point finishes (the "
                     "same --out resumes).")
     add = parser.add_argument
-    add("--kind", choices=("softmax", "linear", "both"), default="both",
+    add("--kind", choices=KINDS + ("both",), default="both",
         help="attention type (default both)")
     add("--backends", nargs="+", metavar="NAME",
         help="fastattn backends and peers to measure (default: every available backend "
@@ -179,7 +179,7 @@ def _plan(args):
     if args.num_features and "favor" not in args.feature_map:
         raise BenchUsageError("--num-features sets FAVOR+'s m: give --feature-map favor too")
     shapes = args.shape or [(args.batch, args.heads, None, args.d_k, None, None)]
-    kinds = ("softmax", "linear") if args.kind == "both" else (args.kind,)
+    kinds = KINDS if args.kind == "both" else (args.kind,)
     points = list(dict.fromkeys(  # softmax points are the same for every feature map
         p for shape in dict.fromkeys(shapes) for regime in ([shape[4]] if shape[4]
                                                             else args.regime)

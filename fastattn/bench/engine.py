@@ -340,7 +340,8 @@ def gemm_probes(roofs, dtype, threads=None, machine=None):
 def roof_probe(roofs, dtype, d, threads=None, machine=None):
     """The one roof rule: the fastest GEMM probe of :func:`gemm_probes` at the nearest ``d``,
     over every probed n (:data:`PEAK_PROBE_N` among them) and every BLAS library probed (an
-    upper bound: one slowed probe does not lower it), or None.  Its ``gflops`` is the roof, its ``blas`` the library."""
+    upper bound: one slowed probe does not lower it), or None.  Its ``gflops`` is the roof,
+    its ``blas`` the library."""
     found = gemm_probes(roofs, dtype, threads, machine)
     if not found:
         return None
