@@ -5,11 +5,59 @@
  * _microkernel.pxd for what each function does and why.
  */
 
+/* dst[c lddst + t] = src[t ld + c] for t, c < L: one L x L tile transposed in
+ * registers (unpack, in-lane shuffle, two 128-bit-lane shuffles; 4 L shuffles
+ * a tile), far cheaper than L gathers of one column each. */
+FA_AVX512 FA_INLINE void FA_NAME(fa_transpose_tile)(const FA_T *src, long ld, FA_T *dst,
+                                                    long lddst) {
+    FA_VT r[FA_L], t[FA_L];
+    for (int i = 0; i < FA_L; i++) r[i] = FA_VLOAD(src + i * ld);
+#if FA_L == 16
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+        r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+        r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+        r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+    }
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
+        t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xDD);
+        t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
+        t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xDD);
+    }
+    for (int i = 0; i < 8; i++) {
+        r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD);
+    }
+    for (int i = 0; i < 16; i++) FA_VSTORE(dst + i * lddst, r[i]);
+#else
+    for (int i = 0; i < 4; i++) {
+        t[2 * i] = _mm512_unpacklo_pd(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_pd(r[2 * i], r[2 * i + 1]);
+    }
+    for (int g = 0; g < 8; g += 4)
+        for (int i = g; i < g + 2; i++) {
+            r[i] = _mm512_shuffle_f64x2(t[i], t[i + 2], 0x88);
+            r[i + 2] = _mm512_shuffle_f64x2(t[i], t[i + 2], 0xDD);
+        }
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_f64x2(r[i], r[i + 4], 0x88);
+        t[i + 4] = _mm512_shuffle_f64x2(r[i], r[i + 4], 0xDD);
+    }
+    for (int i = 0; i < 8; i++) FA_VSTORE(dst + i * lddst, t[i]);
+#endif
+}
+
 /* kp[(p d + c) L + t] = k[(L p + t) ldk + c]: keys [0, width) in panels of L, zero past width.
- * A whole panel's column c is one gather (L keys ldk apart); the last, partial panel is
- * copied element by element. */
+ * A whole panel's columns are L x L tiles transposed in registers, the last d % L
+ * columns one gather each (L keys ldk apart); the last, partial panel is copied
+ * element by element. */
 FA_AVX512 static void FA_NAME(fastattn_pack_keys)(const FA_T *k, int ldk, int width, int d, FA_T *kp) {
-    int panels = (width + FA_L - 1) / FA_L, full = width / FA_L;
+    int panels = (width + FA_L - 1) / FA_L, full = width / FA_L, tiles = d / FA_L * FA_L;
 #if FA_L == 16
     const __m512i rows = _mm512_mullo_epi32(
         _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32(ldk));
@@ -22,7 +70,9 @@ FA_AVX512 static void FA_NAME(fastattn_pack_keys)(const FA_T *k, int ldk, int wi
     for (int p = 0; p < full; p++) {
         const FA_T *src = k + (size_t) p * FA_L * ldk;
         FA_T *dst = kp + (size_t) p * d * FA_L;
-        for (int c = 0; c < d; c++) FA_VSTORE(dst + (size_t) c * FA_L, FA_GATHER_COLUMN(src + c));
+        for (int c = 0; c < tiles; c += FA_L)
+            FA_NAME(fa_transpose_tile)(src + c, ldk, dst + (size_t) c * FA_L, FA_L);
+        for (int c = tiles; c < d; c++) FA_VSTORE(dst + (size_t) c * FA_L, FA_GATHER_COLUMN(src + c));
     }
 #undef FA_GATHER_COLUMN
     for (int p = full; p < panels; p++) {
