@@ -261,15 +261,19 @@ cdef inline void _scale_rows(floating *o, int rows, int d_v, const floating *sca
 
 cdef inline void _fold_features(const floating *phi, const floating *v, int rows, int d_k,
                                 int d_v, floating *S, floating *z, bint micro,
-                                const floating *v_ahead=NULL, int ahead_rows=0) noexcept nogil:
+                                const floating *v_ahead=NULL, int ahead_rows=0,
+                                bint overwrite=False) noexcept nogil:
     """``S += φᵀ v``, ``z += Σ φ`` over ``rows`` keys whose features ``φ`` are formed
-    (``ahead_rows`` of values from ``v_ahead`` prefetched meanwhile)."""
+    (``ahead_rows`` of values from ``v_ahead`` prefetched meanwhile); ``overwrite``:
+    ``S = φᵀ v``, ``z = Σ φ`` (neither read)."""
     if micro:
         # φᵀ read down the columns of φ: no transpose.
-        _product(phi, 1, d_k, v, d_v, d_k, rows, NULL, d_v, S, d_v, True, NULL, v_ahead,
-                 <Py_ssize_t> ahead_rows * d_v * sizeof(floating))
+        _product(phi, 1, d_k, v, d_v, d_k, rows, NULL, d_v, S, d_v, not overwrite, NULL,
+                 v_ahead, <Py_ssize_t> ahead_rows * d_v * sizeof(floating))
     else:
-        gemm(True, False, d_k, d_v, rows, 1, phi, d_k, v, d_v, 1, S, d_v)
+        gemm(True, False, d_k, d_v, rows, 1, phi, d_k, v, d_v, 0 if overwrite else 1, S, d_v)
+    if overwrite:
+        memset(z, 0, d_k * sizeof(floating))
     # z gains one chunk sum (taken in double) per chunk, not one key at a
     # time: adding 2^20 keys one by one in float32 drifts by ~4e-3.
     _column_sums(phi, rows, d_k, z)
@@ -278,11 +282,15 @@ cdef inline void _fold_features(const floating *phi, const floating *v, int rows
 cdef void _fold_keys(const floating *k, const floating *v, int j0, int j1,
                      int d_k, int d_v, int code, int chunk,
                      floating *S, floating *z, floating *buf, bint micro,
-                     int ahead_to=0) noexcept nogil:
+                     int ahead_to=0, bint overwrite=False) noexcept nogil:
     """``S += φ(k[j0:j1])ᵀ v[j0:j1]``, ``z += Σ φ(k[j0:j1])``, ``chunk`` keys at a time,
     each chunk prefetching the keys and values of the chunk after the next (up to key
-    ``ahead_to`` when that is past ``j1``: the next work item's)."""
+    ``ahead_to`` when that is past ``j1``: the next work item's).  ``overwrite``: ``=``
+    instead of ``+=`` (``(S, z)`` not read; zeros when there are no keys)."""
     cdef int t, c0, rows, next_rows
+    if overwrite and j1 <= j0:
+        memset(S, 0, <Py_ssize_t> d_k * d_v * sizeof(floating))
+        memset(z, 0, d_k * sizeof(floating))
     for t in range((j1 - j0 + chunk - 1) // chunk if j1 > j0 else 0):
         c0 = j0 + t * chunk
         rows = min(chunk, j1 - c0)
@@ -291,7 +299,7 @@ cdef void _fold_keys(const floating *k, const floating *v, int j0, int j1,
         _fold_features(_features(k + <Py_ssize_t> c0 * d_k, <Py_ssize_t> rows * d_k, buf, code,
                                  k + <Py_ssize_t> (c0 + rows + chunk) * d_k if next_rows else NULL),
                        v + <Py_ssize_t> c0 * d_v, rows, d_k, d_v, S, z, micro,
-                       v + <Py_ssize_t> (c0 + rows + chunk) * d_v, next_rows)
+                       v + <Py_ssize_t> (c0 + rows + chunk) * d_v, next_rows, overwrite and t == 0)
 
 
 cdef const floating *_query_chunk(const floating *q, int i0, int i1, int d_k, int d_v,
@@ -395,8 +403,8 @@ def _noncausal(
 cdef inline Py_ssize_t _segment_buffer(int chunk, int d_k) noexcept nogil:
     """Elements of :func:`_causal_segment`'s ``buf``: ``φ(q)`` and ``φ(k)`` of a chunk
     (``chunk d_k`` each), its weights (``chunk²``), denominators (``chunk``) and packed
-    keys (``chunk d_k``)."""
-    return 3 * <Py_ssize_t> chunk * d_k + chunk * chunk + chunk
+    keys (``chunk d_k``, the chunk rounded up to whole panels of 16 keys)."""
+    return (2 * <Py_ssize_t> chunk + (chunk + 15) // 16 * 16) * d_k + chunk * chunk + chunk
 
 
 cdef inline Py_ssize_t _causal_workspace(int chunk, int d_k, int d_v) noexcept nogil:
@@ -540,7 +548,7 @@ def _causal(
     state after the last key on return):
 
     1. in parallel, entry 0 gains the keys before the first chunk's, and each
-       run folds its chunks' keys into their own ``S_d`` (zeroed first) and
+       run folds its chunks' keys into their own ``S_d`` (written, not added to) and
        sums them into ``S_r[b, g + 1]``;
     2. a prefix sum over the ``G + 1`` entries of ``S_r``, split by blocks of
        rows of the state;
@@ -591,12 +599,11 @@ def _causal(
                 memset(&z_r[b, g + 1, 0], 0, d_k * sizeof(floating))
                 c_end = min((g + 1) * run, n_chunks)
                 for c in range(g * run, c_end):
-                    memset(&S_d[b, c, 0, 0], 0, state * sizeof(floating))
-                    memset(&z_d[b, c, 0], 0, d_k * sizeof(floating))
                     _fold_keys(&k[b, 0, 0], &v[b, 0, 0], _chunk_keys(c, n_chunks, chunk, n_q, n_k),
                                _chunk_keys(c + 1, n_chunks, chunk, n_q, n_k), d_k, d_v, code,
                                chunk, &S_d[b, c, 0, 0], &z_d[b, c, 0], buf, micro,
-                               _chunk_keys(c + 2, n_chunks, chunk, n_q, n_k) if c + 1 < c_end else 0)
+                               _chunk_keys(c + 2, n_chunks, chunk, n_q, n_k) if c + 1 < c_end else 0,
+                               True)
                     _add(&S_d[b, c, 0, 0], state, &S_r[b, g + 1, 0, 0])
                     _add(&z_d[b, c, 0], d_k, &z_r[b, g + 1, 0])
             # (2) the prefix sum over the runs, _PREFIX_ROWS rows of the state at a time
