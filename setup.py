@@ -52,12 +52,16 @@ def cython_extensions():
         compile_args = ["-O0", "-g"] + openmp
     macros = [("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")]
     extensions = []
+    # The C headers every kernel includes (through _microkernel.pxd): an edit to
+    # one rebuilds the extensions, which setuptools does not see otherwise.
+    headers = [str(h.relative_to(HERE)) for h in sorted((HERE / "fastattn" / "_cython").glob("*.h"))]
     for pyx in sorted((HERE / "fastattn" / "_cython").glob("*.pyx")):
         name = "fastattn._cython." + pyx.stem
         extensions.append(
             Extension(
                 name,
                 [str(pyx.relative_to(HERE))],
+                depends=headers,
                 include_dirs=[np.get_include()],
                 define_macros=macros,
                 extra_compile_args=compile_args,
