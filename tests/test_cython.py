@@ -363,6 +363,22 @@ def test_causal_linear_finds_an_inf_in_a_later_chunk_of_values(dtype):
     assert not np.isfinite(got[1, 1050:, 3]).any()
 
 
+@pytest.mark.parametrize("chunk", [24, 40])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f64"])
+def test_causal_linear_runs_with_a_chunk_not_a_whole_number_of_panels(monkeypatch, dtype, chunk):
+    # The diagonal's keys are packed in panels of 16 (float32) or 8: a chunk
+    # that is not a multiple of the panel rounds its packed keys up, and with
+    # fewer heads than threads (runs of chunks) they lie just before the
+    # thread's own state, which they must not overwrite.
+    monkeypatch.setattr(cy._linear, "CHUNK", chunk)
+    q, k, v = make_qkv((1, 10 * chunk + 5, 64), d_v=64, dtype=dtype, seed=chunk)
+    want = reference64(fastattn.linear_attention, q, k, v, causal=True)
+    for threads in (1, 2):
+        out, S, z = cy._linear.linear_attention_forward(q, k, v, "elu", True, 1e-6,
+                                                        n_threads=threads)
+        assert_close(out, want, dtype, err_msg=f"{threads} threads")
+
+
 def _linear_direct(q, k, v, causal, threads, feature_map="elu", S0=None, z0=None):
     """The Cython kernel on ``threads`` OpenMP threads (even more than the cores:
     the segment plan follows the count), leading dims flattened."""
