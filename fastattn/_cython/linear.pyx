@@ -376,8 +376,10 @@ def _noncausal(
         for item in prange(n_batch * n_seg, schedule="dynamic"):
             b = item // n_seg
             s = item % n_seg
+            # Segment 0 adds to the initial state, the others are written afresh.
             _fold_keys(&k[b, 0, 0], &v[b, 0, 0], s * n_k // n_seg, (s + 1) * n_k // n_seg,
-                       d_k, d_v, code, chunk, &S_seg[b, s, 0, 0], &z_seg[b, s, 0], buf, micro)
+                       d_k, d_v, code, chunk, &S_seg[b, s, 0, 0], &z_seg[b, s, 0], buf, micro,
+                       0, s > 0)
         for item in prange(n_batch * d_k, schedule="static"):
             b = item // d_k
             a = item % d_k
@@ -706,9 +708,9 @@ def linear_attention_forward(q, k, v, feature_map, bint causal, double eps, S0=N
         # folded in segments (that cost only their sum).
         spread = SEGMENTS_PER_THREAD * n_threads
         n_seg = max(1, min(-(-spread // n_batch), n_chunks)) if n_batch < spread else 1
-    # Causal, the entries after the first are zeroed by the threads that fold into them.
-    S_seg = (np.empty if causal else np.zeros)((n_batch, n_seg, d_k, d_v), dtype)
-    z_seg = (np.empty if causal else np.zeros)((n_batch, n_seg, d_k), dtype)
+    # The entries after the first are written by the threads that fold into them.
+    S_seg = np.empty((n_batch, n_seg, d_k, d_v), dtype)
+    z_seg = np.empty((n_batch, n_seg, d_k), dtype)
     S_seg[:, 0] = 0 if S0 is None else S0
     z_seg[:, 0] = 0 if z0 is None else z0
     if causal:
