@@ -596,3 +596,27 @@ def test_causal_linear_state_across_pieces_equals_one_pass(backend, dtype, featu
     assert_close(np.concatenate(outs, axis=-2), expected, dtype=dtype)
     assert_close(state[0], S_exp, dtype=dtype)
     assert_close(state[1], z_exp, dtype=dtype)
+
+
+# ---------------------------------------------------------------------------
+# elu and relu features grow like the inputs: where the products overflow the
+# dtype the row is NaN in every backend (documented in linear_attention, Notes).
+# ---------------------------------------------------------------------------
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("feature_map", ["elu", "relu"])
+@pytest.mark.parametrize("dtype,finite,overflows", [(np.float32, 1e17, 1e19),
+                                                    (np.float64, 1e150, 1e154)],
+                         ids=["float32", "float64"])
+def test_linear_overflowing_features_give_nan_rows(backend, dtype, finite, overflows,
+                                                   feature_map, causal):
+    q, k, v = make_qkv((70, 64), dtype=dtype, seed=67)
+    q, k = np.abs(q) + 0.5, np.abs(k) + 0.5     # every feature grows with the scale
+    small = fastattn.linear_attention(q * dtype(finite), k * dtype(finite), v, causal=causal,
+                                      feature_map=feature_map, backend=backend)
+    assert np.isfinite(small).all()
+    # φ(q)·φ(k) ~ x² d_k: past the dtype's largest number at x = overflows
+    big = fastattn.linear_attention(q * dtype(overflows), k * dtype(overflows), v,
+                                    causal=causal, feature_map=feature_map, backend=backend)
+    assert np.isnan(big).all(axis=-1).all()
