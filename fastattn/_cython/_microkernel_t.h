@@ -6,8 +6,10 @@
  */
 
 /* dst[c lddst + t] = src[t ld + c] for t, c < L: one L x L tile transposed in
- * registers (unpack, in-lane shuffle, two 128-bit-lane shuffles; 4 L shuffles
- * a tile), far cheaper than L gathers of one column each. */
+ * registers (unpack, then in-lane and 128-bit-lane shuffles: 64 shuffles a
+ * 16 x 16 float32 tile, 24 an 8 x 8 float64 one), in place of L gathers of one
+ * column each (pack_keys went from 6.0 to 4.7 % of a causal linear call, 1 thread,
+ * n = 4096). */
 FA_AVX512 FA_INLINE void FA_NAME(fa_transpose_tile)(const FA_T *src, long ld, FA_T *dst,
                                                     long lddst) {
     FA_VT r[FA_L], t[FA_L];
