@@ -418,6 +418,10 @@ LINEAR_PRODUCT_CASES = [
     ((), 700, 3, 32, 32),
     ((2,), 4 * NC + 9, 4 * NC + 2, 64, 40),
     ((), 3 * CH + 1, 3 * CH + 1, 12, 20),
+    # the keys' column sums with their features up to 16 vectors a row (float64: d_k 128), past it apart
+    ((), 2 * CH + 3, 2 * CH + 3, 128, 16),
+    ((2,), CH + 9, NC + 9, 256, 16),
+    ((), NC + 5, NC + 5, 272, 16),
 ]
 
 

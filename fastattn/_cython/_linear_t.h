@@ -133,32 +133,62 @@ FA_AVX512 __attribute__((unused)) static void FA_NAME(fastattn_linear_mask)(FA_T
 #define FL_VMOVZ _mm512_maskz_mov_pd
 #define FL_EXP_FLOOR (-1022.0)
 #endif
-/* out = elu(x) + 1 = x > 0 ? x + 1 : exp(x), NaN kept: the feature map of
- * _vmath.pxd (fastattn_feature_map, elu), with exp(x) = 2**t as in
- * fastattn_exp_sum_avx512 (vscalef for 2**round(t)) and 0 for t <= the
- * smallest normal exponent, as there.  ahead (NULL: none): n elements
+/* elu(a) + 1 = a > 0 ? a + 1 : exp(a), NaN kept: the feature map of _vmath.pxd
+ * (fastattn_feature_map, elu), with exp(a) = 2**t as in fastattn_exp_sum_avx512
+ * (vscalef for 2**round(t)) and 0 for t <= the smallest normal exponent, as there. */
+FA_AVX512 FA_INLINE FA_VT FA_NAME(fl_elu)(FA_VT a) {
+    const FA_VT log2e = FA_VSET1((FA_T) 1.4426950408889634), one = FA_VSET1((FA_T) 1);
+    const FA_VT zero = FA_VZERO(), lowest = FA_VSET1(FL_EXP_FLOOR);
+    /* min(0, a) keeps a NaN a (vminps returns its second operand then) */
+    FA_VT t = FA_VMUL(FL_VMIN(zero, a), log2e);
+    FA_VT e = FA_VROUND(t);
+    FA_VT f = FA_VSUB(t, e);
+    FA_VT p;
+    FA_EXP2_POLY(p, f);
+    p = FL_VMOVZ(FL_CMP(t, lowest, _CMP_NLE_UQ), FA_VSCALEF(p, e));
+    return FA_VMADD(p, FL_CMP(a, zero, _CMP_GT_OQ), a, one);
+}
+
+/* out[0:n] = elu(x[0:n]) + 1 (fl_elu).  ahead (NULL: none): n elements
  * prefetched, a vector an iteration. */
 FA_AVX512 __attribute__((unused)) static void FA_NAME(fastattn_linear_elu)(const FA_T *x, long n, FA_T *out,
                                                                           const FA_T *ahead) {
-    const FA_VT log2e = FA_VSET1((FA_T) 1.4426950408889634), one = FA_VSET1((FA_T) 1);
-    const FA_VT zero = FA_VZERO(), lowest = FA_VSET1(FL_EXP_FLOOR);
     for (long j = 0; j < n; j += FA_L) {
         FA_MT m = n - j >= FA_L ? (FA_MT) ~0u : (FA_MT) ((1u << (n - j)) - 1u);
         FA_VT a = FA_VMLOADZ(m, x + j);
         if (ahead) FL_PREFETCH(ahead + j);
-        /* min(0, a) keeps a NaN a (vminps returns its second operand then) */
-        FA_VT t = FA_VMUL(FL_VMIN(zero, a), log2e);
-        FA_VT e = FA_VROUND(t);
-        FA_VT f = FA_VSUB(t, e);
-        FA_VT p;
-        FA_EXP2_POLY(p, f);
-        p = FL_VMOVZ(FL_CMP(t, lowest, _CMP_NLE_UQ), FA_VSCALEF(p, e));
-        p = FA_VMADD(p, FL_CMP(a, zero, _CMP_GT_OQ), a, one);
-        FA_VMSTORE(out + j, m, p);
+        FA_VMSTORE(out + j, m, FA_NAME(fl_elu)(a));
     }
+}
+
+/* The keys' features and their column sums in one pass: out = elu(x) + 1 over
+ * rows x d (d a multiple of FA_L, at most FL_SUM_VECTORS FA_L), and
+ * z[a] (= or, when accumulate, +=) sum_r out[r, a], the rows summed in the
+ * input's precision (a chunk's keys: error ~ rows eps) before z gains them.
+ * ahead as in fastattn_linear_elu. */
+#define FL_SUM_VECTORS 16
+FA_AVX512 __attribute__((unused)) static void FA_NAME(fastattn_linear_elu_sums)(const FA_T *x, int rows, int d,
+                                                                               FA_T *out, const FA_T *ahead,
+                                                                               FA_T *z, int accumulate) {
+    FA_VT sums[FL_SUM_VECTORS];
+    int nv = d / FA_L;
+    for (int c = 0; c < nv; c++) sums[c] = FA_VZERO();
+    for (int r = 0; r < rows; r++) {
+        for (int c = 0; c < nv; c++) {
+            long j = (long) r * d + (long) c * FA_L;
+            FA_VT a = FA_VLOAD(x + j);
+            if (ahead) FL_PREFETCH(ahead + j);
+            FA_VT p = FA_NAME(fl_elu)(a);
+            FA_VSTORE(out + j, p);
+            sums[c] = FA_VADD(sums[c], p);
+        }
+    }
+    for (int c = 0; c < nv; c++)
+        FA_VSTORE(z + c * FA_L, accumulate ? FA_VADD(FA_VLOAD(z + c * FA_L), sums[c]) : sums[c]);
 }
 #undef FL_VMIN
 #undef FL_CMP
 #undef FL_VMOVZ
 #undef FL_EXP_FLOOR
+#undef FL_SUM_VECTORS
 #undef FL_PREFETCH

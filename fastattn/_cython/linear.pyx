@@ -119,7 +119,9 @@ cdef extern from *:
                                             int ldo, int accumulate, const T *scale, \
                                             const void *ahead, long ahead_bytes) {} \
     static void fastattn_linear_mask_##X(T *a, int lda, int rows, const int *seen, T *den) {} \
-    static void fastattn_linear_elu_##X(const T *x, long n, T *out, const T *ahead) {}
+    static void fastattn_linear_elu_##X(const T *x, long n, T *out, const T *ahead) {} \
+    static void fastattn_linear_elu_sums_##X(const T *x, int rows, int d, T *out, const T *ahead, \
+                                             T *z, int accumulate) {}
     FASTATTN_LINEAR_STUBS(float, f)
     FASTATTN_LINEAR_STUBS(double, d)
     #endif
@@ -136,6 +138,10 @@ cdef extern from *:
     void fastattn_linear_mask_d(double *a, int lda, int rows, const int *seen, double *den) nogil
     void fastattn_linear_elu_f(const float *x, long n, float *out, const float *ahead) nogil
     void fastattn_linear_elu_d(const double *x, long n, double *out, const double *ahead) nogil
+    void fastattn_linear_elu_sums_f(const float *x, int rows, int d, float *out, const float *ahead,
+                                    float *z, int accumulate) nogil
+    void fastattn_linear_elu_sums_d(const double *x, int rows, int d, double *out,
+                                    const double *ahead, double *z, int accumulate) nogil
     void fastattn_column_sums_f(const float *x, int rows, int d, float *z) nogil
     void fastattn_column_sums_d(const double *x, int rows, int d, double *z) nogil
     void fastattn_row_dots_f(const float *x, int rows, int d, const float *z, float *den) nogil
@@ -211,6 +217,25 @@ cdef inline const floating *_features(const floating *x, Py_ssize_t n, floating 
     return buf
 
 
+cdef inline bint _sums_with_features(int code, int d_k, const floating *tag) noexcept nogil:
+    """Whether the keys' column sums ``z`` come with their features in one pass
+    (:func:`_key_features`): the AVX-512 elu on rows of whole vectors, at most 16."""
+    cdef int lanes = 16 if floating is float else 8
+    return code == ELU_AVX512 and avx512_rows(d_k, tag) and d_k <= 16 * lanes
+
+
+cdef inline floating *_key_features(const floating *k, int rows, int d_k, floating *buf,
+                                    const floating *ahead, floating *z,
+                                    bint accumulate) noexcept nogil:
+    """``buf = φ(k[0:rows])`` (elu) and ``z (+)= Σ φ``, the rows summed in the input's
+    precision (``fastattn_linear_elu_sums``; see :func:`_sums_with_features`)."""
+    if floating is float:
+        fastattn_linear_elu_sums_f(k, rows, d_k, buf, ahead, z, accumulate)
+    else:
+        fastattn_linear_elu_sums_d(k, rows, d_k, buf, ahead, z, accumulate)
+    return buf
+
+
 cdef inline void _product(const floating *p, long prs, long pjs, const floating *v, int ldv,
                           int rows, int width, const int *seen, int d_v, floating *o, int ldo,
                           bint accumulate, const floating *scale, const void *ahead=NULL,
@@ -262,20 +287,24 @@ cdef inline void _scale_rows(floating *o, int rows, int d_v, const floating *sca
 cdef inline void _fold_features(const floating *phi, const floating *v, int rows, int d_k,
                                 int d_v, floating *S, floating *z, bint micro,
                                 const floating *v_ahead=NULL, int ahead_rows=0,
-                                bint overwrite=False) noexcept nogil:
+                                bint overwrite=False, bint z_formed=False) noexcept nogil:
     """``S += φᵀ v``, ``z += Σ φ`` over ``rows`` keys whose features ``φ`` are formed
     (``ahead_rows`` of values from ``v_ahead`` prefetched meanwhile); ``overwrite``:
-    ``S = φᵀ v``, ``z = Σ φ`` (neither read)."""
+    ``S = φᵀ v``, ``z = Σ φ`` (neither read); ``z_formed``: ``z`` has them already
+    (:func:`_key_features`), only ``S`` gains them."""
     if micro:
         # φᵀ read down the columns of φ: no transpose.
         _product(phi, 1, d_k, v, d_v, d_k, rows, NULL, d_v, S, d_v, not overwrite, NULL,
                  v_ahead, <Py_ssize_t> ahead_rows * d_v * sizeof(floating))
     else:
         gemm(True, False, d_k, d_v, rows, 1, phi, d_k, v, d_v, 0 if overwrite else 1, S, d_v)
+    if z_formed:
+        return
     if overwrite:
         memset(z, 0, d_k * sizeof(floating))
-    # z gains one chunk sum (taken in double) per chunk, not one key at a
-    # time: adding 2^20 keys one by one in float32 drifts by ~4e-3.
+    # z gains one chunk sum (taken in double here, in the input's precision by
+    # _key_features) per chunk, not one key at a time: adding 2^20 keys one by
+    # one in float32 drifts by ~4e-3.
     _column_sums(phi, rows, d_k, z)
 
 
@@ -288,6 +317,9 @@ cdef void _fold_keys(const floating *k, const floating *v, int j0, int j1,
     ``ahead_to`` when that is past ``j1``: the next work item's).  ``overwrite``: ``=``
     instead of ``+=`` (``(S, z)`` not read; zeros when there are no keys)."""
     cdef int t, c0, rows, next_rows
+    cdef bint z_formed = _sums_with_features(code, d_k, buf)
+    cdef const floating *phi
+    cdef const floating *k_ahead
     if overwrite and j1 <= j0:
         memset(S, 0, <Py_ssize_t> d_k * d_v * sizeof(floating))
         memset(z, 0, d_k * sizeof(floating))
@@ -296,10 +328,15 @@ cdef void _fold_keys(const floating *k, const floating *v, int j0, int j1,
         rows = min(chunk, j1 - c0)
         # The chunk after the next: its rows have a whole chunk's time to arrive.
         next_rows = max(0, min(chunk, max(j1, ahead_to) - c0 - rows - chunk))
-        _fold_features(_features(k + <Py_ssize_t> c0 * d_k, <Py_ssize_t> rows * d_k, buf, code,
-                                 k + <Py_ssize_t> (c0 + rows + chunk) * d_k if next_rows else NULL),
-                       v + <Py_ssize_t> c0 * d_v, rows, d_k, d_v, S, z, micro,
-                       v + <Py_ssize_t> (c0 + rows + chunk) * d_v, next_rows, overwrite and t == 0)
+        k_ahead = k + <Py_ssize_t> (c0 + rows + chunk) * d_k if next_rows else NULL
+        if z_formed:
+            phi = _key_features(k + <Py_ssize_t> c0 * d_k, rows, d_k, buf, k_ahead, z,
+                                not (overwrite and t == 0))
+        else:
+            phi = _features(k + <Py_ssize_t> c0 * d_k, <Py_ssize_t> rows * d_k, buf, code, k_ahead)
+        _fold_features(phi, v + <Py_ssize_t> c0 * d_v, rows, d_k, d_v, S, z, micro,
+                       v + <Py_ssize_t> (c0 + rows + chunk) * d_v, next_rows, overwrite and t == 0,
+                       z_formed)
 
 
 cdef const floating *_query_chunk(const floating *q, int i0, int i1, int d_k, int d_v,
@@ -444,7 +481,7 @@ cdef void _causal_segment(const floating *q, const floating *k, const floating *
     cdef const floating *vrow
     cdef const floating *phi_q
     cdef const floating *phi_k
-    cdef bint v_finite, diag_product
+    cdef bint v_finite, diag_product, z_formed
     for t in range(c_begin, c_end):
         i0 = t * chunk
         i1 = min(i0 + chunk, n_q)
@@ -466,8 +503,15 @@ cdef void _causal_segment(const floating *q, const floating *k, const floating *
             # cache): its term may be one product over weights zeroed where masked.
             v_finite = all_finite(v + <Py_ssize_t> p0 * d_v, <Py_ssize_t> width * d_v)
             diag_product = micro and v_finite
-            phi_k = _features(k + <Py_ssize_t> p0 * d_k, <Py_ssize_t> width * d_k, k_buf, code,
-                              k + <Py_ssize_t> p1 * d_k if next_rows else NULL)
+            # Folding them at the end: z gains the diagonal's keys with their features
+            # (the chunk's denominators have read z already).
+            z_formed = fold and _sums_with_features(code, d_k, k_buf)
+            if z_formed:
+                phi_k = _key_features(k + <Py_ssize_t> p0 * d_k, width, d_k, k_buf,
+                                      k + <Py_ssize_t> p1 * d_k if next_rows else NULL, z, True)
+            else:
+                phi_k = _features(k + <Py_ssize_t> p0 * d_k, <Py_ssize_t> width * d_k, k_buf,
+                                  code, k + <Py_ssize_t> p1 * d_k if next_rows else NULL)
             for r in range(rows):
                 seen[r] = min(max(i0 + r + off + 1, 0), n_k) - p0
             if micro:
@@ -509,7 +553,8 @@ cdef void _causal_segment(const floating *q, const floating *k, const floating *
                 _scale_rows(out + <Py_ssize_t> i0 * d_v, rows, d_v, den)
             # The diagonal's keys join the state, their features formed once.
             if fold:
-                _fold_features(phi_k, v + <Py_ssize_t> p0 * d_v, width, d_k, d_v, S, z, micro)
+                _fold_features(phi_k, v + <Py_ssize_t> p0 * d_v, width, d_k, d_v, S, z, micro,
+                               NULL, 0, False, z_formed)
                 folded = p1
     if last:
         _fold_keys(k, v, folded, n_k, d_k, d_v, code, chunk, S, z, k_buf, micro)
