@@ -133,6 +133,28 @@ def test_softmax_tile_products_match_reference(case, dtype, causal):
                      dtype, err_msg=f"{threads} threads")
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.intc], ids=["f32", "f64", "intc"])
+@pytest.mark.parametrize("shape", [(0,), (1,), (3, 5, 7), (2, 0, 4), (1000,)], ids=str)
+def test_aligned_empty_starts_on_a_cache_line(shape, dtype):
+    from fastattn._cython._aligned import ALIGNMENT, aligned_empty
+
+    for _ in range(4):            # a few allocations: the allocator's offsets vary
+        a = aligned_empty(shape, dtype)
+        assert a.size == 0 or a.ctypes.data % ALIGNMENT == 0    # no element, no boundary
+        assert a.shape == shape and a.dtype == np.dtype(dtype)
+        assert a.flags.c_contiguous and a.flags.writeable
+        a[...] = 1
+        assert (a == 1).all()
+
+
+def test_kernel_outputs_start_on_a_cache_line():
+    q = make_qkv((3, 130, 64), dtype=np.float32, seed=5)[0]
+    for got in (fastattn.softmax_attention(q, q, q, backend="cython"),
+                fastattn.linear_attention(q, q, q, backend="cython"),
+                fastattn.linear_attention(q, q, q, causal=True, backend="cython")):
+        assert got.ctypes.data % 64 == 0
+
+
 def _copy_at(x, offset):
     """A C-contiguous copy of ``x`` starting ``offset`` bytes past a 64-byte boundary."""
     raw = np.empty(x.nbytes + 128, dtype=np.uint8)

@@ -31,6 +31,8 @@ single-threaded inside (the caller limits it, see :mod:`fastattn._cython`).
 
 import numpy as np
 
+from fastattn._cython._aligned import aligned_empty
+
 from cython cimport floating
 from cython.parallel cimport parallel, prange, threadid
 
@@ -736,10 +738,11 @@ def linear_attention_forward(q, k, v, feature_map, bint causal, double eps, S0=N
     n_batch, n_q, d_k = q.shape
     d_v = v.shape[2]
     dtype = q.dtype
-    out = np.empty((n_batch, n_q, d_v), dtype)
+    # Features, states and output rows on cache lines (see fastattn._cython._aligned).
+    out = aligned_empty((n_batch, n_q, d_v), dtype)
     chunk = CHUNK if causal else NONCAUSAL_CHUNK
     per_thread = _causal_workspace(chunk, d_k, d_v) if causal else chunk * d_k + chunk
-    workspace = np.empty(n_threads * per_thread, dtype)
+    workspace = aligned_empty(n_threads * per_thread, dtype)
     code = FEATURE_MAP_CODES[feature_map]
     n_chunks = -(-(n_q if causal else k.shape[1]) // chunk)
     if causal:
@@ -754,17 +757,17 @@ def linear_attention_forward(q, k, v, feature_map, bint causal, double eps, S0=N
         spread = SEGMENTS_PER_THREAD * n_threads
         n_seg = max(1, min(-(-spread // n_batch), n_chunks)) if n_batch < spread else 1
     # The entries after the first are written by the threads that fold into them.
-    S_seg = np.empty((n_batch, n_seg, d_k, d_v), dtype)
+    S_seg = aligned_empty((n_batch, n_seg, d_k, d_v), dtype)
     z_seg = np.empty((n_batch, n_seg, d_k), dtype)
     S_seg[:, 0] = 0 if S0 is None else S0
     z_seg[:, 0] = 0 if z0 is None else z0
     if causal:
         n_d = n_chunks if n_runs else 0
-        _causal(q, k, v, out, S_seg, z_seg, np.empty((n_batch, n_d, d_k, d_v), dtype),
+        _causal(q, k, v, out, S_seg, z_seg, aligned_empty((n_batch, n_d, d_k, d_v), dtype),
                 np.empty((n_batch, n_d, d_k), dtype), workspace,
                 np.empty(n_threads * chunk, np.intc), code, eps, chunk, n_threads)
         return out, S_seg[:, -1].copy(), z_seg[:, -1].copy()
-    S = np.empty((n_batch, d_k, d_v), dtype)
+    S = aligned_empty((n_batch, d_k, d_v), dtype)
     z = np.empty((n_batch, d_k), dtype)
     _noncausal(q, k, v, out, S_seg, z_seg, S, z, workspace, code, eps, chunk, n_threads)
     return out, S, z

@@ -30,6 +30,8 @@ use them.  BLAS runs single-threaded inside (the caller limits it, see
 
 import numpy as np
 
+from fastattn._cython._aligned import aligned_empty
+
 from cython cimport floating
 from cython.parallel cimport parallel, prange, threadid
 from libc.string cimport memcpy
@@ -199,14 +201,6 @@ cdef void _query_block(
                 orow[c] = orow[c] * inv
 
 
-def _aligned_empty(Py_ssize_t size, dtype):
-    """An uninitialised 1-D array of ``size`` elements of ``dtype`` starting on a 64-byte boundary."""
-    itemsize = np.dtype(dtype).itemsize
-    raw = np.empty(size + 64 // itemsize, dtype=dtype)
-    start = (-raw.ctypes.data % 64) // itemsize
-    return raw[start:start + size]
-
-
 def _online_softmax(
     const floating[:, :, ::1] q,
     const floating[:, :, ::1] k,
@@ -257,11 +251,11 @@ def _online_softmax(
     cdef floating *tkp
 
     if per_head:
-        kpack = _aligned_empty(min(n_threads, n_batch) * thread_kp,
-                               np.float32 if floating is float else np.float64)
+        kpack = aligned_empty(min(n_threads, n_batch) * thread_kp,
+                              np.float32 if floating is float else np.float64)
         kp_all = &kpack[0]
     elif micro:
-        kpack = _aligned_empty(n_batch * head_kp, np.float32 if floating is float else np.float64)
+        kpack = aligned_empty(n_batch * head_kp, np.float32 if floating is float else np.float64)
         kp_all = &kpack[0]
         # Rows of v at a 64-byte boundary: a 64-byte load that straddles two
         # cache lines costs two (one pass over v here saves it in every tile).
@@ -269,8 +263,7 @@ def _online_softmax(
         # thread (a serial pass that was a few % of a 2-thread call).
         v_src = v_all
         if not v_aligned:
-            v = _aligned_empty(v.shape[0] * n_k * d_v, np.asarray(v).dtype).reshape(
-                v.shape[0], n_k, d_v)
+            v = aligned_empty((v.shape[0], n_k, d_v), np.asarray(v).dtype)
             v_all = &v[0, 0, 0]
         with nogil, parallel(num_threads=min(n_threads, n_batch * n_chunks)):
             for item in prange(n_batch * n_chunks, schedule="dynamic"):
@@ -365,8 +358,9 @@ def online_softmax_forward(q, k, v, bint causal, double scale, int n_threads=1):
         return split_key_softmax_forward(q, k, v, causal, scale)
     block_q = min(BLOCK_Q, n_q)
     block_k = min(BLOCK_K, k.shape[1])
-    out = np.empty((n_batch, n_q, v.shape[2]), dtype=q.dtype)
-    workspace = np.empty(n_threads * (block_q * block_k + 2 * block_q), dtype=q.dtype)
+    # The scores' rows and the output's on cache lines (see fastattn._cython._aligned).
+    out = aligned_empty((n_batch, n_q, v.shape[2]), q.dtype)
+    workspace = aligned_empty(n_threads * (block_q * block_k + 2 * block_q), q.dtype)
     _online_softmax(q, k, v, out, workspace, causal, scale, block_q, block_k, n_threads,
                     HEAD_ITEMS)
     return out

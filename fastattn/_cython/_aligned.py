@@ -1,0 +1,22 @@
+"""Arrays that start on a cache line, for the kernels' buffers and outputs.
+
+A 64-byte vector load or store that straddles two cache lines costs two, so
+the buffers the AVX-512 loops write row after row (scores, features, states,
+outputs) start on a 64-byte boundary; NumPy's allocator guarantees only 16.
+"""
+
+import numpy as np
+
+#: Bytes of a cache line, the boundary :func:`aligned_empty` starts on.
+ALIGNMENT = 64
+
+
+def aligned_empty(shape, dtype):
+    """An uninitialised C-ordered array of ``shape`` and ``dtype`` whose first
+    element (when it has one) lies on a 64-byte boundary: a view into a buffer
+    64 bytes longer."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(nbytes + ALIGNMENT, dtype=np.uint8)
+    start = -raw.ctypes.data % ALIGNMENT
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
