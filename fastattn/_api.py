@@ -460,11 +460,13 @@ def linear_attention(
     ``O(B · n · (D + d_v))`` with the other maps, whose features are
     computed first (FAVOR+: one ``n x d_k x m`` GEMM and ``n · m`` exps).
 
-    With ``"elu"`` and ``"relu"`` the features grow like the inputs: a row
-    whose ``φ(q) · S`` or ``φ(q) · z`` overflows the dtype is not finite
-    (NaN, ``inf / inf``, when both do), in every backend alike.  With
-    ``d_k = 64`` that takes ``|q|`` and ``|k|`` of about ``1e19`` in
-    float32 and ``1e154`` in float64.
+    With ``"elu"`` and ``"relu"`` the features grow like the inputs, and a
+    row whose denominator ``φ(q) · z`` overflows the dtype is wrong, in
+    every backend alike: NaN where its numerator ``φ(q) · S`` overflows
+    too (``inf / inf``), else 0.  With ``d_k = 64`` that takes ``|q|`` and
+    ``|k|`` of about ``1e18`` in float32 (less the more keys there are) and
+    ``1e153`` in float64; rescale such inputs first (relu attention does
+    not change when ``q`` is scaled).
 
     Examples
     --------

@@ -599,8 +599,9 @@ def test_causal_linear_state_across_pieces_equals_one_pass(backend, dtype, featu
 
 
 # ---------------------------------------------------------------------------
-# elu and relu features grow like the inputs: where the products overflow the
-# dtype the row is NaN in every backend (documented in linear_attention, Notes).
+# elu and relu features grow like the inputs: where both products overflow the
+# dtype the row is NaN in every backend (documented in linear_attention, Notes;
+# where only the denominator does, the row is 0, as in the reference).
 # ---------------------------------------------------------------------------
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
