@@ -116,7 +116,7 @@ def _weight_rows(x, name):
     x = x.astype(np.float64)
     if (x < 0).any():
         raise ValueError(f"{name} must be non-negative attention weights; "
-                         f"got {np.count_nonzero(x < 0)} negative entries (min {x.min()!r})")
+                         f"got {np.count_nonzero(x < 0)} negative entries (min {float(x.min()):.6g})")
     total = x.sum(axis=-1, keepdims=True)
     # A row of zeros (a query that sees no key, or relu with no overlap) is no distribution.
     valid = total[..., 0] != 0

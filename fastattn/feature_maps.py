@@ -348,7 +348,7 @@ def _user_features(fn, x, batch_shape, dtype, which):
                          f"inf); features must be finite")
     if (phi < 0).any():
         raise ValueError(f"{what} returned {np.count_nonzero(phi < 0)} negative values "
-                         f"(min {phi.min()!r}); features must be >= 0")
+                         f"(min {float(phi.min()):.6g}); features must be >= 0")
     return phi
 
 
