@@ -162,15 +162,18 @@ FA_AVX512 __attribute__((unused)) static void FA_NAME(fastattn_linear_elu)(const
 }
 
 /* The keys' features and their column sums in one pass: out = elu(x) + 1 over
- * rows x d (d a multiple of FA_L, at most FL_SUM_VECTORS FA_L), and
+ * rows x d (d a multiple of FA_L, at most FASTATTN_LINEAR_SUM_VECTORS FA_L: one
+ * register of sums a vector of the row; linear.pyx takes the two passes beyond), and
  * z[a] (= or, when accumulate, +=) sum_r out[r, a], the rows summed in the
  * input's precision (a chunk's keys: error ~ rows eps) before z gains them.
  * ahead as in fastattn_linear_elu. */
-#define FL_SUM_VECTORS 16
+#ifndef FASTATTN_LINEAR_SUM_VECTORS
+#define FASTATTN_LINEAR_SUM_VECTORS 16
+#endif
 FA_AVX512 __attribute__((unused)) static void FA_NAME(fastattn_linear_elu_sums)(const FA_T *x, int rows, int d,
                                                                                FA_T *out, const FA_T *ahead,
                                                                                FA_T *z, int accumulate) {
-    FA_VT sums[FL_SUM_VECTORS];
+    FA_VT sums[FASTATTN_LINEAR_SUM_VECTORS];
     int nv = d / FA_L;
     for (int c = 0; c < nv; c++) sums[c] = FA_VZERO();
     for (int r = 0; r < rows; r++) {
@@ -190,5 +193,4 @@ FA_AVX512 __attribute__((unused)) static void FA_NAME(fastattn_linear_elu_sums)(
 #undef FL_CMP
 #undef FL_VMOVZ
 #undef FL_EXP_FLOOR
-#undef FL_SUM_VECTORS
 #undef FL_PREFETCH

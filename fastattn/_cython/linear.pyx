@@ -126,6 +126,7 @@ cdef extern from *:
                                              T *z, int accumulate) {}
     FASTATTN_LINEAR_STUBS(float, f)
     FASTATTN_LINEAR_STUBS(double, d)
+    #define FASTATTN_LINEAR_SUM_VECTORS 0   /* no fused sums without the AVX-512 loops */
     #endif
     """
     void fastattn_linear_product_f(const float *p, long prs, long pjs, const float *v, int ldv,
@@ -152,6 +153,7 @@ cdef extern from *:
     void fastattn_add_d(const double *x, long n, double *y) nogil
     float fastattn_sum_f(const float *x, int n) nogil
     double fastattn_sum_d(const double *x, int n) nogil
+    const int FASTATTN_LINEAR_SUM_VECTORS    # vectors a row fastattn_linear_elu_sums takes
 
 
 cdef inline void _column_sums(const floating *x, int rows, int d, floating *z) noexcept nogil:
@@ -221,9 +223,11 @@ cdef inline const floating *_features(const floating *x, Py_ssize_t n, floating 
 
 cdef inline bint _sums_with_features(int code, int d_k, const floating *tag) noexcept nogil:
     """Whether the keys' column sums ``z`` come with their features in one pass
-    (:func:`_key_features`): the AVX-512 elu on rows of whole vectors, at most 16."""
+    (:func:`_key_features`): the AVX-512 elu on rows of whole vectors, at most
+    ``FASTATTN_LINEAR_SUM_VECTORS`` (16) of them."""
     cdef int lanes = 16 if floating is float else 8
-    return code == ELU_AVX512 and avx512_rows(d_k, tag) and d_k <= 16 * lanes
+    return (code == ELU_AVX512 and avx512_rows(d_k, tag)
+            and d_k <= FASTATTN_LINEAR_SUM_VECTORS * lanes)
 
 
 cdef inline floating *_key_features(const floating *k, int rows, int d_k, floating *buf,
