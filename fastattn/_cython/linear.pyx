@@ -379,6 +379,12 @@ cdef const floating *_query_chunk(const floating *q, int i0, int i1, int d_k, in
     return phi
 
 
+cdef inline Py_ssize_t _noncausal_workspace(int chunk, int d_k) noexcept nogil:
+    """Elements a thread of :func:`_noncausal` uses: a chunk's features (``chunk d_k``)
+    and its denominators (``chunk``)."""
+    return <Py_ssize_t> chunk * d_k + chunk
+
+
 def _noncausal(
     const floating[:, :, ::1] q,
     const floating[:, :, ::1] k,
@@ -405,7 +411,7 @@ def _noncausal(
     cdef int n_k = k.shape[1], d_v = v.shape[2]
     cdef int n_seg = S_seg.shape[1]
     cdef int n_chunks = (n_q + chunk - 1) // chunk
-    cdef Py_ssize_t per_thread = <Py_ssize_t> chunk * d_k + chunk
+    cdef Py_ssize_t per_thread = _noncausal_workspace(chunk, d_k)
     cdef int b, s, item, i0, i1, a, c
     cdef floating *buf = NULL   # per-thread workspace, set in the parallel block
     cdef floating total
@@ -745,7 +751,7 @@ def linear_attention_forward(q, k, v, feature_map, bint causal, double eps, S0=N
     # Features, states and output rows on cache lines (see fastattn._cython._aligned).
     out = aligned_empty((n_batch, n_q, d_v), dtype)
     chunk = CHUNK if causal else NONCAUSAL_CHUNK
-    per_thread = _causal_workspace(chunk, d_k, d_v) if causal else chunk * d_k + chunk
+    per_thread = _causal_workspace(chunk, d_k, d_v) if causal else _noncausal_workspace(chunk, d_k)
     workspace = aligned_empty(n_threads * per_thread, dtype)
     code = FEATURE_MAP_CODES[feature_map]
     n_chunks = -(-(n_q if causal else k.shape[1]) // chunk)
