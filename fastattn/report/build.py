@@ -203,13 +203,13 @@ def _machine_section(name, env, roofs, points, every_curve):
             # The library's name only (versions are in the roof statements): the legend fits.
             library = blas.split(" (")[0].split(" through ")[0].split()[0]
             via = blas.split(" through ")[1].split()[0] if " through " in blas else ""
-            name_ = library + (f" via {via}" if via else "") + f", {dtype}"
+            series = library + (f" via {via}" if via else "") + f", {dtype}"
             if is_roof:
                 best = int(np.argmax(values))
-                roof_lines.insert(0, (f"roof: {values[best]:.0f} GFLOP/s ({name_}, n = {ns[best]})",
+                roof_lines.insert(0, (f"roof: {values[best]:.0f} GFLOP/s ({series}, n = {ns[best]})",
                                       ns[best:best + 1], values[best:best + 1]))
             if len(ns) > 1:
-                roof_lines.append((f"GEMM {shape}, {name_}", ns, values))
+                roof_lines.append((f"GEMM {shape}, {series}", ns, values))
     above = [f"{c.label}, {mask_name(c.causal)}, at n = {n}" for c in curve_list
              for n, flag in zip(c.n.tolist(), c.above_roof.tolist()) if flag]
     loads = np.concatenate([c.load_avg for c in curve_list] or [np.array([])])
