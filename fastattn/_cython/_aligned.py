@@ -1,8 +1,13 @@
 """Arrays that start on a cache line, for the kernels' buffers and outputs.
 
 A 64-byte vector load or store that straddles two cache lines costs two, so
-the buffers the AVX-512 loops write row after row (scores, features, states,
-outputs) start on a 64-byte boundary; NumPy's allocator guarantees only 16.
+the buffers the AVX-512 loops of the prefill kernels write row after row
+(scores, features, states, outputs) start on a 64-byte boundary; NumPy's
+allocator guarantees only 16.  It is a speed measure, not a promise of the
+API: the outputs of the decode kernels (softmax with few queries, linear
+attention's one-step recurrence), the causal state returned (a copy of the
+last segment's) and float16 results (converted after the call) are plain
+NumPy arrays.
 """
 
 import numpy as np
