@@ -16,7 +16,8 @@ A backend is a module exposing::
 
     softmax_forward(q, k, v, causal, scale) -> out (B, n_q, d_v)
     linear_forward(q, k, v, feature_map, causal, eps, S0, z0) -> (out, S, z)
-    favor_query_features(x, w), favor_key_features(x, w), taylor_features(x)
+    favor_key_features(x, w) -> (features, c), favor_query_features(x, w, c),
+    taylor_features(x)
 
 where ``S0 (B, d_k, d_v)`` and ``z0 (B, d_k)`` are None or arrays of the call's
 dtype, and ``S``, ``z`` are the state after the last key.  ``feature_map`` is
@@ -404,9 +405,9 @@ def linear_attention(
         Added to the denominator; finite and >= 0.  Default (None): ``1e-6``
         for ``"elu"``, ``"relu"``, ``"taylor"`` and callables, and ``0`` for
         FAVOR+ (``"favor"`` or a :class:`fastattn.FavorFeatures`), as in the
-        Performer papers and code: its features are positive, so the
-        denominator is > 0 except where it underflows, and then the row is
-        0.  FAVOR+ applies a non-zero ``eps`` in its shifted frame (see
+        Performer papers and code: its features are positive, and no
+        row's denominator is left to underflow.  FAVOR+ applies a non-zero
+        ``eps`` in its shifted frame (see
         :class:`fastattn.FavorFeatures`, Notes), which shrinks rows whose
         shifted denominator is small; with the default, chaining pieces by
         ``initial_state`` equals one pass for every map.
@@ -484,6 +485,7 @@ def linear_attention(
     spec = feature_maps.resolve(feature_map, d_k)
     eps = _check_eps(eps, spec)
     D = spec.num_features(d_k)
+    S0 = z0 = None
     if D is not None:
         S0, z0 = _check_state(initial_state, batch_shape, D, d_v, dtype, _dim_name(spec))
     module = _dispatch.backend_for_call(backend, "linear", q, k, v, causal, dtype, feature_map)
@@ -494,7 +496,7 @@ def linear_attention(
     # O(size of the inputs): no n_q x n_k array, whatever backend was asked.
     kernel = reference if empty else module
     qq, kk = _as_kernel_input(q, dtype), _as_kernel_input(k, dtype)
-    feats = feature_maps.features(kernel, spec, qq, kk, batch_shape)
+    feats = feature_maps.features(kernel, spec, qq, kk, batch_shape, z0)
     if D is None:  # a user's map: D is known once it has run
         D = feats.num_features
         S0, z0 = _check_state(initial_state, batch_shape, D, d_v, dtype, _dim_name(spec))
@@ -585,4 +587,6 @@ def attention_weights(
             weights = reference.linear_weights(qq, kk, spec.name, causal, eps)
         else:
             weights = reference.linear_weights(feats.q, feats.k, "identity", causal, eps)
+            if causal and feats.key_shift is not None:
+                feature_maps.exact_causal_weights(spec, feats, qq, kk, eps, weights)
     return weights.reshape(out_shape)

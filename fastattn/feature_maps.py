@@ -133,18 +133,28 @@ class FavorFeatures:
     ``exp`` for large ``‖x‖``, so linear attention uses shifted features
     whose shifts cancel in the ratio ``φ(q)·S / φ(q)·z``:
 
-    * queries: one shift per row, ``φ(q_i) = exp(ω q'_i − max_r ω_r q'_i) / √m``
-      (``‖q'‖²/2`` is constant along the row and goes into the same shift);
-      the largest feature of every row is ``1/√m``;
-    * keys: one shift ``c_K`` for all keys of one head in the call, the
-      largest exponent ``max_{j,r} (ω_r k'_j − ‖k'_j‖²/2)``;
-      ``φ(k_j) = exp(ω k'_j − ‖k'_j‖²/2 − c_K) / √m``.
+    * keys: one shift ``c_r`` per feature ``r`` for all keys of one head in
+      the call, the feature's largest exponent ``max_j (ω_r k'_j −
+      ‖k'_j‖²/2)``; ``φ(k_j)_r = exp(ω_r k'_j − ‖k'_j‖²/2 − c_r) / √m``;
+    * queries: the keys' shifts added, and one shift per row,
+      ``φ(q_i)_r = exp(ω_r q'_i + c_r − M_i) / √m`` with
+      ``M_i = max_r (ω_r q'_i + c_r)`` (``‖q'‖²/2``, constant along the
+      row, goes into the same shift).
 
-    No finite input overflows.  The shifts scale numerator and denominator
-    alike, so they cancel except against ``eps``, which is in effect
-    measured in the call's frame.  Within one call a key whose every feature
-    lies about 87 (float32) or 708 (float64) below the call's largest
-    exponent contributes 0, as it would to the exact ratio within rounding.
+    Each product ``φ(q_i)_r φ(k_j)_r`` is the unshifted one times
+    ``exp(‖q'_i‖²/2 − M_i)``, the same for the whole row, so the ratio is
+    unchanged; and the row's largest term is ``1/m`` (feature ``r`` of
+    ``M_i`` against the key of ``c_r``).  No finite input overflows, and
+    non-causally no denominator underflows, at any norm.  Causally a row
+    sees only the keys up to its own, whose features may all underflow in
+    the frame of the later keys (``‖k‖² / √d_k`` beyond about 170 in
+    float32, 1400 in float64); the rows whose denominator is too small to
+    hold its digits (below ``n_k · m · tiny / eps_machine``; none unless a
+    head's first key is that far out) are recomputed in float64 from the
+    exponents by log-sum-exp, ``O(n_k · m · (d_k + d_v))`` a row.  The
+    shifts scale numerator and denominator alike, so they cancel except
+    against ``eps``, which is in effect measured in the row's frame
+    ``M_i``, per ``1/m``.
 
     **The state across pieces.**  The returned state ``(S, z)`` is always in
     one fixed reference frame independent of the data,
@@ -153,11 +163,11 @@ class FavorFeatures:
     ``ω_r·k' − ‖k'‖²/2 = ‖ω_r‖²/2 − ‖k' − ω_r‖²/2 <= state_shift``, so the
     state never overflows, and states of consecutive pieces simply add.  A
     call given an ``initial_state`` works in the frame
-    ``max(c_K, state_shift + ln max_r z0_r)``, in which neither the earlier
-    keys nor its own overflow, and converts its final state back.  Chaining
-    pieces therefore equals one pass (exactly with ``eps = 0``, the default of
-    :func:`fastattn.linear_attention` for FAVOR+; otherwise up to ``eps``
-    being measured in each piece's frame).  Keys whose every
+    ``max(c_r, state_shift + ln z0_r)`` of each feature, in which neither the
+    earlier keys nor its own overflow, and converts its final state back.
+    Chaining pieces therefore equals one pass (exactly with ``eps = 0``, the
+    default of :func:`fastattn.linear_attention` for FAVOR+; otherwise up to
+    ``eps`` being measured in each piece's frame).  Keys whose every
     exponent lies more than about 87 (float32) / 708 (float64) below
     ``state_shift`` (``‖k‖`` far beyond ``d_k^¼ (√d_k + 13)``) underflow to
     0 in the *returned* state; the call's own output still counts them.
@@ -315,7 +325,7 @@ def resolve(feature_map, d_k):
 
 @dataclass
 class Features:
-    """``φ(q) (B, n_q, D)``, ``φ(k) (B, n_k, D)`` and FAVOR+'s key shift per head ``(B,)``."""
+    """``φ(q) (B, n_q, D)``, ``φ(k) (B, n_k, D)`` and FAVOR+'s frame of each feature ``(B, D)``."""
 
     q: np.ndarray
     k: np.ndarray
@@ -352,17 +362,22 @@ def _user_features(fn, x, batch_shape, dtype, which):
     return phi
 
 
-def features(module, spec, q, k, batch_shape):
+def features(module, spec, q, k, batch_shape, z0=None):
     """φ(q), φ(k) by ``module``'s feature kernels (or the user's function); None for elu/relu.
 
     ``q (B, n_q, d_k)``, ``k (B, n_k, d_k)`` are kernel inputs of one dtype.
+    For FAVOR+, ``z0 (B, m)`` (the initial state's key sums, or None) sets
+    the frame of each feature together with the keys (see
+    :class:`FavorFeatures`), and the query features are taken in that frame.
     """
     if spec.name in ELEMENTWISE:
         return None
     if spec.name == "favor":
         w = spec.favor.projection(q.dtype)
         phi_k, shift = module.favor_key_features(k, w)
-        return Features(module.favor_query_features(q, w), phi_k, shift)
+        if z0 is not None:
+            phi_k, shift = _state_frame(phi_k, shift, spec.favor.state_shift, z0)
+        return Features(module.favor_query_features(q, w, shift), phi_k, shift)
     if spec.name == "taylor":
         return Features(module.taylor_features(q), module.taylor_features(k))
     phi_q = _user_features(spec.fn, q, batch_shape, q.dtype, "q")
@@ -376,8 +391,8 @@ def features(module, spec, q, k, batch_shape):
 def linear_forward(module, spec, feats, q, k, v, causal, eps, S0, z0):
     """``module.linear_forward`` on the inputs (elu, relu) or on their features.
 
-    For FAVOR+ the key features are in the call's frame (shift ``c_K`` per
-    head); the state is converted from and to the fixed frame
+    For FAVOR+ the features are in the call's frame (a shift ``c_r`` per
+    feature and head); the state is converted from and to the fixed frame
     ``spec.favor.state_shift`` (see :class:`FavorFeatures`).  A float32 FAVOR+
     call that comes out non-finite from finite inputs is computed in float64.
     """
@@ -385,40 +400,190 @@ def linear_forward(module, spec, feats, q, k, v, causal, eps, S0, z0):
         return module.linear_forward(q, k, v, spec.name, causal, eps, S0, z0)
     if feats.key_shift is None:
         return module.linear_forward(feats.q, feats.k, v, "identity", causal, eps, S0, z0)
-    result = _favor_forward(module, spec, feats, v, causal, eps, S0, z0)
+    result = _favor_forward(module, spec, feats, q, k, v, causal, eps, S0, z0)
     if q.dtype == np.float32 and not np.isfinite(result[0]).all() and all(
             x is None or np.isfinite(x).all() for x in (q, k, v, S0, z0)):
-        # Finite float32 inputs of large norm can leave a row's denominator subnormal,
-        # where the ratio loses every digit (up to inf): such a call is computed in
-        # float64, then rounded to float32.
+        # A float32 sum can overflow where the float64 one does not (values near the
+        # float32 limit): such a call is computed in float64, then rounded to float32.
         q, k, v, S0, z0 = (None if x is None else x.astype(np.float64) for x in (q, k, v, S0, z0))
-        wide = features(module, spec, q, k, None)
+        wide = features(module, spec, q, k, None, z0)
         result = tuple(x.astype(np.float32) for x in
-                       _favor_forward(module, spec, wide, v, causal, eps, S0, z0))
+                       _favor_forward(module, spec, wide, q, k, v, causal, eps, S0, z0))
     return result
 
 
-def _favor_forward(module, spec, feats, v, causal, eps, S0, z0):
-    """FAVOR+ from its features, the state converted from and to the fixed frame."""
-    phi_k = feats.k
+def _state_frame(phi_k, shift, fixed, z0):
+    """The frame ``max(c_r, fixed + ln z0_r)`` of each feature, and ``φ(k)`` brought into it.
+
+    Where the earlier keys (the state) dominate a feature, this call's keys
+    are scaled down into their frame; the state is scaled into it by
+    :func:`_favor_forward`.  ``shift, z0 (B, m)``, ``phi_k (B, n_k, m)``.
+    """
+    with np.errstate(divide="ignore", invalid="ignore"):
+        floor = np.where(z0 > 0, fixed + np.log(z0.astype(np.float64)), -np.inf)
+    frame = np.maximum(shift, floor)
+    lift = frame > shift
+    if lift.any():
+        phi_k = phi_k * np.exp(shift - frame).astype(phi_k.dtype)[:, None, :]
+    return phi_k, frame
+
+
+def _favor_forward(module, spec, feats, q, k, v, causal, eps, S0, z0):
+    """FAVOR+ from its features, the state converted from and to the fixed frame.
+
+    Causal rows whose denominator may have underflowed are recomputed by
+    :func:`_exact_causal_rows`.
+    """
     fixed = spec.favor.state_shift
-    shift = feats.key_shift
+    frame = feats.key_shift
+    S0_in, z0_in = S0, z0
     if S0 is not None:
-        with np.errstate(divide="ignore", invalid="ignore"):
-            z_max = np.max(z0, axis=-1).astype(np.float64)
-            floor = np.where(z_max > 0, fixed + np.log(z_max), -np.inf)
-        frame = np.where(floor > shift, floor, shift)
-        lift = frame > shift
-        if lift.any():  # the earlier keys dominate: bring this call's keys into their frame
-            phi_k = phi_k.copy()
-            phi_k[lift] *= np.exp(shift[lift] - frame[lift])[:, None, None].astype(phi_k.dtype)
-        shift = frame
         # In float64, and 0 stays 0: the factor itself may exceed float32 (an earlier
         # state whose keys all underflowed, z0 = 0), while its products never do.
-        into = np.exp(fixed - shift)
         with np.errstate(over="ignore", invalid="ignore"):
-            S0 = np.where(S0 == 0, 0, S0 * into[:, None, None]).astype(S0.dtype)
-            z0 = np.where(z0 == 0, 0, z0 * into[:, None]).astype(z0.dtype)
-    out, S, z = module.linear_forward(feats.q, phi_k, v, "identity", causal, eps, S0, z0)
-    back = np.exp(shift - fixed).astype(S.dtype)
-    return out, S * back[:, None, None], z * back[:, None]
+            into = np.exp(fixed - frame)
+            S0 = np.where(S0 == 0, 0, S0 * into[:, :, None]).astype(S0.dtype)
+            z0 = np.where(z0 == 0, 0, z0 * into).astype(z0.dtype)
+    out, S, z = module.linear_forward(feats.q, feats.k, v, "identity", causal, eps, S0, z0)
+    if causal:
+        _exact_causal_rows(spec, feats, q, k, v, eps, S0_in, z0_in, z0, out)
+    back = np.exp(frame - fixed).astype(S.dtype)
+    return out, S * back[:, :, None], z * back
+
+
+#: Bytes of the float64 temporaries of the exact rows per block of rows.
+_EXACT_BLOCK_BYTES = 1 << 25
+
+
+def _underflowed_rows(feats, dtype, z0=None, z0_frame=None):
+    """``(b, rows)`` of the causal FAVOR+ rows whose denominator may have lost digits.
+
+    A causal row sees only the keys up to its own, while the frame of each
+    feature is set by all keys of the call, so the features of every key a
+    row sees can underflow (for keys of ``‖k‖² / √d_k`` beyond about 170 in
+    float32, 1400 in float64).  A row's denominator ``φ(q_i) · z_i`` is the
+    sum of the terms that survive, and each lost term is below ``tiny``: a
+    denominator of at least ``n_k · m · tiny / eps_machine`` has lost less
+    than one rounding error, and its row is kept.  The others, among the
+    rows that see a key or a state, are listed.
+
+    ``z0`` is the initial state's key sums in the fixed frame and
+    ``z0_frame`` in the call's frame (both None without one).  Time ``O(m)``
+    a head whose first key and state sit within reach of the frame (every
+    row's largest feature meets them), else ``O(n · m)``.
+    """
+    B, n_q, m = feats.q.shape
+    n_k = feats.k.shape[1]
+    offset = n_k - n_q  # row i sees the keys j <= i + offset
+    info = np.finfo(dtype)
+    floor = n_k * m * float(info.tiny) / float(info.eps)
+    seen_by_all = feats.k[:, 0, :].astype(np.float64)
+    if z0_frame is not None:
+        seen_by_all = seen_by_all + z0_frame
+    # Each row's largest query feature is 1/√m, so den_i >= min_r seen_by_all / √m.
+    for b in np.flatnonzero(seen_by_all.min(axis=1) / math.sqrt(m) < floor):
+        z_start = np.zeros(m) if z0_frame is None else z0_frame[b].astype(np.float64)
+        den = _causal_denominators(feats.q[b], feats.k[b], z_start, offset)
+        sees = np.arange(n_q) + offset >= 0
+        if z0 is not None and np.any(z0[b] > 0):
+            sees[:] = True
+        rows = np.flatnonzero((den < floor) & sees)
+        if rows.size:
+            yield b, rows
+
+
+def _causal_denominators(phi_q, phi_k, z_start, offset):
+    """``φ(q_i) · (z_start + Σ_{j <= i + offset} φ(k_j))`` in float64, keys taken in blocks."""
+    n_q, m = phi_q.shape
+    n_k = phi_k.shape[0]
+    den = np.empty(n_q)
+    blind = min(n_q, max(0, -offset))  # rows that see no key
+    den[:blind] = phi_q[:blind].astype(np.float64) @ z_start
+    block = max(1, _EXACT_BLOCK_BYTES // (8 * m))
+    running = z_start
+    for j0 in range(0, n_k, block):
+        j1 = min(n_k, j0 + block)
+        z = running + np.cumsum(phi_k[j0:j1], axis=0, dtype=np.float64)
+        i0, i1 = max(0, j0 - offset), min(n_q, j1 - offset)
+        if i1 > i0:
+            den[i0:i1] = np.einsum("im,im->i", phi_q[i0:i1],
+                                   z[i0 + offset - j0:i1 + offset - j0])
+        running = z[-1]
+    return den
+
+
+def _exact_blocks(spec, q, k, rows, offset, frame, eps, state=None):
+    """Causal FAVOR+ weights of one head's ``rows`` from the exponents, in float64.
+
+    With ``a_ir = (ω q'_i)_r`` and ``e_jr = (ω k'_j)_r − ‖k'_j‖²/2``, the
+    kernel ``K_ij = Σ_r exp(a_ir + e_jr)`` is taken by log-sum-exp and
+    scaled by ``exp(−L_i)``, ``L_i`` the row's largest log term, so nothing
+    underflows; a state ``(S0, z0)`` in the fixed frame ``c`` weighs in with
+    ``exp(a_ir + c + ln(z0_r √m) − L_i)`` a feature, times ``S0_r / z0_r``
+    (the mean of the values behind it) in the numerator.  ``eps`` is measured as the
+    kernels measure it: in the row's frame ``M_i = max_r (a_ir + frame_r)``
+    and per ``1/m``.  Yields, per block of rows, ``(part, weights (R,
+    n_seen), state_weights (R, m) or None, eps (R,) or 0.0)``.
+    """
+    from scipy.special import logsumexp   # deferred: 0.1 s of import fastattn
+
+    favor = spec.favor
+    m = favor.num_features
+    w = favor.projection(np.float64)
+    k64 = k.astype(np.float64)
+    e = k64 @ w - (np.einsum("nd,nd->n", k64, k64) / (2 * math.sqrt(favor.d_k)))[:, None]
+    if state is not None:
+        z0 = state[1].astype(np.float64)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            log_z0 = np.where(z0 > 0, np.log(z0 * math.sqrt(m)), -np.inf)
+    block = max(1, _EXACT_BLOCK_BYTES // (8 * m * k.shape[0]))
+    for start in range(0, rows.size, block):
+        part = rows[start:start + block]
+        a = q[part].astype(np.float64) @ w                                   # (R, m)
+        n_seen = max(0, int(part[-1]) + offset + 1)
+        with np.errstate(under="ignore"):
+            log_k = logsumexp(a[:, None, :] + e[None, :n_seen, :], axis=-1)  # (R, n_seen)
+        log_k[np.arange(n_seen)[None, :] > part[:, None] + offset] = -np.inf
+        top = log_k.max(axis=1, initial=-np.inf)
+        state_weights = None
+        if state is not None:
+            top = np.maximum(top, (a + favor.state_shift + log_z0).max(axis=1))
+            state_weights = np.exp(a + favor.state_shift + log_z0 - top[:, None])
+        scaled_eps = 0.0
+        if eps:
+            with np.errstate(over="ignore"):
+                scaled_eps = eps * m * np.exp((a + frame).max(axis=1) - top)
+        yield part, np.exp(log_k - top[:, None]), state_weights, scaled_eps
+
+
+def _exact_causal_rows(spec, feats, q, k, v, eps, S0, z0, z0_frame, out):
+    """Recompute in ``out`` the causal rows of :func:`_underflowed_rows`, by :func:`_exact_blocks`.
+
+    ``O(n_k · m · (d_k + d_v))`` time a recomputed row.
+    """
+    offset = feats.k.shape[1] - feats.q.shape[1]
+    for b, rows in _underflowed_rows(feats, out.dtype, z0, z0_frame):
+        state = None if S0 is None else (S0[b], z0[b])
+        if state is not None:
+            z = z0[b].astype(np.float64)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                state_mean = np.where(z[:, None] > 0, S0[b] / z[:, None], 0.0)
+        v64 = v[b].astype(np.float64)
+        for part, weights, state_weights, scaled_eps in _exact_blocks(
+                spec, q[b], k[b], rows, offset, feats.key_shift[b], eps, state):
+            num = weights @ v64[:weights.shape[1]]
+            den = weights.sum(axis=1)
+            if state is not None:
+                num += state_weights @ state_mean
+                den += state_weights.sum(axis=1)
+            out[b, part] = num / (den + scaled_eps)[:, None]
+
+
+def exact_causal_weights(spec, feats, q, k, eps, weights):
+    """Recompute in ``weights (B, n_q, n_k)`` the causal FAVOR+ rows of :func:`_underflowed_rows`."""
+    offset = feats.k.shape[1] - feats.q.shape[1]
+    for b, rows in _underflowed_rows(feats, weights.dtype):
+        for part, w, _, scaled_eps in _exact_blocks(spec, q[b], k[b], rows, offset,
+                                                    feats.key_shift[b], eps):
+            weights[b, part] = 0
+            weights[b, part, :w.shape[1]] = w / (w.sum(axis=1) + scaled_eps)[:, None]

@@ -54,34 +54,40 @@ def feature_map(x, name):
     raise ValueError(f"feature_map must be one of {FEATURE_MAPS}, got {name!r}")
 
 
-def favor_query_features(x, w):
-    """FAVOR+ query features ``exp(x w − max_r (x w)_r) / √m``, one shift per row.
+def favor_query_features(x, w, key_shift):
+    """FAVOR+ query features ``exp(x w + c − max_r (x w + c)_r) / √m``, one shift per row.
 
-    ``x (B, n, d_k)``, ``w = (ω / d_k^¼)ᵀ (d_k, m)`` of ``x``'s dtype.  The
+    ``x (B, n, d_k)``, ``w = (ω / d_k^¼)ᵀ (d_k, m)`` of ``x``'s dtype, and
+    ``key_shift = c (B, m)`` float64, the keys' frame of each feature (from
+    :func:`favor_key_features`).  Moving ``c_r`` from the key features to the
+    query features leaves every product ``φ(q)·φ(k)`` unchanged, and makes
+    the row's largest term ``1/m``: its denominator cannot underflow.  The
     row's largest feature is ``1/√m``; ``‖x'‖²/2``, constant along the row,
     is part of the shift.  Choromanski et al. (2021); see
     :class:`fastattn.FavorFeatures`.
     """
     e = x @ w
+    e += key_shift.astype(e.dtype)[:, None, :]
     e -= e.max(axis=-1, keepdims=True)
     e -= 0.5 * math.log(w.shape[1])
     return np.exp(e, out=e)
 
 
 def favor_key_features(x, w):
-    """FAVOR+ key features ``exp(x w − ‖x‖²/(2√d_k) − c_b) / √m`` and the shifts ``c (B,)``.
+    """FAVOR+ key features ``exp(x w − ‖x‖²/(2√d_k) − c_br) / √m`` and the shifts ``c (B, m)``.
 
-    ``c_b`` is the largest exponent of head ``b`` (NaN ignored; 0 when none
-    is finite), so the largest key feature of a head is ``1/√m`` and nothing
-    overflows.  Returns ``(features (B, n, m), c)`` with ``c`` float64.
+    ``c_br`` is the largest exponent of feature ``r`` over the keys of head
+    ``b`` (NaN ignored; 0 when none is finite), so each feature's largest
+    value is ``1/√m`` and nothing overflows.  Returns ``(features (B, n, m),
+    c)`` with ``c`` float64.
     """
     d_k, m = w.shape
     e = x @ w
     e -= (np.einsum("bnd,bnd->bn", x, x) / (2 * math.sqrt(d_k)))[..., None]
     with np.errstate(invalid="ignore"):
-        peak = np.where(np.isnan(e), -np.inf, e).max(axis=(1, 2), initial=-np.inf)
+        peak = np.where(np.isnan(e), -np.inf, e).max(axis=1, initial=-np.inf)
     shift = np.where(np.isfinite(peak), peak, 0.0).astype(np.float64)
-    e -= (shift + 0.5 * math.log(m)).astype(e.dtype)[:, None, None]
+    e -= (shift + 0.5 * math.log(m)).astype(e.dtype)[:, None, :]
     return np.exp(e, out=e), shift
 
 

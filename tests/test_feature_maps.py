@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import fastattn
-from conftest import TOLERANCES, assert_close, make_qkv
+from conftest import FAST_BACKENDS, TOLERANCES, assert_close, make_qkv
 from fastattn.data import load_minilm
 from oracles import last_visible
 
@@ -33,15 +33,16 @@ def favor_exponents(x, omega):
 def favor_formula(q, k, v, omega, causal, eps):
     """Stabilised FAVOR+ linear attention in float64, as documented.
 
-    Queries: one shift per row (the row's largest exponent); keys: one shift
-    per head (the largest exponent of the head); features ``exp(· − shift) / √m``.
-    Returns ``out`` and the state in the fixed frame ``max_r ‖ω_r‖²/2``.
+    Keys: one shift ``c_r`` per feature and head (the feature's largest
+    exponent over the head's keys); queries: ``c_r`` added, then one shift per
+    row (the row's largest); features ``exp(· − shift) / √m``.  Returns
+    ``out`` and the state in the fixed frame ``max_r ‖ω_r‖²/2``.
     """
     m = omega.shape[0]
     eq, ek = favor_exponents(q, omega), favor_exponents(k, omega)
-    fq = np.exp(eq - eq.max(axis=-1, keepdims=True)) / math.sqrt(m)
-    head_shift = ek.max(axis=(-2, -1), keepdims=True)
-    fk = np.exp(ek - head_shift) / math.sqrt(m)
+    c = ek.max(axis=-2, keepdims=True)
+    fk = np.exp(ek - c) / math.sqrt(m)
+    fq = np.exp(eq + c - (eq + c).max(axis=-1, keepdims=True)) / math.sqrt(m)
     out = _ratio(fq, fk, v, causal, eps)
     fixed = (omega ** 2).sum(axis=1).max() / 2
     f_state = np.exp(ek - fixed) / math.sqrt(m)
@@ -279,11 +280,16 @@ def test_fast_taylor_and_favor_features_match_the_formulas(fast_backend, dtype):
     np.testing.assert_allclose(module.taylor_features(x), taylor_phi(x), **tol)
     favor = fastattn.FavorFeatures(5, num_features=17, random_state=1)
     e = favor_exponents(x, favor.omega)
-    phi_q = module.favor_query_features(x, favor.projection(dtype))
-    np.testing.assert_allclose(phi_q, np.exp(e - e.max(-1, keepdims=True)) / math.sqrt(17), **tol)
     phi_k, shift = module.favor_key_features(x, favor.projection(dtype))
-    np.testing.assert_allclose(shift, e.max(axis=(1, 2)), rtol=1e-5)
-    np.testing.assert_allclose(phi_k, np.exp(e - shift[:, None, None]) / math.sqrt(17), **tol)
+    assert shift.shape == (2, 17) and shift.dtype == np.float64
+    np.testing.assert_allclose(shift, e.max(axis=1), rtol=1e-5)
+    np.testing.assert_allclose(phi_k, np.exp(e - shift[:, None, :]) / math.sqrt(17), **tol)
+    # Queries in a frame of the test's own (any c (B, m) float64).
+    c = np.random.default_rng(3).uniform(-5, 5, (2, 17))
+    phi_q = module.favor_query_features(x, favor.projection(dtype), c)
+    ec = e + c[:, None, :]
+    np.testing.assert_allclose(phi_q, np.exp(ec - ec.max(-1, keepdims=True)) / math.sqrt(17),
+                               **tol)
 
 
 # ---------------------------------------------------------------------------
@@ -319,6 +325,112 @@ def test_large_logits_give_finite_outputs_for_every_map(backend, name, causal):
         lo = np.minimum(v.min(axis=1, keepdims=True), 0) - 1e-3
         hi = np.maximum(v.max(axis=1, keepdims=True), 0) + 1e-3
         assert ((out >= lo) & (out <= hi)).all()
+
+
+# ---------------------------------------------------------------------------
+# FAVOR+ at norms where features underflow: the exact kernel, without features.
+# ---------------------------------------------------------------------------
+
+def favor_exact_weights(q, k, omega, causal):
+    """FAVOR+'s attention weights ``K_ij / Σ_j K_ij`` with ``K_ij = Σ_r exp(e_q,ir + e_k,jr)``.
+
+    Taken in log space (``log K_ij`` by log-sum-exp over the features), so it
+    holds where every feature of a key a row sees is far below the float
+    range; float64, ``(..., n_q, n_k)``.
+    """
+    from scipy.special import logsumexp
+
+    eq, ek = favor_exponents(q, omega), favor_exponents(k, omega)
+    log_k = logsumexp(eq[..., :, None, :] + ek[..., None, :, :], axis=-1)
+    n_q, n_k = log_k.shape[-2:]
+    seen = np.arange(n_k)[None, :] <= np.array(
+        [last_visible(i, n_q, n_k, causal) for i in range(n_q)])[:, None]
+    log_k = np.where(seen, log_k, -np.inf)
+    w = np.exp(log_k - log_k.max(axis=-1, keepdims=True))
+    return w / w.sum(axis=-1, keepdims=True)
+
+
+def _far_apart_qkv(scale, dtype, n_q=70, n_k=70):
+    """Two heads, d_k = 16, q and k ``scale`` times N(0, 1): ``‖k‖²/√d_k`` near ``4 scale²``."""
+    q, k, v = make_qkv((2, n_k, 16), seed=21)
+    q = q[:, n_k - n_q:]
+    return (q * scale).astype(dtype), (k * scale).astype(dtype), v.astype(dtype)
+
+
+FAR_APART = [(np.float64, 30), (np.float64, 300), (np.float32, 10)]
+
+
+@pytest.mark.parametrize("n_q", [70, 41], ids=lambda n: f"nq{n}-nk70")
+@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+@pytest.mark.parametrize("dtype, scale", FAR_APART,
+                         ids=[f"{np.dtype(d).name}-x{s}" for d, s in FAR_APART])
+def test_favor_where_features_underflow_equals_the_exact_kernel(backend, dtype, scale, causal,
+                                                                n_q):
+    # Each key's exponents spread over ~4 scale² (float64: 3600, 360000), far
+    # beyond exp's range, so the features of most keys underflow in any one
+    # frame; the kernel must still come out right (it is, in exact arithmetic).
+    q, k, v = _far_apart_qkv(scale, dtype, n_q=n_q)
+    favor = fastattn.FavorFeatures(16, num_features=48, random_state=5)
+    expected = favor_exact_weights(q, k, favor.omega, causal) @ v.astype(np.float64)
+    out = fastattn.linear_attention(q, k, v, feature_map=favor, causal=causal, backend=backend)
+    assert out.dtype == dtype
+    assert_close(out, expected)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+@pytest.mark.parametrize("dtype, scale", FAR_APART,
+                         ids=[f"{np.dtype(d).name}-x{s}" for d, s in FAR_APART])
+def test_favor_weights_where_features_underflow_are_the_exact_kernel(dtype, scale, causal):
+    q, k, _ = _far_apart_qkv(scale, dtype)
+    favor = fastattn.FavorFeatures(16, num_features=48, random_state=5)
+    weights = fastattn.attention_weights(q, k, kind="linear", feature_map=favor, causal=causal)
+    assert_close(weights, favor_exact_weights(q, k, favor.omega, causal))
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+@pytest.mark.parametrize("far", ["first", "second"])
+def test_favor_pieces_where_features_underflow_equal_the_exact_kernel(backend, far, causal):
+    # One piece's keys are 300x longer than the other's: their features sit
+    # ~1e5 below the other piece's frame, and the state must carry them.
+    q, k, v = make_qkv((2, 40, 16), seed=22)
+    part = slice(0, 20) if far == "first" else slice(20, 40)
+    q[:, part] *= 300.0
+    k[:, part] *= 300.0
+    favor = fastattn.FavorFeatures(16, num_features=48, random_state=5)
+    kwargs = dict(feature_map=favor, causal=causal, backend=backend)
+    _, state = fastattn.linear_attention(q[:, :20], k[:, :20], v[:, :20], return_state=True,
+                                         **kwargs)
+    second = fastattn.linear_attention(q[:, 20:], k[:, 20:], v[:, 20:], initial_state=state,
+                                       **kwargs)
+    expected = favor_exact_weights(q, k, favor.omega, causal) @ v
+    assert_close(second, expected[:, 20:])
+
+
+@pytest.mark.parametrize("backend_", ["reference"] + list(FAST_BACKENDS))
+def test_favor_faint_state_where_features_underflow_equals_the_exact_kernel(backend_):
+    # The first 15 queries and keys 30x longer than the last 15, and a state
+    # whose key sums lie 680 below the largest key of each feature: the early
+    # rows see keys and a state that underflow in the call's frame (e^-680 =
+    # 5e-296), and the state still counts, as exp(ω q' + c) z0 √m a feature
+    # with the values' mean S0 / z0 behind it.
+    q, k, v = make_qkv((2, 30, 16), seed=24)
+    q[:, :15] *= 30.0
+    k[:, :15] *= 30.0
+    favor = fastattn.FavorFeatures(16, num_features=48, random_state=5)
+    eq, ek = favor_exponents(q, favor.omega), favor_exponents(k, favor.omega)
+    z0 = np.exp(ek.max(axis=1) - favor.state_shift - 680)
+    assert (z0 > 0).all()
+    means = np.random.default_rng(23).standard_normal((2, 48, v.shape[-1]))
+    out = fastattn.linear_attention(q, k, v, feature_map=favor, causal=True,
+                                    initial_state=(means * z0[..., None], z0), backend=backend_)
+    from scipy.special import logsumexp
+    log_k = logsumexp(eq[:, :, None, :] + ek[:, None, :, :], axis=-1)          # (2, n_q, n_k)
+    log_k = np.where(np.tril(np.ones((30, 30), bool)), log_k, -np.inf)
+    log_s = eq + favor.state_shift + np.log(z0 * math.sqrt(48))[:, None, :]    # (2, n_q, m)
+    top = np.maximum(log_k.max(-1), log_s.max(-1))[..., None]
+    w_k, w_s = np.exp(log_k - top), np.exp(log_s - top)
+    expected = (w_k @ v + w_s @ means) / (w_k.sum(-1) + w_s.sum(-1))[..., None]
+    assert_close(out, expected)
 
 
 # ---------------------------------------------------------------------------

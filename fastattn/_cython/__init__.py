@@ -160,13 +160,14 @@ def _feature_call(kernel, x, work, *args):
         return kernel(x, *args, n_threads)
 
 
-def favor_query_features(x, w):
-    """FAVOR+ query features ``(B, n, m)`` (see ``linear.favor_query_features``)."""
-    return _feature_call(_linear.favor_query_features, x, x.size * w.shape[1], w)
+def favor_query_features(x, w, key_shift):
+    """FAVOR+ query features ``(B, n, m)`` in the keys' frame ``key_shift (B, m)``
+    (see ``linear.favor_query_features``)."""
+    return _feature_call(_linear.favor_query_features, x, x.size * w.shape[1], w, key_shift)
 
 
 def favor_key_features(x, w):
-    """FAVOR+ key features ``(B, n, m)`` and shifts ``(B,)`` (see ``linear.favor_key_features``)."""
+    """FAVOR+ key features ``(B, n, m)`` and shifts ``(B, m)`` (see ``linear.favor_key_features``)."""
     return _feature_call(_linear.favor_key_features, x, x.size * w.shape[1], w)
 
 

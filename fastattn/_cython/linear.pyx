@@ -786,22 +786,25 @@ def linear_attention_forward(q, k, v, feature_map, bint causal, double eps, S0=N
 def _favor_exponents(
     const floating[:, :, ::1] x,
     const floating[:, ::1] w,
-    bint is_query,
+    const floating[:, ::1] key_shift,
     floating[:, :, ::1] out,
-    double[:, ::1] peaks,
+    floating[:, :, ::1] peaks,
     int n_threads,
 ):
-    """``out = x w`` block by block (GEMM); queries: then ``exp(out − row max − ln(m)/2)``;
-    keys: ``out −= ‖x‖²/(2√d_k)`` and ``peaks[b, t]`` = the block's largest exponent (NaN ignored)."""
+    """``out = x w`` block by block (GEMM); then queries (``key_shift`` given, ``c (B, m)``):
+    ``exp(out + c − row max − ln(m)/2)``; keys (``key_shift`` None): ``out −= ‖x‖²/(2√d_k)``
+    and ``peaks[b, t, r]`` = the largest exponent of feature ``r`` in block ``t`` (NaN ignored)."""
     cdef int B = x.shape[0], n = x.shape[1], d_k = x.shape[2], m = w.shape[1]
-    cdef int nblk = peaks.shape[1]
+    cdef int nblk = (n + _FEATURE_BLOCK - 1) // _FEATURE_BLOCK
+    cdef bint is_query = key_shift is not None
     cdef int item, b, t, i0, rows, i, r, a
     cdef floating half_ln_m = <floating> (0.5 * log(m))
     cdef floating norm_coef = <floating> (0.5 / sqrt(d_k))
     cdef floating sq, er
-    cdef double peak
     cdef floating *row
+    cdef floating *peak
     cdef const floating *xrow
+    cdef const floating *c
     with nogil, parallel(num_threads=max(1, min(n_threads, B * nblk))):
         for item in prange(B * nblk, schedule="static"):
             b = item // nblk
@@ -810,64 +813,72 @@ def _favor_exponents(
             rows = min(n, i0 + _FEATURE_BLOCK) - i0
             gemm(False, False, rows, m, d_k, 1, &x[b, i0, 0], d_k, &w[0, 0], m, 0,
                  &out[b, i0, 0], m)
-            peak = -1.0 / 0.0
             for i in range(rows):
                 row = &out[b, i0 + i, 0]
                 if is_query:
+                    c = &key_shift[b, 0]
+                    for r in range(m):
+                        row[r] = row[r] + c[r]
                     exp_sum(row, m, row_max(row, m) + half_ln_m)
                 else:
                     xrow = &x[b, i0 + i, 0]
+                    peak = &peaks[b, t, 0]
                     sq = 0
                     for a in range(d_k):
                         sq = sq + xrow[a] * xrow[a]
                     sq = sq * norm_coef
-                    for r in range(m):
+                    for r in range(m):  # branch-free, so it vectorises; a NaN is passed over
                         er = row[r] - sq
                         row[r] = er
-                        if er > peak:
-                            peak = er
-            peaks[b, t] = peak
+                        peak[r] = er if er > peak[r] else peak[r]
 
 
-def _favor_shift_exp(floating[:, :, ::1] out, const double[::1] shift, double half_ln_m,
+def _favor_shift_exp(floating[:, :, ::1] out, const floating[:, ::1] shift, double half_ln_m,
                      int n_threads):
-    """``out[b] = exp(out[b] − shift[b] − ln(m)/2)`` in place (vector exp)."""
+    """``out[b, :, r] = exp(out[b, :, r] − shift[b, r] − ln(m)/2)`` in place (vector exp)."""
     cdef int B = out.shape[0], n = out.shape[1], m = out.shape[2]
-    cdef int item, b
+    cdef int item, b, r
+    cdef floating *row
+    cdef const floating *c
     with nogil, parallel(num_threads=max(1, min(n_threads, B * n))):
         for item in prange(B * n, schedule="static"):
             b = item // n
-            exp_sum(&out[b, item % n, 0], m, <floating> (shift[b] + half_ln_m))
+            row = &out[b, item % n, 0]
+            c = &shift[b, 0]
+            for r in range(m):
+                row[r] = row[r] - c[r]
+            exp_sum(row, m, <floating> half_ln_m)
 
 
-def favor_query_features(x, w, int n_threads=1):
-    """FAVOR+ query features ``(B, n, m)``: ``exp(x w − row max) / √m``.
+def favor_query_features(x, w, key_shift, int n_threads=1):
+    """FAVOR+ query features ``(B, n, m)``: ``exp(x w + c − row max) / √m``.
 
     ``x (B, n, d_k)``, ``w = (ω / d_k^¼)ᵀ (d_k, m)`` of ``x``'s dtype, both
-    C-contiguous; see :func:`fastattn.reference.favor_query_features`.
+    C-contiguous, and the keys' frame ``key_shift = c (B, m)`` float64; see
+    :func:`fastattn.reference.favor_query_features`.
     """
     B, n, _ = x.shape
     out = np.empty((B, n, w.shape[1]), x.dtype)
-    peaks = np.empty((B, -(-n // FEATURE_BLOCK)))
-    _favor_exponents(x, w, True, out, peaks, n_threads)
+    _favor_exponents(x, w, np.ascontiguousarray(key_shift, x.dtype), out, None, n_threads)
     return out
 
 
 def favor_key_features(x, w, int n_threads=1):
-    """FAVOR+ key features ``(B, n, m)`` and the shift per head ``c (B,)`` float64.
+    """FAVOR+ key features ``(B, n, m)`` and the shift of each feature ``c (B, m)`` float64.
 
-    ``exp(x w − ‖x‖²/(2√d_k) − c_b) / √m`` with ``c_b`` the largest exponent
-    of head ``b``; see :func:`fastattn.reference.favor_key_features`.
+    ``exp(x w − ‖x‖²/(2√d_k) − c_br) / √m`` with ``c_br`` the largest exponent
+    of feature ``r`` over the keys of head ``b``; see
+    :func:`fastattn.reference.favor_key_features`.
     """
     B, n, _ = x.shape
     m = w.shape[1]
     out = np.empty((B, n, m), x.dtype)
-    peaks = np.full((B, -(-n // FEATURE_BLOCK)), -np.inf)
-    _favor_exponents(x, w, False, out, peaks, n_threads)
+    peaks = np.full((B, -(-n // FEATURE_BLOCK), m), -np.inf, x.dtype)
+    _favor_exponents(x, w, None, out, peaks, n_threads)
     peak = peaks.max(axis=1, initial=-np.inf)
-    shift = np.where(np.isfinite(peak), peak, 0.0)
+    shift = np.where(np.isfinite(peak), peak, 0).astype(x.dtype)
     _favor_shift_exp(out, shift, 0.5 * np.log(m), n_threads)
-    return out, shift
+    return out, shift.astype(np.float64)
 
 
 def _taylor(const floating[:, :, ::1] x, floating[:, :, ::1] out, int n_threads):

@@ -4,7 +4,8 @@ Implements the backend interface of :mod:`fastattn._api`::
 
     softmax_forward(q, k, v, causal, scale) -> out (B, n_q, d_v)
     linear_forward(q, k, v, feature_map, causal, eps, S0, z0) -> (out, S, z)
-    favor_query_features(x, w), favor_key_features(x, w), taylor_features(x)
+    favor_key_features(x, w) -> (features, c), favor_query_features(x, w, c),
+    taylor_features(x)
 
 plus :func:`set_num_threads` / :func:`get_num_threads` (one count for the
 whole process).  The kernels are compiled once per dtype (float32, float64)

@@ -66,14 +66,36 @@ def _feature_map(x, out, code, one, zero):
 
 
 @njit(**JIT_PARALLEL)
-def _favor_exponents(x, w, is_query, out, peaks):
-    """``out = x w`` block by block; queries: ``out -= row max + ln(m)/2`` then
-    ``exp``; keys: ``out -= ‖x‖²/(2√d_k)`` and ``peaks[b, t]`` = the block's
-    largest exponent (NaN ignored)."""
+def _favor_query_exponents(x, w, key_shift, out):
+    """``out = exp(x w + c − row max − ln(m)/2)`` block by block, ``c = key_shift (B, m)``."""
+    B, n, _ = x.shape
+    m = w.shape[1]
+    nblk = -(-n // FEATURE_BLOCK)
+    half_ln_m = x.dtype.type(0.5 * np.log(m))
+    for item in prange(B * nblk):
+        b = item // nblk
+        i0 = (item % nblk) * FEATURE_BLOCK
+        i1 = min(n, i0 + FEATURE_BLOCK)
+        e = np.dot(x[b, i0:i1], w)
+        c = key_shift[b]
+        for i in range(i1 - i0):
+            row = e[i]
+            top = row[0] + c[0]
+            for r in range(m):
+                row[r] += c[r]
+                top = max(top, row[r])
+            top += half_ln_m
+            for r in range(m):
+                out[b, i0 + i, r] = fast_exp_nonpositive(row[r] - top)
+
+
+@njit(**JIT_PARALLEL)
+def _favor_key_exponents(x, w, out, peaks):
+    """``out = x w − ‖x‖²/(2√d_k)`` block by block, and ``peaks[b, t, r]`` = the
+    largest exponent of feature ``r`` in block ``t`` (NaN ignored)."""
     B, n, d_k = x.shape
     m = w.shape[1]
     nblk = peaks.shape[1]
-    half_ln_m = x.dtype.type(0.5 * np.log(m))
     norm_coef = x.dtype.type(0.5 / np.sqrt(d_k))
     for item in prange(B * nblk):
         b = item // nblk
@@ -81,73 +103,66 @@ def _favor_exponents(x, w, is_query, out, peaks):
         i0 = t * FEATURE_BLOCK
         i1 = min(n, i0 + FEATURE_BLOCK)
         e = np.dot(x[b, i0:i1], w)
-        peak = -np.inf
+        peak = peaks[b, t]
         for i in range(i1 - i0):
             row = e[i]
-            if is_query:
-                top = row[0]
-                for r in range(m):
-                    top = max(top, row[r])
-                top += half_ln_m
-                for r in range(m):
-                    out[b, i0 + i, r] = fast_exp_nonpositive(row[r] - top)
-            else:
-                sq = x.dtype.type(0)
-                for a in range(d_k):
-                    sq += x[b, i0 + i, a] * x[b, i0 + i, a]
-                sq *= norm_coef
-                for r in range(m):
-                    er = row[r] - sq
-                    out[b, i0 + i, r] = er
-                    if er > peak:
-                        peak = er
-        peaks[b, t] = peak
+            sq = x.dtype.type(0)
+            for a in range(d_k):
+                sq += x[b, i0 + i, a] * x[b, i0 + i, a]
+            sq *= norm_coef
+            for r in range(m):  # branch-free, so it vectorises; a NaN is passed over
+                er = row[r] - sq
+                out[b, i0 + i, r] = er
+                peak[r] = er if er > peak[r] else peak[r]
 
 
 @njit(**JIT_PARALLEL)
 def _favor_shift_exp(out, shift, half_ln_m):
-    """``out[b] = exp(out[b] − shift[b] − ln(m)/2)`` in place."""
+    """``out[b, :, r] = exp(out[b, :, r] − shift[b, r] − ln(m)/2)`` in place."""
     B, n, m = out.shape
+    h = out.dtype.type(half_ln_m)
     for item in prange(B * n):
         b = item // n
         i = item % n
-        c = out.dtype.type(shift[b] + half_ln_m)
+        c = shift[b]
         row = out[b, i]
         for r in range(m):
-            row[r] = fast_exp_nonpositive(row[r] - c)
+            row[r] = fast_exp_nonpositive(row[r] - c[r] - h)
 
 
-def favor_query_features(x, w):
-    """FAVOR+ query features ``(B, n, m)``: ``exp(x w − row max) / √m``.
+def favor_query_features(x, w, key_shift):
+    """FAVOR+ query features ``(B, n, m)``: ``exp(x w + c − row max) / √m``.
 
-    ``x (B, n, d_k)``, ``w = (ω / d_k^¼)ᵀ (d_k, m)`` of ``x``'s dtype; see
+    ``x (B, n, d_k)``, ``w = (ω / d_k^¼)ᵀ (d_k, m)`` of ``x``'s dtype, and the
+    keys' frame ``key_shift = c (B, m)`` float64; see
     :func:`fastattn.reference.favor_query_features` (the specification).
     """
     B, n, _ = x.shape
     out = np.empty((B, n, w.shape[1]), x.dtype)
-    peaks = np.empty((B, -(-n // FEATURE_BLOCK)))
-    with launch(peaks.size, x.size * w.shape[1]) as pick:
-        pick(_favor_exponents)(x, w, True, out, peaks)
+    key_shift = np.ascontiguousarray(key_shift, x.dtype)
+    with launch(B * -(-n // FEATURE_BLOCK), x.size * w.shape[1]) as pick:
+        pick(_favor_query_exponents)(x, w, key_shift, out)
     return out
 
 
 def favor_key_features(x, w):
-    """FAVOR+ key features ``(B, n, m)`` and the shift per head ``c (B,)`` float64.
+    """FAVOR+ key features ``(B, n, m)`` and the shift of each feature ``c (B, m)`` float64.
 
-    ``exp(x w − ‖x‖²/(2√d_k) − c_b) / √m`` with ``c_b`` the largest exponent of
-    head ``b``; see :func:`fastattn.reference.favor_key_features`.
+    ``exp(x w − ‖x‖²/(2√d_k) − c_br) / √m`` with ``c_br`` the largest exponent
+    of feature ``r`` over the keys of head ``b``; see
+    :func:`fastattn.reference.favor_key_features`.
     """
     B, n, _ = x.shape
     m = w.shape[1]
     out = np.empty((B, n, m), x.dtype)
-    peaks = np.full((B, -(-n // FEATURE_BLOCK)), -np.inf)
-    with launch(peaks.size, x.size * m) as pick:
-        pick(_favor_exponents)(x, w, False, out, peaks)
+    peaks = np.full((B, -(-n // FEATURE_BLOCK), m), -np.inf, x.dtype)
+    with launch(B * peaks.shape[1], x.size * m) as pick:
+        pick(_favor_key_exponents)(x, w, out, peaks)
     peak = peaks.max(axis=1, initial=-np.inf)
-    shift = np.where(np.isfinite(peak), peak, 0.0)
+    shift = np.where(np.isfinite(peak), peak, 0).astype(x.dtype)
     with launch(B * n, out.size) as pick:
         pick(_favor_shift_exp)(out, shift, 0.5 * np.log(m))
-    return out, shift
+    return out, shift.astype(np.float64)
 
 
 @njit(**JIT_PARALLEL)
