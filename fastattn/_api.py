@@ -329,8 +329,13 @@ def softmax_attention(q, k, v, *, causal=False, scale=None, backend="auto"):
     return out.reshape(out_shape).astype(result, copy=False)
 
 
-def _check_state(initial_state, batch_shape, d_k, d_v, dtype, dim_name="d_k"):
-    """``initial_state`` as kernel arrays; ``d_k`` is the feature dimension, named ``dim_name``."""
+def _check_state(initial_state, batch_shape, d_k, d_v, dtype, dim_name="d_k", spec=None):
+    """``initial_state`` as kernel arrays; ``d_k`` is the feature dimension, named ``dim_name``.
+
+    For a map whose features are non-negative (all but Taylor) ``z``, a sum
+    of features, must be >= 0: a negative one would only come from a state
+    of another map or of no call at all, and give wrong rows silently.
+    """
     if initial_state is None:
         return None, None
     if not isinstance(initial_state, (tuple, list)) or len(initial_state) != 2:
@@ -347,6 +352,11 @@ def _check_state(initial_state, batch_shape, d_k, d_v, dtype, dim_name="d_k"):
         _check_float_array(x, name)
         if x.shape != shape:
             raise ValueError(f"{name} must have shape {shape} {dims}, got {x.shape}")
+    if spec is not None and spec.name != "taylor" and np.any(np.asarray(z) < 0):
+        raise ValueError(
+            f"initial_state[1] (z) must be >= 0 with the {spec.name!r} feature map: it is a sum "
+            f"of non-negative features; got min {float(np.min(z)):.6g}"
+        )
     B = math.prod(batch_shape)
     S = np.require(np.asarray(S).reshape(B, d_k, d_v), dtype=dtype, requirements=["C", "A", "W"])
     z = np.require(np.asarray(z).reshape(B, d_k), dtype=dtype, requirements=["C", "A", "W"])
@@ -447,7 +457,8 @@ def linear_attention(
         ``feature_map`` or ``backend``, a ``FavorFeatures`` of another
         ``d_k``, a callable ``feature_map`` whose features have the wrong
         shape or are negative or not finite, a negative or non-finite
-        ``eps``, or a state of the wrong shape.
+        ``eps``, or a state of the wrong shape or (for every map but
+        ``"taylor"``, whose features may be negative) with a negative ``z``.
     MemoryError
         With ``backend="reference"`` and ``causal=True``, before allocating,
         when the ``n_q x n_k`` intermediates exceed the available memory.
@@ -487,7 +498,7 @@ def linear_attention(
     D = spec.num_features(d_k)
     S0 = z0 = None
     if D is not None:
-        S0, z0 = _check_state(initial_state, batch_shape, D, d_v, dtype, _dim_name(spec))
+        S0, z0 = _check_state(initial_state, batch_shape, D, d_v, dtype, _dim_name(spec), spec)
     module = _dispatch.backend_for_call(backend, "linear", q, k, v, causal, dtype, feature_map)
     out_shape = batch_shape + (n_q, d_v)
     empty = 0 in batch_shape or 0 in (n_q, n_k, d_v)
@@ -499,7 +510,7 @@ def linear_attention(
     feats = feature_maps.features(kernel, spec, qq, kk, batch_shape, z0)
     if D is None:  # a user's map: D is known once it has run
         D = feats.num_features
-        S0, z0 = _check_state(initial_state, batch_shape, D, d_v, dtype, _dim_name(spec))
+        S0, z0 = _check_state(initial_state, batch_shape, D, d_v, dtype, _dim_name(spec), spec)
     out, S, z = feature_maps.linear_forward(
         kernel, spec, feats, qq, kk, _as_kernel_input(v, dtype), causal and not empty, eps, S0, z0
     )

@@ -221,6 +221,27 @@ def test_state_shape_follows_the_leading_dims(backend):
             "initial_state[0] (S)", "(2, 3, 5, 2)", "(6, 5, 2)")
 
 
+@pytest.mark.parametrize("feature_map", ["elu", "relu", "favor"])
+def test_negative_key_sums_in_a_state_are_refused(backend, feature_map):
+    q, k, v = make_qkv((2, 4, 3), d_v=6)
+    spec_D = 3 if feature_map != "favor" else fastattn.FavorFeatures(3).num_features
+    S, z = np.zeros((2, spec_D, 6)), np.ones((2, spec_D))
+    z[1, 0] = -0.25
+    _raises(ValueError, lambda: fastattn.linear_attention(
+        q, k, v, feature_map=feature_map, initial_state=(S, z), backend=backend),
+        "initial_state[1] (z)", ">= 0", repr(feature_map), "-0.25")
+
+
+def test_negative_key_sums_are_allowed_for_taylor_whose_features_may_be_negative(backend):
+    q, k, v = make_qkv((2, 4, 3), d_v=6, seed=3)
+    D = 1 + 3 + 3 * 4 // 2
+    S, z = np.zeros((2, D, 6)), np.zeros((2, D))
+    z[:, 1] = -0.25      # as a state of keys with negative first coordinates would have
+    out = fastattn.linear_attention(q, k, v, feature_map="taylor", initial_state=(S, z),
+                                    backend=backend)
+    assert np.isfinite(out).all()
+
+
 # ---------------------------------------------------------------------------
 # The reference refuses an n x n allocation that cannot fit.
 # ---------------------------------------------------------------------------
