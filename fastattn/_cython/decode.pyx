@@ -326,7 +326,8 @@ def _split_key_softmax(
     cdef floating *part_acc = part_l + n_parts
     cdef floating *scratch = part_acc + n_parts * d_v
     cdef Py_ssize_t per_thread = <Py_ssize_t> n_q * block_k
-    cdef int item, b, sp, j_lo, j_hi, t
+    cdef int item, b, sp, j_lo, j_hi
+    cdef int t = 0              # the thread, set in each parallel block
     cdef floating *buf = NULL   # per-thread scratch, set in each parallel block
     cdef floating s = <floating> scale
     # AVX-512 one-query loops when the rows are whole vectors.

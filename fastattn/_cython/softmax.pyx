@@ -248,7 +248,7 @@ def _online_softmax(
     cdef bint v_aligned = (<size_t> v_all) % 64 == 0
     cdef Py_ssize_t thread_kp = head_kp + (0 if v_aligned else <Py_ssize_t> n_k * d_v)
     cdef const floating *vh
-    cdef floating *tkp
+    cdef floating *tkp = NULL   # the thread's packed keys, set in each parallel block
 
     if per_head:
         kpack = aligned_empty(min(n_threads, n_batch) * thread_kp,
