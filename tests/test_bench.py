@@ -629,3 +629,14 @@ def test_a_point_far_above_its_roof_is_called_a_slowed_probe():
     records = [{"roof_fraction": 1.2}, {"roof_fraction": FAR_ABOVE_ROOF * 1.5},
                {"roof_fraction": None}, {}]
     assert far_above_roof(records) == [records[1]]
+
+
+@pytest.mark.parametrize("seconds, text", [
+    (812e-6, "812 µs"), (12.34e-3, "12.3 ms"), (1.414, "1.41 s"), (3e-8, "30 ns"),
+    (999.6e-6, "1 ms"), (0.99996, "1 s"), (999.96e-9, "1 µs"), (1234.0, "1230 s"),
+    (None, "–"),
+], ids=lambda x: repr(x))
+def test_times_are_written_in_the_unit_they_round_to(seconds, text):
+    from fastattn.bench.table import format_seconds
+
+    assert format_seconds(seconds) == text

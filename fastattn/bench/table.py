@@ -34,9 +34,11 @@ def format_seconds(seconds):
     """Seconds to ``"812 µs"``, ``"12.3 ms"``, ``"1.41 s"``; ``"–"`` for missing."""
     if _missing(seconds):
         return MISSING
+    seconds = float(f"{seconds:.3g}")  # rounded first: 999.6 µs is "1 ms", not "1e+03 µs"
     unit, factor = next((u, f) for u, f in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6),
                                             ("ns", 0.0)) if seconds >= f)
-    return f"{seconds / (factor or 1e-9):.3g} {unit}"
+    value = seconds / (factor or 1e-9)
+    return f"{value:.0f} {unit}" if value >= 1000 else f"{value:.3g} {unit}"
 
 
 def format_bytes(nbytes):
