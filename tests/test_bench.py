@@ -137,6 +137,38 @@ def test_sweep_writes_environment_roof_then_points(tmp_path):
         assert record["peak_bytes"] is not None and record["memory_method"]
 
 
+def test_the_paired_roof_fraction_is_the_median_of_the_rounds(tmp_path):
+    import statistics
+
+    points = _points(ns=(32,), backends=("reference", "numba"))
+    records = run_sweep(points, tmp_path / "p.jsonl", Options(repeats=3, roof_budget_s=0.01,
+                                                               min_time_s=0),
+                        threads=1, progress=None, isolate=False)
+    for record in records:
+        assert record["status"] == "ok", record.get("reason")
+        rounds, roofs = record["round_min_s"], record["roof_round_gflops"]
+        # The roof's GEMM took a turn in every round the point was timed in.
+        assert len(rounds) == len(roofs) == record["rounds"] >= 2
+        assert all(g > 0 for g in roofs)
+        expected = statistics.median(record["flops"] / t / 1e9 / g for t, g in zip(rounds, roofs))
+        assert record["roof_fraction_paired"] == pytest.approx(expected, rel=1e-12)
+    # The table shows it beside the fraction of the fastest roof probe, and says what it is.
+    from fastattn.bench.table import PAIRED_ROOF_NOTE, format_percent, format_tables
+
+    text = format_tables(records)
+    assert PAIRED_ROOF_NOTE in text
+    for record in records:
+        assert f"({format_percent(record['roof_fraction_paired'])})" in text
+
+
+def test_a_run_without_a_roof_has_no_paired_fraction(tmp_path):
+    record, = run_sweep(_points(ns=(16,))[:1], tmp_path / "n.jsonl",
+                        Options(repeats=2, roof=False, min_time_s=0), threads=1, progress=None,
+                        isolate=False)
+    assert record["status"] == "ok"
+    assert "roof_fraction_paired" not in record and record["roof_fraction"] is None
+
+
 def test_fast_calls_get_more_repeats_for_their_minimum(tmp_path):
     # A fast call keeps being repeated for min_time_s (up to 100 repeats): the more
     # repeats, the likelier one that load left alone.

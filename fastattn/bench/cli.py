@@ -19,7 +19,8 @@ def add_parser(subparsers):
         "bench",
         help="time every kernel side by side with its peers and the GEMM roof",
         description="Measure attention on every available backend and peer over a grid of n: "
-                    "time (median, min-max), GFLOP/s and % of the GEMM roof, peak extra "
+                    "time (median, min-max), GFLOP/s and % of the GEMM roof (also paired "
+                    "with the roof's GEMM timed in every round), peak extra "
                     "memory, the ratio to a baseline and the error against the float64 "
                     "reference, appended to a JSON-lines file as each point finishes (the "
                     "same --out resumes).")

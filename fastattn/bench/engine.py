@@ -329,6 +329,31 @@ def probe_roof(shapes, dtypes=("float32", "float64"), budget_s=0.1, rounds=3, li
             for t in tasks for kind, dtype, n, d in [t]]
 
 
+#: Seconds of GEMM a round of a comparison times for its paired roof (at least 3 calls).
+PAIRED_ROOF_BUDGET_S = 0.02
+
+
+def time_gemm(dtype, n, d, library="numpy", budget_s=PAIRED_ROOF_BUDGET_S, cache=None):
+    """GFLOP/s of the fastest of at least 3 calls of the GEMM ``n x d @ d x n`` through
+    ``library`` within ``budget_s``: the roof probe of one round of a comparison, so the
+    kernel's fraction of the roof can be taken round by round (``paired``).  ``cache``
+    (a dict) keeps the call's arrays between rounds."""
+    key = (np.dtype(dtype).name, int(n), int(d), library)
+    if cache is None or key not in cache:
+        fn, work = _task("gemm", *key[:3], library=library)
+        fn()  # first touch
+        if cache is not None:
+            cache[key] = fn, work
+    fn, work = cache[key] if cache is not None else (fn, work)
+    best, calls, deadline = 0.0, 0, time.perf_counter() + budget_s
+    while calls < 3 or (time.perf_counter() < deadline and calls < 1000):
+        start = time.perf_counter()
+        fn()
+        best = max(best, work / max(time.perf_counter() - start, 1e-12))
+        calls += 1
+    return best / 1e9
+
+
 def gemm_probes(roofs, dtype, threads=None, machine=None):
     """The GEMM probes of ``roofs`` of ``dtype`` (and of ``threads``, ``machine`` if given)."""
     return [r for r in roofs if r.get("probe", "gemm") == "gemm" and r.get("gflops")

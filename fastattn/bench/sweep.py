@@ -7,6 +7,7 @@ import contextlib
 import multiprocessing
 import os
 import signal
+import statistics
 import sys
 import time
 import uuid
@@ -215,6 +216,9 @@ def _serve(task, state):
     if kind == "roof":
         return engine.probe_roof(payload["shapes"], payload["dtypes"], payload["budget_s"],
                                  library=payload.get("library", "numpy"))
+    if kind == "gemm":  # one round's roof, beside the points of a comparison
+        return engine.time_gemm(payload["dtype"], payload["n"], payload["d"],
+                                payload["library"], cache=state.setdefault("gemms", {}))
     if kind == "prepare":  # warm-up, memory, check; the call is kept for "time"
         options = payload["options"]
         call, fields, n_repeats, estimate = engine.prepare_point(
@@ -384,7 +388,7 @@ class _Entry:
     def __init__(self, point, worker):
         self.point, self.worker, self.key = point, worker, point.label()
         self.fields, self.repeats, self.timings, self.spent = None, 0, [], 0.0
-        self.thread_counts = None
+        self.thread_counts, self.rounds = None, []  # the round of each timing
 
     ok = property(lambda self: self.fields is not None and self.fields["status"] == "ok")
 
@@ -426,7 +430,11 @@ class _Entry:
         self.thread_counts = timing.pop("thread_counts")
         self.timings.append(timing)
 
-    def outcome(self, roofs):
+    def outcome(self, roofs, paired_roof=None):
+        """The point's record fields; ``paired_roof`` (the GFLOP/s of the roof's GEMM in
+        each round, None where not probed) gives ``roof_fraction_paired``: the median over
+        the rounds of the kernel's GFLOP/s in the round (its fastest repeat there) over the
+        roof's, which a slow spell of the machine, falling on both, moves less."""
         if not self.ok or not self.timings:
             return self.fields
         outcome = engine.finish_point(self.point.spec(), self.fields,
@@ -438,6 +446,15 @@ class _Entry:
         outcome.update(roof_gflops=roof, roof_fraction=gflops / roof if gflops and roof
                        else None, roof_blas=probe and probe.get("blas"),
                        roof_shape=probe and probe.get("shape"))
+        flops = outcome.get("flops")
+        if paired_roof and flops:
+            rounds = [(flops / t["min_s"] / 1e9, paired_roof[r])
+                      for r, t in zip(self.rounds, self.timings)
+                      if t["min_s"] > 0 and paired_roof[r]]
+            if rounds:
+                outcome.update(
+                    roof_round_gflops=[g for _, g in rounds],
+                    roof_fraction_paired=float(statistics.median(k / g for k, g in rounds)))
         return outcome
 
 
@@ -464,20 +481,40 @@ def _measure_group(points, workers, options, roofs, threads):
     live = [entry for entry in entries if entry.ok]
     rounds = len(live) if len(live) < 2 else options.rounds or max(e.repeats for e in live)
     plan = {entry.key: _turns(entry.repeats, rounds) for entry in live}
+    # The roof's GEMM takes a turn of its own each round, in the process of its library.
+    probe = live and engine.roof_probe(roofs, points[0].dtype, points[0].d_k)
+    paired_roof = []
     for r in range(rounds):
+        if probe:
+            if threads > 1:
+                time.sleep(engine.TURN_SETTLE_S)
+            paired_roof.append(_paired_roof(probe, workers))
         for entry in live[r % len(live):] + live[:r % len(live)]:
             if not entry.ok or r >= len(plan[entry.key]):
                 continue
             n = plan[entry.key][r]
             if len(live) > 1 and threads > 1:
                 time.sleep(engine.TURN_SETTLE_S)
+            entry.rounds.append(r)
             entry.time(n, options.min_time_s * n / entry.repeats,
                        max(n, engine.MAX_REPEATS * n // entry.repeats), options)
-    outcomes = [entry.outcome(roofs) for entry in entries]
+    outcomes = [entry.outcome(roofs, paired_roof) for entry in entries]
     for entry in live:
         with contextlib.suppress(RuntimeError):
             entry.worker.request("release", {"key": entry.key})
     return outcomes
+
+
+def _paired_roof(probe, workers):
+    """GFLOP/s of the roof ``probe``'s GEMM now, in the process of its library; None if that
+    process cannot run it."""
+    n, d, _ = probe["shape"]
+    library = probe.get("library", "numpy")
+    try:
+        return workers[library == "torch"].request(
+            "gemm", {"dtype": probe["dtype"], "n": n, "d": d, "library": library})
+    except RuntimeError:
+        return None
 
 
 def run_sweep(points, results_path, options=Options(), *, threads=None, threads_reason=None,

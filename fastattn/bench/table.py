@@ -14,7 +14,7 @@ CSV_COLUMNS = (
     "max_s", "repeats", "number", "flops", "gflops", "roof_gflops", "roof_fraction",
     "peak_bytes", "memory_method", "peak_bytes_tracemalloc", "max_abs_err", "check_n",
     "check_ok", "run_id", "regime", "num_features", "held_bytes", "roof_blas", "roof_shape",
-    "rounds",
+    "rounds", "roof_fraction_paired",
 )
 #: Schema tag of the JSON summary ``fastattn bench`` writes beside its results.
 SUMMARY_SCHEMA = "fastattn.bench-summary/1"
@@ -72,6 +72,11 @@ ABOVE_ROOF_WHY = (
 ABOVE_ROOF_NOTE = f"!: above the roof. Why a kernel can be there: {ABOVE_ROOF_WHY}."
 
 
+#: What the bracketed % roof is, said under every table that shows one.
+PAIRED_ROOF_NOTE = ("% roof in brackets: paired, the median over the rounds of the kernel's "
+                    "GFLOP/s in the round over the roof GEMM's, timed in a turn of its own in "
+                    "the same round (a slow spell of the machine falls on both).")
+
 #: A point this many times above its roof says more about the probe than the kernel.
 FAR_ABOVE_ROOF = 2.0
 
@@ -88,9 +93,11 @@ def above_roof(fraction):
     return not _missing(fraction) and fraction > 1.0
 
 
-def format_roof_percent(fraction):
-    """:func:`format_percent`, ``"–"`` for missing, and ``"!"`` after a value above the roof."""
-    return (format_percent(fraction) or MISSING) + ("!" if above_roof(fraction) else "")
+def format_roof_percent(fraction, paired=None):
+    """:func:`format_percent`, ``"–"`` for missing, and ``"!"`` after a value above the roof;
+    the ``paired`` fraction (``roof_fraction_paired``) in brackets when there is one."""
+    text = (format_percent(fraction) or MISSING) + ("!" if above_roof(fraction) else "")
+    return text if _missing(paired) else f"{text} ({format_percent(paired)})"
 
 
 def format_number(value, digits=3):
@@ -131,7 +138,8 @@ def summarise(records, baseline=None, backend_order=()):
         rows = [{"n": r["n_k"], "vs_baseline": base[r["n_k"]] / r["median_s"]
                  if base.get(r["n_k"]) and r.get("median_s") else None,
                  **{k: r.get(k) for k in ("backend", "status", "reason", "median_s", "min_s",
-                                          "max_s", "gflops", "roof_fraction", "peak_bytes",
+                                          "max_s", "gflops", "roof_fraction",
+                                          "roof_fraction_paired", "peak_bytes",
                                           "max_abs_err", "check_n", "check_ok")}}
                 for r in group]
         configurations.append({"title": config_title(group[0]), "rows": rows,
@@ -150,7 +158,8 @@ def _cells(row):
     return [str(row["n"]), row["backend"],
             f"{format_seconds(row['median_s'])} ({format_seconds(row['min_s'])}-"
             f"{format_seconds(row['max_s'])})", format_number(row["gflops"]),
-            format_roof_percent(row["roof_fraction"]), format_bytes(row["peak_bytes"]),
+            format_roof_percent(row["roof_fraction"], row["roof_fraction_paired"]),
+            format_bytes(row["peak_bytes"]),
             MISSING if row["vs_baseline"] is None else f"{row['vs_baseline']:.2f}x", err]
 
 
@@ -177,6 +186,8 @@ def format_tables(records, baseline=None, backend_order=()):
     if baseline:
         out.append(f"{ratio_title}: {baseline}'s median time / this median time "
                    "(above 1 is faster than the baseline).")
+    if any(not _missing(r.get("roof_fraction_paired")) for r in records):
+        out.append(PAIRED_ROOF_NOTE)
     if any(above_roof(r.get("roof_fraction")) for r in records):
         out.append(ABOVE_ROOF_NOTE)
     return "\n\n".join(out)
@@ -280,6 +291,7 @@ def versus_rows(records):
                      "peer": peer and peer["backend"], "peer_s": peer and _fastest_s(peer),
                      "ratio": ratio, "paired": paired, "note": note, "gflops": gflops,
                      "roof_fraction": fraction,
+                     "roof_fraction_paired": best and best.get("roof_fraction_paired"),
                      "roof_blas": best and best.get("roof_blas"), "above_roof": above_roof(fraction)})
     return rows
 
@@ -299,7 +311,8 @@ def _versus_cells(row):
             row["peer"] or MISSING, format_seconds(row["peer_s"]),
             f"{row['ratio']:.2f}" if row["ratio"] is not None else (row["note"] or MISSING),
             f"{row['paired']:.2f}" if row.get("paired") is not None else MISSING,
-            format_number(row["gflops"]), format_roof_percent(row["roof_fraction"])]
+            format_number(row["gflops"]),
+            format_roof_percent(row["roof_fraction"], row.get("roof_fraction_paired"))]
 
 
 def _versus_notes(rows, roof_text=()):
@@ -309,6 +322,8 @@ def _versus_notes(rows, roof_text=()):
              "rounds of the same ratio taken round by round (each round's fastest repeat "
              "of both), which a slow spell of the machine moves less. Decode: N is the context "
              "length n_k, one query. GFLOP/s and % roof: of the fastattn kernel at that time."]
+    if any(not _missing(r.get("roof_fraction_paired")) for r in rows):
+        notes.append(PAIRED_ROOF_NOTE)
     if any(r["above_roof"] for r in rows):
         notes.append(ABOVE_ROOF_NOTE)
     return notes + list(roof_text)
