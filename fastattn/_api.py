@@ -400,8 +400,9 @@ def linear_attention(
           ``exp(qᵀk / √d_k)`` (Choromanski et al. 2021), with the default
           ``m`` and seed of :class:`fastattn.FavorFeatures`, ``D = m``;
           pass a ``FavorFeatures(d_k, num_features=m, random_state=seed)``
-          to choose them.  Stabilised by a shift per query row and one per
-          head for the keys, which cancel in the ratio;
+          to choose them.  Stabilised by a shift per feature for the keys,
+          carried into the query features with a shift per row, which
+          cancel in the ratio (see :class:`fastattn.FavorFeatures`, Notes);
         * ``"taylor"``: ``[1, x / d_k^¼, sym(x xᵀ) / (√2 √d_k)]``, whose kernel
           is ``1 + s + s²/2 >= 1/2`` with ``s = qᵀk / √d_k`` (Based, Arora et
           al. 2024), ``D = 1 + d_k + d_k (d_k + 1) / 2``;

@@ -154,7 +154,9 @@ class FavorFeatures:
     exponents by log-sum-exp, ``O(n_k · m · (d_k + d_v))`` a row.  The
     shifts scale numerator and denominator alike, so they cancel except
     against ``eps``, which is in effect measured in the row's frame
-    ``M_i``, per ``1/m``.
+    ``M_i``, per ``1/m``; that frame is known only to the rounding of its
+    exponent (``|M_i|`` times 6e-8 in float32), and so is the weight of a
+    non-zero ``eps`` at large norms.
 
     **The state across pieces.**  The returned state ``(S, z)`` is always in
     one fixed reference frame independent of the data,
@@ -169,8 +171,11 @@ class FavorFeatures:
     default of :func:`fastattn.linear_attention` for FAVOR+; otherwise up to
     ``eps`` being measured in each piece's frame).  Keys whose every
     exponent lies more than about 87 (float32) / 708 (float64) below
-    ``state_shift`` (``‖k‖`` far beyond ``d_k^¼ (√d_k + 13)``) underflow to
-    0 in the *returned* state; the call's own output still counts them.
+    ``state_shift`` underflow to 0 in the *returned* state, in the dtype the
+    call computes in (float32 inputs give a float32 state, whatever state
+    is passed in): from ``‖k‖`` of about ``d_k^¼ (√d_k + 13)`` in float32
+    and ``d_k^¼ (√d_k + 38)`` in float64 (34 and 84 for ``d_k = 16``),
+    less along some directions.  The call's own output still counts them.
 
     Complexity: features ``O(n · m · d_k)`` (one GEMM and ``n · m`` exps),
     attention ``O(n · m · d_v)``; state ``m · (d_v + 1)`` numbers per head.
@@ -448,7 +453,8 @@ def _favor_forward(module, spec, feats, q, k, v, causal, eps, S0, z0):
     if causal:
         _exact_causal_rows(spec, feats, q, k, v, eps, S0_in, z0_in, z0, out)
     back = np.exp(frame - fixed).astype(S.dtype)
-    return out, S * back[:, :, None], z * back
+    with np.errstate(invalid="ignore", over="ignore"):  # an inf in the state given stays
+        return out, S * back[:, :, None], z * back
 
 
 #: Bytes of the float64 temporaries of the exact rows per block of rows.
@@ -512,18 +518,16 @@ def _causal_denominators(phi_q, phi_k, z_start, offset):
     return den
 
 
-def _exact_blocks(spec, q, k, rows, offset, frame, eps, state=None):
+def _exact_blocks(spec, q, k, rows, offset, frame, eps):
     """Causal FAVOR+ weights of one head's ``rows`` from the exponents, in float64.
 
     With ``a_ir = (ω q'_i)_r`` and ``e_jr = (ω k'_j)_r − ‖k'_j‖²/2``, the
     kernel ``K_ij = Σ_r exp(a_ir + e_jr)`` is taken by log-sum-exp and
     scaled by ``exp(−L_i)``, ``L_i`` the row's largest log term, so nothing
-    underflows; a state ``(S0, z0)`` in the fixed frame ``c`` weighs in with
-    ``exp(a_ir + c + ln(z0_r √m) − L_i)`` a feature, times ``S0_r / z0_r``
-    (the mean of the values behind it) in the numerator.  ``eps`` is measured as the
-    kernels measure it: in the row's frame ``M_i = max_r (a_ir + frame_r)``
-    and per ``1/m``.  Yields, per block of rows, ``(part, weights (R,
-    n_seen), state_weights (R, m) or None, eps (R,) or 0.0)``.
+    underflows.  ``eps`` is measured as the kernels measure it: in the row's
+    frame ``M_i = max_r (a_ir + frame_r)`` and per ``1/m``.  Yields, per
+    block of rows, ``(part, weights (R, n_seen), eps (R,) or 0.0)``; time
+    ``O(n_k · m · d_k)`` a row.
     """
     from scipy.special import logsumexp   # deferred: 0.1 s of import fastattn
 
@@ -532,10 +536,6 @@ def _exact_blocks(spec, q, k, rows, offset, frame, eps, state=None):
     w = favor.projection(np.float64)
     k64 = k.astype(np.float64)
     e = k64 @ w - (np.einsum("nd,nd->n", k64, k64) / (2 * math.sqrt(favor.d_k)))[:, None]
-    if state is not None:
-        z0 = state[1].astype(np.float64)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            log_z0 = np.where(z0 > 0, np.log(z0 * math.sqrt(m)), -np.inf)
     block = max(1, _EXACT_BLOCK_BYTES // (8 * m * k.shape[0]))
     for start in range(0, rows.size, block):
         part = rows[start:start + block]
@@ -545,45 +545,123 @@ def _exact_blocks(spec, q, k, rows, offset, frame, eps, state=None):
             log_k = logsumexp(a[:, None, :] + e[None, :n_seen, :], axis=-1)  # (R, n_seen)
         log_k[np.arange(n_seen)[None, :] > part[:, None] + offset] = -np.inf
         top = log_k.max(axis=1, initial=-np.inf)
-        state_weights = None
-        if state is not None:
-            top = np.maximum(top, (a + favor.state_shift + log_z0).max(axis=1))
-            state_weights = np.exp(a + favor.state_shift + log_z0 - top[:, None])
         scaled_eps = 0.0
         if eps:
             with np.errstate(over="ignore"):
                 scaled_eps = eps * m * np.exp((a + frame).max(axis=1) - top)
-        yield part, np.exp(log_k - top[:, None]), state_weights, scaled_eps
+        yield part, np.exp(log_k - top[:, None]), scaled_eps
+
+
+#: Keys a step of :func:`_stable_causal_head` takes (its quadratic part is this squared).
+_STABLE_CHUNK = 64
 
 
 def _exact_causal_rows(spec, feats, q, k, v, eps, S0, z0, z0_frame, out):
-    """Recompute in ``out`` the causal rows of :func:`_underflowed_rows`, by :func:`_exact_blocks`.
-
-    ``O(n_k · m · (d_k + d_v))`` time a recomputed row.
-    """
+    """Recompute in ``out`` the causal rows of :func:`_underflowed_rows`, by
+    :func:`_stable_causal_head` on each head that has any."""
     offset = feats.k.shape[1] - feats.q.shape[1]
     for b, rows in _underflowed_rows(feats, out.dtype, z0, z0_frame):
         state = None if S0 is None else (S0[b], z0[b])
-        if state is not None:
-            z = z0[b].astype(np.float64)
-            with np.errstate(divide="ignore", invalid="ignore"):
-                state_mean = np.where(z[:, None] > 0, S0[b] / z[:, None], 0.0)
-        v64 = v[b].astype(np.float64)
-        for part, weights, state_weights, scaled_eps in _exact_blocks(
-                spec, q[b], k[b], rows, offset, feats.key_shift[b], eps, state):
-            num = weights @ v64[:weights.shape[1]]
-            den = weights.sum(axis=1)
-            if state is not None:
-                num += state_weights @ state_mean
-                den += state_weights.sum(axis=1)
-            out[b, part] = num / (den + scaled_eps)[:, None]
+        exact = _stable_causal_head(spec, q[b], k[b], v[b], eps, state, offset,
+                                    feats.key_shift[b])
+        out[b, rows] = exact[rows]
+
+
+def _stable_causal_head(spec, q, k, v, eps, state, offset, frame):
+    """Causal FAVOR+ of one head in float64 with a frame that follows the keys, chunk by chunk.
+
+    The running state ``(S, z)`` is kept in the frame ``c_r`` of the largest key exponent
+    seen so far of each feature (so the largest term of ``z_r`` is 1), and rescaled
+    when a chunk of :data:`_STABLE_CHUNK` keys raises it.  A row takes the state
+    before its chunk by the features ``exp(a_ir + c_r − M_i)`` (``M_i = max_r (a_ir +
+    c_r)``: the largest term is 1, nothing underflows) and the keys of its own chunk
+    by ``K_ij = Σ_r exp(a_ir + e_jr)`` in log space (log-sum-exp), each part scaled by
+    its own largest log term before the two are added.  ``a_ir = (ω q'_i)_r``,
+    ``e_jr = (ω k'_j)_r − ‖k'_j‖²/2``; a state ``(S0, z0)`` in the fixed frame enters
+    as ``z_r = z0_r √m e^{state_shift}``.  ``eps`` is measured as the kernels measure
+    it, in the row's frame ``max_r (a_ir + frame_r)`` and per ``1/m``.  Time
+    ``O(n · m · (chunk + d_k + d_v))``; returns ``(n_q, d_v)`` in ``v``'s dtype.
+    """
+    from scipy.special import logsumexp   # deferred: 0.1 s of import fastattn
+
+    favor = spec.favor
+    m = favor.num_features
+    w = favor.projection(np.float64)
+    k64, v64 = k.astype(np.float64), v.astype(np.float64)
+    a = q.astype(np.float64) @ w                                              # (n_q, m)
+    e = k64 @ w - (np.einsum("nd,nd->n", k64, k64) / (2 * math.sqrt(favor.d_k)))[:, None]
+    n_q, n_k, d_v = a.shape[0], e.shape[0], v.shape[1]
+    c = np.full(m, -np.inf)
+    S, z = np.zeros((m, d_v)), np.zeros(m)
+    if state is not None:
+        z0 = state[1].astype(np.float64)
+        held = z0 > 0
+        c[held] = favor.state_shift + np.log(z0[held] * math.sqrt(m))
+        S[held] = state[0][held].astype(np.float64) / z0[held, None]
+        z[held] = 1.0
+    out = np.zeros((n_q, d_v))
+    kernel_frame = (a + frame).max(axis=1)
+
+    def finish(rows, parts):
+        """``out[rows]`` from ``(log_scale, num, den)`` parts, each scaled by its own max."""
+        top = np.max([p[0] for p in parts], axis=0)
+        num, den = np.zeros((len(rows), d_v)), np.zeros(len(rows))
+        for scale, p_num, p_den in parts:
+            with np.errstate(invalid="ignore", under="ignore"):
+                f = np.where(np.isfinite(scale), np.exp(scale - top), 0.0)
+            num += f[:, None] * p_num
+            den += f * p_den
+        scaled_eps = 0.0
+        if eps:
+            with np.errstate(over="ignore"):
+                scaled_eps = eps * m * np.exp(kernel_frame[rows] - top)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            out[rows] = np.where((den > 0)[:, None], num / (den + scaled_eps)[:, None], 0.0)
+
+    def through_state(rows):
+        """``(log_scale, num, den)`` of the state for ``rows``, or None without one."""
+        if not np.isfinite(c).any():
+            return None
+        shifted = a[rows] + c                                                 # (R, m)
+        top = shifted.max(axis=1)
+        with np.errstate(invalid="ignore", under="ignore"):
+            phi = np.exp(shifted - top[:, None])
+        return top, phi @ S, phi @ z
+
+    blind = np.arange(min(n_q, max(0, -offset)))  # rows that see no key: the state alone
+    if blind.size and (part := through_state(blind)) is not None:
+        finish(blind, [part])
+    for j0 in range(0, n_k, _STABLE_CHUNK):
+        j1 = min(n_k, j0 + _STABLE_CHUNK)
+        rows = np.arange(max(0, j0 - offset), min(n_q, j1 - offset))
+        if rows.size:
+            with np.errstate(under="ignore"):
+                log_k = logsumexp(a[rows, None, :] + e[None, j0:j1, :], axis=-1)  # (R, C)
+            log_k[np.arange(j0, j1)[None, :] > rows[:, None] + offset] = -np.inf
+            top = log_k.max(axis=1)
+            weights = np.exp(log_k - top[:, None])
+            parts = [(top, weights @ v64[j0:j1], weights.sum(axis=1))]
+            if (part := through_state(rows)) is not None:
+                parts.append(part)
+            finish(rows, parts)
+        # The chunk's keys join the state, in the frame that now includes them.
+        c_new = np.maximum(c, e[j0:j1].max(axis=0))
+        with np.errstate(invalid="ignore", under="ignore"):
+            keep = np.where(np.isfinite(c), np.exp(c - c_new), 0.0)
+            phi_k = np.exp(e[j0:j1] - c_new)                                   # (C, m)
+        S = S * keep[:, None] + phi_k.T @ v64[j0:j1]
+        z = z * keep + phi_k.sum(axis=0)
+        c = c_new
+    return out.astype(v.dtype)
 
 
 def exact_causal_weights(spec, feats, q, k, eps, weights):
-    """Recompute in ``weights (B, n_q, n_k)`` the causal FAVOR+ rows of :func:`_underflowed_rows`."""
+    """Recompute in ``weights (B, n_q, n_k)`` the causal FAVOR+ rows of :func:`_underflowed_rows`
+    by :func:`_exact_blocks` (``O(n_k · m · d_k)`` a row, as the ``n_q x n_k`` weights cost
+    ``O(n_k · m)`` a row anyway)."""
     offset = feats.k.shape[1] - feats.q.shape[1]
     for b, rows in _underflowed_rows(feats, weights.dtype):
-        for part, w, _, scaled_eps in _exact_blocks(spec, q[b], k[b], rows, offset,
-                                                    feats.key_shift[b], eps):
+        for part, w, scaled_eps in _exact_blocks(spec, q[b], k[b], rows, offset,
+                                                 feats.key_shift[b], eps):
             weights[b, part] = 0
             weights[b, part, :w.shape[1]] = w / (w.sum(axis=1) + scaled_eps)[:, None]

@@ -406,6 +406,20 @@ def test_favor_pieces_where_features_underflow_equal_the_exact_kernel(backend, f
     assert_close(second, expected[:, 20:])
 
 
+@pytest.mark.parametrize("n_q", [200, 150], ids=lambda n: f"nq{n}-nk200")
+@pytest.mark.parametrize("dtype, scale", [(np.float64, 30), (np.float32, 10)],
+                         ids=["float64-x30", "float32-x10"])
+def test_favor_long_run_of_far_keys_equals_the_exact_kernel(backend, dtype, scale, n_q):
+    # All but the last 20 keys far out: nearly every causal row loses its denominator
+    # in the call's frame, over several chunks of keys whose frame keeps rising.
+    q, k, v = make_qkv((2, 200, 16), seed=25)
+    k[:, :180] *= scale
+    q, k, v, = (x.astype(dtype) for x in (q[:, 200 - n_q:], k, v))
+    favor = fastattn.FavorFeatures(16, num_features=48, random_state=5)
+    out = fastattn.linear_attention(q, k, v, feature_map=favor, causal=True, backend=backend)
+    assert_close(out, favor_exact_weights(q, k, favor.omega, True) @ v.astype(np.float64))
+
+
 @pytest.mark.parametrize("backend_", ["reference"] + list(FAST_BACKENDS))
 def test_favor_faint_state_where_features_underflow_equals_the_exact_kernel(backend_):
     # The first 15 queries and keys 30x longer than the last 15, and a state
