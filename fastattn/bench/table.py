@@ -74,8 +74,9 @@ ABOVE_ROOF_NOTE = f"!: above the roof. Why a kernel can be there: {ABOVE_ROOF_WH
 
 #: What the bracketed % roof is, said under every table that shows one.
 PAIRED_ROOF_NOTE = ("% roof in brackets: paired, the median over the rounds of the kernel's "
-                    "GFLOP/s in the round over the roof GEMM's, timed in a turn of its own in "
-                    "the same round (a slow spell of the machine falls on both).")
+                    "GFLOP/s in the round (its fastest repeat there) over the roof GEMM's, "
+                    "timed in a turn of its own in the same round (a slow spell of the machine "
+                    "falls on both).")
 
 #: A point this many times above its roof says more about the probe than the kernel.
 FAR_ABOVE_ROOF = 2.0
@@ -186,6 +187,7 @@ def format_tables(records, baseline=None, backend_order=()):
     if baseline:
         out.append(f"{ratio_title}: {baseline}'s median time / this median time "
                    "(above 1 is faster than the baseline).")
+    out.append("GFLOP/s and % roof: at the median time.")
     if any(not _missing(r.get("roof_fraction_paired")) for r in records):
         out.append(PAIRED_ROOF_NOTE)
     if any(above_roof(r.get("roof_fraction")) for r in records):
@@ -321,7 +323,8 @@ def _versus_notes(rows, roof_text=()):
              "points measured side by side in one run are given. paired: the median over the "
              "rounds of the same ratio taken round by round (each round's fastest repeat "
              "of both), which a slow spell of the machine moves less. Decode: N is the context "
-             "length n_k, one query. GFLOP/s and % roof: of the fastattn kernel at that time."]
+             "length n_k, one query. GFLOP/s and % roof: of the fastattn kernel at that time "
+             "(its fastest repeat; the per-point tables take the median)."]
     if any(not _missing(r.get("roof_fraction_paired")) for r in rows):
         notes.append(PAIRED_ROOF_NOTE)
     if any(r["above_roof"] for r in rows):
