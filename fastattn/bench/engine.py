@@ -285,6 +285,22 @@ def _task(kind, dtype, n, d, library="numpy"):
     return (lambda: np.matmul(a, b, out=out)), 2.0 * n * n * d
 
 
+#: Calls a probe times at most (over all its rounds).
+MAX_PROBE_CALLS = 1000
+
+
+def _fastest_rate(fn, work, budget_s, min_calls, max_calls):
+    """``(work / fastest call's seconds, calls)`` over calls of ``fn``: at least ``min_calls``,
+    then more while ``budget_s`` lasts, at most ``max_calls`` in all."""
+    best, calls, deadline = 0.0, 0, time.perf_counter() + budget_s
+    while calls < max_calls and (calls < min_calls or time.perf_counter() <= deadline):
+        start = time.perf_counter()
+        fn()
+        best = max(best, work / max(time.perf_counter() - start, 1e-12))
+        calls += 1
+    return best, calls
+
+
 def probe_roof(shapes, dtypes=("float32", "float64"), budget_s=0.1, rounds=3, library="numpy"):
     """Roof records: GEMM GFLOP/s of ``n x d @ d x n`` at each attention shape ``(n, d)``
     (n up to :data:`MAX_PROBE_N`, :func:`probe_n`) and at :data:`PEAK_PROBE_N` for each d
@@ -312,14 +328,10 @@ def probe_roof(shapes, dtypes=("float32", "float64"), budget_s=0.1, rounds=3, li
             fn, work = _task(*task, library=library)
             if round_ == 0:
                 fn()  # first touch, thread pool start
-            deadline = time.perf_counter() + budget_s / rounds
-            while count[task] < 1000:
-                start = time.perf_counter()
-                fn()
-                best[task] = max(best[task], work / max(time.perf_counter() - start, 1e-12))
-                count[task] += 1
-                if time.perf_counter() > deadline:
-                    break
+            rate, calls = _fastest_rate(fn, work, budget_s / rounds, 1,
+                                        MAX_PROBE_CALLS - count[task])
+            best[task] = max(best[task], rate)
+            count[task] += calls
     label = blas_label(library)
     when = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
     return [{"probe": kind, "dtype": dtype, "repeats": count[t], "library": library,
@@ -338,20 +350,13 @@ def time_gemm(dtype, n, d, library="numpy", budget_s=PAIRED_ROOF_BUDGET_S, cache
     ``library`` within ``budget_s``: the roof probe of one round of a comparison, so the
     kernel's fraction of the roof can be taken round by round (``paired``).  ``cache``
     (a dict) keeps the call's arrays between rounds."""
+    cache = {} if cache is None else cache
     key = (np.dtype(dtype).name, int(n), int(d), library)
-    if cache is None or key not in cache:
-        fn, work = _task("gemm", *key[:3], library=library)
-        fn()  # first touch
-        if cache is not None:
-            cache[key] = fn, work
-    fn, work = cache[key] if cache is not None else (fn, work)
-    best, calls, deadline = 0.0, 0, time.perf_counter() + budget_s
-    while calls < 3 or (time.perf_counter() < deadline and calls < 1000):
-        start = time.perf_counter()
-        fn()
-        best = max(best, work / max(time.perf_counter() - start, 1e-12))
-        calls += 1
-    return best / 1e9
+    if key not in cache:
+        cache[key] = _task("gemm", *key[:3], library=library)
+        cache[key][0]()  # first touch
+    rate, _ = _fastest_rate(*cache[key], budget_s, 3, MAX_PROBE_CALLS)
+    return rate / 1e9
 
 
 def gemm_probes(roofs, dtype, threads=None, machine=None):
