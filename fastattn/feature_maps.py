@@ -518,6 +518,22 @@ def _causal_denominators(phi_q, phi_k, z_start, offset):
     return den
 
 
+def _key_exponents(favor, k):
+    """``e_jr = (ω k'_j)_r − ‖k'_j‖²/2`` of one head's keys ``k (n_k, d_k)``, in float64."""
+    k64 = k.astype(np.float64)
+    return k64 @ favor.projection(np.float64) - (
+        np.einsum("nd,nd->n", k64, k64) / (2 * math.sqrt(favor.d_k)))[:, None]
+
+
+def _eps_in_frame(eps, m, row_frame, top):
+    """``eps`` as the kernels apply it (in the row's frame ``row_frame``, per ``1/m``), for
+    a numerator and denominator scaled by ``exp(−top)``; 0.0 for ``eps = 0``."""
+    if not eps:
+        return 0.0
+    with np.errstate(over="ignore"):
+        return eps * m * np.exp(row_frame - top)
+
+
 def _exact_blocks(spec, q, k, rows, offset, frame, eps):
     """Causal FAVOR+ weights of one head's ``rows`` from the exponents, in float64.
 
@@ -534,8 +550,7 @@ def _exact_blocks(spec, q, k, rows, offset, frame, eps):
     favor = spec.favor
     m = favor.num_features
     w = favor.projection(np.float64)
-    k64 = k.astype(np.float64)
-    e = k64 @ w - (np.einsum("nd,nd->n", k64, k64) / (2 * math.sqrt(favor.d_k)))[:, None]
+    e = _key_exponents(favor, k)
     block = max(1, _EXACT_BLOCK_BYTES // (8 * m * k.shape[0]))
     for start in range(0, rows.size, block):
         part = rows[start:start + block]
@@ -545,10 +560,7 @@ def _exact_blocks(spec, q, k, rows, offset, frame, eps):
             log_k = logsumexp(a[:, None, :] + e[None, :n_seen, :], axis=-1)  # (R, n_seen)
         log_k[np.arange(n_seen)[None, :] > part[:, None] + offset] = -np.inf
         top = log_k.max(axis=1, initial=-np.inf)
-        scaled_eps = 0.0
-        if eps:
-            with np.errstate(over="ignore"):
-                scaled_eps = eps * m * np.exp((a + frame).max(axis=1) - top)
+        scaled_eps = _eps_in_frame(eps, m, (a + frame).max(axis=1), top)
         yield part, np.exp(log_k - top[:, None]), scaled_eps
 
 
@@ -586,10 +598,9 @@ def _stable_causal_head(spec, q, k, v, eps, state, offset, frame):
 
     favor = spec.favor
     m = favor.num_features
-    w = favor.projection(np.float64)
-    k64, v64 = k.astype(np.float64), v.astype(np.float64)
-    a = q.astype(np.float64) @ w                                              # (n_q, m)
-    e = k64 @ w - (np.einsum("nd,nd->n", k64, k64) / (2 * math.sqrt(favor.d_k)))[:, None]
+    v64 = v.astype(np.float64)
+    a = q.astype(np.float64) @ favor.projection(np.float64)                   # (n_q, m)
+    e = _key_exponents(favor, k)
     n_q, n_k, d_v = a.shape[0], e.shape[0], v.shape[1]
     c = np.full(m, -np.inf)
     S, z = np.zeros((m, d_v)), np.zeros(m)
@@ -611,10 +622,7 @@ def _stable_causal_head(spec, q, k, v, eps, state, offset, frame):
                 f = np.where(np.isfinite(scale), np.exp(scale - top), 0.0)
             num += f[:, None] * p_num
             den += f * p_den
-        scaled_eps = 0.0
-        if eps:
-            with np.errstate(over="ignore"):
-                scaled_eps = eps * m * np.exp(kernel_frame[rows] - top)
+        scaled_eps = _eps_in_frame(eps, m, kernel_frame[rows], top)
         with np.errstate(invalid="ignore", divide="ignore"):
             out[rows] = np.where((den > 0)[:, None], num / (den + scaled_eps)[:, None], 0.0)
 
