@@ -8,6 +8,7 @@ shows up.
 """
 
 import importlib.machinery
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -104,17 +105,29 @@ def test_softmax_matches_reference(case, dtype, causal):
     assert_close(got, want, dtype, err_msg=case_id(case))
 
 
-def test_tiles_take_the_avx512_products_where_the_cpu_has_them():
+def _expected_tile_products():
+    """The instruction set the register-blocked products should take here, from
+    /proc/cpuinfo and FASTATTN_SIMD, or skip."""
+    try:
+        flags = set(open("/proc/cpuinfo").read().split())
+    except OSError:
+        pytest.skip("no /proc/cpuinfo")
+    best = "avx512" if "avx512f" in flags else "avx2" if {"avx2", "fma"} <= flags else None
+    cap = os.environ.get("FASTATTN_SIMD")
+    if cap == "off":
+        return None
+    if cap == "avx2" and best == "avx512":
+        return "avx2"
+    return best
+
+
+def test_tiles_take_the_best_products_the_cpu_has():
     from fastattn._cython.softmax import _build_features
 
     features = _build_features()
-    if not features["avx512_tile_products_built"]:
-        pytest.skip("built without the AVX-512 products (not gcc on x86-64 Linux)")
-    try:
-        flags = open("/proc/cpuinfo").read().split()
-    except OSError:
-        pytest.skip("no /proc/cpuinfo")
-    assert features["avx512_tile_products"] == ("avx512f" in flags)
+    if not features["tile_products_built"]:
+        pytest.skip("built without the register-blocked products (not gcc on x86-64 Linux)")
+    assert features["tile_products"] == _expected_tile_products()
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -414,11 +427,11 @@ def _linear_direct(q, k, v, causal, threads, feature_map="elu", S0=None, z0=None
             z.reshape(*lead, z.shape[-1]))
 
 
-def test_linear_takes_the_avx512_products_where_the_cpu_has_them():
+def test_linear_takes_the_register_blocked_products_where_the_cpu_has_them():
     from fastattn._cython.softmax import _build_features
 
-    if not _build_features()["avx512_tile_products"]:
-        pytest.skip("no AVX-512 products in this build or on this CPU")
+    if not _build_features()["tile_products"]:
+        pytest.skip("no register-blocked products in this build or on this CPU")
     assert cy._linear._takes_products(64, np.float32)
     assert cy._linear._takes_products(8, np.float64)
     assert not cy._linear._takes_products(40, np.float32)     # BLAS

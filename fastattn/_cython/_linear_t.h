@@ -1,9 +1,10 @@
-/* AVX-512 products of linear attention, included at the end of
- * _microkernel_t.h once per element type (FA_T, FA_L, FA_NAME and the FA_V...
- * vector operations defined there, see _microkernel.pxd).
+/* The products of linear attention, included at the end of _microkernel_t.h
+ * once per instruction set and element type (FA_T, FA_L, FA_NAME and the
+ * FA_V... vector operations defined by _microkernel_ops.h).
  *
  * One register-blocked product o[r, :] (=|+=) sum_j p[r, j] v[j, :], R = 6
- * rows x NC = 4 vectors of o held in 24 zmm over all of j, v read in rows as
+ * rows x NC = FA_BLOCK_V vectors of o held in registers over all of j (24
+ * zmm with AVX-512, 12 ymm with AVX2), v read in rows as
  * it lies, p read by broadcasts at any strides (prs along r, pjs along j).
  * So with no packing and no copy:
  *
@@ -28,7 +29,7 @@
 #define FL_PREFETCH(address) __builtin_prefetch((address), 0, 2)
 
 /* R rows x NC vectors of o: o (= or +=) p v over j < width, then times scale[r] */
-FA_AVX512 FA_INLINE void FA_NAME(fl_product_block)(const FA_T *p, long prs, long pjs,
+FA_TARGET FA_INLINE void FA_NAME(fl_product_block)(const FA_T *p, long prs, long pjs,
                                                    const FA_T *v, int ldv, int width, FA_T *o,
                                                    int ldo, int accumulate, const FA_T *scale,
                                                    const char *ahead, long ahead_lines,
@@ -68,7 +69,7 @@ FA_AVX512 FA_INLINE void FA_NAME(fl_product_block)(const FA_T *p, long prs, long
  * NULL seen[r0 + R - 1] for the block of rows [r0, r0 + R) holding r (seen
  * nondecreasing, p zero past each row's own seen[r]).  d_v a multiple of FA_L.
  * ahead_bytes of ahead (NULL, 0: none) are prefetched, a line an iteration. */
-FA_AVX512 __attribute__((unused)) static void FA_NAME(fastattn_linear_product)(const FA_T *p, long prs, long pjs,
+FA_TARGET __attribute__((unused)) static void FA_NAME(fastattn_linear_product)(const FA_T *p, long prs, long pjs,
                                                        const FA_T *v, int ldv, int rows,
                                                        int width, const int *seen, int d_v,
                                                        FA_T *o0, int ldo, int accumulate,
@@ -76,8 +77,8 @@ FA_AVX512 __attribute__((unused)) static void FA_NAME(fastattn_linear_product)(c
                                                        long ahead_bytes) {
     const char *ahead = (const char *) ahead_to;
     long ahead_lines = ahead ? (ahead_bytes + 63) / 64 : 0;
-    for (int c0 = 0; c0 < d_v; c0 += 4 * FA_L) {
-        int nc = (d_v - c0) / FA_L < 4 ? (d_v - c0) / FA_L : 4;
+    for (int c0 = 0; c0 < d_v; c0 += FA_BLOCK_V * FA_L) {
+        int nc = (d_v - c0) / FA_L < FA_BLOCK_V ? (d_v - c0) / FA_L : FA_BLOCK_V;
         for (int r0 = 0; r0 < rows; r0 += 6) {
             int R = rows - r0 < 6 ? rows - r0 : 6;
             int w = seen ? seen[r0 + R - 1] : width;
@@ -103,7 +104,7 @@ FA_AVX512 __attribute__((unused)) static void FA_NAME(fastattn_linear_product)(c
 /* The masked diagonal of a causal chunk: for r < rows, den[r] += sum_{j < seen[r]} a[r, j]
  * and a[r, seen[r]:w_r] = 0, w_r = seen[r0 + R - 1] the keys fastattn_linear_product
  * reads for the block of 6 rows holding r (seen nondecreasing, a[r, :w_r] formed). */
-FA_AVX512 __attribute__((unused)) static void FA_NAME(fastattn_linear_mask)(FA_T *a, int lda, int rows, const int *seen,
+FA_TARGET __attribute__((unused)) static void FA_NAME(fastattn_linear_mask)(FA_T *a, int lda, int rows, const int *seen,
                                                     FA_T *den) {
     for (int r = 0; r < rows; r++) {
         int r_last = r - r % 6 + 5 < rows - 1 ? r - r % 6 + 5 : rows - 1;
@@ -113,7 +114,7 @@ FA_AVX512 __attribute__((unused)) static void FA_NAME(fastattn_linear_mask)(FA_T
         for (int j = 0; j < w; j += FA_L) {
             int in = s - j < 0 ? 0 : (s - j < FA_L ? s - j : FA_L);
             int all = w - j < FA_L ? w - j : FA_L;
-            FA_MT keep = (FA_MT) ((1u << in) - 1u), span = (FA_MT) ((1u << all) - 1u);
+            FA_MT keep = FA_PREFIX(in), span = FA_PREFIX(all);
             FA_VT x = FA_VMLOADZ(keep, row + j);
             total = FA_VMADD(total, keep, total, x);
             FA_VMSTORE(row + j, span, x);
@@ -122,42 +123,40 @@ FA_AVX512 __attribute__((unused)) static void FA_NAME(fastattn_linear_mask)(FA_T
     }
 }
 
-#if FA_L == 16
-#define FL_VMIN _mm512_min_ps
-#define FL_CMP _mm512_cmp_ps_mask
-#define FL_VMOVZ _mm512_maskz_mov_ps
+#if !FA_DOUBLE
 #define FL_EXP_FLOOR (-126.0f)
 #else
-#define FL_VMIN _mm512_min_pd
-#define FL_CMP _mm512_cmp_pd_mask
-#define FL_VMOVZ _mm512_maskz_mov_pd
 #define FL_EXP_FLOOR (-1022.0)
 #endif
 /* elu(a) + 1 = a > 0 ? a + 1 : exp(a), NaN kept: the feature map of _vmath.pxd
- * (fastattn_feature_map, elu), with exp(a) = 2**t as in fastattn_exp_sum_avx512
- * (vscalef for 2**round(t)) and 0 for t <= the smallest normal exponent, as there. */
-FA_AVX512 FA_INLINE FA_VT FA_NAME(fl_elu)(FA_VT a) {
+ * (fastattn_feature_map, elu), with exp(a) = 2**t as in fastattn_tile_exp_sum
+ * (FA_VSCALEF for 2**round(t)) and 0 for t <= the smallest normal exponent, as there. */
+FA_TARGET FA_INLINE FA_VT FA_NAME(fl_elu)(FA_VT a) {
     const FA_VT log2e = FA_VSET1((FA_T) 1.4426950408889634), one = FA_VSET1((FA_T) 1);
     const FA_VT zero = FA_VZERO(), lowest = FA_VSET1(FL_EXP_FLOOR);
     /* min(0, a) keeps a NaN a (vminps returns its second operand then) */
-    FA_VT t = FA_VMUL(FL_VMIN(zero, a), log2e);
+    FA_VT t = FA_VMUL(FA_VMIN(zero, a), log2e);
     FA_VT e = FA_VROUND(t);
     FA_VT f = FA_VSUB(t, e);
     FA_VT p;
     FA_EXP2_POLY(p, f);
-    p = FL_VMOVZ(FL_CMP(t, lowest, _CMP_NLE_UQ), FA_VSCALEF(p, e));
-    return FA_VMADD(p, FL_CMP(a, zero, _CMP_GT_OQ), a, one);
+    p = FA_VMASKZ(FA_VCMP(t, lowest, _CMP_NLE_UQ), FA_VSCALEF(p, e));
+    return FA_VMADD(p, FA_VCMP(a, zero, _CMP_GT_OQ), a, one);
 }
 
 /* out[0:n] = elu(x[0:n]) + 1 (fl_elu).  ahead (NULL: none): n elements
  * prefetched, a vector an iteration. */
-FA_AVX512 __attribute__((unused)) static void FA_NAME(fastattn_linear_elu)(const FA_T *x, long n, FA_T *out,
+FA_TARGET __attribute__((unused)) static void FA_NAME(fastattn_linear_elu)(const FA_T *x, long n, FA_T *out,
                                                                           const FA_T *ahead) {
-    for (long j = 0; j < n; j += FA_L) {
-        FA_MT m = n - j >= FA_L ? (FA_MT) ~0u : (FA_MT) ((1u << (n - j)) - 1u);
-        FA_VT a = FA_VMLOADZ(m, x + j);
+    long j = 0;
+    for (; j + FA_L <= n; j += FA_L) {
         if (ahead) FL_PREFETCH(ahead + j);
-        FA_VMSTORE(out + j, m, FA_NAME(fl_elu)(a));
+        FA_VSTORE(out + j, FA_NAME(fl_elu)(FA_VLOAD(x + j)));
+    }
+    if (j < n) {
+        FA_MT m = FA_PREFIX((int) (n - j));
+        if (ahead) FL_PREFETCH(ahead + j);
+        FA_VMSTORE(out + j, m, FA_NAME(fl_elu)(FA_VMLOADZ(m, x + j)));
     }
 }
 
@@ -170,7 +169,7 @@ FA_AVX512 __attribute__((unused)) static void FA_NAME(fastattn_linear_elu)(const
 #ifndef FASTATTN_LINEAR_SUM_VECTORS
 #define FASTATTN_LINEAR_SUM_VECTORS 16
 #endif
-FA_AVX512 __attribute__((unused)) static void FA_NAME(fastattn_linear_elu_sums)(const FA_T *x, int rows, int d,
+FA_TARGET __attribute__((unused)) static void FA_NAME(fastattn_linear_elu_sums)(const FA_T *x, int rows, int d,
                                                                                FA_T *out, const FA_T *ahead,
                                                                                FA_T *z, int accumulate) {
     FA_VT sums[FASTATTN_LINEAR_SUM_VECTORS];
@@ -189,8 +188,5 @@ FA_AVX512 __attribute__((unused)) static void FA_NAME(fastattn_linear_elu_sums)(
     for (int c = 0; c < nv; c++)
         FA_VSTORE(z + c * FA_L, accumulate ? FA_VADD(FA_VLOAD(z + c * FA_L), sums[c]) : sums[c]);
 }
-#undef FL_VMIN
-#undef FL_CMP
-#undef FL_VMOVZ
 #undef FL_EXP_FLOOR
 #undef FL_PREFETCH

@@ -1,6 +1,7 @@
 from cython cimport floating
 
-# AVX-512 register-blocked products of the online softmax tile (float32 and float64).
+# Register-blocked products of the online softmax tile and of linear attention
+# (float32 and float64), with AVX-512 or with AVX2 and FMA.
 #
 # OpenBLAS's sgemm packs both operands of every call and zero-fills C when
 # beta = 0; measured side by side here (1 thread, CPU time, loaded machine)
@@ -11,38 +12,58 @@ from cython cimport floating
 # the tile:
 #
 # * scores  s[r, j] = scale * sum_c q[r, c] k[j, c]: 6 rows x 4 panels of
-#   keys of accumulators (24 zmm), one broadcast of q per row and one load
-#   per panel;
+#   keys of accumulators (24 zmm; AVX2: 6 rows x 1 panel, 12 ymm), one
+#   broadcast of q per row and one load per panel;
 # * output  o[r, :] += sum_j p[r, j] v[j, :]: 6 rows x 4 vectors of columns
-#   of o in registers over all the tile's keys, v read in rows as it lies;
+#   of o in registers (AVX2: x 1 vector, two ymm) over all the tile's keys,
+#   v read in rows as it lies;
 # * exp_sum  the row's exp(s - shift) and its sum, by a polynomial for 2**f
-#   and vscalef for 2**n.
+#   and vscalef (AVX2: the exponent bits) for 2**n.
 #
-# The C is written once, in _microkernel_t.h, for one element type and
-# included once for float (16 lanes, panels of 16 keys) and once for double
-# (8 lanes, panels of 8).  Compiled for AVX-512F only (function target
-# attribute), used when the CPU has it (checked once) and d_k and d_v are
-# multiples of the lane count; otherwise the tile calls BLAS as before.  Sums
-# run in the order of c (of j), one FMA at a time, in the input's precision
-# like BLAS.
+# The C is written once, in _microkernel_t.h (and _linear_t.h), on vector
+# operations that _microkernel_ops.h maps to one instruction set and element
+# type, and included four times: AVX-512F and AVX2 (+FMA, each by a function
+# target attribute), float (panels of 16 keys) and double (panels of 8).  An
+# AVX2 vector is a pair of ymm (_avx2_pair.h), so the panels, the scratch and
+# the lane rule are the same in both.  The public functions below pick the
+# instruction set at run time (fastattn_microkernel_isa: the CPU's best, once);
+# they run when d_k and d_v are multiples of the lane count, and otherwise
+# the tile calls BLAS.  Sums run in the order of c (of j), one FMA at a time,
+# in the input's precision like BLAS, in both instruction sets.
+#
+# FASTATTN_SIMD=avx2 in the environment holds an AVX-512 CPU to the AVX2
+# loops, FASTATTN_SIMD=off to BLAS (read once a process, by each extension),
+# so both sets of loops can be tested and measured on one machine.
 cdef extern from *:
     """
     #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__) \
         && !defined(FASTATTN_NO_MICROKERNEL)
     #include <immintrin.h>
+    #include <stdlib.h>
+    #include <string.h>
     #define FASTATTN_MICROKERNEL 1
     #define FA_AVX512 __attribute__((target("avx512f")))
     #define FA_INLINE static inline __attribute__((always_inline))
     #define FA_PREFETCH(address) __builtin_prefetch(address)
 
-    static int fastattn_microkernel_ok(void) {
+    /* 512 (AVX-512F), 256 (AVX2 and FMA) or 0 (neither: BLAS), capped by
+       FASTATTN_SIMD (avx2, off) */
+    static int fastattn_microkernel_isa(void) {
         static int cached = -1;    /* a benign race: every thread finds the same */
         if (cached < 0) {
+            const char *cap = getenv("FASTATTN_SIMD");
+            int isa;
             __builtin_cpu_init();
-            cached = __builtin_cpu_supports("avx512f") ? 1 : 0;
+            if (__builtin_cpu_supports("avx512f")) isa = 512;
+            else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) isa = 256;
+            else isa = 0;
+            if (cap != NULL && strcmp(cap, "avx2") == 0 && isa > 256) isa = 256;
+            if (cap != NULL && strcmp(cap, "off") == 0) isa = 0;
+            cached = isa;
         }
         return cached;
     }
+    static int fastattn_microkernel_ok(void) { return fastattn_microkernel_isa() != 0; }
 
     /* Lane sums of 16 (float) or 8 (double) vectors: lane t of the result is the sum of
        the lanes of x[t].  Lanes are added in pairs within each 128-bit lane (unpack,
@@ -80,100 +101,76 @@ cdef extern from *:
         return fa_quarter_sums_d(fa_pair_sums_d(x[0], x[1]), fa_pair_sums_d(x[2], x[3]),
                                  fa_pair_sums_d(x[4], x[5]), fa_pair_sums_d(x[6], x[7]));
     }
+    #include "_avx2_pair.h"
 
-    #define FA_T float
-    #define FA_L 16
-    #define FA_NAME(x) x##_f
-    #define FA_VT __m512
-    #define FA_MT __mmask16
-    #define FA_VZERO _mm512_setzero_ps
-    #define FA_VSET1 _mm512_set1_ps
-    #define FA_VLOAD _mm512_loadu_ps
-    #define FA_VSTORE _mm512_storeu_ps
-    #define FA_VMSTORE _mm512_mask_storeu_ps
-    #define FA_VMLOADZ _mm512_maskz_loadu_ps
-    #define FA_VFMADD _mm512_fmadd_ps
-    #define FA_VMUL _mm512_mul_ps
-    #define FA_VSUB _mm512_sub_ps
-    #define FA_VADD _mm512_add_ps
-    #define FA_LANE_SUMS fa_lane_sums_f
-    #define FA_VMADD _mm512_mask_add_ps
-    #define FA_VSCALEF _mm512_scalef_ps
-    #define FA_VREDUCE_ADD _mm512_reduce_add_ps
-    #define FA_VROUND(x) _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
-    /* 2**f, |f| <= 1/2: Cephes' exp2f polynomial, about 2e-7 relative */
-    #define FA_EXP2_POLY(p, f) do { \
-        p = _mm512_set1_ps(1.535336188319500e-4f); \
-        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f)); \
-        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f)); \
-        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f)); \
-        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f)); \
-        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f)); \
-        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f)); \
-    } while (0)
-    #include "_microkernel_t.h"
-    #undef FA_T
-    #undef FA_L
-    #undef FA_NAME
-    #undef FA_VT
-    #undef FA_MT
-    #undef FA_VZERO
-    #undef FA_VSET1
-    #undef FA_VLOAD
-    #undef FA_VSTORE
-    #undef FA_VMSTORE
-    #undef FA_VMLOADZ
-    #undef FA_VFMADD
-    #undef FA_VMUL
-    #undef FA_VSUB
-    #undef FA_VADD
-    #undef FA_LANE_SUMS
-    #undef FA_VMADD
-    #undef FA_VSCALEF
-    #undef FA_VREDUCE_ADD
-    #undef FA_VROUND
-    #undef FA_EXP2_POLY
+    #define FA_ISA 512
+    #define FA_DOUBLE 0
+    #include "_microkernel_ops.h"
+    #undef FA_DOUBLE
+    #define FA_DOUBLE 1
+    #include "_microkernel_ops.h"
+    #undef FA_DOUBLE
+    #undef FA_ISA
+    #define FA_ISA 256
+    #define FA_DOUBLE 0
+    #include "_microkernel_ops.h"
+    #undef FA_DOUBLE
+    #define FA_DOUBLE 1
+    #include "_microkernel_ops.h"
+    #undef FA_DOUBLE
+    #undef FA_ISA
 
-    #define FA_T double
-    #define FA_L 8
-    #define FA_NAME(x) x##_d
-    #define FA_VT __m512d
-    #define FA_MT __mmask8
-    #define FA_VZERO _mm512_setzero_pd
-    #define FA_VSET1 _mm512_set1_pd
-    #define FA_VLOAD _mm512_loadu_pd
-    #define FA_VSTORE _mm512_storeu_pd
-    #define FA_VMSTORE _mm512_mask_storeu_pd
-    #define FA_VMLOADZ _mm512_maskz_loadu_pd
-    #define FA_VFMADD _mm512_fmadd_pd
-    #define FA_VMUL _mm512_mul_pd
-    #define FA_VSUB _mm512_sub_pd
-    #define FA_VADD _mm512_add_pd
-    #define FA_LANE_SUMS fa_lane_sums_d
-    #define FA_VMADD _mm512_mask_add_pd
-    #define FA_VSCALEF _mm512_scalef_pd
-    #define FA_VREDUCE_ADD _mm512_reduce_add_pd
-    #define FA_VROUND(x) _mm512_roundscale_pd(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
-    /* 2**f = exp(r), r = f ln 2, |r| <= 0.347: Taylor degree 13, below 1e-16 relative */
-    #define FA_EXP2_POLY(p, f) do { \
-        __m512d r_ = _mm512_mul_pd(f, _mm512_set1_pd(0.6931471805599453)); \
-        p = _mm512_set1_pd(1.0 / 6227020800.0); \
-        p = _mm512_fmadd_pd(p, r_, _mm512_set1_pd(1.0 / 479001600.0)); \
-        p = _mm512_fmadd_pd(p, r_, _mm512_set1_pd(1.0 / 39916800.0)); \
-        p = _mm512_fmadd_pd(p, r_, _mm512_set1_pd(1.0 / 3628800.0)); \
-        p = _mm512_fmadd_pd(p, r_, _mm512_set1_pd(1.0 / 362880.0)); \
-        p = _mm512_fmadd_pd(p, r_, _mm512_set1_pd(1.0 / 40320.0)); \
-        p = _mm512_fmadd_pd(p, r_, _mm512_set1_pd(1.0 / 5040.0)); \
-        p = _mm512_fmadd_pd(p, r_, _mm512_set1_pd(1.0 / 720.0)); \
-        p = _mm512_fmadd_pd(p, r_, _mm512_set1_pd(1.0 / 120.0)); \
-        p = _mm512_fmadd_pd(p, r_, _mm512_set1_pd(1.0 / 24.0)); \
-        p = _mm512_fmadd_pd(p, r_, _mm512_set1_pd(1.0 / 6.0)); \
-        p = _mm512_fmadd_pd(p, r_, _mm512_set1_pd(0.5)); \
-        p = _mm512_fmadd_pd(p, _mm512_mul_pd(r_, r_), _mm512_add_pd(r_, _mm512_set1_pd(1.0))); \
-    } while (0)
-    #include "_microkernel_t.h"
+    /* The public functions: each calls its AVX-512 or its AVX2 loops */
+    #define FA_PICK(name, X, args) \
+        (fastattn_microkernel_isa() == 512 ? name##_##X##512 args : name##_##X##256 args)
+    #define FA_DISPATCHERS(T, X)                                                              \
+    static inline void fastattn_pack_keys_##X(const T *k, int ldk, int width, int d, T *kp) { \
+        FA_PICK(fastattn_pack_keys, X, (k, ldk, width, d, kp));                               \
+    }                                                                                         \
+    static inline void fastattn_scores_##X(const T *q, int ldq, const T *kp, int rows,       \
+                                           int width, int d, T scale, T *s, int lds) {       \
+        FA_PICK(fastattn_scores, X, (q, ldq, kp, rows, width, d, scale, s, lds));             \
+    }                                                                                         \
+    static inline void fastattn_output_##X(const T *p, int ldp, const T *v, int ldv,         \
+                                           int rows, int width, int d_v, T *o, int ldo) {    \
+        FA_PICK(fastattn_output, X, (p, ldp, v, ldv, rows, width, d_v, o, ldo));              \
+    }                                                                                         \
+    static inline T fastattn_tile_exp_sum_##X(T *s, int n, T shift) {                              \
+        return FA_PICK(fastattn_tile_exp_sum, X, (s, n, shift));                                   \
+    }                                                                                         \
+    static inline void fastattn_query_scores_##X(const T *q, const T *k, int width, int d_k, \
+                                                 T scale, T *s, int ahead) {                  \
+        FA_PICK(fastattn_query_scores, X, (q, k, width, d_k, scale, s, ahead));               \
+    }                                                                                         \
+    static inline void fastattn_query_values_##X(const T *p, const T *v, int width, int d_v, \
+                                                 T *acc, int ahead) {                         \
+        FA_PICK(fastattn_query_values, X, (p, v, width, d_v, acc, ahead));                    \
+    }                                                                                         \
+    static inline void fastattn_linear_product_##X(                                           \
+            const T *p, long prs, long pjs, const T *v, int ldv, int rows, int width,        \
+            const int *seen, int d_v, T *o, int ldo, int accumulate, const T *scale,         \
+            const void *ahead, long ahead_bytes) {                                            \
+        FA_PICK(fastattn_linear_product, X, (p, prs, pjs, v, ldv, rows, width, seen, d_v, o, \
+                                             ldo, accumulate, scale, ahead, ahead_bytes));   \
+    }                                                                                         \
+    static inline void fastattn_linear_mask_##X(T *a, int lda, int rows, const int *seen,    \
+                                                T *den) {                                     \
+        FA_PICK(fastattn_linear_mask, X, (a, lda, rows, seen, den));                          \
+    }                                                                                         \
+    static inline void fastattn_linear_elu_##X(const T *x, long n, T *out, const T *ahead) { \
+        FA_PICK(fastattn_linear_elu, X, (x, n, out, ahead));                                  \
+    }                                                                                         \
+    static inline void fastattn_linear_elu_sums_##X(const T *x, int rows, int d, T *out,     \
+                                                    const T *ahead, T *z, int accumulate) {   \
+        FA_PICK(fastattn_linear_elu_sums, X, (x, rows, d, out, ahead, z, accumulate));        \
+    }
+    FA_DISPATCHERS(float, f)
+    FA_DISPATCHERS(double, d)
+    #undef FA_DISPATCHERS
+    #undef FA_PICK
     #else
     #define FASTATTN_MICROKERNEL 0
+    static int fastattn_microkernel_isa(void) { return 0; }
     static int fastattn_microkernel_ok(void) { return 0; }
     #define FA_STUBS(T, X) \
         static void fastattn_pack_keys_##X(const T *k, int ldk, int width, int d, T *kp) {} \
@@ -181,7 +178,7 @@ cdef extern from *:
                                         int d, T scale, T *s, int lds) {} \
         static void fastattn_output_##X(const T *p, int ldp, const T *v, int ldv, int rows, \
                                         int width, int d_v, T *o, int ldo) {} \
-        static T fastattn_exp_sum_avx512_##X(T *s, int n, T shift) { return 0; } \
+        static T fastattn_tile_exp_sum_##X(T *s, int n, T shift) { return 0; } \
         static void fastattn_query_scores_##X(const T *q, const T *k, int width, int d_k, \
                                               T scale, T *s, int ahead) {} \
         static void fastattn_query_values_##X(const T *p, const T *v, int width, int d_v, \
@@ -191,6 +188,7 @@ cdef extern from *:
     #endif
     """
     const int FASTATTN_MICROKERNEL
+    int fastattn_microkernel_isa() nogil
     int fastattn_microkernel_ok() nogil
     void fastattn_pack_keys_f(const float *k, int ldk, int width, int d, float *kp) nogil
     void fastattn_pack_keys_d(const double *k, int ldk, int width, int d, double *kp) nogil
@@ -202,8 +200,8 @@ cdef extern from *:
                            int d_v, float *o, int ldo) nogil
     void fastattn_output_d(const double *p, int ldp, const double *v, int ldv, int rows, int width,
                            int d_v, double *o, int ldo) nogil
-    float fastattn_exp_sum_avx512_f(float *s, int n, float shift) nogil
-    double fastattn_exp_sum_avx512_d(double *s, int n, double shift) nogil
+    float fastattn_tile_exp_sum_f(float *s, int n, float shift) nogil
+    double fastattn_tile_exp_sum_d(double *s, int n, double shift) nogil
     void fastattn_query_scores_f(const float *q, const float *k, int width, int d_k, float scale,
                                  float *s, int ahead) nogil
     void fastattn_query_scores_d(const double *q, const double *k, int width, int d_k,
@@ -214,10 +212,11 @@ cdef extern from *:
                                  double *acc, int ahead) nogil
 
 
-cdef inline bint avx512_rows(int width, const floating *dtype_tag) noexcept nogil:
-    """Whether the AVX-512 loops run on rows of ``width`` elements of ``floating``:
-    built with them, the CPU has AVX-512F, and ``width`` a multiple of the lanes
-    (16 float32, 8 float64).  ``dtype_tag``: any pointer of the element type."""
+cdef inline bint simd_rows(int width, const floating *dtype_tag) noexcept nogil:
+    """Whether the register-blocked loops run on rows of ``width`` elements of
+    ``floating``: built with them, the CPU has AVX-512F or AVX2 with FMA, and
+    ``width`` a multiple of the lanes (16 float32, 8 float64).  ``dtype_tag``:
+    any pointer of the element type."""
     cdef int lanes = 16 if floating is float else 8
     return FASTATTN_MICROKERNEL and width % lanes == 0 and fastattn_microkernel_ok()
 
@@ -232,7 +231,7 @@ cdef inline void pack_keys(const floating *k, int ldk, int width, int d, floatin
 
 cdef inline void scores(const floating *q, int ldq, const floating *kp, int rows, int width, int d,
                         floating scale, floating *s, int lds) noexcept nogil:
-    """``s[r, j] = scale q[r] . k[j]`` for ``r < rows, j < width`` (AVX-512)."""
+    """``s[r, j] = scale q[r] . k[j]`` for ``r < rows, j < width`` (AVX-512 or AVX2)."""
     if floating is float:
         fastattn_scores_f(q, ldq, kp, rows, width, d, scale, s, lds)
     else:
@@ -241,24 +240,24 @@ cdef inline void scores(const floating *q, int ldq, const floating *kp, int rows
 
 cdef inline void output(const floating *p, int ldp, const floating *v, int ldv, int rows,
                         int width, int d_v, floating *o, int ldo) noexcept nogil:
-    """``o[r] += sum_j p[r, j] v[j]`` for ``r < rows, j < width`` (AVX-512)."""
+    """``o[r] += sum_j p[r, j] v[j]`` for ``r < rows, j < width`` (AVX-512 or AVX2)."""
     if floating is float:
         fastattn_output_f(p, ldp, v, ldv, rows, width, d_v, o, ldo)
     else:
         fastattn_output_d(p, ldp, v, ldv, rows, width, d_v, o, ldo)
 
 
-cdef inline floating exp_sum_avx512(floating *s, int n, floating shift) noexcept nogil:
-    """``s[j] = exp(s[j] - shift)`` in place for ``j < n`` (AVX-512); returns ``sum s[j]``."""
+cdef inline floating exp_sum_simd(floating *s, int n, floating shift) noexcept nogil:
+    """``s[j] = exp(s[j] - shift)`` in place for ``j < n`` (AVX-512 or AVX2); returns ``sum s[j]``."""
     if floating is float:
-        return fastattn_exp_sum_avx512_f(s, n, shift)
+        return fastattn_tile_exp_sum_f(s, n, shift)
     else:
-        return fastattn_exp_sum_avx512_d(s, n, shift)
+        return fastattn_tile_exp_sum_d(s, n, shift)
 
 
 cdef inline void query_scores(const floating *q, const floating *k, int width, int d_k,
                               floating scale, floating *s, int ahead) noexcept nogil:
-    """One query: ``s[j] = scale q . k[j]`` for ``j < width`` (AVX-512, ``d_k`` a multiple of
+    """One query: ``s[j] = scale q . k[j]`` for ``j < width`` (AVX-512 or AVX2, ``d_k`` a multiple of
     the lanes); prefetches the key row ``ahead`` rows on (0: none)."""
     if floating is float:
         fastattn_query_scores_f(q, k, width, d_k, scale, s, ahead)
@@ -268,7 +267,7 @@ cdef inline void query_scores(const floating *q, const floating *k, int width, i
 
 cdef inline void query_values(const floating *p, const floating *v, int width, int d_v,
                               floating *acc, int ahead) noexcept nogil:
-    """One query: ``acc += sum_{j < width} p[j] v[j]`` (AVX-512, ``d_v`` a multiple of the
+    """One query: ``acc += sum_{j < width} p[j] v[j]`` (AVX-512 or AVX2, ``d_v`` a multiple of the
     lanes); prefetches the value row ``ahead`` rows on (0: none)."""
     if floating is float:
         fastattn_query_values_f(p, v, width, d_v, acc, ahead)

@@ -1,7 +1,8 @@
-/* AVX-512 products of the online-softmax tile, written once for one element
- * type and included by _microkernel.pxd once per type, with FA_T (float or
- * double), FA_L (lanes: 16 or 8) and FA_NAME(x) (x_f or x_d) defined, and
- * the vector operations FA_V... mapped to that type's intrinsics.  See
+/* The products of the online-softmax tile, written once for one instruction
+ * set and element type and included by _microkernel_ops.h once per pair, with
+ * FA_T (float or double), FA_L (lanes: 16 or 8), FA_NAME(x) (x_f512, x_d256,
+ * ...), FA_BLOCK_V and FA_QUERY_V (vectors of a row a block holds) defined,
+ * and the vector operations FA_V... mapped to that pair's intrinsics.  See
  * _microkernel.pxd for what each function does and why.
  */
 
@@ -10,8 +11,9 @@
  * 16 x 16 float32 tile, 24 an 8 x 8 float64 one), in place of L gathers of one
  * column each (pack_keys went from 6.0 to 4.7 % of a causal linear call, 1 thread,
  * n = 4096). */
-FA_AVX512 FA_INLINE void FA_NAME(fa_transpose_tile)(const FA_T *src, long ld, FA_T *dst,
+FA_TARGET FA_INLINE void FA_NAME(fa_transpose_tile)(const FA_T *src, long ld, FA_T *dst,
                                                     long lddst) {
+#if FA_ISA == 512
     FA_VT r[FA_L], t[FA_L];
     for (int i = 0; i < FA_L; i++) r[i] = FA_VLOAD(src + i * ld);
 #if FA_L == 16
@@ -52,15 +54,63 @@ FA_AVX512 FA_INLINE void FA_NAME(fa_transpose_tile)(const FA_T *src, long ld, FA
     }
     for (int i = 0; i < 8; i++) FA_VSTORE(dst + i * lddst, t[i]);
 #endif
+#elif !FA_DOUBLE
+    /* four 8 x 8 tiles of ymm: unpack, shuffle within 128-bit lanes, swap them */
+    for (int rb = 0; rb < 16; rb += 8)
+        for (int cb = 0; cb < 16; cb += 8) {
+            __m256 r[8], t[8];
+            for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(src + (rb + i) * ld + cb);
+            for (int i = 0; i < 8; i += 2) {
+                t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+                t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+            }
+            for (int i = 0; i < 8; i += 4) {
+                r[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+                r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+                r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+                r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+            }
+            for (int c = 0; c < 4; c++) {
+                _mm256_storeu_ps(dst + (cb + c) * lddst + rb, _mm256_permute2f128_ps(r[c], r[c + 4], 0x20));
+                _mm256_storeu_ps(dst + (cb + c + 4) * lddst + rb, _mm256_permute2f128_ps(r[c], r[c + 4], 0x31));
+            }
+        }
+#else
+    /* four 4 x 4 tiles of ymm */
+    for (int rb = 0; rb < 8; rb += 4)
+        for (int cb = 0; cb < 8; cb += 4) {
+            __m256d r[4], t[4];
+            for (int i = 0; i < 4; i++) r[i] = _mm256_loadu_pd(src + (rb + i) * ld + cb);
+            t[0] = _mm256_unpacklo_pd(r[0], r[1]);
+            t[1] = _mm256_unpackhi_pd(r[0], r[1]);
+            t[2] = _mm256_unpacklo_pd(r[2], r[3]);
+            t[3] = _mm256_unpackhi_pd(r[2], r[3]);
+            for (int c = 0; c < 2; c++) {
+                _mm256_storeu_pd(dst + (cb + c) * lddst + rb, _mm256_permute2f128_pd(t[c], t[c + 2], 0x20));
+                _mm256_storeu_pd(dst + (cb + c + 2) * lddst + rb, _mm256_permute2f128_pd(t[c], t[c + 2], 0x31));
+            }
+        }
+#endif
 }
+
+#if FA_ISA != 512
+/* the column src[t ldk], t < L, as a vector (AVX2: element by element) */
+FA_TARGET FA_INLINE FA_VT FA_NAME(fa_gather_column)(const FA_T *src, int ldk) {
+    FA_T column[FA_L];
+    for (int t = 0; t < FA_L; t++) column[t] = src[(size_t) t * ldk];
+    return FA_VLOAD(column);
+}
+#endif
 
 /* kp[(p d + c) L + t] = k[(L p + t) ldk + c]: keys [0, width) in panels of L, zero past width.
  * A whole panel's columns are L x L tiles transposed in registers, the last d % L
  * columns one gather each (L keys ldk apart); the last, partial panel is copied
  * element by element. */
-FA_AVX512 static void FA_NAME(fastattn_pack_keys)(const FA_T *k, int ldk, int width, int d, FA_T *kp) {
+FA_TARGET static void FA_NAME(fastattn_pack_keys)(const FA_T *k, int ldk, int width, int d, FA_T *kp) {
     int panels = (width + FA_L - 1) / FA_L, full = width / FA_L, tiles = d / FA_L * FA_L;
-#if FA_L == 16
+#if FA_ISA != 512
+#define FA_GATHER_COLUMN(src) FA_NAME(fa_gather_column)(src, ldk)
+#elif FA_L == 16
     const __m512i rows = _mm512_mullo_epi32(
         _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32(ldk));
 #define FA_GATHER_COLUMN(src) _mm512_i32gather_ps(rows, src, sizeof(FA_T))
@@ -97,13 +147,13 @@ FA_AVX512 static void FA_NAME(fastattn_pack_keys)(const FA_T *k, int ldk, int wi
  * about 3 shuffles and adds a key, in place of a reduction across lanes per
  * key).  Keys past width are never read.  `ahead`: rows ahead to prefetch
  * (K streams from memory), 0 for none. */
-FA_AVX512 FA_INLINE FA_VT FA_NAME(fa_key_dot)(const FA_T *q, const FA_T *kr, int d_k) {
+FA_TARGET FA_INLINE FA_VT FA_NAME(fa_key_dot)(const FA_T *q, const FA_T *kr, int d_k) {
     FA_VT a = FA_VMUL(FA_VLOAD(q), FA_VLOAD(kr));
     for (int c = FA_L; c < d_k; c += FA_L) a = FA_VFMADD(FA_VLOAD(q + c), FA_VLOAD(kr + c), a);
     return a;
 }
 
-FA_AVX512 static void FA_NAME(fastattn_query_scores)(const FA_T *q, const FA_T *k, int width,
+FA_TARGET static void FA_NAME(fastattn_query_scores)(const FA_T *q, const FA_T *k, int width,
                                                      int d_k, FA_T scale, FA_T *s, int ahead) {
     const FA_VT sc = FA_VSET1(scale);
     const size_t row_bytes = (size_t) d_k * sizeof(FA_T);
@@ -124,13 +174,13 @@ FA_AVX512 static void FA_NAME(fastattn_query_scores)(const FA_T *q, const FA_T *
         }
         FA_VT x = FA_VMUL(FA_LANE_SUMS(part), sc);
         if (keys == FA_L) FA_VSTORE(s + j0, x);
-        else FA_VMSTORE(s + j0, (FA_MT) ((1u << keys) - 1u), x);
+        else FA_VMSTORE(s + j0, FA_PREFIX(keys), x);
     }
 }
 
 /* NC column vectors of acc += sum_{j < width} p[j] v_j, two keys at a time into two sets of
  * accumulators (the FMAs' latency) */
-FA_AVX512 FA_INLINE void FA_NAME(fa_query_values_block)(const FA_T *p, const FA_T *v, int ldv,
+FA_TARGET FA_INLINE void FA_NAME(fa_query_values_block)(const FA_T *p, const FA_T *v, int ldv,
                                                         int width, FA_T *acc, int ahead,
                                                         const int NC) {
     FA_VT a[4], b[4];
@@ -162,10 +212,10 @@ FA_AVX512 FA_INLINE void FA_NAME(fa_query_values_block)(const FA_T *p, const FA_
 
 /* One query: acc[0:d_v] += sum_{j < width} p[j] v[j, 0:d_v] (d_v a multiple of L), value rows
  * as they lie; rows past width are never read.  `ahead` as for fastattn_query_scores. */
-FA_AVX512 static void FA_NAME(fastattn_query_values)(const FA_T *p, const FA_T *v, int width,
+FA_TARGET static void FA_NAME(fastattn_query_values)(const FA_T *p, const FA_T *v, int width,
                                                      int d_v, FA_T *acc, int ahead) {
-    for (int c0 = 0; c0 < d_v; c0 += 4 * FA_L) {
-        int nc = (d_v - c0) / FA_L < 4 ? (d_v - c0) / FA_L : 4;
+    for (int c0 = 0; c0 < d_v; c0 += FA_QUERY_V * FA_L) {
+        int nc = (d_v - c0) / FA_L < FA_QUERY_V ? (d_v - c0) / FA_L : FA_QUERY_V;
         int pf = c0 == 0 ? ahead : 0;      /* the first pass brings the rows in */
         if (nc == 4) FA_NAME(fa_query_values_block)(p, v + c0, d_v, width, acc + c0, pf, 4);
         else if (nc == 3) FA_NAME(fa_query_values_block)(p, v + c0, d_v, width, acc + c0, pf, 3);
@@ -175,7 +225,7 @@ FA_AVX512 static void FA_NAME(fastattn_query_values)(const FA_T *p, const FA_T *
 }
 
 /* R rows x NP panels of scores; 'left' keys remain from this panel group's first */
-FA_AVX512 FA_INLINE void FA_NAME(fa_scores_block)(const FA_T *q, int ldq, const FA_T *kp, int d,
+FA_TARGET FA_INLINE void FA_NAME(fa_scores_block)(const FA_T *q, int ldq, const FA_T *kp, int d,
                                                   FA_VT scale, FA_T *s, int lds, int left,
                                                   const int R, const int NP) {
     FA_VT acc[6][4];
@@ -195,7 +245,7 @@ FA_AVX512 FA_INLINE void FA_NAME(fa_scores_block)(const FA_T *q, int ldq, const 
             FA_VT x = FA_VMUL(acc[r][p], scale);
             FA_T *dst = s + (size_t) r * lds + FA_L * p;
             if (rest >= FA_L) FA_VSTORE(dst, x);
-            else FA_VMSTORE(dst, (FA_MT) ((1u << rest) - 1u), x);
+            else FA_VMSTORE(dst, FA_PREFIX(rest), x);
         }
     }
 }
@@ -211,12 +261,13 @@ FA_AVX512 FA_INLINE void FA_NAME(fa_scores_block)(const FA_T *q, int ldq, const 
     }
 
 /* s[r, j] = scale q[r, :] . k[j, :] for r < rows, j < width (kp from fastattn_pack_keys) */
-FA_AVX512 static void FA_NAME(fastattn_scores)(const FA_T *q0, int ldq, const FA_T *kp0, int rows,
+FA_TARGET static void FA_NAME(fastattn_scores)(const FA_T *q0, int ldq, const FA_T *kp0, int rows,
                                                int width, int d, FA_T scale, FA_T *s0, int lds) {
     FA_VT sc = FA_VSET1(scale);
-    for (int j = 0; j < width; j += 4 * FA_L) {
+    for (int j = 0; j < width; j += FA_BLOCK_V * FA_L) {
         int left = width - j;
         int np = (left + FA_L - 1) / FA_L;
+        if (np > FA_BLOCK_V) np = FA_BLOCK_V;
         const FA_T *kp = kp0 + (size_t) (j / FA_L) * d * FA_L;
         for (int r0 = 0; r0 < rows; r0 += 6) {
             int R = rows - r0 < 6 ? rows - r0 : 6;
@@ -232,7 +283,7 @@ FA_AVX512 static void FA_NAME(fastattn_scores)(const FA_T *q0, int ldq, const FA
 #undef FA_SCORES_R
 
 /* R rows x NC column vectors of o += p v over keys [0, width) */
-FA_AVX512 FA_INLINE void FA_NAME(fa_output_block)(const FA_T *p, int ldp, const FA_T *v, int ldv,
+FA_TARGET FA_INLINE void FA_NAME(fa_output_block)(const FA_T *p, int ldp, const FA_T *v, int ldv,
                                                   int width, FA_T *o, int ldo, const int R,
                                                   const int NC) {
     FA_VT acc[6][4];
@@ -261,10 +312,10 @@ FA_AVX512 FA_INLINE void FA_NAME(fa_output_block)(const FA_T *p, int ldp, const 
     }
 
 /* o[r, :d_v] += sum_{j < width} p[r, j] v[j, :d_v] for r < rows (d_v a multiple of L) */
-FA_AVX512 static void FA_NAME(fastattn_output)(const FA_T *p0, int ldp, const FA_T *v0, int ldv,
+FA_TARGET static void FA_NAME(fastattn_output)(const FA_T *p0, int ldp, const FA_T *v0, int ldv,
                                                int rows, int width, int d_v, FA_T *o0, int ldo) {
-    for (int c0 = 0; c0 < d_v; c0 += 4 * FA_L) {
-        int nc = (d_v - c0) / FA_L < 4 ? (d_v - c0) / FA_L : 4;
+    for (int c0 = 0; c0 < d_v; c0 += FA_BLOCK_V * FA_L) {
+        int nc = (d_v - c0) / FA_L < FA_BLOCK_V ? (d_v - c0) / FA_L : FA_BLOCK_V;
         const FA_T *v = v0 + c0;
         for (int r0 = 0; r0 < rows; r0 += 6) {
             int R = rows - r0 < 6 ? rows - r0 : 6;
@@ -281,19 +332,37 @@ FA_AVX512 static void FA_NAME(fastattn_output)(const FA_T *p0, int ldp, const FA
 
 /* s[j] = exp(s[j] - shift) in place for j < n, s[j] <= shift; returns the sum.
  * exp(x) = 2**t, t = x log2(e) = e + f, e = round(t): 2**f by FA_EXP2_POLY,
- * then vscalef multiplies by 2**e, which also gives 0 for t = -inf or far
- * below the range and keeps NaN, so no clamp and no select are needed. */
-FA_AVX512 static FA_T FA_NAME(fastattn_exp_sum_avx512)(FA_T *s, int n, FA_T shift) {
-    const FA_VT log2e = FA_VSET1((FA_T) 1.4426950408889634), sh = FA_VSET1(shift);
+ * then FA_VSCALEF multiplies by 2**e.  t is first raised to FA_EXP_LOWEST,
+ * where 2**t is 0 in the dtype (so t = -inf, a masked or -inf score, gives 0,
+ * not inf - inf); max(lowest, t) keeps a NaN t, and the NaN. */
+#if !FA_DOUBLE
+#define FA_EXP_LOWEST (-160.0f)
+#else
+#define FA_EXP_LOWEST (-1100.0)
+#endif
+FA_TARGET FA_INLINE FA_VT FA_NAME(fa_exp_shifted)(FA_VT x, FA_VT sh) {
+    FA_VT t = FA_VMUL(FA_VSUB(x, sh), FA_VSET1((FA_T) 1.4426950408889634));
+    t = FA_VMAX(FA_VSET1(FA_EXP_LOWEST), t);
+    FA_VT e = FA_VROUND(t);
+    FA_VT f = FA_VSUB(t, e);
+    FA_VT p;
+    FA_EXP2_POLY(p, f);
+    return FA_VSCALEF(p, e);
+}
+#undef FA_EXP_LOWEST
+
+FA_TARGET static FA_T FA_NAME(fastattn_tile_exp_sum)(FA_T *s, int n, FA_T shift) {
+    const FA_VT sh = FA_VSET1(shift);
     FA_VT total = FA_VZERO();
-    for (int j = 0; j < n; j += FA_L) {
-        FA_MT k = n - j >= FA_L ? (FA_MT) ~0u : (FA_MT) ((1u << (n - j)) - 1u);
-        FA_VT t = FA_VMUL(FA_VSUB(FA_VMLOADZ(k, s + j), sh), log2e);
-        FA_VT e = FA_VROUND(t);
-        FA_VT f = FA_VSUB(t, e);
-        FA_VT p;
-        FA_EXP2_POLY(p, f);
-        p = FA_VSCALEF(p, e);
+    int j = 0;
+    for (; j + FA_L <= n; j += FA_L) {
+        FA_VT p = FA_NAME(fa_exp_shifted)(FA_VLOAD(s + j), sh);
+        FA_VSTORE(s + j, p);
+        total = FA_VADD(total, p);
+    }
+    if (j < n) {
+        FA_MT k = FA_PREFIX(n - j);
+        FA_VT p = FA_NAME(fa_exp_shifted)(FA_VMLOADZ(k, s + j), sh);
         FA_VMSTORE(s + j, k, p);
         total = FA_VMADD(total, k, total, p);
     }

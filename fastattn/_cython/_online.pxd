@@ -4,18 +4,18 @@
 from cython cimport floating
 from libc.math cimport INFINITY
 
-from fastattn._cython._microkernel cimport exp_sum_avx512
+from fastattn._cython._microkernel cimport exp_sum_simd
 from fastattn._cython._vmath cimport exp_sum, fexp, row_max
 
 
 cdef inline void online_softmax_row(floating *srow, int w, floating *m, floating *l,
-                                    floating *orow, int d_v, bint avx512) noexcept nogil:
+                                    floating *orow, int d_v, bint simd) noexcept nogil:
     """Fold the scores ``srow[0:w]`` (``w >= 1``) of one row into its running state.
 
     ``m`` and ``l`` point at the row's running maximum and sum; ``srow``
     becomes ``p = exp(s - m_new)`` in place and ``orow[0:d_v]`` (the
     unnormalised output) is rescaled by ``exp(m_old - m_new)``, ready for the
-    caller to add ``p v``.  ``avx512``: the exp of the AVX-512 microkernel,
+    caller to add ``p v``.  ``simd``: the exp of the register-blocked microkernel,
     else the vectorised row kernel of :file:`_vmath.pxd`.
     """
     cdef floating mx, m_new, shift, alpha
@@ -25,8 +25,8 @@ cdef inline void online_softmax_row(floating *srow, int w, floating *m, floating
     # All scores -inf so far: shift by 0 so exp gives 0, not NaN.
     shift = m_new if m_new != -INFINITY else 0
     alpha = fexp(m[0] - shift)
-    if avx512:
-        l[0] = l[0] * alpha + exp_sum_avx512(srow, w, shift)
+    if simd:
+        l[0] = l[0] * alpha + exp_sum_simd(srow, w, shift)
     else:
         l[0] = l[0] * alpha + exp_sum(srow, w, shift)
     m[0] = m_new

@@ -2,8 +2,8 @@
 #
 # * exp of the softmax scores (exp_sum): written out as 2**t, a polynomial
 #   for the fraction and the exponent bits for the integer part, so gcc
-#   vectorises it inline with the sum (no call per vector).  The AVX-512
-#   tile (_microkernel.pxd) has its own, with vscalef.
+#   vectorises it inline with the sum (no call per vector).  The register-
+#   blocked tile (_microkernel.pxd) has its own, vscalef with AVX-512.
 # * exp of the elu feature map: the same polynomial (its argument is <= 0).
 # * exp elsewhere (fexp): glibc only declares the SIMD
 #   variants of exp/expf (libmvec) under -ffast-math, which would also assume

@@ -8,8 +8,8 @@ every query of its head over its range only (Milakov & Gimelshein 2018),
 keeping its own running maximum ``m``, sum ``l`` and unnormalised output
 ``acc``, in key blocks of :data:`SPLIT_KEYS_BLOCK_K` keys.  A decode step is
 bound by reading K and V, so with up to :data:`FUSED_MAX_N_Q` queries there
-is no BLAS call.  When ``d_k`` and ``d_v`` are whole AVX-512 vectors (16
-float32, 8 float64) and the CPU has AVX-512, each query's scores are taken
+is no BLAS call.  When ``d_k`` and ``d_v`` are whole vectors (16
+float32, 8 float64) and the CPU has AVX-512 or AVX2, each query's scores are taken
 16 (8) keys at a time, each key's products in one vector and the 16 vectors
 summed across lanes by one transpose-and-add tree, and ``p v`` adds value
 rows into accumulators held in registers (:file:`_microkernel_t.h`).
@@ -41,7 +41,7 @@ from cython.parallel cimport parallel, prange, threadid
 
 from fastattn._cython._blas cimport gemm
 from fastattn._cython._microkernel cimport (
-    avx512_rows, query_scores, query_values,
+    simd_rows, query_scores, query_values,
 )
 from fastattn._cython._online cimport online_softmax_row
 from fastattn._cython._vmath cimport feature_map, fexp
@@ -330,8 +330,8 @@ def _split_key_softmax(
     cdef int t = 0              # the thread, set in each parallel block
     cdef floating *buf = NULL   # per-thread scratch, set in each parallel block
     cdef floating s = <floating> scale
-    # AVX-512 one-query loops when the rows are whole vectors.
-    cdef bint micro = avx512_rows(d_k, buf) and avx512_rows(d_v, buf)
+    # The register-blocked one-query loops when the rows are whole vectors.
+    cdef bint micro = simd_rows(d_k, buf) and simd_rows(d_v, buf)
 
     with nogil, parallel(num_threads=min(n_threads, n_items)):
         t = threadid()

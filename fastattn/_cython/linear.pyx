@@ -23,8 +23,8 @@ the chunks are cut into runs (:data:`RUNS_PER_THREAD` a thread), every
 chunk's keys are folded into a state of their own and summed over its run, a
 prefix sum over the runs gives each run its starting state, and the runs go
 in parallel, a run's chunks in order (see :func:`_causal`).  Each chunk
-prefetches the rows the next one reads.  With AVX-512 and ``d_v`` a multiple
-of the lanes every product is a register-blocked kernel of ``_linear_t.h``
+prefetches the rows the next one reads.  With AVX-512 or AVX2 and ``d_v`` a
+multiple of the lanes every product is a register-blocked kernel of ``_linear_t.h``
 (no packing, the row scales applied at its store); otherwise BLAS,
 single-threaded inside (the caller limits it, see :mod:`fastattn._cython`).
 """
@@ -41,7 +41,7 @@ from libc.string cimport memcpy, memset
 
 from fastattn._cython._blas cimport gemm
 from fastattn._cython._microkernel cimport (
-    FASTATTN_MICROKERNEL, avx512_rows, pack_keys, query_scores, scores,
+    FASTATTN_MICROKERNEL, simd_rows, pack_keys, query_scores, scores,
 )
 from fastattn._cython._vmath cimport all_finite, exp_sum, row_max
 from fastattn._cython._vmath cimport feature_map as _feature_map
@@ -126,7 +126,7 @@ cdef extern from *:
                                              T *z, int accumulate) {}
     FASTATTN_LINEAR_STUBS(float, f)
     FASTATTN_LINEAR_STUBS(double, d)
-    #define FASTATTN_LINEAR_SUM_VECTORS 0   /* no fused sums without the AVX-512 loops */
+    #define FASTATTN_LINEAR_SUM_VECTORS 0   /* no fused sums without the register-blocked loops */
     #endif
     """
     void fastattn_linear_product_f(const float *p, long prs, long pjs, const float *v, int ldv,
@@ -192,7 +192,7 @@ cdef enum:
     ELU = 0
     RELU = 1
     IDENTITY = 2
-    ELU_AVX512 = 3     # elu by fastattn_linear_elu (internal: the kernels pick it)
+    ELU_SIMD = 3     # elu by fastattn_linear_elu (internal: the kernels pick it)
     _FEATURE_BLOCK = 128
     _PREFIX_ROWS = 8   # rows of the state a work item of the causal prefix sum
     _QUERY_RUN = 4     # consecutive query chunks a thread takes (non-causal)
@@ -208,10 +208,10 @@ FEATURE_MAP_CODES = {"elu": ELU, "relu": RELU, "identity": IDENTITY}
 cdef inline const floating *_features(const floating *x, Py_ssize_t n, floating *buf,
                                       int code, const floating *ahead=NULL) noexcept nogil:
     """``φ(x[0:n])``: ``x`` itself for the identity map, else written into ``buf``;
-    ``ahead`` (the next ``n`` elements to map, or NULL) prefetched by the AVX-512 elu."""
+    ``ahead`` (the next ``n`` elements to map, or NULL) prefetched by the register-blocked elu."""
     if code == IDENTITY:
         return x
-    if code == ELU_AVX512:
+    if code == ELU_SIMD:
         if floating is float:
             fastattn_linear_elu_f(x, n, buf, ahead)
         else:
@@ -223,10 +223,10 @@ cdef inline const floating *_features(const floating *x, Py_ssize_t n, floating 
 
 cdef inline bint _sums_with_features(int code, int d_k, const floating *tag) noexcept nogil:
     """Whether the keys' column sums ``z`` come with their features in one pass
-    (:func:`_key_features`): the AVX-512 elu on rows of whole vectors, at most
+    (:func:`_key_features`): the register-blocked elu on rows of whole vectors, at most
     ``FASTATTN_LINEAR_SUM_VECTORS`` (16) of them."""
     cdef int lanes = 16 if floating is float else 8
-    return (code == ELU_AVX512 and avx512_rows(d_k, tag)
+    return (code == ELU_SIMD and simd_rows(d_k, tag)
             and d_k <= FASTATTN_LINEAR_SUM_VECTORS * lanes)
 
 
@@ -246,7 +246,7 @@ cdef inline void _product(const floating *p, long prs, long pjs, const floating 
                           int rows, int width, const int *seen, int d_v, floating *o, int ldo,
                           bint accumulate, const floating *scale, const void *ahead=NULL,
                           Py_ssize_t ahead_bytes=0) noexcept nogil:
-    """``o[r] (+)= Σ_{j < width} p[r prs + j pjs] v[j]``, times ``scale[r]`` (AVX-512).
+    """``o[r] (+)= Σ_{j < width} p[r prs + j pjs] v[j]``, times ``scale[r]`` (AVX-512 or AVX2).
 
     See ``fastattn_linear_product`` in ``_linear_t.h`` (``seen``: the keys
     each block of rows reads, for the masked diagonal; ``ahead_bytes`` from
@@ -263,7 +263,7 @@ cdef inline void _product(const floating *p, long prs, long pjs, const floating 
 cdef inline void _mask_diagonal(floating *a, int lda, int rows, const int *seen,
                                 floating *den) noexcept nogil:
     """``den[r] += Σ_{j < seen[r]} a[r, j]`` and the rest of what :func:`_product`
-    reads of the row zeroed (AVX-512, ``fastattn_linear_mask`` in ``_linear_t.h``)."""
+    reads of the row zeroed (AVX-512 or AVX2, ``fastattn_linear_mask`` in ``_linear_t.h``)."""
     if floating is float:
         fastattn_linear_mask_f(a, lda, rows, seen, den)
     else:
@@ -360,7 +360,7 @@ cdef const floating *_query_chunk(const floating *q, int i0, int i1, int d_k, in
     cdef const floating *phi = _features(q + <Py_ssize_t> i0 * d_k, <Py_ssize_t> rows * d_k,
                                          buf, code,
                                          q + <Py_ssize_t> i1 * d_k if ahead_rows else NULL)
-    if micro and avx512_rows(d_k, phi):
+    if micro and simd_rows(d_k, phi):
         # A lane-sum tree a vector of rows, not a reduction across lanes a row.
         query_scores(z, phi, rows, d_k, 1, den, 0)
     else:
@@ -415,9 +415,9 @@ def _noncausal(
     cdef int b, s, item, i0, i1, a, c
     cdef floating *buf = NULL   # per-thread workspace, set in the parallel block
     cdef floating total
-    cdef bint micro = avx512_rows(d_v, buf)   # the AVX-512 products, else BLAS
+    cdef bint micro = simd_rows(d_v, buf)   # the register-blocked products, else BLAS
     if micro and code == ELU:
-        code = ELU_AVX512
+        code = ELU_SIMD
 
     # No more threads than work items: an idle thread only spins at the barriers.
     with nogil, parallel(num_threads=max(1, min(n_threads, n_batch * max(n_seg, n_chunks)))):
@@ -475,7 +475,7 @@ cdef void _causal_segment(const floating *q, const floating *k, const floating *
     ``(S, z)`` holds the keys ``[0, folded)`` on entry; keys are folded in as
     the chunks advance (to ``n_k`` at the end when ``last``); not ``fold``: a
     single chunk whose state is formed already, ``(S, z)`` only read.  ``buf``:
-    :func:`_segment_buffer` elements of scratch.  ``micro``: the AVX-512 products,
+    :func:`_segment_buffer` elements of scratch.  ``micro``: the register-blocked products,
     and when the chunk's values are all finite the diagonal is a product over each
     block of rows' visible keys; else BLAS.  Each chunk prefetches the next
     one's rows (queries, keys, values, output), the last one when ``ahead_last``.
@@ -631,9 +631,9 @@ def _causal(
     cdef floating *buf = NULL   # per-thread workspace, set in the parallel block
     cdef floating *own = NULL   # the thread's own state in step 3
     cdef floating e = <floating> eps
-    cdef bint micro = avx512_rows(d_v, buf)   # the AVX-512 products, else BLAS
+    cdef bint micro = simd_rows(d_v, buf)   # the register-blocked products, else BLAS
     if micro and code == ELU:
-        code = ELU_AVX512
+        code = ELU_SIMD
 
     with nogil, parallel(num_threads=max(1, min(n_threads, n_items))):
         buf = &workspace[0] + threadid() * per_thread
@@ -692,12 +692,12 @@ def _causal(
 
 def _takes_products(int d_v, dtype):
     """Whether a call with values ``d_v`` wide in ``dtype`` (float32 or float64)
-    takes the AVX-512 products (else BLAS)."""
+    takes the register-blocked products (else BLAS)."""
     cdef float f32 = 0
     cdef double f64 = 0
     if np.dtype(dtype) == np.float32:
-        return bool(avx512_rows(d_v, &f32))
-    return bool(avx512_rows(d_v, &f64))
+        return bool(simd_rows(d_v, &f32))
+    return bool(simd_rows(d_v, &f64))
 
 
 def linear_attention_forward(q, k, v, feature_map, bint causal, double eps, S0=None, z0=None,

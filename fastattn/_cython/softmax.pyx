@@ -12,17 +12,18 @@ block the diagonal crosses ("partial" block) has its masked scores replaced by
 by row over the visible keys only, so a NaN or inf behind the mask never
 reaches a row (a GEMM would form ``0 · NaN``).
 
-The two products of a tile are the AVX-512 register-blocked kernels of
-:file:`_microkernel.pxd` when the CPU has AVX-512F and ``d_k``, ``d_v`` are
-multiples of 16 (float32) or 8 (float64): each head's keys are packed once
-into panels, q, p and v are read as they lie, and the scores' exp is
-``vscalef`` of a polynomial.  Otherwise they are BLAS GEMMs.  The packed keys
+The two products of a tile are the register-blocked kernels of
+:file:`_microkernel.pxd` when the CPU has AVX-512F, or AVX2 with FMA, and
+``d_k``, ``d_v`` are multiples of 16 (float32) or 8 (float64): each head's
+keys are packed once into panels, q, p and v are read as they lie, and the
+scores' exp is a polynomial scaled by its exponent.  Otherwise they are BLAS
+GEMMs.  The packed keys
 (and a copy of v on a 64-byte boundary, when v is not on one) add
 ``O(B n_k (d_k + d_v))`` memory, the size of the inputs.
 
 Work items are (batch, query block) pairs shared out by OpenMP with dynamic
 scheduling, the longest causal blocks first; with :data:`HEAD_ITEMS` heads a
-thread or more (and the AVX-512 products), a work item is a whole head whose
+thread or more (and the register-blocked products), a work item is a whole head whose
 keys the thread packs into a buffer of its own just before its query blocks
 use them.  BLAS runs single-threaded inside (the caller limits it, see
 :mod:`fastattn._cython`).
@@ -38,7 +39,7 @@ from libc.string cimport memcpy
 
 from fastattn._cython._blas cimport gemm
 from fastattn._cython._microkernel cimport (
-    FASTATTN_MICROKERNEL, avx512_rows, fastattn_microkernel_ok, output, pack_keys, scores,
+    FASTATTN_MICROKERNEL, simd_rows, fastattn_microkernel_isa, output, pack_keys, scores,
 )
 from fastattn._cython._vmath cimport (
     FASTATTN_CLONES, FASTATTN_VECTOR_EXP, all_finite,
@@ -61,7 +62,7 @@ BLOCK_K = 512
 HEAD_ITEMS = 8
 #: Rows per tile where the causal diagonal crosses a key block.
 cdef int DIAGONAL_ROWS = 32
-#: Keys per work item when packing k for the AVX-512 products (a multiple of 16).
+#: Keys per work item when packing k for the register-blocked products (a multiple of 16).
 cdef int PACK_KEYS = 1024
 
 cdef double NEG_INF = -float("inf")
@@ -90,7 +91,7 @@ cdef void _tile(
 
     ``full``: every row sees every key of the tile; otherwise each row sees a
     prefix of it (the causal diagonal) and the rest is never formed.
-    ``kp``: the key block from ``j0`` packed by ``pack_keys`` (the AVX-512
+    ``kp``: the key block from ``j0`` packed by ``pack_keys`` (the register-blocked
     products), else NULL (BLAS).  ``v_finite``:
     every value of the head is finite, so masked rows of v need no check.
     """
@@ -155,7 +156,7 @@ cdef void _query_block(
     A key block wholly visible to the query block is one tile; a block the
     causal diagonal crosses is cut into tiles of :data:`DIAGONAL_ROWS` rows,
     each only as wide as its last row sees, so little masked work is done.
-    ``kp``: this head's keys packed for the AVX-512 products
+    ``kp``: this head's keys packed for the register-blocked products
     (``pack_keys``), or NULL.  ``v_finite``: the head's values
     are all finite.
     """
@@ -222,11 +223,11 @@ def _online_softmax(
     cdef int item, b, blk, i0, i1, j0
     cdef floating *buf = NULL   # per-thread workspace, set in each parallel block
     cdef floating s = <floating> scale
-    # With AVX-512 and d_k, d_v multiples of the lanes (16 in float32, 8 in
+    # With AVX-512 or AVX2 and d_k, d_v multiples of the lanes (16 in float32, 8 in
     # float64): the tile's own products (see _microkernel.pxd); otherwise
     # BLAS.  Key blocks must start on a panel.
     cdef int lanes = 16 if floating is float else 8
-    cdef bint micro = (avx512_rows(d_k, buf) and avx512_rows(d_v, buf)
+    cdef bint micro = (simd_rows(d_k, buf) and simd_rows(d_v, buf)
                        and (block_k % lanes == 0 or block_k >= n_k) and n_k > 0)
     # Every head's keys packed once (panels of lanes keys), shared by its query blocks.
     cdef Py_ssize_t head_kp = <Py_ssize_t> ((n_k + lanes - 1) // lanes) * lanes * d_k
@@ -368,7 +369,10 @@ def online_softmax_forward(q, k, v, bint causal, double scale, int n_threads=1):
 
 def _build_features():
     """How the row kernels were compiled (vector exp through libmvec, x86-64-v3/v4
-    clones) and whether float32 tiles take the AVX-512 products on this CPU."""
+    clones), whether the tiles' register-blocked products were built, and the
+    instruction set they take on this CPU (``"avx512"``, ``"avx2"``, or ``None``:
+    BLAS; ``FASTATTN_SIMD=avx2`` or ``off`` caps it)."""
+    isa = fastattn_microkernel_isa() if FASTATTN_MICROKERNEL else 0
     return {"vector_exp": bool(FASTATTN_VECTOR_EXP), "avx2_clones": bool(FASTATTN_CLONES),
-            "avx512_tile_products_built": bool(FASTATTN_MICROKERNEL),
-            "avx512_tile_products": bool(FASTATTN_MICROKERNEL and fastattn_microkernel_ok())}
+            "tile_products_built": bool(FASTATTN_MICROKERNEL),
+            "tile_products": {512: "avx512", 256: "avx2"}.get(isa)}
