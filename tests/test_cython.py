@@ -9,6 +9,8 @@ shows up.
 
 import importlib.machinery
 import os
+import subprocess
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -50,8 +52,8 @@ CASES = [
 ]
 
 
-#: Cases that take the AVX-512 tile products where the CPU has them (d_k and
-#: d_v multiples of 16 in float32, of 8 in float64): sizes around their 6-row
+#: Cases that take the register-blocked tile products where the CPU has them
+#: (d_k and d_v multiples of 16 in float32, of 8 in float64): sizes around their 6-row
 #: groups, panels of 16 (8) keys, groups of 4 panels, 4-vector chunks of v and
 #: the 1024-key packing chunks.
 PRODUCT_CASES = [
@@ -128,6 +130,28 @@ def test_tiles_take_the_best_products_the_cpu_has():
     if not features["tile_products_built"]:
         pytest.skip("built without the register-blocked products (not gcc on x86-64 Linux)")
     assert features["tile_products"] == _expected_tile_products()
+
+
+@pytest.mark.parametrize("cap", ["avx2", "off"])
+def test_every_instruction_set_passes_the_kernel_tests(cap):
+    """This file and the decode tests, rerun in a child held to the AVX2 loops
+    (on an AVX-512 CPU) or to BLAS (``FASTATTN_SIMD``), so every path a CPU can
+    take is tested on the one that runs the suite."""
+    if os.environ.get("FASTATTN_SIMD"):
+        pytest.skip("this is the child run")
+    default = _expected_tile_products()
+    if cap == "avx2" and default != "avx512":
+        pytest.skip("the AVX2 loops are this CPU's own (or it has none): the suite ran them")
+    if cap == "off" and default is None:
+        pytest.skip("BLAS is this CPU's own path: the suite ran it")
+    here = os.path.dirname(os.path.abspath(__file__))
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+         os.path.join(here, "test_cython.py"), os.path.join(here, "test_decode.py")],
+        env=dict(os.environ, FASTATTN_SIMD=cap), cwd=here, capture_output=True, text=True,
+        timeout=900)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    assert " passed" in run.stdout
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -313,7 +337,7 @@ def test_minilm_full_activations_reproduce_the_model_context():
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f64"])
 @pytest.mark.parametrize("what", ["k-nan", "v-nan", "v-inf", "k-inf"])
 @pytest.mark.parametrize("position", [5, BQ + 3, BK + BQ // 2])
-# d=5: BLAS in both dtypes; 8: the AVX-512 tile products in float64; 16: in both
+# d=5: BLAS in both dtypes; 8: the register-blocked tile products in float64; 16: in both
 @pytest.mark.parametrize("d", [5, 8, 16])
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the reference's NaN
 def test_causal_nonfinite_reaches_only_the_rows_that_see_it(dtype, what, position, d):
@@ -465,7 +489,7 @@ LINEAR_PRODUCT_CASES = [
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f64"])
 @pytest.mark.parametrize("case", LINEAR_PRODUCT_CASES, ids=case_id)
 def test_linear_products_match_reference(case, dtype, causal, threads):
-    # With the AVX-512 products (d_v a multiple of the lanes) or BLAS, with an
+    # With the register-blocked products (d_v a multiple of the lanes) or BLAS, with an
     # initial state; causal with fewer heads than the 1-3 threads: a state a
     # chunk, folded in parallel and prefix-summed.
     q, k, v = _inputs(case, dtype, seed=41)
@@ -490,7 +514,7 @@ def test_causal_linear_products_keep_a_masked_inf_out(dtype, where, threads):
     # An inf value or key at row 2 CH + 3 (inside its chunk's diagonal, and
     # inside the block of 6 rows the diagonal product reads for rows
     # 2 CH..2 CH + 5): every earlier row stays finite and right, the later rows
-    # of the head see it.  d_v = 64: the AVX-512 products where the CPU has them;
+    # of the head see it.  d_v = 64: the register-blocked products where the CPU has them;
     # 3 threads for 2 heads: a state a chunk.
     q, k, v = make_qkv((2, 4 * CH, 64), d_v=64, dtype=dtype, seed=43)
     bad = 2 * CH + 3

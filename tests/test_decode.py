@@ -98,7 +98,7 @@ def test_split_key_softmax_masked_non_finite_keys(backend, dtype, n_q, n_k):
                          ids=["dk16-dv16", "dk64-dv48", "dk64-dv80", "dk128-dv128", "dk24-dv64"])
 @pytest.mark.parametrize("n_q", [1, 2], ids=lambda n: f"nq{n}")
 def test_cython_one_query_loops_match_reference(n_q, d_k, d_v):
-    """Cython's one- and two-query loops (AVX-512 where d_k and d_v are whole vectors).
+    """Cython's one- and two-query loops (AVX-512 or AVX2 where d_k and d_v are whole vectors).
 
     Every key count from 1 to 33 leaves each remainder of a 16- (float32) or
     8-key (float64) group of scores; d_v of 3, 5 and 8 vectors of 16 columns

@@ -55,10 +55,21 @@ def blas_info():
             for info in threadpool_info() if info.get("user_api") == "blas"]
 
 
+def _cython_products():
+    """The instruction set the Cython kernels' register-blocked products take here:
+    ``"avx512"``, ``"avx2"``, or None (their BLAS path, or no Cython build)."""
+    try:
+        from fastattn._cython.softmax import _build_features
+    except ImportError:
+        return None
+    return _build_features()["tile_products"]
+
+
 def collect(threads=None):
     """This machine and software, as an environment record: CPU, cores, memory, the run's
     ``threads`` and the counts in force, ``*_NUM_THREADS``, BLAS, Python, library
-    ``versions`` (None when absent), backends, peers and the git commit."""
+    ``versions`` (None when absent), backends, the Cython products' instruction set,
+    peers and the git commit."""
 
     import numpy as np
     import psutil
@@ -93,6 +104,7 @@ def collect(threads=None):
                         for name in ("scipy", "numba", "Cython", "threadpoolctl", "torch",
                                      "onnxruntime", "onnx", "jax", "jaxlib")}},
         "backends": list(fastattn.available_backends()),
+        "cython_products": _cython_products(),
         "unavailable_backends": fastattn.unavailable_backends(),
         "peers": list(available_peers()),
         "absent_peers": absent_peers(),

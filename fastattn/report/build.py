@@ -47,6 +47,7 @@ _ENV_FIELDS = (
     ("threadpoolctl", "versions.threadpoolctl"), ("PyTorch", "versions.torch"),
     ("fastattn", "versions.fastattn"), ("fastattn commit", "git_commit"),
     ("asv commit", "commit"), ("Backends available", "backends"),
+    ("Cython products' instruction set", "cython_products"),
     ("Peers available", "peers"),
 )
 
