@@ -8,8 +8,8 @@ every query of its head over its range only (Milakov & Gimelshein 2018),
 keeping its own running maximum ``m``, sum ``l`` and unnormalised output
 ``acc``, in key blocks of :data:`SPLIT_KEYS_BLOCK_K` keys.  A decode step is
 bound by reading K and V, so with up to :data:`FUSED_MAX_N_Q` queries there
-is no BLAS call.  When ``d_k`` and ``d_v`` are whole vectors (16
-float32, 8 float64) and the CPU has AVX-512 or AVX2, each query's scores are taken
+is no BLAS call.  When ``d_k`` and ``d_v`` are whole AVX-512 vectors (16
+float32, 8 float64) and the CPU has AVX-512, each query's scores are taken
 16 (8) keys at a time, each key's products in one vector and the 16 vectors
 summed across lanes by one transpose-and-add tree, and ``p v`` adds value
 rows into accumulators held in registers (:file:`_microkernel_t.h`).
@@ -41,7 +41,7 @@ from cython.parallel cimport parallel, prange, threadid
 
 from fastattn._cython._blas cimport gemm
 from fastattn._cython._microkernel cimport (
-    simd_rows, query_scores, query_values,
+    fastattn_microkernel_isa, simd_rows, query_scores, query_values,
 )
 from fastattn._cython._online cimport online_softmax_row
 from fastattn._cython._vmath cimport feature_map, fexp
@@ -330,8 +330,13 @@ def _split_key_softmax(
     cdef int t = 0              # the thread, set in each parallel block
     cdef floating *buf = NULL   # per-thread scratch, set in each parallel block
     cdef floating s = <floating> scale
-    # The register-blocked one-query loops when the rows are whole vectors.
-    cdef bint micro = simd_rows(d_k, buf) and simd_rows(d_v, buf)
+    # The register-blocked one-query loops when the rows are whole vectors, with
+    # AVX-512 only: their AVX2 form (pairs of ymm, a lane-sum tree of 16 pairs)
+    # took about 1.2x the time of the C loops below against a copy of the same
+    # build held to those (EPYC Zen 3, 2 threads, one process, turns alternated:
+    # H = 8, n_k = 8192 and 32768; two copies of one build differed by 0.9-1.0).
+    cdef bint micro = (simd_rows(d_k, buf) and simd_rows(d_v, buf)
+                       and fastattn_microkernel_isa() == 512)
 
     with nogil, parallel(num_threads=min(n_threads, n_items)):
         t = threadid()
