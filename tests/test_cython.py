@@ -132,6 +132,42 @@ def test_tiles_take_the_best_products_the_cpu_has():
     assert features["tile_products"] == _expected_tile_products()
 
 
+_PRODUCTS_IN_A_CHILD = (
+    "import warnings, json\n"
+    "with warnings.catch_warnings(record=True) as caught:\n"
+    "    warnings.simplefilter('always')\n"
+    "    import fastattn._cython as cy\n"
+    "print(json.dumps({'isa': [m._products_isa() for m in (cy.softmax, cy.linear, cy.decode)],\n"
+    "                  'warnings': [str(w.message) for w in caught]}))\n"
+)
+
+
+@pytest.mark.parametrize("value, held", [
+    ("off", None), ("OFF", None), (" Off ", None), ("avx2", "avx2"), ("AVX2", "avx2"),
+    ("banana", "default"), ("", "default"),
+])
+def test_simd_cap_is_read_alike_by_every_extension(value, held):
+    """FASTATTN_SIMD in any case and with blanks; an unknown value is ignored with a
+    warning that names it; every extension holds the same set."""
+    import json
+
+    default = _expected_tile_products() if "FASTATTN_SIMD" not in os.environ else None
+    if "FASTATTN_SIMD" in os.environ:
+        pytest.skip("this is a child run with FASTATTN_SIMD set")
+    if held == "avx2" and default != "avx512":
+        held = default            # the cap only lowers: without AVX-512 it changes nothing
+    if held == "default":
+        held = default
+    run = subprocess.run([sys.executable, "-c", _PRODUCTS_IN_A_CHILD],
+                         env=dict(os.environ, FASTATTN_SIMD=value), capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert got["isa"] == [held] * 3
+    unknown = value.strip() != "" and value.strip().lower() not in ("off", "avx2")
+    assert any("banana" in w and "FASTATTN_SIMD" in w for w in got["warnings"]) == unknown
+
+
 @pytest.mark.parametrize("cap", ["avx2", "off"])
 def test_every_instruction_set_passes_the_kernel_tests(cap):
     """This file and the decode tests, rerun in a child held to the AVX2 loops

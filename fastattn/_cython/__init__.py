@@ -67,6 +67,27 @@ except ImportError as exc:
         f"with `pip install .`, which compiles them): {exc}"
     ) from exc
 from ._openmp import get_num_threads, openmp_enabled, set_num_threads
+
+#: Values of ``FASTATTN_SIMD`` (any case, blanks around ignored): ``avx2`` holds an
+#: AVX-512 CPU to the AVX2 products, ``off`` every CPU to BLAS.
+SIMD_CAPS = ("avx2", "off")
+
+
+def _read_simd_cap():
+    """Make every extension read ``FASTATTN_SIMD`` now, so that all of them hold the
+    value this process imported them with; warn about a value that is neither
+    of :data:`SIMD_CAPS` (it is ignored)."""
+    import warnings
+
+    cap = os.environ.get("FASTATTN_SIMD")
+    if cap is not None and cap.strip() and cap.strip().lower() not in SIMD_CAPS:
+        warnings.warn(f"FASTATTN_SIMD={cap!r} is ignored: expected one of {list(SIMD_CAPS)} "
+                      "(or unset)", RuntimeWarning, stacklevel=3)
+    for module in (softmax, linear, decode):
+        module._products_isa()
+
+
+_read_simd_cap()
 from . import linear as _linear
 from .linear import CHUNK, linear_attention_forward
 from .softmax import BLOCK_K, BLOCK_Q, _build_features, online_softmax_forward

@@ -1,7 +1,7 @@
 /* A vector of 16 float or 8 double as a pair of AVX2 registers (lo: lanes
  * 0..7 or 0..3, hi: the rest), with the operations _microkernel_ops.h maps
- * FA_V... to on CPUs with AVX2 and FMA but no AVX-512 (AMD Zen, Intel
- * client cores).  Keeping the AVX-512 vector's width keeps its panels of
+ * FA_V... to on CPUs with AVX2 and FMA but no AVX-512F (AMD Zen 1 to 3,
+ * most Intel client cores).  Keeping the AVX-512 vector's width keeps its panels of
  * keys, its scratch and its lane rule.  Masks are pairs too: a lane of all
  * ones is in, of zeros out.  Included by _microkernel.pxd, which defines
  * FA_INLINE.

@@ -32,8 +32,10 @@ from cython cimport floating
 # in the input's precision like BLAS, in both instruction sets.
 #
 # FASTATTN_SIMD=avx2 in the environment holds an AVX-512 CPU to the AVX2
-# loops, FASTATTN_SIMD=off to BLAS (read once a process, by each extension),
-# so both sets of loops can be tested and measured on one machine.
+# loops, FASTATTN_SIMD=off to BLAS (any case), so both sets of loops can be
+# tested and measured on one machine.  Each extension reads it once, and
+# fastattn._cython makes every extension read it as it imports them (see
+# products_isa), so one process holds one value.
 cdef extern from *:
     """
     #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__) \
@@ -41,24 +43,36 @@ cdef extern from *:
     #include <immintrin.h>
     #include <stdlib.h>
     #include <string.h>
+    #include <strings.h>
     #define FASTATTN_MICROKERNEL 1
     #define FA_AVX512 __attribute__((target("avx512f")))
     #define FA_INLINE static inline __attribute__((always_inline))
     #define FA_PREFETCH(address) __builtin_prefetch(address)
 
+    /* Whether the environment variable `name` is `word`, ignoring case and
+       surrounding blanks */
+    static int fastattn_env_is(const char *name, const char *word) {
+        const char *value = getenv(name);
+        size_t n = strlen(word);
+        if (value == NULL) return 0;
+        while (*value == ' ' || *value == '\\t') value++;
+        if (strncasecmp(value, word, n) != 0) return 0;
+        for (value += n; *value == ' ' || *value == '\\t'; value++) {}
+        return *value == '\\0';
+    }
     /* 512 (AVX-512F), 256 (AVX2 and FMA) or 0 (neither: BLAS), capped by
-       FASTATTN_SIMD (avx2, off) */
+       FASTATTN_SIMD (avx2, off); fastattn._cython reads it in every extension
+       as it imports them, so all of them hold the same */
     static int fastattn_microkernel_isa(void) {
         static int cached = -1;    /* a benign race: every thread finds the same */
         if (cached < 0) {
-            const char *cap = getenv("FASTATTN_SIMD");
             int isa;
             __builtin_cpu_init();
             if (__builtin_cpu_supports("avx512f")) isa = 512;
             else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) isa = 256;
             else isa = 0;
-            if (cap != NULL && strcmp(cap, "avx2") == 0 && isa > 256) isa = 256;
-            if (cap != NULL && strcmp(cap, "off") == 0) isa = 0;
+            if (fastattn_env_is("FASTATTN_SIMD", "avx2") && isa > 256) isa = 256;
+            if (fastattn_env_is("FASTATTN_SIMD", "off")) isa = 0;
             cached = isa;
         }
         return cached;
@@ -258,7 +272,8 @@ cdef inline floating exp_sum_simd(floating *s, int n, floating shift) noexcept n
 cdef inline void query_scores(const floating *q, const floating *k, int width, int d_k,
                               floating scale, floating *s, int ahead) noexcept nogil:
     """One query: ``s[j] = scale q . k[j]`` for ``j < width`` (AVX-512 or AVX2, ``d_k`` a multiple of
-    the lanes); prefetches the key row ``ahead`` rows on (0: none)."""
+    the lanes); prefetches the key row ``ahead`` rows on (0: none).  Decode steps
+    (decode.pyx) take it with AVX-512 only."""
     if floating is float:
         fastattn_query_scores_f(q, k, width, d_k, scale, s, ahead)
     else:
@@ -268,8 +283,16 @@ cdef inline void query_scores(const floating *q, const floating *k, int width, i
 cdef inline void query_values(const floating *p, const floating *v, int width, int d_v,
                               floating *acc, int ahead) noexcept nogil:
     """One query: ``acc += sum_{j < width} p[j] v[j]`` (AVX-512 or AVX2, ``d_v`` a multiple of the
-    lanes); prefetches the value row ``ahead`` rows on (0: none)."""
+    lanes); prefetches the value row ``ahead`` rows on (0: none).  Decode steps
+    take it with AVX-512 only."""
     if floating is float:
         fastattn_query_values_f(p, v, width, d_v, acc, ahead)
     else:
         fastattn_query_values_d(p, v, width, d_v, acc, ahead)
+
+
+cdef inline object products_isa():
+    """The instruction set this extension's register-blocked products take:
+    ``"avx512"``, ``"avx2"``, or None (BLAS: not built with them, no such CPU,
+    or ``FASTATTN_SIMD=off``).  The first call reads ``FASTATTN_SIMD``."""
+    return {512: "avx512", 256: "avx2"}.get(fastattn_microkernel_isa()) if FASTATTN_MICROKERNEL else None

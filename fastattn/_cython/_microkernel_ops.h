@@ -10,8 +10,8 @@
  * The panel of keys and the vector FA_VT are FA_L = 16 float or 8 double wide
  * in both instruction sets, so the packed keys, the scratch sizes and the
  * lane rule (d a multiple of FA_L) are one for both: one zmm, or a pair of
- * ymm (the struct fa_pair_f / fa_pair_d of _microkernel.pxd, whose
- * operations gcc keeps in registers once the blocks are unrolled).  What
+ * ymm (the structs fa_pair_t_f / fa_pair_t_d of _avx2_pair.h, which gcc
+ * keeps in registers once the blocks are unrolled).  What
  * differs is how many of them a block holds: AVX-512 has 32 registers, AVX2
  * 16, so a block of 6 rows holds FA_BLOCK_V = 4 vectors of a row there and
  * 1 (two ymm) here.  A mask FA_MT is a bit a lane (AVX-512) or a pair of

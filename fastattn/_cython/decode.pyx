@@ -41,6 +41,7 @@ from cython.parallel cimport parallel, prange, threadid
 
 from fastattn._cython._blas cimport gemm
 from fastattn._cython._microkernel cimport (
+    products_isa,
     fastattn_microkernel_isa, simd_rows, query_scores, query_values,
 )
 from fastattn._cython._online cimport online_softmax_row
@@ -496,3 +497,9 @@ def linear_forward(q, k, v, feature_map, causal, eps, S0=None, z0=None):
 def cache_softmax_forward(q, k, v, causal, scale, n_k):
     """Softmax attention over the first ``n_k`` keys of ``k (B, capacity, d_k)`` (a KV cache), no copy."""
     return split_key_softmax_forward(q, k, v, causal, scale, None, None, n_k)
+
+
+def _products_isa():
+    """The instruction set of this extension's register-blocked products (see
+    ``products_isa`` in _microkernel.pxd)."""
+    return products_isa()

@@ -41,6 +41,7 @@ from libc.string cimport memcpy, memset
 
 from fastattn._cython._blas cimport gemm
 from fastattn._cython._microkernel cimport (
+    products_isa,
     FASTATTN_MICROKERNEL, simd_rows, pack_keys, query_scores, scores,
 )
 from fastattn._cython._vmath cimport all_finite, exp_sum, row_max
@@ -916,3 +917,9 @@ def taylor_features(x, int n_threads=1):
     out = np.empty((B, n, 1 + d_k + d_k * (d_k + 1) // 2), x.dtype)
     _taylor(x, out, n_threads)
     return out
+
+
+def _products_isa():
+    """The instruction set of this extension's register-blocked products (see
+    ``products_isa`` in _microkernel.pxd)."""
+    return products_isa()

@@ -39,7 +39,8 @@ from libc.string cimport memcpy
 
 from fastattn._cython._blas cimport gemm
 from fastattn._cython._microkernel cimport (
-    FASTATTN_MICROKERNEL, simd_rows, fastattn_microkernel_isa, output, pack_keys, scores,
+    products_isa,
+    FASTATTN_MICROKERNEL, simd_rows, output, pack_keys, scores,
 )
 from fastattn._cython._vmath cimport (
     FASTATTN_CLONES, FASTATTN_VECTOR_EXP, all_finite,
@@ -372,7 +373,12 @@ def _build_features():
     clones), whether the tiles' register-blocked products were built, and the
     instruction set they take on this CPU (``"avx512"``, ``"avx2"``, or ``None``:
     BLAS; ``FASTATTN_SIMD=avx2`` or ``off`` caps it)."""
-    isa = fastattn_microkernel_isa() if FASTATTN_MICROKERNEL else 0
     return {"vector_exp": bool(FASTATTN_VECTOR_EXP), "avx2_clones": bool(FASTATTN_CLONES),
             "tile_products_built": bool(FASTATTN_MICROKERNEL),
-            "tile_products": {512: "avx512", 256: "avx2"}.get(isa)}
+            "tile_products": products_isa()}
+
+
+def _products_isa():
+    """The instruction set of this extension's register-blocked products (see
+    ``products_isa`` in _microkernel.pxd)."""
+    return products_isa()
