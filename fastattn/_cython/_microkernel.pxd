@@ -40,6 +40,7 @@ cdef extern from *:
     """
     #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__) \
         && !defined(FASTATTN_NO_MICROKERNEL)
+    #include <ctype.h>
     #include <immintrin.h>
     #include <stdlib.h>
     #include <string.h>
@@ -50,14 +51,14 @@ cdef extern from *:
     #define FA_PREFETCH(address) __builtin_prefetch(address)
 
     /* Whether the environment variable `name` is `word`, ignoring case and
-       surrounding blanks */
+       surrounding white space (as fastattn._cython's check, str.strip().lower()) */
     static int fastattn_env_is(const char *name, const char *word) {
         const char *value = getenv(name);
         size_t n = strlen(word);
         if (value == NULL) return 0;
-        while (*value == ' ' || *value == '\\t') value++;
+        while (isspace((unsigned char) *value)) value++;
         if (strncasecmp(value, word, n) != 0) return 0;
-        for (value += n; *value == ' ' || *value == '\\t'; value++) {}
+        for (value += n; isspace((unsigned char) *value); value++) {}
         return *value == '\\0';
     }
     /* 512 (AVX-512F), 256 (AVX2 and FMA) or 0 (neither: BLAS), capped by
