@@ -181,7 +181,8 @@ def test_a_call_too_small_to_split_leaves_blas_and_the_pools_alone(fast_backend,
 def test_a_parallel_call_holds_blas_at_one_thread_without_a_limit_object(fast_backend, monkeypatch):
     from fastattn import _threads
 
-    q, k, v = make_qkv((4, 300, 16), dtype=np.float32, seed=74)
+    # d = 12 is no whole number of vectors: Cython's tiles take BLAS products too.
+    q, k, v = make_qkv((4, 300, 12), dtype=np.float32, seed=74)
     fastattn.softmax_attention(q, k, v, backend=fast_backend)
     with fastattn.num_threads(2):
         if fastattn.get_num_threads()[fast_backend] < 2:
@@ -191,3 +192,32 @@ def test_a_parallel_call_holds_blas_at_one_thread_without_a_limit_object(fast_ba
         # Held at 1 during the call, back to 2 after (no threadpoolctl limit object).
         assert calls and set(calls) == {1, 2} and calls[-1] == 2, calls
         assert _threads.blas_threads() == 2
+
+
+@pytest.mark.parametrize("dtype, d", [(np.float32, 32), (np.float64, 8)])
+def test_a_parallel_call_on_the_register_blocked_products_leaves_blas_alone(dtype, d, monkeypatch):
+    """Where every product of a Cython call is its own (d_k, d_v whole vectors), no
+    BLAS runs inside it, so its threads are not set back and forth."""
+    cython = pytest.importorskip("fastattn._cython")
+    if not cython._PRODUCTS_ISA:
+        pytest.skip("no AVX-512 or AVX2 products here (or FASTATTN_SIMD=off): BLAS takes them")
+    q, k, v = make_qkv((4, 300, d), dtype=dtype, seed=75)
+    fastattn.softmax_attention(q, k, v, backend="cython")
+    with fastattn.num_threads(2):
+        if fastattn.get_num_threads()["cython"] < 2:
+            pytest.skip("cython cannot run 2 threads here")
+        calls = _count_blas_calls(monkeypatch)
+        for causal in (False, True):
+            out = fastattn.softmax_attention(q, k, v, causal=causal, backend="cython")
+            np.testing.assert_allclose(out, fastattn.softmax_attention(
+                q, k, v, causal=causal, backend="reference"), rtol=1e-4, atol=1e-5)
+            out = fastattn.linear_attention(q, k, v, causal=causal, backend="cython")
+            np.testing.assert_allclose(out, fastattn.linear_attention(
+                q, k, v, causal=causal, backend="reference"), rtol=1e-4, atol=1e-5)
+        assert calls == [], f"BLAS threads were set {len(calls)} times"
+    # d_v of no whole vectors: linear attention's products are BLAS's again, held at 1.
+    q, k, v = make_qkv((4, 300, d + 4), dtype=dtype, seed=76)
+    with fastattn.num_threads(2):
+        calls = _count_blas_calls(monkeypatch)
+        fastattn.linear_attention(q, k, v, backend="cython")
+        assert calls and set(calls) == {1, 2}, calls

@@ -5,9 +5,10 @@ package raises ImportError when the extensions were not built, so the
 dispatch in :mod:`fastattn._api` falls back to another backend.
 
 The kernels parallelise over heads and blocks with OpenMP and call SciPy's
-BLAS (``scipy.linalg.cython_blas``) from inside the parallel region, so each
-parallel call holds BLAS at one thread (see :mod:`fastattn._threads`) to keep
-the OpenMP threads and the BLAS threads from oversubscribing the cores.  A
+BLAS (``scipy.linalg.cython_blas``) from inside the parallel region where their
+register-blocked products do not apply, so such a parallel call holds BLAS at
+one thread (see :mod:`fastattn._threads`) to keep the OpenMP threads and the
+BLAS threads from oversubscribing the cores.  A
 call too small to split, or made in a child forked after the OpenMP pool
 started, runs on one thread without waking the pool.
 """
@@ -17,6 +18,8 @@ import importlib.machinery
 import importlib.util
 import os
 import sys
+
+import numpy as np
 
 from .._threads import kernel_threads, single_threaded_blas
 
@@ -88,6 +91,23 @@ def _read_simd_cap():
 
 
 _read_simd_cap()
+#: The register-blocked products' instruction set in this process (512, 256, or 0: BLAS).
+_PRODUCTS_ISA = linear._products_isa()
+
+
+def _blas_guard(n_threads, dtype, *widths):
+    """The context a parallel call runs in: :func:`single_threaded_blas`, unless the
+    register-blocked products take every product of it (rows of ``widths`` elements of
+    ``dtype`` a multiple of the lanes), so that it calls no BLAS.
+
+    Holding BLAS at one thread and giving its threads back costs two calls into each
+    BLAS library, about 24 us a call with OpenBLAS on 2 threads (a tenth of a
+    0.5 ms call), which a call that never reaches BLAS need not pay.
+    """
+    lanes = 16 if dtype == np.float32 else 8
+    if n_threads > 1 and not (_PRODUCTS_ISA and all(w % lanes == 0 for w in widths)):
+        return single_threaded_blas()
+    return contextlib.nullcontext()
 from . import linear as _linear
 from .linear import CHUNK, linear_attention_forward
 from .softmax import BLOCK_K, BLOCK_Q, _build_features, online_softmax_forward
@@ -147,9 +167,8 @@ def softmax_forward(q, k, v, causal, scale):
         return split_key_softmax_forward(q, k, v, causal, scale)
     n_threads = kernel_threads(get_num_threads(), n_batch * -(-n_q // BLOCK_Q),
                                n_batch * n_q * n_k * (d_k + d_v))
-    if n_threads == 1:
-        return online_softmax_forward(q, k, v, causal, scale, 1)
-    with single_threaded_blas():
+    # The tile's own products need d_k and d_v both whole vectors (and n_k > 0).
+    with _blas_guard(n_threads, q.dtype, d_k, d_v):
         return online_softmax_forward(q, k, v, causal, scale, n_threads)
 
 
@@ -166,9 +185,8 @@ def linear_forward(q, k, v, feature_map, causal, eps, S0=None, z0=None):
     n_k, d_v = k.shape[1], v.shape[2]
     n_threads = kernel_threads(get_num_threads(), n_batch * -(-(n_q if causal else n_k) // CHUNK),
                                n_batch * (n_q + n_k) * d_k * d_v)
-    if n_threads == 1:
-        return linear_attention_forward(q, k, v, feature_map, causal, eps, S0, z0, 1)
-    with single_threaded_blas():
+    # Linear attention's products are register-blocked when d_v is whole vectors.
+    with _blas_guard(n_threads, q.dtype, d_v):
         return linear_attention_forward(q, k, v, feature_map, causal, eps, S0, z0, n_threads)
 
 

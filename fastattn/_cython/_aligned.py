@@ -10,6 +10,8 @@ last segment's) and float16 results (converted after the call) are plain
 NumPy arrays.
 """
 
+import math
+
 import numpy as np
 
 #: Bytes of a cache line, the boundary :func:`aligned_empty` starts on.
@@ -21,7 +23,9 @@ def aligned_empty(shape, dtype):
     element (when it has one) lies on a 64-byte boundary: a view into a buffer
     64 bytes longer."""
     dtype = np.dtype(dtype)
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    shape = tuple(shape) if np.iterable(shape) else (shape,)
+    # math.prod and one ndarray over the buffer: this runs several times a
+    # kernel call, and np.prod with a slice, view and reshape took ~10 us.
+    nbytes = math.prod(shape) * dtype.itemsize
     raw = np.empty(nbytes + ALIGNMENT, dtype=np.uint8)
-    start = -raw.ctypes.data % ALIGNMENT
-    return raw[start:start + nbytes].view(dtype).reshape(shape)
+    return np.ndarray(shape, dtype, raw, -raw.ctypes.data % ALIGNMENT)

@@ -433,11 +433,10 @@ def _noncausal(
         for item in prange(n_batch * d_k, schedule="static"):
             b = item // d_k
             a = item % d_k
-            for c in range(d_v):
-                total = 0
-                for s in range(n_seg):
-                    total = total + S_seg[b, s, a, c]
-                S[b, a, c] = total
+            # Row a of the segments' states, summed in the segments' order.
+            memcpy(&S[b, a, 0], &S_seg[b, 0, a, 0], d_v * sizeof(floating))
+            for s in range(1, n_seg):
+                _add(&S_seg[b, s, a, 0], d_v, &S[b, a, 0])
             total = 0
             for s in range(n_seg):
                 total = total + z_seg[b, s, a]
@@ -764,9 +763,10 @@ def linear_attention_forward(q, k, v, feature_map, bint causal, double eps, S0=N
         n_seg = n_runs + 1
     else:
         # Fewer than SEGMENTS_PER_THREAD heads a thread: each head's keys
-        # folded in segments (that cost only their sum).
+        # folded in segments (that cost only their sum); one thread folds in order.
         spread = SEGMENTS_PER_THREAD * n_threads
-        n_seg = max(1, min(-(-spread // n_batch), n_chunks)) if n_batch < spread else 1
+        n_seg = (max(1, min(-(-spread // n_batch), n_chunks))
+                 if n_threads > 1 and n_batch < spread else 1)
     # The entries after the first are written by the threads that fold into them.
     S_seg = aligned_empty((n_batch, n_seg, d_k, d_v), dtype)
     z_seg = np.empty((n_batch, n_seg, d_k), dtype)
