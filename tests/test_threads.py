@@ -199,7 +199,7 @@ def test_a_parallel_call_on_the_register_blocked_products_leaves_blas_alone(dtyp
     """Where every product of a Cython call is its own (d_k, d_v whole vectors), no
     BLAS runs inside it, so its threads are not set back and forth."""
     cython = pytest.importorskip("fastattn._cython")
-    if not cython._PRODUCTS_ISA:
+    if not cython.linear._takes_products(d, dtype):
         pytest.skip("no AVX-512 or AVX2 products here (or FASTATTN_SIMD=off): BLAS takes them")
     q, k, v = make_qkv((4, 300, d), dtype=dtype, seed=75)
     fastattn.softmax_attention(q, k, v, backend="cython")

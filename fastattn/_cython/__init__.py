@@ -19,8 +19,6 @@ import importlib.util
 import os
 import sys
 
-import numpy as np
-
 from .._threads import kernel_threads, single_threaded_blas
 
 
@@ -91,28 +89,26 @@ def _read_simd_cap():
 
 
 _read_simd_cap()
-#: The register-blocked products' instruction set in this process (512, 256, or 0: BLAS).
-_PRODUCTS_ISA = linear._products_isa()
-
-
-def _blas_guard(n_threads, dtype, *widths):
-    """The context a parallel call runs in: :func:`single_threaded_blas`, unless the
-    register-blocked products take every product of it (rows of ``widths`` elements of
-    ``dtype`` a multiple of the lanes), so that it calls no BLAS.
-
-    Holding BLAS at one thread and giving its threads back costs two calls into each
-    BLAS library, about 24 us a call with OpenBLAS on 2 threads (a tenth of a
-    0.5 ms call), which a call that never reaches BLAS need not pay.
-    """
-    lanes = 16 if dtype == np.float32 else 8
-    if n_threads > 1 and not (_PRODUCTS_ISA and all(w % lanes == 0 for w in widths)):
-        return single_threaded_blas()
-    return contextlib.nullcontext()
 from . import linear as _linear
 from .linear import CHUNK, linear_attention_forward
 from .softmax import BLOCK_K, BLOCK_Q, _build_features, online_softmax_forward
 from .decode import split_key_softmax_forward
 from .._dispatch import SPLIT_KEYS_MAX_N_Q
+
+
+def _blas_guard(n_threads, dtype, *widths):
+    """The context a parallel call runs in: :func:`single_threaded_blas`, unless the
+    register-blocked products take every product of it (rows of ``widths`` elements of
+    ``dtype``, see ``linear._takes_products``), so that it calls no BLAS.
+
+    Holding BLAS at one thread and giving its threads back costs two calls into each
+    BLAS library, about 24 us a call with OpenBLAS on 2 threads (a tenth of a
+    0.5 ms call), which a call that never reaches BLAS need not pay.
+    """
+    if n_threads > 1 and not all(linear._takes_products(w, dtype) for w in widths):
+        return single_threaded_blas()
+    return contextlib.nullcontext()
+
 
 __all__ = [
     "softmax_forward",
