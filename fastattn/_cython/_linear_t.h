@@ -114,10 +114,12 @@ FA_TARGET __attribute__((unused)) static void FA_NAME(fastattn_linear_mask)(FA_T
         for (int j = 0; j < w; j += FA_L) {
             int in = s - j < 0 ? 0 : (s - j < FA_L ? s - j : FA_L);
             int all = w - j < FA_L ? w - j : FA_L;
-            FA_MT keep = FA_PREFIX(in), span = FA_PREFIX(all);
-            FA_VT x = FA_VMLOADZ(keep, row + j);
-            total = FA_VMADD(total, keep, total, x);
-            FA_VMSTORE(row + j, span, x);
+            /* x is 0 past the row's keys, so plain adds sum only what it sees; whole
+             * vectors take plain loads and stores (AVX2's masked store is slow on AMD) */
+            FA_VT x = in == FA_L ? FA_VLOAD(row + j) : FA_VMLOADZ(FA_PREFIX(in), row + j);
+            total = FA_VADD(total, x);
+            if (all == FA_L) FA_VSTORE(row + j, x);
+            else FA_VMSTORE(row + j, FA_PREFIX(all), x);
         }
         den[r] += FA_VREDUCE_ADD(total);
     }
