@@ -204,6 +204,21 @@ def test_the_paired_ratio_is_the_median_of_the_rounds_ratios():
         assert table.versus_rows([ours, peer])[0]["paired"] is None
 
 
+def test_a_paired_fraction_above_the_roof_is_flagged_with_the_reason():
+    """Below its roof by the fastest repeat (0.1 s: 86 GFLOP/s of 100), above the GEMM
+    timed beside it in its rounds (a slow round's GEMM): the bracket carries the ``!``."""
+    ours = _point("cython", 0.1, n=2048, roof_fraction_paired=1.37)
+    theirs = _point("torch", 0.105, peer=True, n=2048)
+    rows = table.versus_rows([ours, theirs])
+    (line,) = [x for x in table.versus_markdown(rows).splitlines() if x.startswith("| 1x8")]
+    assert line.endswith("| 86% (137%!) |"), line
+    assert table.ABOVE_ROOF_NOTE in table.format_versus(rows)
+    within = table.versus_rows([_point("cython", 0.1, n=2048, roof_fraction_paired=0.9), theirs])
+    assert "!" not in table.format_versus(within)
+    assert table.format_roof_percent(0.86, 0.9) == "86% (90%)"
+    assert table.format_roof_percent(1.2, 0.9) == "120%! (90%)"
+
+
 def test_versus_rows_give_no_ratio_across_runs_or_without_a_peer():
     rows = table.versus_rows([_point("cython", 0.02, run_id="a"),
                               _point("torch", 0.01, peer=True, run_id="b"),

@@ -65,7 +65,9 @@ ABOVE_ROOF_WHY = (
     "probed, at the run's n and where that GEMM runs fastest), not a bound on the machine: "
     "a kernel's own register-blocked products can come closer to the cores' FMA peak than "
     "that BLAS call does, and a probe slowed by other work lowers the roof (the load of "
-    "each probe and point is in the results file)")
+    "each probe and point is in the results file); a paired fraction divides by one round's "
+    "GEMM, a few calls after an idle turn (with 2 threads, pools waking), which runs "
+    "slower than the best probe")
 
 
 #: The footnote of a table with a ``!`` in its % roof column.
@@ -96,9 +98,18 @@ def above_roof(fraction):
 
 def format_roof_percent(fraction, paired=None):
     """:func:`format_percent`, ``"–"`` for missing, and ``"!"`` after a value above the roof;
-    the ``paired`` fraction (``roof_fraction_paired``) in brackets when there is one."""
+    the ``paired`` fraction (``roof_fraction_paired``) in brackets when there is one, with
+    its own ``"!"`` above 1."""
     text = (format_percent(fraction) or MISSING) + ("!" if above_roof(fraction) else "")
-    return text if _missing(paired) else f"{text} ({format_percent(paired)})"
+    if _missing(paired):
+        return text
+    return f"{text} ({format_percent(paired)}{'!' if above_roof(paired) else ''})"
+
+
+def _any_above_roof(rows):
+    """Whether a row shows a fraction of the roof, or a paired one, above 1."""
+    return any(above_roof(r.get("roof_fraction")) or above_roof(r.get("roof_fraction_paired"))
+               for r in rows)
 
 
 def format_number(value, digits=3):
@@ -190,7 +201,7 @@ def format_tables(records, baseline=None, backend_order=()):
     out.append("GFLOP/s and % roof: at the median time.")
     if any(not _missing(r.get("roof_fraction_paired")) for r in records):
         out.append(PAIRED_ROOF_NOTE)
-    if any(above_roof(r.get("roof_fraction")) for r in records):
+    if _any_above_roof(records):
         out.append(ABOVE_ROOF_NOTE)
     return "\n\n".join(out)
 
@@ -327,7 +338,7 @@ def _versus_notes(rows, roof_text=()):
              "(its fastest repeat; the per-point tables take the median)."]
     if any(not _missing(r.get("roof_fraction_paired")) for r in rows):
         notes.append(PAIRED_ROOF_NOTE)
-    if any(r["above_roof"] for r in rows):
+    if _any_above_roof(rows):
         notes.append(ABOVE_ROOF_NOTE)
     return notes + list(roof_text)
 
