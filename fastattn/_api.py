@@ -221,11 +221,18 @@ def _check_positive_scalar(value, name, allow_zero):
     return value
 
 
-def _check_eps(eps, spec):
-    """``eps`` as a float >= 0; None gives the feature map's default (``spec.default_eps()``)."""
+def _check_eps(eps, spec, dtype):
+    """``eps`` as a float >= 0, finite in the computation ``dtype``; None gives the feature
+    map's default (``spec.default_eps()``)."""
     if eps is None:
         return spec.default_eps()
-    return _check_positive_scalar(eps, "eps", allow_zero=True)
+    eps = _check_positive_scalar(eps, "eps", allow_zero=True)
+    if eps > _LARGEST[dtype]:
+        raise ValueError(
+            f"eps must be finite in the computation dtype {dtype} (at most "
+            f"{_LARGEST[dtype]:.8g}), got {eps!r}, which is inf in {dtype}"
+        )
+    return eps
 
 
 #: The largest finite value of each computation dtype.
@@ -458,7 +465,7 @@ def linear_attention(
         ``feature_map`` or ``backend``, a ``FavorFeatures`` of another
         ``d_k``, a callable ``feature_map`` whose features have the wrong
         shape or are negative or not finite, a negative or non-finite
-        ``eps``, or a state of the wrong shape or (for every map but
+        ``eps`` (or one that is inf in the computation dtype), or a state of the wrong shape or (for every map but
         ``"taylor"``, whose features may be negative) with a negative ``z``.
     MemoryError
         With ``backend="reference"`` and ``causal=True``, before allocating,
@@ -495,7 +502,7 @@ def linear_attention(
     return_state = _check_bool(return_state, "return_state")
     d_k, d_v, n_q, n_k = q.shape[-1], v.shape[-1], q.shape[-2], k.shape[-2]
     spec = feature_maps.resolve(feature_map, d_k)
-    eps = _check_eps(eps, spec)
+    eps = _check_eps(eps, spec, dtype)
     D = spec.num_features(d_k)
     S0 = z0 = None
     if D is not None:
@@ -585,7 +592,7 @@ def attention_weights(
     # Every option is checked whatever the kind: a bad one is never ignored.
     scale = _check_scale(scale, q.shape[-1], dtype)
     spec = feature_maps.resolve(feature_map, q.shape[-1])
-    eps = _check_eps(eps, spec)
+    eps = _check_eps(eps, spec, dtype)
     n_q, n_k = q.shape[-2], k.shape[-2]
     out_shape = batch_shape + (n_q, n_k)
     if 0 in out_shape:

@@ -168,9 +168,14 @@ class _SingleThreadedBlas:
         global _blas_calls
         with _blas_lock:
             if _blas_calls == 0:
-                for lib, count in _blas_libraries():
-                    if count != 1:
-                        _set_blas(lib, 1)
+                for entry in _blas_libraries():
+                    # The count now, given back on exit: a limit set outside fastattn
+                    # (threadpoolctl's threadpool_limits) holds after the call too.
+                    found = entry[0].get_num_threads()
+                    if found is not None:
+                        entry[1] = found
+                    if entry[1] != 1:
+                        _set_blas(entry[0], 1)
             _blas_calls += 1
         return self
 
@@ -194,8 +199,10 @@ def single_threaded_blas():
     The fast kernels call BLAS from inside their parallel regions (Numba's
     ``prange``, OpenMP); a multithreaded BLAS there would oversubscribe the
     cores.  Calls from several Python threads overlap: the first to enter sets
-    the limit and the last to leave restores the counts.  Costs a lock and, when
-    BLAS is not already on one thread, two calls into each library.
+    the limit and the last to leave restores the counts it found (so a limit the
+    caller set with threadpoolctl still holds after the call).  Costs a lock, a
+    call into each library to read its count and, when BLAS is not already on one
+    thread, two more.
     """
     return _SINGLE_THREADED_BLAS
 

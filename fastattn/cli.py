@@ -24,14 +24,19 @@ def _add_compare(subparsers):
     )
     parser.add_argument("--n", type=_positive_int, default=64, help="sequence length (default 64)")
     parser.add_argument("--d", type=_positive_int, default=32, help="head dimension (default 32)")
-    parser.add_argument("--seed", type=nonnegative_int, default=42, help="NumPy seed (default 42)")
+    parser.add_argument("--seed", type=nonnegative_int, default=42,
+                        help="NumPy seed, 0 to 2**32 - 1 (default 42)")
     parser.set_defaults(func=_run_compare)
 
 
 def _run_compare(args):
     from .compare import compare
 
-    result = compare(args.n, args.d, seed=args.seed)
+    try:
+        result = compare(args.n, args.d, seed=args.seed)
+    except (ValueError, MemoryError) as exc:   # a seed out of range, inputs that cannot fit
+        print(f"fastattn compare: error: {exc}", file=sys.stderr)
+        return 2
     q = result.quality
     print(f"softmax vs linear (elu+1) attention, n={args.n}, d={args.d}, seed={args.seed}")
     print(f"  cosine similarity  {q.cosine_similarity:.4g}")

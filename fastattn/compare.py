@@ -321,9 +321,10 @@ def _check_seed_experiment(n, d, seed, n_by_n_arrays):
             or not 0 <= seed < 2**32:
         raise ValueError(f"seed must be an int from 0 to 2**32 - 1, got {seed!r}")
     n, d = int(n), int(d)
-    # One input's float64 draws, the three float32 inputs, the n x n float32 arrays.
+    # One input's float64 draws, the three float32 inputs, the n x n float32 arrays and,
+    # with them, linear attention's d x d state (and its product).
     reference.check_fits_in_memory(
-        n * d * (8 + 3 * 4) + n_by_n_arrays * n * n * 4,
+        n * d * (8 + 3 * 4) + n_by_n_arrays * (n * n + 2 * d * d) * 4,
         f"the seed experiment with n={n}, d={d}",
         advice="choose a smaller n" + (" (it holds n x n weight matrices)" if n_by_n_arrays else "")
         + " or d",

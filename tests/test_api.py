@@ -124,6 +124,18 @@ def test_cli_refuses_a_bad_size(capsys):
     assert "positive integer" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, why", [
+    (["--seed", "99999999999"], "seed must be an int from 0 to 2**32 - 1"),
+    (["--n", "3", "--d", "100000"], "n=3, d=100000"),   # a d x d state of 40 GB
+])
+def test_cli_compare_refuses_what_cannot_run_with_a_message(argv, why, capsys):
+    from fastattn.cli import main
+
+    assert main(["compare", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fastattn compare: error:") and why in err, err
+
+
 def test_thread_counts_are_bounded_and_numpy_ints_accepted():
     from fastattn._threads import MAX_THREADS_PER_CORE, default_num_threads
 

@@ -219,7 +219,27 @@ def test_headline_exponents_say_when_they_rest_on_two_points(quality, report_htm
     two = build_report(synthetic_records(ns=(128, 512, 1024, 2048)), source="synthetic",
                        quality=quality).html
     headline = re.search(r"Fitted time exponents[^<]*", two).group(0)
-    assert headline.count("each fitted to 2 points only") == 2   # softmax and linear
+    # softmax, linear, and the reference's causal linear attention (its n x n form)
+    assert headline.count("each fitted to 2 points only") == 3
+
+
+def test_causal_linear_by_the_quadratic_form_is_expected_to_grow_as_n_squared(report_html):
+    """The reference computes causal linear attention as the masked n x n form, so 2 is
+    its expected exponent (the helper's trial saw 1.86 shaded as far from 1); the chunked
+    kernels and the cumulative-sum peer stay at 1, a decode token at 0."""
+    expect = analysis.expected_exponent
+    assert expect({"attention": "linear", "causal": True, "backend": "reference"}) == 2
+    assert expect({"attention": "linear", "causal": False, "backend": "reference"}) == 1
+    assert expect({"attention": "linear", "causal": True, "backend": "cython"}) == 1
+    assert expect({"attention": "linear", "causal": True, "backend": "torch", "peer": True}) == 1
+    assert expect({"attention": "linear", "causal": True, "backend": "reference",
+                   "regime": "decode"}) == 0
+    assert expect({"attention": "softmax", "causal": True, "backend": "reference"}) == 2
+    text = " ".join(re.sub(r"<[^>]+>", " ", report_html).split())
+    assert "reference linear 1.00 ± 0.00 1.00 ± 0.00 1.00 ± 0.00 1.00 ± 0.00 " \
+        "non-causal 1, causal 2" in text
+    assert "causal linear by the masked n×n form (reference) 1.00 over 1 curve " \
+        "(expected about 2)" in text
 
 
 def test_report_numbers_are_medians_with_range(report_html):
@@ -318,6 +338,31 @@ def test_cli_refuses_foreign_or_corrupt_results(tmp_path, capsys, content):
     assert "foreign.jsonl" in err and "not a fastattn results" in err
     assert results.read_text() == content
     assert not (tmp_path / "foreign.html").exists()
+
+
+def test_cli_refuses_a_readme_image_it_cannot_write_before_measuring(tmp_path, capsys):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes")
+    for image, why in ((tmp_path, "is a directory"), (notes, "is not a PNG")):
+        out = tmp_path / "r.html"
+        # --quick would measure for a minute: the refusal comes first, with nothing written
+        assert main(["report", "--quick", "--out", str(out), "--readme-image", str(image)]) == 2
+        err = capsys.readouterr().err
+        assert "--readme-image" in err and why in err, err
+        assert not out.exists() and not out.with_suffix(".jsonl").exists()
+    assert notes.read_text() == "my notes"
+
+
+def test_a_report_of_points_at_too_few_lengths_says_so(tmp_path):
+    """One n per kernel: no curve can be drawn, and the page says why, not that no point
+    was measured or that the memory probe was off."""
+    records = synthetic_records(ns=(256,))
+    html = build_report(records, source="synthetic").html
+    text = re.sub(r"<[^>]+>", " ", html)
+    assert "only at n = 256" in text and "needs at least 3 lengths" in " ".join(text.split())
+    for wrong in ("No point was measured successfully", "No point with status",
+                  "memory probe was off", "No GFLOP/s in these results"):
+        assert wrong not in text, wrong
 
 
 def test_cli_refuses_to_overwrite_other_files(tmp_path, capsys):

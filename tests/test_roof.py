@@ -355,6 +355,12 @@ def test_bench_prints_the_versus_table_and_the_roof_with_a_peer(tmp_path, capsys
     assert "| 1x2x32x16 | softmax | non-causal | float32 | 1 | numba |" in md
 
 
+@pytest.mark.skipif(not __import__("os").path.exists("/dev/null"), reason="no /dev/null here")
+def test_bench_refuses_a_results_path_that_is_not_a_file(capsys):
+    assert main(["bench", "--shape", "1x1x64x64", "--out", "/dev/null"]) == 2
+    assert "/dev/null is not a regular file" in capsys.readouterr().err
+
+
 def test_bench_refuses_to_overwrite_a_foreign_markdown_file_before_measuring(tmp_path, capsys):
     (tmp_path / "x.md").write_text("notes\n")
     assert main(["bench", "--kind", "softmax", "--backends", "reference", "--n", "8",

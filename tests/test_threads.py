@@ -221,3 +221,22 @@ def test_a_parallel_call_on_the_register_blocked_products_leaves_blas_alone(dtyp
         calls = _count_blas_calls(monkeypatch)
         fastattn.linear_attention(q, k, v, backend="cython")
         assert calls and set(calls) == {1, 2}, calls
+
+
+def test_a_blas_limit_the_caller_set_holds_after_a_parallel_call(fast_backend):
+    """The hold gives BLAS back the count it found, not fastattn's own: a caller's
+    threadpool_limits(1) is still in force after a 2-thread call that reached BLAS."""
+    from threadpoolctl import threadpool_info, threadpool_limits
+
+    q, k, v = make_qkv((4, 1024, 12), dtype=np.float32, seed=77)   # d = 12: BLAS products
+    fastattn.softmax_attention(q, k, v, backend=fast_backend)
+    with fastattn.num_threads(2):
+        if fastattn.get_num_threads()[fast_backend] < 2:
+            pytest.skip(f"{fast_backend} cannot run 2 threads here")
+        with threadpool_limits(limits=1, user_api="blas"):
+            fastattn.softmax_attention(q, k, v, backend=fast_backend)
+            fastattn.linear_attention(q, k, v, causal=True, backend=fast_backend)
+            counts = [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
+            assert counts and set(counts) == {1}, counts
+        counts = [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
+        assert set(counts) == {2}, counts   # threadpoolctl gave back its own, fastattn's 2

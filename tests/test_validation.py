@@ -370,6 +370,17 @@ def test_scale_infinite_in_the_dtype_is_refused(backend, kind, dtype):
     assert np.all(np.isfinite(_call(kind, Q, K, V, scale=1e39, **kwargs)))
 
 
+@pytest.mark.parametrize("kind", ["linear", "weights"])
+def test_eps_infinite_in_the_dtype_is_refused(backend, kind):
+    """1e300 is a finite Python float but inf in float32: every row would be 0 (the trial
+    found cython silent and the others warning of an overflowing cast)."""
+    q, k, v = (x.astype(np.float32) for x in (Q, K, V))
+    kwargs = {"backend": backend} if kind != "weights" else {"kind": "linear"}
+    _raises(ValueError, lambda: _call(kind, q, k, v, eps=1e300, **kwargs),
+            "eps", "float32", "1e+300")
+    assert np.all(np.isfinite(_call(kind, Q, K, V, eps=1e300, **kwargs)))   # float64 takes it
+
+
 @pytest.mark.parametrize("options, fragments", [
     ({"kind": "softmax", "feature_map": "bogus"}, ["feature_map must be one of", "'bogus'"]),
     ({"kind": "softmax", "eps": -1.0}, ["eps", ">= 0"]),

@@ -161,10 +161,14 @@ def to_json(value, **kwargs):
 
 
 def check_writable(path, what="file"):
-    """Raise ResultsFileError if an existing ``path`` cannot be written (read-only, not a file)."""
+    """Raise ResultsFileError if an existing ``path`` cannot be written (read-only, a folder,
+    a device or pipe), or if no file can be made there."""
     path = Path(path)
     if path.is_dir():
         raise ResultsFileError(f"{path} is a directory; give a file name, e.g. {path / 'out'}")
+    if path.exists() and not path.is_file():
+        raise ResultsFileError(f"{path} is not a regular file (a device, pipe or socket); "
+                               "give the path of a file")
     if path.exists() and not (os.access(path, os.W_OK) and path.stat().st_mode & 0o222):
         raise ResultsFileError(f"{path} is read-only; not changing this {what} (make it "
                                "writable, or choose another path)")

@@ -47,6 +47,23 @@ EXPECTED_TIME_EXPONENT = {"softmax": 2, "linear": 1}
 EXPECTED_DECODE_EXPONENT = {"softmax": 1, "linear": 0}
 #: A fitted time exponent further than this from the expected one is flagged.
 EXPONENT_SLACK = 0.35
+#: Backends whose causal linear attention is the masked n x n quadratic form (the
+#: specification), so its time grows as n**2, not n as the chunked kernels' does.
+QUADRATIC_CAUSAL_LINEAR = ("reference",)
+
+
+def expected_exponent(key):
+    """The time exponent a curve of ``key`` (its attention, regime, causal, backend, peer)
+    should show: :data:`EXPECTED_TIME_EXPONENT` (a decode token:
+    :data:`EXPECTED_DECODE_EXPONENT`), but 2 for causal linear attention by the masked
+    quadratic form (:data:`QUADRATIC_CAUSAL_LINEAR`); None for an unknown attention."""
+    attention = key.get("attention")
+    if key.get("regime") == "decode":
+        return EXPECTED_DECODE_EXPONENT.get(attention)
+    if attention == "linear" and key.get("causal") and not key.get("peer") \
+            and key.get("backend") in QUADRATIC_CAUSAL_LINEAR:
+        return 2
+    return EXPECTED_TIME_EXPONENT.get(attention)
 
 
 @dataclass(frozen=True)
@@ -131,10 +148,14 @@ class Curve:
     machine = property(lambda self: self.key.get("machine"))
 
     @property
+    def expected(self):
+        """The time exponent this curve should show (:func:`expected_exponent`)."""
+        return expected_exponent(self.key)
+
+    @property
     def off(self):
         """True when the time exponent is further than :data:`EXPONENT_SLACK` from the expected."""
-        expected = (EXPECTED_DECODE_EXPONENT if self.key.get("regime") == "decode"
-                    else EXPECTED_TIME_EXPONENT).get(self.attention)
+        expected = self.expected
         return bool(self.time_fit and expected is not None
                     and abs(self.time_fit.slope - expected) > EXPONENT_SLACK)
 

@@ -121,13 +121,20 @@ def _exponent_rows(curve_list):
     rows = {}
     for c in curve_list:
         row = rows.setdefault(c.label, {"label": c.label, "attention": c.attention, "cells": {},
-                                        "expected": analysis.EXPECTED_TIME_EXPONENT.get(
-                                            c.attention)})
+                                        "expected": None, "by_mask": {}})
+        row["by_mask"][mask_name(c.causal)] = c.expected
         row["cells"][mask_name(c.causal)] = {
             "time": c.time_fit.format() if c.time_fit else "–",
             "memory": c.memory_fit.format() if c.memory_fit else "–", "off": c.off,
             "points": (f"{c.time_fit.points} points, n {c.time_fit.n_min}–{c.time_fit.n_max}"
                        if c.time_fit else f"fewer than 2 points with n ≥ {analysis.FIT_MIN_N}")}
+    for row in rows.values():
+        # "1", or "1, causal 2" where the masks differ (the reference's causal linear form)
+        found = {mask: e for mask, e in row.pop("by_mask").items() if e is not None}
+        if len(set(found.values())) == 1:
+            row["expected"] = next(iter(found.values()))
+        elif found:
+            row["expected"] = ", ".join(f"{mask} {e}" for mask, e in found.items())
     return list(rows.values())
 
 
@@ -246,6 +253,9 @@ def _machine_section(name, env, roofs, points, every_curve):
         "peers": sorted({c.backend for c in curve_list if c.peer}),
         "all_peers": sorted({c.backend for c in every_curve if c.peer}),
         "n_points": sum(len(c.n) for c in curve_list), "fastest": _fastest_lines(curve_list),
+        # Prefill points measured at fewer than three n: no curve, and said so (not "no point").
+        "short": {"points": sum(len(c.n) for c in prefill if len(c.n) < 3),
+                  "ns": _joined(int(n) for c in prefill if len(c.n) < 3 for n in c.n)},
         "load": f"{loads.min():.1f} to {loads.max():.1f}" if len(loads) else None,
         "busy": bool(len(loads) and env.get("cores_logical")
                      and loads.max() > env["cores_logical"]),
@@ -268,9 +278,15 @@ def _summary(section, quality):
     parts = []
     for attention, expected in analysis.EXPECTED_TIME_EXPONENT.items():
         text = analysis.exponent_range(
-            attention, [c.time_fit for c in curves_ if c.attention == attention], expected)
+            attention, [c.time_fit for c in curves_
+                        if c.attention == attention and c.expected == expected], expected)
         if text:
             parts.append(text)
+    quadratic = [c.time_fit for c in curves_ if c.attention == "linear" and c.expected == 2]
+    text = analysis.exponent_range("causal linear by the masked n×n form (reference)",
+                                   quadratic, 2)
+    if text:
+        parts.append(text)
     if parts:
         out.append(f"Fitted time exponents (n ≥ {analysis.FIT_MIN_N}, causal and not, on the "
                    f"{section['statistic']}): " + "; ".join(parts) + ".")

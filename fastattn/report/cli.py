@@ -255,9 +255,31 @@ def _check_minilm(path):
         raise ReportError(f"--minilm: {exc}") from None
 
 
+#: The first bytes of every PNG file.
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def _check_image(path):
+    """Refuse, before measuring, a ``--readme-image`` that cannot be written, or an existing
+    file that is not a PNG (it would be replaced)."""
+    from ..bench.results import check_writable
+
+    try:
+        check_writable(path, "figure")
+    except ResultsFileError as exc:
+        raise ReportError(f"--readme-image: {exc}") from None
+    if path.is_file() and path.stat().st_size:
+        with open(path, "rb") as handle:
+            if handle.read(len(PNG_SIGNATURE)) != PNG_SIGNATURE:
+                raise ReportError(f"--readme-image {path} exists and is not a PNG; "
+                                  "not overwriting it")
+
+
 def _run(args):
     if (args.history or args.asv_commit) is not None and args.asv is None:
         raise ReportError(f"{'--history' if args.history else '--asv-commit'} needs --asv DIR")
+    if args.readme_image is not None:
+        _check_image(args.readme_image)
     if args.minilm is not None:
         _check_minilm(args.minilm)
     protected = (args.from_, args.resume)
@@ -298,8 +320,13 @@ def _run(args):
     atomic_write(out, report.html)
     for image in [out.with_name(out.stem + "-scaling.png")] + (
             [args.readme_image] if args.readme_image else []):
-        image.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write(image, report.scaling_png)
+        try:
+            _check_image(image)   # again: the file may have changed while measuring
+            image.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write(image, report.scaling_png)
+        except (OSError, ResultsFileError) as exc:
+            raise ReportError(f"the report is written ({out}), but not the figure {image}: "
+                              f"{exc}") from None
         print(f"scaling figure: {image}", file=sys.stderr)
     print(out)
     return 0
