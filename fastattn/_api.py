@@ -226,13 +226,7 @@ def _check_eps(eps, spec, dtype):
     map's default (``spec.default_eps()``)."""
     if eps is None:
         return spec.default_eps()
-    eps = _check_positive_scalar(eps, "eps", allow_zero=True)
-    if eps > _LARGEST[dtype]:
-        raise ValueError(
-            f"eps must be finite in the computation dtype {dtype} (at most "
-            f"{_LARGEST[dtype]:.8g}), got {eps!r}, which is inf in {dtype}"
-        )
-    return eps
+    return _finite_in(_check_positive_scalar(eps, "eps", allow_zero=True), "eps", dtype)
 
 
 #: The largest finite value of each computation dtype.
@@ -243,13 +237,17 @@ def _check_scale(scale, d_k, dtype):
     """``scale`` as a float (default ``1 / sqrt(d_k)``), finite and > 0 in the computation ``dtype``."""
     if scale is None:
         return reference.default_scale(d_k)
-    scale = _check_positive_scalar(scale, "scale", allow_zero=False)
-    if scale > _LARGEST[dtype]:
+    return _finite_in(_check_positive_scalar(scale, "scale", allow_zero=False), "scale", dtype)
+
+
+def _finite_in(value, name, dtype):
+    """``value`` (a float >= 0), if it is finite in the computation ``dtype``; else ValueError."""
+    if value > _LARGEST[dtype]:
         raise ValueError(
-            f"scale must be finite in the computation dtype {dtype} (at most "
-            f"{_LARGEST[dtype]:.8g}), got {scale!r}, which is inf in {dtype}"
+            f"{name} must be finite in the computation dtype {dtype} (at most "
+            f"{_LARGEST[dtype]:.8g}), got {value!r}, which is inf in {dtype}"
         )
-    return scale
+    return value
 
 
 def _check_bool(value, name):
