@@ -259,20 +259,19 @@ def _check_minilm(path):
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
-def _check_image(path):
-    """Refuse, before measuring, a ``--readme-image`` that cannot be written, or an existing
-    file that is not a PNG (it would be replaced)."""
+def _check_image(path, label="--readme-image"):
+    """Refuse, before measuring, a figure path (``label`` names it) that cannot be written,
+    or an existing file there that is not a PNG (it would be replaced)."""
     from ..bench.results import check_writable
 
     try:
         check_writable(path, "figure")
     except ResultsFileError as exc:
-        raise ReportError(f"--readme-image: {exc}") from None
+        raise ReportError(f"{label}: {exc}") from None
     if path.is_file() and path.stat().st_size:
         with open(path, "rb") as handle:
             if handle.read(len(PNG_SIGNATURE)) != PNG_SIGNATURE:
-                raise ReportError(f"--readme-image {path} exists and is not a PNG; "
-                                  "not overwriting it")
+                raise ReportError(f"{label} {path} exists and is not a PNG; not overwriting it")
 
 
 def _run(args):
@@ -318,10 +317,12 @@ def _run(args):
         raise ReportError(str(exc)) from None
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(out, report.html)
-    for image in [out.with_name(out.stem + "-scaling.png")] + (
-            [args.readme_image] if args.readme_image else []):
+    beside = out.with_name(out.stem + "-scaling.png")
+    for image in [beside] + ([args.readme_image] if args.readme_image else []):
         try:
-            _check_image(image)   # again: the file may have changed while measuring
+            # (again for --readme-image: the file may have changed while measuring)
+            _check_image(image, "the figure beside the report" if image is beside
+                         else "--readme-image")
             image.parent.mkdir(parents=True, exist_ok=True)
             atomic_write(image, report.scaling_png)
         except (OSError, ResultsFileError) as exc:
