@@ -413,7 +413,7 @@ def _noncausal(
     cdef int n_seg = S_seg.shape[1]
     cdef int n_chunks = (n_q + chunk - 1) // chunk
     cdef Py_ssize_t per_thread = _noncausal_workspace(chunk, d_k)
-    cdef int b, s, item, i0, i1, a, c
+    cdef int b, s, item, i0, i1, a
     cdef floating *buf = NULL   # per-thread workspace, set in the parallel block
     cdef floating total
     cdef bint micro = simd_rows(d_v, buf)   # the register-blocked products, else BLAS

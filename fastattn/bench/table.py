@@ -273,7 +273,7 @@ def versus_rows(records):
     the fastest peer by their fastest repeat, and ``ratio`` = fastattn time / peer time (below
     1: fastattn is faster), only when both were measured in the same run (``run_id``; else
     ``note`` says why there is none); ``gflops`` and ``roof_fraction`` of the fastattn kernel
-    at that time, ``above_roof`` when it exceeds its roof, and ``paired``
+    at that time (``roof_fraction_paired`` beside it), and ``paired``
     (:func:`paired_ratio`).  In the records' order."""
     groups = {}
     for r in records:
@@ -305,7 +305,7 @@ def versus_rows(records):
                      "ratio": ratio, "paired": paired, "note": note, "gflops": gflops,
                      "roof_fraction": fraction,
                      "roof_fraction_paired": best and best.get("roof_fraction_paired"),
-                     "roof_blas": best and best.get("roof_blas"), "above_roof": above_roof(fraction)})
+                     "roof_blas": best and best.get("roof_blas")})
     return rows
 
 
