@@ -7,16 +7,16 @@ from cython cimport floating
 # beta = 0; measured side by side here (1 thread, CPU time, loaded machine)
 # its tile GEMMs alone (256 x 256 x 64) took about as long as onnxruntime's
 # whole attention, so around them the tile could not reach the peers.  These
-# two products need no packing of q, of p or of v (only k is transposed into
-# panels of 16 keys, once per key block) and write the scores straight into
-# the tile:
+# two products need no packing of q or of p (k and v are packed once per head:
+# k transposed into panels of 16 keys, v cut into panels of columns) and write
+# the scores straight into the tile:
 #
 # * scores  s[r, j] = scale * sum_c q[r, c] k[j, c]: 6 rows x 4 panels of
 #   keys of accumulators (24 zmm; AVX2: 6 rows x 1 panel, 12 ymm), one
 #   broadcast of q per row and one load per panel;
 # * output  o[r, :] += sum_j p[r, j] v[j, :]: 6 rows x 4 vectors of columns
 #   of o in registers (AVX2: x 1 vector, two ymm) over all the tile's keys,
-#   v read in rows as it lies;
+#   v read from its panel of those columns, one contiguous stream;
 # * exp_sum  the row's exp(s - shift) and its sum, by a polynomial for 2**f
 #   and vscalef (AVX2: the exponent bits) for 2**n.
 #
@@ -146,9 +146,13 @@ cdef extern from *:
                                            int width, int d, T scale, T *s, int lds) {       \
         FA_PICK(fastattn_scores, X, (q, ldq, kp, rows, width, d, scale, s, lds));             \
     }                                                                                         \
-    static inline void fastattn_output_##X(const T *p, int ldp, const T *v, int ldv,         \
+    static inline void fastattn_pack_values_##X(const T *v, int ldv, int j0, int width,      \
+                                                int d_v, int n_k, T *vp) {                    \
+        FA_PICK(fastattn_pack_values, X, (v, ldv, j0, width, d_v, n_k, vp));                  \
+    }                                                                                         \
+    static inline void fastattn_output_##X(const T *p, int ldp, const T *vp, int n_k, int j0, \
                                            int rows, int width, int d_v, T *o, int ldo) {    \
-        FA_PICK(fastattn_output, X, (p, ldp, v, ldv, rows, width, d_v, o, ldo));              \
+        FA_PICK(fastattn_output, X, (p, ldp, vp, n_k, j0, rows, width, d_v, o, ldo));         \
     }                                                                                         \
     static inline T fastattn_tile_exp_sum_##X(T *s, int n, T shift) {                              \
         return FA_PICK(fastattn_tile_exp_sum, X, (s, n, shift));                                   \
@@ -191,8 +195,10 @@ cdef extern from *:
         static void fastattn_pack_keys_##X(const T *k, int ldk, int width, int d, T *kp) {} \
         static void fastattn_scores_##X(const T *q, int ldq, const T *kp, int rows, int width, \
                                         int d, T scale, T *s, int lds) {} \
-        static void fastattn_output_##X(const T *p, int ldp, const T *v, int ldv, int rows, \
-                                        int width, int d_v, T *o, int ldo) {} \
+        static void fastattn_pack_values_##X(const T *v, int ldv, int j0, int width, int d_v, \
+                                             int n_k, T *vp) {} \
+        static void fastattn_output_##X(const T *p, int ldp, const T *vp, int n_k, int j0, \
+                                        int rows, int width, int d_v, T *o, int ldo) {} \
         static T fastattn_tile_exp_sum_##X(T *s, int n, T shift) { return 0; } \
         static void fastattn_query_scores_##X(const T *q, const T *k, int width, int d_k, \
                                               T scale, T *s, int ahead) {} \
@@ -211,10 +217,14 @@ cdef extern from *:
                            float scale, float *s, int lds) nogil
     void fastattn_scores_d(const double *q, int ldq, const double *kp, int rows, int width, int d,
                            double scale, double *s, int lds) nogil
-    void fastattn_output_f(const float *p, int ldp, const float *v, int ldv, int rows, int width,
-                           int d_v, float *o, int ldo) nogil
-    void fastattn_output_d(const double *p, int ldp, const double *v, int ldv, int rows, int width,
-                           int d_v, double *o, int ldo) nogil
+    void fastattn_pack_values_f(const float *v, int ldv, int j0, int width, int d_v, int n_k,
+                                float *vp) nogil
+    void fastattn_pack_values_d(const double *v, int ldv, int j0, int width, int d_v, int n_k,
+                                double *vp) nogil
+    void fastattn_output_f(const float *p, int ldp, const float *vp, int n_k, int j0, int rows,
+                           int width, int d_v, float *o, int ldo) nogil
+    void fastattn_output_d(const double *p, int ldp, const double *vp, int n_k, int j0, int rows,
+                           int width, int d_v, double *o, int ldo) nogil
     float fastattn_tile_exp_sum_f(float *s, int n, float shift) nogil
     double fastattn_tile_exp_sum_d(double *s, int n, double shift) nogil
     void fastattn_query_scores_f(const float *q, const float *k, int width, int d_k, float scale,
@@ -253,13 +263,24 @@ cdef inline void scores(const floating *q, int ldq, const floating *kp, int rows
         fastattn_scores_d(q, ldq, kp, rows, width, d, scale, s, lds)
 
 
-cdef inline void output(const floating *p, int ldp, const floating *v, int ldv, int rows,
-                        int width, int d_v, floating *o, int ldo) noexcept nogil:
-    """``o[r] += sum_j p[r, j] v[j]`` for ``r < rows, j < width`` (AVX-512 or AVX2)."""
+cdef inline void pack_values(const floating *v, int ldv, int j0, int width, int d_v, int n_k,
+                             floating *vp) noexcept nogil:
+    """Rows ``j0 + [0, width)`` of a head's ``n_k`` values (``v`` at row ``j0``) into the
+    head's panels ``vp`` (``n_k * d_v`` elements) for :func:`output`."""
     if floating is float:
-        fastattn_output_f(p, ldp, v, ldv, rows, width, d_v, o, ldo)
+        fastattn_pack_values_f(v, ldv, j0, width, d_v, n_k, vp)
     else:
-        fastattn_output_d(p, ldp, v, ldv, rows, width, d_v, o, ldo)
+        fastattn_pack_values_d(v, ldv, j0, width, d_v, n_k, vp)
+
+
+cdef inline void output(const floating *p, int ldp, const floating *vp, int n_k, int j0,
+                        int rows, int width, int d_v, floating *o, int ldo) noexcept nogil:
+    """``o[r] += sum_j p[r, j] v[j0 + j]`` for ``r < rows, j < width`` (AVX-512 or AVX2),
+    ``vp`` the head's values packed by :func:`pack_values`."""
+    if floating is float:
+        fastattn_output_f(p, ldp, vp, n_k, j0, rows, width, d_v, o, ldo)
+    else:
+        fastattn_output_d(p, ldp, vp, n_k, j0, rows, width, d_v, o, ldo)
 
 
 cdef inline floating exp_sum_simd(floating *s, int n, floating shift) noexcept nogil:

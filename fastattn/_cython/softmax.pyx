@@ -15,17 +15,16 @@ reaches a row (a GEMM would form ``0 · NaN``).
 The two products of a tile are the register-blocked kernels of
 :file:`_microkernel.pxd` when the CPU has AVX-512F, or AVX2 with FMA, and
 ``d_k``, ``d_v`` are multiples of 16 (float32) or 8 (float64): each head's
-keys are packed once into panels, q, p and v are read as they lie, and the
-scores' exp is a polynomial scaled by its exponent.  Otherwise they are BLAS
-GEMMs.  The packed keys
-(and a copy of v on a 64-byte boundary, when v is not on one) add
-``O(B n_k (d_k + d_v))`` memory, the size of the inputs.
+keys are packed once into panels of keys and its values into panels of
+columns, q and p are read as they lie, and the scores' exp is a polynomial
+scaled by its exponent.  Otherwise they are BLAS GEMMs.  The packed keys and
+values add ``O(B n_k (d_k + d_v))`` memory, the size of the inputs.
 
 Work items are (batch, query block) pairs shared out by OpenMP with dynamic
 scheduling, the longest causal blocks first; with :data:`HEAD_ITEMS` heads a
 thread or more (and the register-blocked products), a work item is a whole head whose
-keys the thread packs into a buffer of its own just before its query blocks
-use them.  BLAS runs single-threaded inside (the caller limits it, see
+keys and values the thread packs into a buffer of its own just before its
+query blocks use them.  BLAS runs single-threaded inside (the caller limits it, see
 :mod:`fastattn._cython`).
 """
 
@@ -35,12 +34,11 @@ from fastattn._cython._aligned import aligned_empty
 
 from cython cimport floating
 from cython.parallel cimport parallel, prange, threadid
-from libc.string cimport memcpy
 
 from fastattn._cython._blas cimport gemm
 from fastattn._cython._microkernel cimport (
     products_isa,
-    FASTATTN_MICROKERNEL, simd_rows, output, pack_keys, scores,
+    FASTATTN_MICROKERNEL, simd_rows, output, pack_keys, pack_values, scores,
 )
 from fastattn._cython._vmath cimport (
     FASTATTN_CLONES, FASTATTN_VECTOR_EXP, all_finite,
@@ -86,14 +84,15 @@ cdef void _tile(
     const floating *q, const floating *k, const floating *v, floating *out,
     int n_q, int n_k, int d_k, int d_v, int i0, int r0, int r1, int j0, int width,
     bint full, bint causal, floating scale, floating *s_buf, floating *m, floating *l,
-    floating *kp, bint v_finite,
+    floating *kp, const floating *vp, bint v_finite,
 ) noexcept nogil:
     """Fold keys ``[j0, j0 + width)`` into rows ``i0 + [r0, r1)`` (online softmax step).
 
     ``full``: every row sees every key of the tile; otherwise each row sees a
     prefix of it (the causal diagonal) and the rest is never formed.
     ``kp``: the key block from ``j0`` packed by ``pack_keys`` (the register-blocked
-    products), else NULL (BLAS).  ``v_finite``:
+    products), else NULL (BLAS); ``vp``: then the head's values packed by
+    ``pack_values``.  ``v_finite``:
     every value of the head is finite, so masked rows of v need no check.
     """
     cdef int rows = r1 - r0
@@ -128,7 +127,7 @@ cdef void _tile(
     if full or v_finite or all_finite(v + <Py_ssize_t> (j0 + w_min) * d_v,
                                       <Py_ssize_t> (width - w_min) * d_v):
         if kp != NULL:
-            output(s_buf, width, v + <Py_ssize_t> j0 * d_v, d_v, rows, width, d_v,
+            output(s_buf, width, vp, n_k, j0, rows, width, d_v,
                    out + <Py_ssize_t> (i0 + r0) * d_v, d_v)
         else:
             gemm(False, False, rows, d_v, width, 1, s_buf, width,
@@ -150,7 +149,7 @@ cdef void _query_block(
     const floating *q, const floating *k, const floating *v, floating *out,
     int n_q, int n_k, int d_k, int d_v, int i0, int i1, bint causal,
     floating scale, int block_k, floating *s_buf, floating *m, floating *l, floating *kp,
-    bint v_finite,
+    const floating *vp, bint v_finite,
 ) noexcept nogil:
     """Rows ``[i0, i1)`` of one head's output.  ``q, k, v, out`` point at that head.
 
@@ -158,8 +157,8 @@ cdef void _query_block(
     causal diagonal crosses is cut into tiles of :data:`DIAGONAL_ROWS` rows,
     each only as wide as its last row sees, so little masked work is done.
     ``kp``: this head's keys packed for the register-blocked products
-    (``pack_keys``), or NULL.  ``v_finite``: the head's values
-    are all finite.
+    (``pack_keys``), or NULL; ``vp``: then its values packed (``pack_values``).
+    ``v_finite``: the head's values are all finite.
     """
     cdef int nr = i1 - i0
     cdef int r, c, kb, j0, bk, hi, lo, t, r0, r1, width
@@ -182,7 +181,7 @@ cdef void _query_block(
         kp_block = kp + <Py_ssize_t> j0 * d_k if kp != NULL else NULL   # j0 % lanes == 0
         if j0 + bk <= lo:
             _tile(q, k, v, out, n_q, n_k, d_k, d_v, i0, 0, nr, j0, bk, True, causal,
-                  scale, s_buf, m, l, kp_block, v_finite)
+                  scale, s_buf, m, l, kp_block, vp, v_finite)
             continue
         for t in range((nr + DIAGONAL_ROWS - 1) // DIAGONAL_ROWS):
             r0 = t * DIAGONAL_ROWS
@@ -190,7 +189,7 @@ cdef void _query_block(
             width = min(_visible_end(i0 + r1 - 1, n_q, n_k, causal) - j0, bk)
             if width > 0:
                 _tile(q, k, v, out, n_q, n_k, d_k, d_v, i0, r0, r1, j0, width, False,
-                      causal, scale, s_buf, m, l, kp_block, v_finite)
+                      causal, scale, s_buf, m, l, kp_block, vp, v_finite)
 
     for r in range(nr):
         orow = out + <Py_ssize_t> (i0 + r) * d_v
@@ -230,43 +229,36 @@ def _online_softmax(
     cdef int lanes = 16 if floating is float else 8
     cdef bint micro = (simd_rows(d_k, buf) and simd_rows(d_v, buf)
                        and (block_k % lanes == 0 or block_k >= n_k) and n_k > 0)
-    # Every head's keys packed once (panels of lanes keys), shared by its query blocks.
+    # Every head's keys packed once (panels of lanes keys), and its values (panels of
+    # columns), shared by its query blocks.
     cdef Py_ssize_t head_kp = <Py_ssize_t> ((n_k + lanes - 1) // lanes) * lanes * d_k
+    cdef Py_ssize_t head_vp = <Py_ssize_t> n_k * d_v
     cdef int n_chunks = (n_k + PACK_KEYS - 1) // PACK_KEYS
     cdef floating[::1] kpack
     cdef floating *kp_all = NULL
+    cdef floating *vp_all = NULL
     cdef const floating *v_all = &v[0, 0, 0] if v.shape[0] * n_k * d_v > 0 else NULL
-    cdef const floating *v_src
     cdef int width
-    cdef Py_ssize_t offset
 
-    # Many heads a thread: a work item is a whole head, whose keys (and v,
-    # when it is not on a 64-byte boundary) the thread packs into a buffer of
-    # its own just before using them, while they are in its L2 -- no pass over
-    # every head before the tiles, no barrier after it: one parallel region a
-    # call.  (Under load a region's end waits for every thread to be given a
-    # core again, up to a scheduler period.)
+    # Many heads a thread: a work item is a whole head, whose keys and values the
+    # thread packs into a buffer of its own just before using them, while they
+    # are in its L2 -- no pass over every head before the tiles, no barrier
+    # after it: one parallel region a call.  (Under load a region's end waits
+    # for every thread to be given a core again, up to a scheduler period.)
     cdef bint per_head = micro and n_batch >= head_items * n_threads
-    cdef bint v_aligned = (<size_t> v_all) % 64 == 0
-    cdef Py_ssize_t thread_kp = head_kp + (0 if v_aligned else <Py_ssize_t> n_k * d_v)
-    cdef const floating *vh
+    cdef Py_ssize_t thread_kp = head_kp + head_vp
     cdef floating *tkp = NULL   # the thread's packed keys, set in each parallel block
 
     if per_head:
         kpack = aligned_empty(min(n_threads, n_batch) * thread_kp,
                               np.float32 if floating is float else np.float64)
         kp_all = &kpack[0]
-    elif micro:
-        kpack = aligned_empty(n_batch * head_kp, np.float32 if floating is float else np.float64)
+    elif micro and head_kp * head_vp > 0:
+        # Keys and values packed in pieces of PACK_KEYS keys shared out by the threads.
+        kpack = aligned_empty(n_batch * (head_kp + head_vp),
+                              np.float32 if floating is float else np.float64)
         kp_all = &kpack[0]
-        # Rows of v at a 64-byte boundary: a 64-byte load that straddles two
-        # cache lines costs two (one pass over v here saves it in every tile).
-        # The copy is shared out with the packing, not made before it on one
-        # thread (a serial pass that was a few % of a 2-thread call).
-        v_src = v_all
-        if not v_aligned:
-            v = aligned_empty((v.shape[0], n_k, d_v), np.asarray(v).dtype)
-            v_all = &v[0, 0, 0]
+        vp_all = kp_all + n_batch * head_kp
         with nogil, parallel(num_threads=min(n_threads, n_batch * n_chunks)):
             for item in prange(n_batch * n_chunks, schedule="dynamic"):
                 b = item // n_chunks
@@ -274,10 +266,9 @@ def _online_softmax(
                 width = min(PACK_KEYS, n_k - j0)
                 pack_keys(&k[b, j0, 0], d_k, width, d_k,
                           kp_all + b * head_kp + <Py_ssize_t> j0 * d_k)
-                if v_src != v_all:
-                    offset = (<Py_ssize_t> b * n_k + j0) * d_v
-                    memcpy(<void *> (v_all + offset), v_src + offset,
-                           <size_t> width * d_v * sizeof(floating))
+                pack_values(&v[b, j0, 0], d_v, j0, width, d_v, n_k, vp_all + b * head_vp)
+    else:
+        micro = False
 
     # Causal: whether each head's values are all finite, found once (else every
     # tile the diagonal crosses checks its masked rows of v).
@@ -294,19 +285,16 @@ def _online_softmax(
             tkp = kp_all + threadid() * thread_kp
             for b in prange(n_batch, schedule="dynamic"):
                 pack_keys(&k[b, 0, 0], d_k, n_k, d_k, tkp)
-                vh = &v[b, 0, 0]
+                pack_values(&v[b, 0, 0], d_v, 0, n_k, d_v, n_k, tkp + head_kp)
                 if causal:
-                    finite[b] = all_finite(vh, <Py_ssize_t> n_k * d_v)
-                if not v_aligned:
-                    memcpy(<void *> (tkp + head_kp), vh, <size_t> n_k * d_v * sizeof(floating))
-                    vh = tkp + head_kp
+                    finite[b] = all_finite(&v[b, 0, 0], <Py_ssize_t> n_k * d_v)
                 for blk in range(n_blocks - 1, -1, -1):
                     i0 = blk * block_q
                     i1 = min(i0 + block_q, n_q)
-                    _query_block(&q[b, 0, 0], &k[b, 0, 0], vh, &out[b, 0, 0],
+                    _query_block(&q[b, 0, 0], &k[b, 0, 0], &v[b, 0, 0], &out[b, 0, 0],
                                  n_q, n_k, d_k, d_v, i0, i1, causal, s, block_k,
                                  buf, buf + block_q * block_k, buf + block_q * block_k + block_q,
-                                 tkp, finite[b])
+                                 tkp, tkp + head_kp, finite[b])
         return
 
     # No more threads than work items: an idle thread only spins at the barrier.
@@ -321,7 +309,8 @@ def _online_softmax(
             _query_block(&q[b, 0, 0], &k[b, 0, 0], &v[b, 0, 0], &out[b, 0, 0],
                          n_q, n_k, d_k, d_v, i0, i1, causal, s, block_k,
                          buf, buf + block_q * block_k, buf + block_q * block_k + block_q,
-                         kp_all + b * head_kp if micro else NULL, finite[b])
+                         kp_all + b * head_kp if micro else NULL,
+                         vp_all + b * head_vp if micro else NULL, finite[b])
 
 
 def online_softmax_forward(q, k, v, bint causal, double scale, int n_threads=1):
@@ -349,7 +338,9 @@ def online_softmax_forward(q, k, v, bint causal, double scale, int n_threads=1):
     -----
     ``4 · B · n_q · n_k · d`` flops (about half when causal with
     ``n_q = n_k``); extra memory ``T · (BLOCK_Q · BLOCK_K + 2 BLOCK_Q)``
-    elements for ``T`` threads, besides the output.  Milakov & Gimelshein,
+    elements for ``T`` threads, besides the output, and with the
+    register-blocked products the packed keys and values, ``n_k (d_k + d_v)``
+    elements for each head (or each thread, with many heads a thread).  Milakov & Gimelshein,
     "Online normalizer calculation for softmax" (2018); Dao et al.,
     "FlashAttention" (2022).
     """
