@@ -247,14 +247,15 @@ def _copy_at(x, offset):
 def test_softmax_work_items_of_whole_heads(n_q, n_k, dtype, causal, offset, head_items,
                                            monkeypatch):
     # With HEAD_ITEMS heads a thread or more, a work item is a whole head whose
-    # keys (and an unaligned v) the thread packs into its own buffer; else a
-    # v off a 64-byte boundary is copied 1024 keys at a time by the threads
-    # that pack the keys.  17 heads of 2 query blocks (one partial) or of 1100
-    # keys (two packing chunks), each mode forced, 1 and 2 threads.
+    # keys and values the thread packs into its own buffer; else the keys and
+    # values are packed 1024 keys at a time, shared out by the threads.  17
+    # heads of 2 query blocks (one partial) or of 1100 keys (two packing
+    # chunks), each mode forced, 1 and 2 threads; v on and off a 64-byte
+    # boundary, 48 columns (three panels of AVX2's 16, a part of AVX-512's 64).
     # Causal: head 5's last value is inf, seen only by its last query; the
     # head's other rows must not meet 0 * inf (its values are not all finite).
     monkeypatch.setattr(cy.softmax, "HEAD_ITEMS", head_items)
-    q, k, v = make_qkv((17, n_q, 32), n_k=n_k, d_v=16, dtype=dtype, seed=34)
+    q, k, v = make_qkv((17, n_q, 32), n_k=n_k, d_v=48, dtype=dtype, seed=34)
     if causal:
         v[5, -1, 0] = np.inf
     v_off = _copy_at(v, offset)
