@@ -69,3 +69,41 @@ def test_report_refuses_a_bad_minilm_file_before_measuring(tmp_path, capsys, mon
     (tmp_path / "notes.txt").write_text("my notes\n")
     assert main(["report", "--quick", "--minilm", str(tmp_path / "notes.txt")]) == 2
     assert "--minilm" in capsys.readouterr().err
+
+
+def _save(path, **changes):
+    arrays = {name: np.ones((1, 2, 4, 8), dtype=np.float32) for name in ("q", "k", "v", "context")}
+    arrays.update(changes)
+    np.savez(path, **arrays)
+    return path
+
+
+def test_load_minilm_refuses_arrays_that_are_not_finite_floats(tmp_path):
+    bad_q = np.ones((1, 2, 4, 8), dtype=np.float32)
+    bad_q[0, 1, 2, 3] = np.nan
+    with pytest.raises(ValueError, match="array q has 1 values that are not finite"):
+        load_minilm(_save(tmp_path / "nan.npz", q=bad_q))
+    big_v = np.ones((1, 2, 4, 8))
+    big_v[0, 0, 1, 5] = 1e300        # finite in float64, inf in float32
+    with pytest.raises(ValueError, match="array v has 1 values that are not finite"):
+        load_minilm(_save(tmp_path / "big.npz", v=big_v))
+    with pytest.raises(ValueError, match="array k has dtype int32; expected floating point"):
+        load_minilm(_save(tmp_path / "int.npz", k=np.ones((1, 2, 4, 8), dtype=np.int32)))
+    with pytest.raises(ValueError, match="the arrays are empty"):
+        load_minilm(_save(tmp_path / "empty.npz", **{name: np.ones((1, 2, 0, 8)) for name in
+                                                      ("q", "k", "v", "context")}))
+    # float64 and float16 files load as float32, the dtype the docstring promises.
+    data = load_minilm(_save(tmp_path / "f64.npz", q=np.ones((1, 2, 4, 8)),
+                             k=np.ones((1, 2, 4, 8), dtype=np.float16)))
+    assert {a.dtype for a in data.values()} == {np.dtype(np.float32)}
+
+
+def test_report_quality_takes_minilm_of_any_head_dim(tmp_path):
+    from fastattn.report.quality import compute_quality
+
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((2, 2, 16, 64), dtype=np.float32) for _ in range(3))
+    path = _save(tmp_path / "d64.npz", q=q, k=k, v=v,
+                 context=fastattn.softmax_attention(q, k, v, backend="reference"))
+    quality = compute_quality(path)
+    assert quality.frontier.d_k == 64 and quality.frontier.minilm_shape == (2, 2, 16, 64)

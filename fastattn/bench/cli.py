@@ -194,6 +194,12 @@ def _plan(args):
             causal={"yes": (True,), "no": (False,), "both": (False, True)}[args.causal],
             batch=shape[0], heads=shape[1], dtype=args.dtype, feature_map=fmap,
             regime=regime, num_features=m)))
+    idle = {name: _why_idle(name, kinds, args.regime, args.feature_map)
+            for name in backends if not any(p.backend == name for p in points)}
+    if not points:
+        raise BenchUsageError("nothing to measure: " + "; ".join(idle.values()))
+    for why in idle.values():
+        print(f"note: {why}, so it is not measured", file=sys.stderr)
     if args.shape and args.n:
         print("note: --shape sets n for its points; --n is ignored", file=sys.stderr)
     if args.causal == "no" and any(p.regime == "decode" for p in points):
@@ -203,6 +209,16 @@ def _plan(args):
         print("note: --feature-map applies to linear attention; --kind softmax ignores it",
               file=sys.stderr)
     return points, out, backends, baseline, absent
+
+
+def _why_idle(name, kinds, regimes, feature_maps):
+    """Why backend ``name`` has no point of the run (a peer without the call)."""
+    from . import peers
+
+    whys = [peers.why_not(name, kind, regime=regime, feature_map=fmap if kind == "linear"
+                          else None)
+            for kind in kinds for regime in regimes for fmap in feature_maps]
+    return next((why for why in whys if why), f"{name} has no call for these points")
 
 
 def _run(args):

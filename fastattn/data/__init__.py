@@ -35,8 +35,9 @@ def load_minilm(path=None):
     FileNotFoundError
         If ``path`` does not exist.
     ValueError
-        If the file is not an ``.npz`` archive, lacks one of the arrays, or
-        their shapes disagree.
+        If the file is not an ``.npz`` archive, lacks one of the arrays, their
+        shapes disagree or are empty, or an array is not floating point or has
+        a value that is not finite in float32.
     """
     if path is None:
         with resources.as_file(resources.files(__name__) / SHIPPED) as shipped:
@@ -63,6 +64,17 @@ def _read(path):
     shapes = {name: a.shape for name, a in arrays.items()}
     if len({a.shape for a in arrays.values()}) != 1 or arrays["q"].ndim != 4:
         raise ValueError(f"{path}: q, k, v, context must share one (layers, heads, n, d) shape, got {shapes}")
+    if 0 in arrays["q"].shape:
+        raise ValueError(f"{path}: the arrays are empty, shape {arrays['q'].shape}")
+    for name, a in arrays.items():
+        if a.dtype.kind != "f":
+            raise ValueError(f"{path}: array {name} has dtype {a.dtype}; expected floating point "
+                             "activations (float16, float32 or float64)")
+        with np.errstate(over="ignore"):   # a float64 beyond float32's range: inf, refused
+            arrays[name] = a = a.astype(np.float32, copy=False)
+        if not np.isfinite(a).all():
+            raise ValueError(f"{path}: array {name} has {np.size(a) - np.isfinite(a).sum()} "
+                             "values that are not finite (NaN or inf) in float32")
     return arrays
 
 

@@ -136,7 +136,7 @@ def compute_quality(minilm_path="auto"):
         note=(f"the head with the most concentrated softmax attention of the {layers * heads} "
               f"loaded (mean row entropy {best[0]:.2f} nats; uniform would be "
               f"{np.log(n):.2f})")))
-    frontier = compute_frontier_quality(data, seed_inputs(GAUSSIAN_N, GAUSSIAN_D, SEED),
+    frontier = compute_frontier_quality(data, seed_inputs(GAUSSIAN_N, d, SEED),  # MiniLM's d
                                         (layer, h, head_title))
     return QualityResults(seed_row, gaussian, minilm, source, full, heatmaps, provenance,
                           frontier)
