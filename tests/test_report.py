@@ -351,6 +351,14 @@ def test_cli_refuses_a_readme_image_it_cannot_write_before_measuring(tmp_path, c
         assert "--readme-image" in err and why in err, err
         assert not out.exists() and not out.with_suffix(".jsonl").exists()
     assert notes.read_text() == "my notes"
+    # The report itself, its figure or its results file: refused before anything is written.
+    out = tmp_path / "r.html"
+    for image, what in ((out, "the report"), (tmp_path / "r-scaling.png", "the figure beside"),
+                        (tmp_path / "new.jsonl", "the results file")):
+        assert main(["report", "--quick", "--out", str(out), "--resume",
+                     str(tmp_path / "new.jsonl"), "--readme-image", str(image)]) == 2
+        assert f"is {what}" in capsys.readouterr().err
+        assert not out.exists() and not (tmp_path / "new.jsonl").exists()
 
 
 def test_a_report_of_points_at_too_few_lengths_says_so(tmp_path):

@@ -274,6 +274,20 @@ def _check_image(path, label="--readme-image"):
                 raise ReportError(f"{label} {path} exists and is not a PNG; not overwriting it")
 
 
+def _check_image_clash(image, out, results=None):
+    """Refuse a --readme-image that is the report, its results file or the figure beside it."""
+    if image is None:
+        return
+    taken = {Path(out): "the report", Path(out).with_name(Path(out).stem + "-scaling.png"):
+             "the figure beside the report"}
+    if results is not None:
+        taken[Path(results)] = "the results file"
+    for path, what in taken.items():
+        if image.resolve() == path.resolve():
+            raise ReportError(f"--readme-image {image} is {what}; give the figure a path of "
+                              "its own")
+
+
 def _run(args):
     if (args.history or args.asv_commit) is not None and args.asv is None:
         raise ReportError(f"{'--history' if args.history else '--asv-commit'} needs --asv DIR")
@@ -296,10 +310,12 @@ def _run(args):
     if args.asv is not None:
         records, history, source = _asv_records(args)
         out = args.out or REPORTS_DIR / f"fastattn-asv-{_timestamp()}.html"
+        _check_image_clash(args.readme_image, out)
     else:
         results = args.from_ or args.resume or REPORTS_DIR / f"fastattn-{_timestamp()}.jsonl"
         out = args.out or Path(results).with_suffix(".html")
         _check_output(out, protected)   # before measuring, whichever way out was named
+        _check_image_clash(args.readme_image, out, results)
         if args.from_ is None:
             _measure(args, results)
         records, source = _read_results(results), str(results)
