@@ -253,7 +253,7 @@ def _online_softmax(
         kpack = aligned_empty(min(n_threads, n_batch) * thread_kp,
                               np.float32 if floating is float else np.float64)
         kp_all = &kpack[0]
-    elif micro and head_kp * head_vp > 0:
+    elif micro and head_kp > 0 and head_vp > 0:
         # Keys and values packed in pieces of PACK_KEYS keys shared out by the threads.
         kpack = aligned_empty(n_batch * (head_kp + head_vp),
                               np.float32 if floating is float else np.float64)
