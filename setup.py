@@ -87,7 +87,9 @@ def cythonize_all():
         cython_extensions(),
         compiler_directives=directives,
         compile_time_env={"FASTATTN_DEBUG": DEBUG},
+        nthreads=os.cpu_count() or 1,
     )
 
 
-setup(ext_modules=cythonize_all())
+# The extensions compile side by side, one a core (softmax and linear take most of the time).
+setup(ext_modules=cythonize_all(), options={"build_ext": {"parallel": os.cpu_count() or 1}})

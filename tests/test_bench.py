@@ -364,7 +364,9 @@ def test_bench_says_which_options_its_points_ignore(tmp_path, capsys):
     assert records and all(r["causal"] for r in records)
 
 
-def test_bench_refuses_a_run_with_nothing_to_measure(tmp_path, capsys):
+def test_bench_refuses_a_run_with_nothing_to_measure(tmp_path, capsys, monkeypatch):
+    from fastattn.bench import sweep
+
     # The numpy peer times linear attention's recurrent step only: softmax gives no point.
     out = tmp_path / "empty.jsonl"
     for regime in ("prefill", "decode"):
@@ -374,12 +376,17 @@ def test_bench_refuses_a_run_with_nothing_to_measure(tmp_path, capsys):
         assert f"nothing to measure: numpy has no softmax attention ({regime})" in err
     assert not out.exists()
     # Beside a backend that has the points, the idle peer is named, not dropped silently.
+    swept = []
+
+    def sweep_then_stop(points, *args, **kwargs):
+        swept.extend(points)
+        raise KeyboardInterrupt
+    monkeypatch.setattr(sweep, "run_sweep", sweep_then_stop)
     assert main(["bench", "--backends", "reference", "numpy", "--kind", "softmax", "--n", "8",
-                 "--causal", "no", "--repeats", "1", "--no-memory", "--no-progress",
-                 "--out", str(out)]) == 0
+                 "--causal", "no", "--no-progress", "--out", str(out)]) == 130
     assert "note: numpy has no softmax attention (prefill) to race, so it is not measured" \
         in capsys.readouterr().err
-    assert {r["backend"] for r in read_records(out) if r["record"] == "point"} == {"reference"}
+    assert swept and {p.backend for p in swept} == {"reference"}
 
 
 def test_an_interrupted_bench_names_its_results_file(tmp_path, capsys, monkeypatch):
