@@ -72,8 +72,9 @@ def _read(path):
                              "activations (float16, float32 or float64)")
         with np.errstate(over="ignore"):   # a float64 beyond float32's range: inf, refused
             arrays[name] = a = a.astype(np.float32, copy=False)
-        if not np.isfinite(a).all():
-            raise ValueError(f"{path}: array {name} has {np.size(a) - np.isfinite(a).sum()} "
+        bad = np.size(a) - np.count_nonzero(np.isfinite(a))
+        if bad:
+            raise ValueError(f"{path}: array {name} has {bad} "
                              "values that are not finite (NaN or inf) in float32")
     return arrays
 

@@ -274,12 +274,16 @@ def _check_image(path, label="--readme-image"):
                 raise ReportError(f"{label} {path} exists and is not a PNG; not overwriting it")
 
 
+def _figure_beside(out):
+    """The scaling figure written beside the report ``out``."""
+    return out.with_name(out.stem + "-scaling.png")
+
+
 def _check_image_clash(image, out, results=None):
     """Refuse a --readme-image that is the report, its results file or the figure beside it."""
     if image is None:
         return
-    taken = {Path(out): "the report", Path(out).with_name(Path(out).stem + "-scaling.png"):
-             "the figure beside the report"}
+    taken = {out: "the report", _figure_beside(out): "the figure beside the report"}
     if results is not None:
         taken[Path(results)] = "the results file"
     for path, what in taken.items():
@@ -333,7 +337,7 @@ def _run(args):
         raise ReportError(str(exc)) from None
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(out, report.html)
-    beside = out.with_name(out.stem + "-scaling.png")
+    beside = _figure_beside(out)
     for image in [beside] + ([args.readme_image] if args.readme_image else []):
         try:
             # (again for --readme-image: the file may have changed while measuring)
