@@ -57,11 +57,6 @@ FA_AVX2 FA_INLINE fa_pair_t_##X fa_pair_mask_add_##X(fa_pair_t_##X src, fa_pair_
 /* x where m is in, 0 where it is out */                                                \
 FA_AVX2 FA_INLINE fa_pair_t_##X fa_pair_maskz_##X(fa_pair_t_##X m, fa_pair_t_##X x) {    \
     return fa_pair_make_##X(_mm256_and_##S(m.lo, x.lo), _mm256_and_##S(m.hi, x.hi));      \
-}                                                                                        \
-FA_AVX2 FA_INLINE fa_pair_t_##X fa_pair_round_##X(fa_pair_t_##X x) {                     \
-    return fa_pair_make_##X(                                                             \
-        _mm256_round_##S(x.lo, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),           \
-        _mm256_round_##S(x.hi, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));          \
 }
 
 #define FA_PAIR_BINARY(X, V, S, op)                                                      \
@@ -92,26 +87,40 @@ FA_AVX2 FA_INLINE fa_pair_t_d fa_pair_prefix_d(int n) {
                           _mm256_castsi256_pd(_mm256_cmpgt_epi64(_mm256_set1_epi64x(n - 4), lane)));
 }
 
-/* p 2**e for whole e <= 0, as vscalef does for the exps of _microkernel_t.h
- * and _linear_t.h, where e = round(t), p = 2**(t - e) and t <= 0: 2**e built
- * in the exponent bits; e below the smallest normal exponent gives 0
- * (vscalef: the subnormal, below 2**-126 (2**-1022), which the exp sums,
- * holding 1 or more, and the elu map, flushing it, both drop), and a NaN t
- * leaves p, so the result, NaN. */
-FA_AVX2 FA_INLINE __m256 fa_exp2i_f(__m256 e) {
-    __m256i b = _mm256_cvttps_epi32(_mm256_max_ps(_mm256_set1_ps(-127.0f), e));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(127)), 23));
+/* 2**t = 2**f 2**e, e = round(t), f = t - e, for -127 <= t < 128 (-1023 <= t < 1024):
+ * split returns y = t + M, M = 1.5 2**23 + 127 (1.5 2**52 + 1023), whose low mantissa bits
+ * are then e + 127 (e + 1023), and writes f = t - (y - M), exact; scale returns p 2**e with
+ * 2**e those bits shifted into the exponent field (e = -127 (-1023): 0, as 2**t is 0 at
+ * the floor the callers raise t to, or mask below).  Three integer and float operations
+ * in place of round, convert, clamp, add and shift (the exps of _microkernel_t.h and
+ * _linear_t.h; vscalef with AVX-512).  A NaN t gives a NaN f, so p and the result are NaN. */
+FA_AVX2 FA_INLINE fa_pair_t_f fa_pair_exp2_split_f(fa_pair_t_f t, fa_pair_t_f *f) {
+    const __m256 m = _mm256_set1_ps(12582912.0f + 127.0f);
+    __m256 lo = _mm256_add_ps(t.lo, m), hi = _mm256_add_ps(t.hi, m);
+    *f = fa_pair_make_f(_mm256_sub_ps(t.lo, _mm256_sub_ps(lo, m)),
+                        _mm256_sub_ps(t.hi, _mm256_sub_ps(hi, m)));
+    return fa_pair_make_f(lo, hi);
 }
-FA_AVX2 FA_INLINE fa_pair_t_f fa_pair_scalef_f(fa_pair_t_f p, fa_pair_t_f e) {
-    return fa_pair_make_f(_mm256_mul_ps(p.lo, fa_exp2i_f(e.lo)), _mm256_mul_ps(p.hi, fa_exp2i_f(e.hi)));
+FA_AVX2 FA_INLINE __m256 fa_exp2_bits_f(__m256 y) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_castps_si256(y), 23));
 }
-FA_AVX2 FA_INLINE __m256d fa_exp2i_d(__m256d e) {
-    __m128i b = _mm256_cvttpd_epi32(_mm256_max_pd(_mm256_set1_pd(-1023.0), e));
-    __m256i w = _mm256_cvtepi32_epi64(_mm_add_epi32(b, _mm_set1_epi32(1023)));
-    return _mm256_castsi256_pd(_mm256_slli_epi64(w, 52));
+FA_AVX2 FA_INLINE fa_pair_t_f fa_pair_exp2_scale_f(fa_pair_t_f p, fa_pair_t_f y) {
+    return fa_pair_make_f(_mm256_mul_ps(p.lo, fa_exp2_bits_f(y.lo)),
+                          _mm256_mul_ps(p.hi, fa_exp2_bits_f(y.hi)));
 }
-FA_AVX2 FA_INLINE fa_pair_t_d fa_pair_scalef_d(fa_pair_t_d p, fa_pair_t_d e) {
-    return fa_pair_make_d(_mm256_mul_pd(p.lo, fa_exp2i_d(e.lo)), _mm256_mul_pd(p.hi, fa_exp2i_d(e.hi)));
+FA_AVX2 FA_INLINE fa_pair_t_d fa_pair_exp2_split_d(fa_pair_t_d t, fa_pair_t_d *f) {
+    const __m256d m = _mm256_set1_pd(6755399441055744.0 + 1023.0);
+    __m256d lo = _mm256_add_pd(t.lo, m), hi = _mm256_add_pd(t.hi, m);
+    *f = fa_pair_make_d(_mm256_sub_pd(t.lo, _mm256_sub_pd(lo, m)),
+                        _mm256_sub_pd(t.hi, _mm256_sub_pd(hi, m)));
+    return fa_pair_make_d(lo, hi);
+}
+FA_AVX2 FA_INLINE __m256d fa_exp2_bits_d(__m256d y) {
+    return _mm256_castsi256_pd(_mm256_slli_epi64(_mm256_castpd_si256(y), 52));
+}
+FA_AVX2 FA_INLINE fa_pair_t_d fa_pair_exp2_scale_d(fa_pair_t_d p, fa_pair_t_d y) {
+    return fa_pair_make_d(_mm256_mul_pd(p.lo, fa_exp2_bits_d(y.lo)),
+                          _mm256_mul_pd(p.hi, fa_exp2_bits_d(y.hi)));
 }
 
 /* The sum of all lanes */

@@ -41,6 +41,12 @@
 #define FA_VCMP _mm512_cmp_pd_mask
 #endif
 #define FA_PREFIX(n) ((FA_MT) ((1u << (n)) - 1u))
+/* Where exp's 2**t is 0 in the dtype: t is raised to it (vscalef gives 0 below 2**-149) */
+#if !FA_DOUBLE
+#define FA_EXP_LOWEST (-160.0f)
+#else
+#define FA_EXP_LOWEST (-1100.0)
+#endif
 #define FA_VZERO FA_S(setzero)
 #define FA_VSET1 FA_S(set1)
 #define FA_VLOAD FA_S(loadu)
@@ -55,9 +61,13 @@
 #define FA_VMAX FA_S(max)
 #define FA_VMADD FA_S(mask_add)
 #define FA_VMASKZ FA_S(maskz_mov)
-#define FA_VSCALEF FA_S(scalef)
 #define FA_VREDUCE_ADD FA_S(reduce_add)
-#define FA_VROUND(x) FA_S(roundscale)(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+/* 2**t = 2**f 2**e: e (here round(t)) and f = t - round(t), then p 2**e by vscalef */
+#define FA_EXP2_SPLIT(e, f, t) do { \
+    e = FA_S(roundscale)(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); \
+    f = FA_VSUB(t, e); \
+} while (0)
+#define FA_EXP2_SCALE FA_S(scalef)
 #else   /* FA_ISA == 256 */
 #define FA_TARGET FA_AVX2
 #define FA_BLOCK_V 1
@@ -72,6 +82,12 @@
 #define FA_L 8
 #define FA_NAME(x) x##_d256
 #define FA_P(op) fa_pair_##op##_d
+#endif
+/* Where exp's 2**t is 0: t is raised to it (the split's lowest exponent, whose bits are 0) */
+#if !FA_DOUBLE
+#define FA_EXP_LOWEST (-127.0f)
+#else
+#define FA_EXP_LOWEST (-1023.0)
 #endif
 #define FA_VT FA_P(t)
 #define FA_MT FA_P(t)
@@ -91,10 +107,11 @@
 #define FA_VMADD FA_P(mask_add)
 #define FA_VMASKZ FA_P(maskz)
 #define FA_VCMP FA_P(cmp)
-#define FA_VSCALEF FA_P(scalef)
 #define FA_VREDUCE_ADD FA_P(reduce_add)
 #define FA_LANE_SUMS FA_P(lane_sums)
-#define FA_VROUND FA_P(round)
+/* e encodes round(t) in its low bits (_avx2_pair.h): -127 <= t < 128 (-1023 <= t < 1024) */
+#define FA_EXP2_SPLIT(e, f, t) do { e = FA_P(exp2_split)(t, &(f)); } while (0)
+#define FA_EXP2_SCALE FA_P(exp2_scale)
 #endif
 #define FA_ALL FA_PREFIX(FA_L)
 
@@ -158,8 +175,9 @@
 #undef FA_VMADD
 #undef FA_VMASKZ
 #undef FA_VCMP
-#undef FA_VSCALEF
 #undef FA_VREDUCE_ADD
-#undef FA_VROUND
+#undef FA_EXP2_SPLIT
+#undef FA_EXP2_SCALE
+#undef FA_EXP_LOWEST
 #undef FA_LANE_SUMS
 #undef FA_EXP2_POLY

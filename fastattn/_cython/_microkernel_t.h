@@ -352,24 +352,17 @@ FA_TARGET static void FA_NAME(fastattn_output)(const FA_T *p0, int ldp, const FA
 
 /* s[j] = exp(s[j] - shift) in place for j < n, s[j] <= shift; returns the sum.
  * exp(x) = 2**t, t = x log2(e) = e + f, e = round(t): 2**f by FA_EXP2_POLY,
- * then FA_VSCALEF multiplies by 2**e.  t is first raised to FA_EXP_LOWEST,
- * where 2**t is 0 in the dtype (so t = -inf, a masked or -inf score, gives 0,
- * not inf - inf); max(lowest, t) keeps a NaN t, and the NaN. */
-#if !FA_DOUBLE
-#define FA_EXP_LOWEST (-160.0f)
-#else
-#define FA_EXP_LOWEST (-1100.0)
-#endif
+ * then FA_EXP2_SCALE multiplies by 2**e.  t is first raised to FA_EXP_LOWEST,
+ * where 2**t is 0 (so t = -inf, a masked or -inf score, gives 0, not
+ * inf - inf); max(lowest, t) keeps a NaN t, and the NaN. */
 FA_TARGET FA_INLINE FA_VT FA_NAME(fa_exp_shifted)(FA_VT x, FA_VT sh) {
     FA_VT t = FA_VMUL(FA_VSUB(x, sh), FA_VSET1((FA_T) 1.4426950408889634));
     t = FA_VMAX(FA_VSET1(FA_EXP_LOWEST), t);
-    FA_VT e = FA_VROUND(t);
-    FA_VT f = FA_VSUB(t, e);
-    FA_VT p;
+    FA_VT e, f, p;
+    FA_EXP2_SPLIT(e, f, t);
     FA_EXP2_POLY(p, f);
-    return FA_VSCALEF(p, e);
+    return FA_EXP2_SCALE(p, e);
 }
-#undef FA_EXP_LOWEST
 
 FA_TARGET static FA_T FA_NAME(fastattn_tile_exp_sum)(FA_T *s, int n, FA_T shift) {
     const FA_VT sh = FA_VSET1(shift);
