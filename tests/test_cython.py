@@ -522,14 +522,15 @@ LINEAR_PRODUCT_CASES = [
 ]
 
 
-@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("threads", [1, 2, 3, 8])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f64"])
 @pytest.mark.parametrize("case", LINEAR_PRODUCT_CASES, ids=case_id)
 def test_linear_products_match_reference(case, dtype, causal, threads):
     # With the register-blocked products (d_v a multiple of the lanes) or BLAS, with an
-    # initial state; causal with fewer heads than the 1-3 threads: a state a
-    # chunk, folded in parallel and prefix-summed.
+    # initial state; causal with fewer heads than the 2-8 threads: runs of chunks
+    # whose starting states are folded in pieces (8 threads: pieces of a few keys,
+    # some empty) and prefix-summed.
     q, k, v = _inputs(case, dtype, seed=41)
     lead, n_q, n_k, d_k, d_v = case
     rng = np.random.default_rng(42)
@@ -553,7 +554,7 @@ def test_causal_linear_products_keep_a_masked_inf_out(dtype, where, threads):
     # inside the block of 6 rows the diagonal product reads for rows
     # 2 CH..2 CH + 5): every earlier row stays finite and right, the later rows
     # of the head see it.  d_v = 64: the register-blocked products where the CPU has them;
-    # 3 threads for 2 heads: a state a chunk.
+    # 3 threads for 2 heads: runs of chunks (the inf lies in the second run).
     q, k, v = make_qkv((2, 4 * CH, 64), d_v=64, dtype=dtype, seed=43)
     bad = 2 * CH + 3
     (v if where == "value" else k)[1, bad, 5] = np.inf

@@ -19,10 +19,10 @@ Heads are shared out by OpenMP, one parallel region a call.  With fewer
 heads than threads a head is cut into segments: non-causal (fewer than
 :data:`SEGMENTS_PER_THREAD` heads a thread), the segments' keys are folded into
 partial states, summed behind a barrier, then the query chunks run; causal,
-the chunks are cut into runs (:data:`RUNS_PER_THREAD` a thread), every
-chunk's keys are folded into a state of their own and summed over its run, a
-prefix sum over the runs gives each run its starting state, and the runs go
-in parallel, a run's chunks in order (see :func:`_causal`).  Each chunk
+the chunks are cut into runs (:data:`RUNS_PER_THREAD` for each thread a head
+has), the keys before the last run are folded in pieces in parallel, a prefix
+sum over the runs gives each run its starting state, and the runs go in
+parallel, a run's chunks in order (see :func:`_causal`).  Each chunk
 prefetches the rows the next one reads.  With AVX-512 or AVX2 and ``d_v`` a
 multiple of the lanes every product is a register-blocked kernel of ``_linear_t.h``
 (no packing, the row scales applied at its store); otherwise BLAS,
@@ -55,9 +55,11 @@ CHUNK = 64
 #: buffer (``128 d_k`` elements) stays in L1 (256 rows measured slower, 1 thread).
 NONCAUSAL_CHUNK = 128
 
-#: Causal, fewer heads than threads: each head's chunks in this many runs a
-#: thread, a run's chunks one after another from the run's state.
-RUNS_PER_THREAD = 4
+#: Causal, fewer heads than threads: each head's chunks in this many runs for each
+#: thread the head has, a run's chunks one after another from the run's state; the
+#: keys of every run but the last are folded twice (see :func:`_causal`), so more
+#: runs share the work out more evenly but cost more.
+RUNS_PER_THREAD = 1
 
 #: Non-causal, fewer than this many heads a thread: segments of keys a thread:
 #: with several a thread, shared out dynamically, a thread slowed by other
@@ -572,8 +574,14 @@ cdef void _causal_segment(const floating *q, const floating *k, const floating *
         _fold_keys(k, v, folded, n_k, d_k, d_v, code, chunk, S, z, k_buf, micro)
 
 
-cdef inline int _chunk_keys(int c, int n_chunks, int chunk, int n_q, int n_k) noexcept nogil:
-    """Keys every query of chunk ``c`` sees (``n_k`` for ``c = n_chunks``)."""
+cdef inline int _run_keys(int g, int run, int n_chunks, int chunk, int n_q,
+                          int n_k) noexcept nogil:
+    """Keys folded before run ``g`` (of ``run`` chunks) starts: 0 for the first run
+    (its own segment folds the keys before its first chunk), the keys every query
+    of its first chunk sees for the others, ``n_k`` past the last chunk."""
+    cdef int c = g * run
+    if g == 0:
+        return 0
     if c >= n_chunks:
         return n_k
     return min(max(c * chunk + n_k - n_q, 0), n_k)
@@ -586,8 +594,8 @@ def _causal(
     floating[:, :, ::1] out,
     floating[:, :, :, ::1] S_r,
     floating[:, :, ::1] z_r,
-    floating[:, :, :, ::1] S_d,
-    floating[:, :, ::1] z_d,
+    floating[:, :, :, ::1] S_p,
+    floating[:, :, ::1] z_p,
     floating[::1] workspace,
     int[::1] seen,
     int code,
@@ -597,37 +605,40 @@ def _causal(
 ):
     """Chunked causal linear attention, one parallel region.
 
-    ``S_d.shape[1] == 0``: a head a work item, its chunks in order from
+    ``S_r.shape[1] == 1``: a head a work item, its chunks in order from
     ``(S_r[b, 0], z_r[b, 0])`` (the initial state on entry, the state after
     the last key on return).  Else (fewer heads than threads) a head's chunks
-    are cut into ``G = S_r.shape[1] - 1`` runs of consecutive chunks,
-    ``(S_d[b, c], z_d[b, c])`` holds the keys of chunk ``c`` (those its
-    successor sees first) and ``(S_r[b, g], z_r[b, g])`` becomes the state run
-    ``g`` starts from (entry 0 the initial state on entry, entry ``G`` the
-    state after the last key on return):
+    are cut into ``G = S_r.shape[1] - 1`` runs of consecutive chunks, and
+    ``(S_r[b, g], z_r[b, g])`` becomes the state run ``g`` starts from
+    (entry 0 the initial state on entry, entry ``G`` the state after the last
+    key on return):
 
-    1. in parallel, entry 0 gains the keys before the first chunk's, and each
-       run folds its chunks' keys into their own ``S_d`` (written, not added to) and
-       sums them into ``S_r[b, g + 1]``;
-    2. a prefix sum over the ``G + 1`` entries of ``S_r``, split by blocks of
-       rows of the state;
-    3. the runs in parallel, each from its entry of ``S_r`` copied into the
-       thread's own state, which gains ``S_d[b, c]`` after each chunk ``c``.
+    1. in parallel, the keys before the last run are folded in pieces, each
+       into its own ``(S_p[b, i], z_p[b, i])`` (written, not added to), the keys
+       of each run before the last cut into ``P = S_p.shape[1] / (G - 1)`` pieces;
+    2. a prefix sum: entry ``g`` is entry ``g - 1`` and run ``g - 1``'s pieces,
+       split by blocks of rows of the state;
+    3. the runs in parallel, each as a head of its own from its entry copied into
+       the thread's own state, folding its keys as it goes (the last run's state
+       is entry ``G``).
 
-    Every key is folded once, and each chunk's state is written once and read
-    once; each step is behind a loop's barrier.  ``seen``: ``chunk`` ints a thread.
+    The keys of every run but the last are folded twice (in step 1 and by their
+    run), which costs less than writing and reading a state a chunk: about
+    ``(G - 1) / (G T)`` of a head's work a thread, a few per cent on 2 threads;
+    each step is behind a loop's barrier.  ``seen``: ``chunk`` ints a thread.
     """
     cdef int n_batch = q.shape[0], n_q = q.shape[1], d_k = q.shape[2]
     cdef int n_k = k.shape[1], d_v = v.shape[2]
     cdef int n_chunks = (n_q + chunk - 1) // chunk
-    cdef bint by_chunk = S_d.shape[1] > 0
     cdef int n_runs = S_r.shape[1] - 1
-    cdef int run = (n_chunks + n_runs - 1) // n_runs if by_chunk else n_chunks
-    cdef int n_items = n_batch * (n_runs + 1) if by_chunk else n_batch
+    cdef bint by_runs = n_runs > 0
+    cdef int run = (n_chunks + n_runs - 1) // n_runs if by_runs else n_chunks
+    cdef int n_pieces = S_p.shape[1] // (n_runs - 1) if n_runs > 1 else 0
+    cdef int n_items = n_batch * max(n_runs, S_p.shape[1]) if by_runs else n_batch
     cdef int row_blocks = (d_k + _PREFIX_ROWS - 1) // _PREFIX_ROWS
     cdef Py_ssize_t state = <Py_ssize_t> d_k * d_v
     cdef Py_ssize_t per_thread = _causal_workspace(chunk, d_k, d_v)
-    cdef int item, b, c, g, a, a1, c_end
+    cdef int item, b, g, i, a, a1, j0, j1, c_begin, c_end
     cdef floating *buf = NULL   # per-thread workspace, set in the parallel block
     cdef floating *own = NULL   # the thread's own state in step 3
     cdef floating e = <floating> eps
@@ -638,56 +649,51 @@ def _causal(
     with nogil, parallel(num_threads=max(1, min(n_threads, n_items))):
         buf = &workspace[0] + threadid() * per_thread
         own = buf + _segment_buffer(chunk, d_k)
-        if not by_chunk:
+        if not by_runs:
             for item in prange(n_batch, schedule="dynamic"):
                 _causal_segment(&q[item, 0, 0], &k[item, 0, 0], &v[item, 0, 0], &out[item, 0, 0],
                                 &S_r[item, 0, 0, 0], &z_r[item, 0, 0], n_q, n_k, d_k, d_v, code,
                                 e, chunk, 0, n_chunks, 0, True, True, buf,
                                 &seen[threadid() * chunk], micro)
         else:
-            # (1) entry 0 += the keys before the first chunk's; run g: S_d[b, c] = the keys
-            # [start of chunk c, start of chunk c + 1), S_r[b, g + 1] = their sum over the run.
-            for item in prange(n_batch * (n_runs + 1), schedule="dynamic"):
-                b = item // (n_runs + 1)
-                g = item % (n_runs + 1) - 1
-                if g < 0:
-                    _fold_keys(&k[b, 0, 0], &v[b, 0, 0], 0, _chunk_keys(0, n_chunks, chunk, n_q, n_k),
-                               d_k, d_v, code, chunk, &S_r[b, 0, 0, 0], &z_r[b, 0, 0], buf, micro)
-                    continue
-                memset(&S_r[b, g + 1, 0, 0], 0, state * sizeof(floating))
-                memset(&z_r[b, g + 1, 0], 0, d_k * sizeof(floating))
-                c_end = min((g + 1) * run, n_chunks)
-                for c in range(g * run, c_end):
-                    _fold_keys(&k[b, 0, 0], &v[b, 0, 0], _chunk_keys(c, n_chunks, chunk, n_q, n_k),
-                               _chunk_keys(c + 1, n_chunks, chunk, n_q, n_k), d_k, d_v, code,
-                               chunk, &S_d[b, c, 0, 0], &z_d[b, c, 0], buf, micro,
-                               _chunk_keys(c + 2, n_chunks, chunk, n_q, n_k) if c + 1 < c_end else 0,
-                               True)
-                    _add(&S_d[b, c, 0, 0], state, &S_r[b, g + 1, 0, 0])
-                    _add(&z_d[b, c, 0], d_k, &z_r[b, g + 1, 0])
+            # (1) piece i of run g = i // P: keys [j0, j1) of the run's [start, end)
+            for item in prange(n_batch * S_p.shape[1], schedule="dynamic"):
+                b = item // S_p.shape[1]
+                i = item % S_p.shape[1]
+                g = i // n_pieces
+                a = _run_keys(g, run, n_chunks, chunk, n_q, n_k)
+                a1 = _run_keys(g + 1, run, n_chunks, chunk, n_q, n_k)
+                j0 = a + (a1 - a) * (i % n_pieces) // n_pieces
+                j1 = a + (a1 - a) * (i % n_pieces + 1) // n_pieces
+                _fold_keys(&k[b, 0, 0], &v[b, 0, 0], j0, j1, d_k, d_v, code, chunk,
+                           &S_p[b, i, 0, 0], &z_p[b, i, 0], buf, micro, 0, True)
             # (2) the prefix sum over the runs, _PREFIX_ROWS rows of the state at a time
             for item in prange(n_batch * row_blocks, schedule="static"):
                 b = item // row_blocks
                 a = item % row_blocks * _PREFIX_ROWS
                 a1 = min(a + _PREFIX_ROWS, d_k)
-                for g in range(1, n_runs + 1):
-                    _add(&S_r[b, g - 1, a, 0], <Py_ssize_t> (a1 - a) * d_v, &S_r[b, g, a, 0])
-                    _add(&z_r[b, g - 1, a], a1 - a, &z_r[b, g, a])
-            # (3) the runs, each chunk from the thread's own state
+                for g in range(1, n_runs):
+                    memcpy(&S_r[b, g, a, 0], &S_r[b, g - 1, a, 0],
+                           (a1 - a) * d_v * sizeof(floating))
+                    memcpy(&z_r[b, g, a], &z_r[b, g - 1, a], (a1 - a) * sizeof(floating))
+                    for i in range((g - 1) * n_pieces, g * n_pieces):
+                        _add(&S_p[b, i, a, 0], <Py_ssize_t> (a1 - a) * d_v, &S_r[b, g, a, 0])
+                        _add(&z_p[b, i, a], a1 - a, &z_r[b, g, a])
+            # (3) the runs, each from its entry in the thread's own state
             for item in prange(n_batch * n_runs, schedule="dynamic"):
                 b = item // n_runs
                 g = item % n_runs
                 memcpy(own, &S_r[b, g, 0, 0], state * sizeof(floating))
                 memcpy(own + state, &z_r[b, g, 0], d_k * sizeof(floating))
-                c_end = min((g + 1) * run, n_chunks)
-                for c in range(g * run, c_end):
-                    _causal_segment(&q[b, 0, 0], &k[b, 0, 0], &v[b, 0, 0], &out[b, 0, 0],
-                                    own, own + state, n_q, n_k, d_k, d_v, code, e, chunk, c,
-                                    c + 1, _chunk_keys(c, n_chunks, chunk, n_q, n_k), False,
-                                    False, buf, &seen[threadid() * chunk], micro, c + 1 < c_end)
-                    if c + 1 < c_end:
-                        _add(&S_d[b, c, 0, 0], state, own)
-                        _add(&z_d[b, c, 0], d_k, own + state)
+                c_begin = g * run
+                c_end = min(c_begin + run, n_chunks)
+                _causal_segment(&q[b, 0, 0], &k[b, 0, 0], &v[b, 0, 0], &out[b, 0, 0],
+                                own, own + state, n_q, n_k, d_k, d_v, code, e, chunk, c_begin,
+                                c_end, _run_keys(g, run, n_chunks, chunk, n_q, n_k),
+                                g == n_runs - 1, True, buf, &seen[threadid() * chunk], micro)
+                if g == n_runs - 1:
+                    memcpy(&S_r[b, n_runs, 0, 0], own, state * sizeof(floating))
+                    memcpy(&z_r[b, n_runs, 0], own + state, d_k * sizeof(floating))
 
 
 def _takes_products(int d_v, dtype):
@@ -738,9 +744,9 @@ def linear_attention_forward(q, k, v, feature_map, bint causal, double eps, S0=N
     outputs: ``T · (3 CHUNK d_k + CHUNK² + CHUNK + d_k d_v + d_k)`` elements
     and ``T · CHUNK`` ints for ``T`` threads when causal,
     ``T · NONCAUSAL_CHUNK · (d_k + 1)`` otherwise, and a ``(d_k, d_v)`` state a
-    segment: causal with fewer heads than threads, a state a chunk and a run,
-    ``B (n_q / CHUNK + RUNS_PER_THREAD T + 1) d_k d_v`` elements (about as
-    much as ``q`` at ``d_k = d_v = CHUNK``).  Katharopoulos et al., "Transformers are RNNs" (ICML 2020).
+    segment: causal with fewer heads than threads, a state a run and a piece of
+    the keys, at most ``B (2 G + T) d_k d_v`` elements for ``G`` runs a head
+    (``RUNS_PER_THREAD ⌈T / B⌉`` runs, fewer when there are fewer chunks).  Katharopoulos et al., "Transformers are RNNs" (ICML 2020).
     """
     if feature_map not in FEATURE_MAP_CODES:
         raise ValueError(f"feature_map must be one of {list(FEATURE_MAP_CODES)}, got {feature_map!r}")
@@ -756,10 +762,14 @@ def linear_attention_forward(q, k, v, feature_map, bint causal, double eps, S0=N
     code = FEATURE_MAP_CODES[feature_map]
     n_chunks = -(-(n_q if causal else k.shape[1]) // chunk)
     if causal:
-        # Fewer heads than threads: a state a chunk, in RUNS_PER_THREAD runs of chunks a
-        # thread (see _causal).
-        by_chunk = n_batch < n_threads and n_chunks > 1
-        n_runs = min(n_chunks, RUNS_PER_THREAD * n_threads) if by_chunk else 0
+        # Fewer heads than threads: each head's chunks in runs, RUNS_PER_THREAD for each
+        # thread the head has, none of them empty, and the keys of the runs before the
+        # last in enough pieces for every thread (see _causal).
+        n_runs = n_pieces = 0
+        if n_batch < n_threads and n_chunks > 1:
+            n_runs = min(n_chunks, RUNS_PER_THREAD * -(-n_threads // n_batch))
+            n_runs = -(-n_chunks // -(-n_chunks // n_runs))
+            n_pieces = -(-n_threads // (n_batch * (n_runs - 1)))
         n_seg = n_runs + 1
     else:
         # Fewer than SEGMENTS_PER_THREAD heads a thread: each head's keys
@@ -773,9 +783,9 @@ def linear_attention_forward(q, k, v, feature_map, bint causal, double eps, S0=N
     S_seg[:, 0] = 0 if S0 is None else S0
     z_seg[:, 0] = 0 if z0 is None else z0
     if causal:
-        n_d = n_chunks if n_runs else 0
-        _causal(q, k, v, out, S_seg, z_seg, aligned_empty((n_batch, n_d, d_k, d_v), dtype),
-                np.empty((n_batch, n_d, d_k), dtype), workspace,
+        n_p = max(n_runs - 1, 0) * n_pieces
+        _causal(q, k, v, out, S_seg, z_seg, aligned_empty((n_batch, n_p, d_k, d_v), dtype),
+                np.empty((n_batch, n_p, d_k), dtype), workspace,
                 np.empty(n_threads * chunk, np.intc), code, eps, chunk, n_threads)
         return out, S_seg[:, -1].copy(), z_seg[:, -1].copy()
     S = aligned_empty((n_batch, d_k, d_v), dtype)
