@@ -352,6 +352,21 @@ def test_points_of_one_shape_take_turns_and_others_are_timed_alone(tmp_path, mon
         Options(rounds=0)
 
 
+@pytest.mark.parametrize("estimate_s, warm_calls", [(1e-3, 1), (engine.TURN_WARM_S, 0)])
+def test_a_turn_of_a_short_call_starts_with_an_untimed_call(estimate_s, warm_calls):
+    """The previous turn (another implementation, the roof's GEMM) leaves the caches
+    holding its data: a short call's turn first makes one call it does not time; a
+    call of TURN_WARM_S or more is timed at once."""
+    from fastattn.bench.sweep import _serve
+
+    made = []
+    state = {"calls": {"p": (lambda: made.append(1), estimate_s)}, "peers_only": True}
+    timing = _serve(("time", {"key": "p", "repeats": 3, "min_time_s": 0, "max_repeats": 3}),
+                    state)
+    assert timing["repeats"] == 3
+    assert len(made) == timing["number"] * timing["repeats"] + warm_calls
+
+
 def test_bench_says_which_options_its_points_ignore(tmp_path, capsys):
     argv = ["bench", "--kind", "softmax", "--regime", "decode", "--causal", "no",
             "--feature-map", "relu", "--n", "8", "--backends", "reference", "--repeats", "1",

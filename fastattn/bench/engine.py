@@ -39,6 +39,14 @@ SETTLE_S = 0.2
 #: Idle seconds before each turn when the backends of one shape take turns (more than one
 #: thread): the previous turn's pool (OpenBLAS spins ~0.1 s) is then asleep or nearly so.
 TURN_SETTLE_S = 0.1
+#: A turn of a call estimated below this many seconds starts with one untimed call, so
+#: the timed ones find their own inputs in the caches and their arrays' pages at hand,
+#: not what the previous turn (another implementation, the roof's GEMM) left: a
+#: memory-bound call is otherwise timed cold.  Measured here, a single-head causal
+#: linear-attention call (n = 16384, 1 thread) took 1.28x as long right after 1 GB
+#: went through another process as after a call of its own.  Longer calls pay that
+#: once in a share too small to matter.
+TURN_WARM_S = 0.05
 #: A timed repeat lasts at least this long (``number`` calls of a fast kernel).
 MIN_REPEAT_S = 2e-4
 #: A fast call is repeated for this long at least (at most MAX_REPEATS times), so

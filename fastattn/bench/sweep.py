@@ -232,6 +232,8 @@ def _serve(task, state):
             return None  # this process was replaced since the point was prepared
         call, estimate = state["calls"][payload["key"]]
         try:
+            if estimate < engine.TURN_WARM_S:
+                call()  # untimed: the turn's timed calls start warm
             timing = engine.time_call(call, payload["repeats"], estimate, payload["min_time_s"],
                                       payload["max_repeats"])
         except Exception as exc:
@@ -471,7 +473,9 @@ def _measure_group(points, workers, options, roofs, threads):
     the peers'), then the points take turns: round ``r`` times one repeat of each point
     still owed one (a share of ``min_time_s`` for a fast call), starting one point further
     on each round, so a spell of load from elsewhere falls on every point alike and the
-    ratios of their times are measured side by side.  ``options.rounds`` (default: one a
+    ratios of their times are measured side by side (a turn of a call shorter than
+    :data:`~.engine.TURN_WARM_S` starts with an untimed call, so it is not timed in the
+    caches the previous turn left).  ``options.rounds`` (default: one a
     repeat) caps the rounds, a turn then timing several repeats.  With more than one
     thread, each turn starts after :data:`~.engine.TURN_SETTLE_S` idle (the previous
     turn's pool may still spin)."""
