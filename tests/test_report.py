@@ -425,6 +425,19 @@ def test_cli_missing_results_file(tmp_path, capsys):
     assert "no results file" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("source", ["--from", "--asv"])
+@pytest.mark.parametrize("measuring", [["--quick"], ["--n", "128"], ["--threads", "1"],
+                                       ["--repeats", "3"]])
+def test_cli_refuses_measuring_options_with_a_source_that_measures_nothing(
+        tmp_path, capsys, source, measuring):
+    results = write_jsonl(tmp_path / "results.jsonl", synthetic_records())
+    path = results if source == "--from" else tmp_path
+    assert main(["report", source, str(path), *measuring, "--out", str(tmp_path / "r.html")]) == 2
+    err = capsys.readouterr().err
+    assert measuring[0] in err and source in err and "measures nothing" in err
+    assert not (tmp_path / "r.html").exists()
+
+
 def test_cli_asv_two_machines_and_history(tmp_path, monkeypatch, capsys):
     box_b = synthetic_records(backends=("numba",), ns=(256, 1024, 4096), machine="box-b")
     for r in box_b:   # asv kept no memory or flop counts for this machine

@@ -44,13 +44,15 @@ def add_parser(subparsers):
     add = parser.add_argument
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--from", dest="from_", metavar="RESULTS", type=Path,
-                        help="build the report from this results file without measuring")
+                        help="build the report from this results file without measuring "
+                             "(so without --n, --threads, --repeats or --quick)")
     source.add_argument("--resume", metavar="RESULTS", type=Path,
                         help="continue an interrupted run: measure only the points missing "
                              "from this results file, then build the report")
     source.add_argument("--asv", metavar="DIR", type=Path,
                         help="build the report from an asv results directory instead of "
-                             "measuring: the newest commit on asv.conf.json's branch")
+                             "measuring (so without --n, --threads, --repeats or --quick): the "
+                             "newest commit on asv.conf.json's branch")
     add("--asv-commit", metavar="REV",
         help="with --asv: the commit (a hash or its prefix) to report instead")
     add("--history", metavar="BENCHMARK",
@@ -295,6 +297,15 @@ def _check_image_clash(image, out, results=None):
 def _run(args):
     if (args.history or args.asv_commit) is not None and args.asv is None:
         raise ReportError(f"{'--history' if args.history else '--asv-commit'} needs --asv DIR")
+    source_flag = "--from" if args.from_ is not None else "--asv" if args.asv is not None else None
+    measuring = [flag for flag, given in (("--quick", args.quick), ("--n", args.n is not None),
+                                          ("--threads", args.threads is not None),
+                                          ("--repeats", args.repeats is not None)) if given]
+    if source_flag and measuring:
+        raise ReportError(f"{', '.join(measuring)} set{'s' if len(measuring) == 1 else ''} what "
+                          f"is measured, and {source_flag} measures nothing: drop "
+                          f"{'it' if len(measuring) == 1 else 'them'}, or measure with "
+                          "--resume RESULTS or without a source")
     if args.readme_image is not None:
         _check_image(args.readme_image)
     if args.minilm is not None:
