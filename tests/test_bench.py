@@ -598,6 +598,25 @@ def test_cli_refuses_foreign_out(capsys, tmp_path):
     assert path.read_text() == "my notes\n"
 
 
+@pytest.mark.parametrize("fresh", [[], ["--fresh"]])
+def test_cli_refuses_a_corrupt_out_and_says_what_to_do(capsys, tmp_path, fresh):
+    out = tmp_path / "run.jsonl"
+    assert main(["bench", "--kind", "softmax", "--n", "8", "--backends", "reference",
+                 "--repeats", "1", "--no-memory", "--out", str(out), "--no-progress"]) == 0
+    lines = out.read_text().splitlines()
+    lines.insert(1, '{"schema": "fastattn.results/1", "rec')   # a line overwritten
+    out.write_text("\n".join(lines) + "\n")
+    before = out.read_text()
+    capsys.readouterr()
+    assert main(["bench", "--kind", "softmax", "--n", "16", "--backends", "reference",
+                 "--repeats", "1", "--no-memory", "--out", str(out), "--no-progress",
+                 *fresh]) == 2
+    err = capsys.readouterr().err
+    assert f"{out}:2 is corrupt" in err and "repair or remove that line" in err
+    assert "another --out" in err
+    assert out.read_text() == before   # neither resumed nor replaced
+
+
 def test_cli_without_torch_says_how_to_add_it(capsys, tmp_path, monkeypatch):
     monkeypatch.setattr(peers, "available_peers", lambda: ())
     out = tmp_path / "b.jsonl"

@@ -173,7 +173,13 @@ def _plan(args):
         raise BenchUsageError(f"--out names the JSON-lines results file, got {out}")
     check_writable(out, "results file")
     if out.exists():
-        read_records(out)
+        try:
+            read_records(out)
+        except ResultsFileError as exc:
+            raise ResultsFileError(
+                f"{exc}; --out resumes this file (--fresh replaces it), and neither is done "
+                "to a file that is not sound: repair or remove that line, or give another "
+                "--out") from None
     check_target(out.with_suffix(".csv"), "csv")
     check_target(out.with_suffix(".summary.json"), "summary")
     check_target(out.with_suffix(".md"), "markdown")
