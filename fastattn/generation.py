@@ -64,7 +64,8 @@ class KVCache:
     ----------
     batch_shape : tuple of int
         Leading dims of every ``q, k, v`` (e.g. ``(batch, heads)``); ``()``
-        for a single head.
+        for a single head.  A list, or one int for one leading dim, is
+        taken too.
     capacity : int
         Most tokens the cache can hold, >= 1.
     d_k : int
@@ -77,8 +78,10 @@ class KVCache:
     Attributes
     ----------
     length : int
-        Tokens held so far.
+        Tokens held so far; read-only (:meth:`append` and :meth:`reset`
+        change it).
     capacity : int
+        Read-only, as ``batch_shape``, ``d_k``, ``d_v`` and ``dtype``.
     nbytes : int
         Bytes of the preallocated buffers, ``B · capacity · (d_k + d_v) ·
         itemsize`` for ``B = prod(batch_shape)``.
@@ -86,10 +89,11 @@ class KVCache:
     Raises
     ------
     TypeError
-        If ``batch_shape`` is not a tuple of ints or ``dtype`` is not float32
-        or float64.
+        If ``batch_shape`` is not an int, tuple or list, or ``dtype`` is not
+        float32 or float64.
     ValueError
-        If ``capacity``, ``d_k`` or ``d_v`` is not a positive integer.
+        If ``capacity``, ``d_k`` or ``d_v`` is not a positive integer, or an
+        entry of ``batch_shape`` is not an integer >= 0.
     MemoryError
         If the buffers for ``capacity`` keys and values cannot be allocated.
 
@@ -115,12 +119,12 @@ class KVCache:
     """
 
     def __init__(self, batch_shape, capacity, d_k, d_v=None, *, dtype=np.float32):
-        self.batch_shape = _check_batch_shape(batch_shape)
-        self.capacity = _check_dim(capacity, "capacity", 1)
-        self.d_k = _check_dim(d_k, "d_k", 1)
-        self.d_v = self.d_k if d_v is None else _check_dim(d_v, "d_v", 1)
-        self.dtype = _check_storage_dtype(dtype)
-        self.length = 0
+        self._batch_shape = _check_batch_shape(batch_shape)
+        self._capacity = _check_dim(capacity, "capacity", 1)
+        self._d_k = _check_dim(d_k, "d_k", 1)
+        self._d_v = self._d_k if d_v is None else _check_dim(d_v, "d_v", 1)
+        self._dtype = _check_storage_dtype(dtype)
+        self._length = 0
         try:
             self._k = np.empty(self.batch_shape + (self.capacity, self.d_k), self.dtype)
             self._v = np.empty(self.batch_shape + (self.capacity, self.d_v), self.dtype)
@@ -131,6 +135,15 @@ class KVCache:
                 f"KVCache: capacity={self.capacity} needs {need:,} bytes for the keys and "
                 f"values of batch shape {self.batch_shape}, more than this machine can "
                 f"allocate ({exc}); give a smaller capacity") from None
+
+    # Read-only: the kernels index the buffers by these, so a length or shape
+    # set from outside would read past the buffers; append and reset change them.
+    batch_shape = property(lambda self: self._batch_shape)
+    capacity = property(lambda self: self._capacity)
+    d_k = property(lambda self: self._d_k)
+    d_v = property(lambda self: self._d_v)
+    dtype = property(lambda self: self._dtype)
+    length = property(lambda self: self._length)
 
     @property
     def nbytes(self):
@@ -153,7 +166,7 @@ class KVCache:
 
     def reset(self):
         """Forget every token (the buffers are kept)."""
-        self.length = 0
+        self._length = 0
 
     def append(self, k, v):
         """Add the keys and values of ``t`` new tokens.
@@ -190,7 +203,7 @@ class KVCache:
             )
         self._k[..., self.length : self.length + t, :] = k
         self._v[..., self.length : self.length + t, :] = v
-        self.length += t
+        self._length += t
 
     def attend(self, q, *, causal=True, scale=None, backend="auto"):
         """Softmax attention of ``q`` over the cached keys and values.
@@ -257,7 +270,8 @@ class LinearAttentionState:
     Parameters
     ----------
     batch_shape : tuple of int
-        Leading dims of every ``q, k, v``; ``()`` for a single head.
+        Leading dims of every ``q, k, v``; ``()`` for a single head.  A
+        list, or one int for one leading dim, is taken too.
     d_k : int
         Key (and query) head dimension, >= 1.
     d_v : int, optional
@@ -277,7 +291,10 @@ class LinearAttentionState:
     S : ndarray of shape batch_shape + (D, d_v)
     z : ndarray of shape batch_shape + (D,)
     tokens : int
-        Tokens absorbed so far.
+        Tokens absorbed so far.  These and the parameters above are
+        read-only attributes (:meth:`step` and :meth:`reset` change the
+        state); to start from a state of your own, pass it to
+        :func:`fastattn.linear_attention` as ``initial_state``.
     nbytes : int
         Bytes of the state: ``B · (D · d_v + D) · itemsize``, whatever
         the number of tokens.
@@ -285,10 +302,11 @@ class LinearAttentionState:
     Raises
     ------
     TypeError
-        If ``batch_shape`` is not a tuple of ints, ``dtype`` is not float32
-        or float64, or ``eps`` is not a real number.
+        If ``batch_shape`` is not an int, tuple or list, ``dtype`` is not
+        float32 or float64, or ``eps`` is not a real number.
     ValueError
-        If ``d_k`` or ``d_v`` is not a positive integer, ``eps`` is
+        If ``d_k`` or ``d_v`` is not a positive integer, an entry of
+        ``batch_shape`` is not an integer >= 0, ``eps`` is
         negative or not finite, or ``feature_map`` is not a feature map for
         ``d_k``.
 
@@ -309,14 +327,27 @@ class LinearAttentionState:
 
     def __init__(self, batch_shape, d_k, d_v=None, *, feature_map="elu", eps=None,
                  dtype=np.float32):
-        self.batch_shape = _check_batch_shape(batch_shape)
-        self.d_k = _check_dim(d_k, "d_k", 1)
-        self.d_v = self.d_k if d_v is None else _check_dim(d_v, "d_v", 1)
-        self.dtype = _check_storage_dtype(dtype)
-        self.eps = None if eps is None else _api._check_positive_scalar(eps, "eps", allow_zero=True)
-        self.feature_map = feature_map
-        self.num_features = feature_maps.resolve(feature_map, self.d_k).num_features(self.d_k)
+        self._batch_shape = _check_batch_shape(batch_shape)
+        self._d_k = _check_dim(d_k, "d_k", 1)
+        self._d_v = self._d_k if d_v is None else _check_dim(d_v, "d_v", 1)
+        self._dtype = _check_storage_dtype(dtype)
+        self._eps = None if eps is None else _api._check_positive_scalar(eps, "eps", allow_zero=True)
+        self._feature_map = feature_map
+        self._num_features = feature_maps.resolve(feature_map, self._d_k).num_features(self._d_k)
         self.reset()
+
+    # Read-only: the state's shape and its token count follow from the steps
+    # taken; reset and step change them.
+    batch_shape = property(lambda self: self._batch_shape)
+    d_k = property(lambda self: self._d_k)
+    d_v = property(lambda self: self._d_v)
+    dtype = property(lambda self: self._dtype)
+    eps = property(lambda self: self._eps)
+    feature_map = property(lambda self: self._feature_map)
+    num_features = property(lambda self: self._num_features)
+    S = property(lambda self: self._S)
+    z = property(lambda self: self._z)
+    tokens = property(lambda self: self._tokens)
 
     @property
     def nbytes(self):
@@ -325,9 +356,9 @@ class LinearAttentionState:
     def reset(self):
         """Back to no tokens: ``S = 0``, ``z = 0`` (None for a callable's unknown ``D``)."""
         D = self.num_features
-        self.S = None if D is None else np.zeros(self.batch_shape + (D, self.d_v), self.dtype)
-        self.z = None if D is None else np.zeros(self.batch_shape + (D,), self.dtype)
-        self.tokens = 0
+        self._S = None if D is None else np.zeros(self.batch_shape + (D, self.d_v), self.dtype)
+        self._z = None if D is None else np.zeros(self.batch_shape + (D,), self.dtype)
+        self._tokens = 0
 
     def step(self, q, k, v, *, backend="auto"):
         """Absorb ``t`` tokens and return their outputs (causal).
@@ -369,7 +400,7 @@ class LinearAttentionState:
             initial_state=None if self.S is None else (self.S, self.z), return_state=True,
             backend=backend,
         )
-        self.S = S.astype(self.dtype, copy=False)
-        self.z = z.astype(self.dtype, copy=False)
-        self.tokens += k.shape[-2]
+        self._S = S.astype(self.dtype, copy=False)
+        self._z = z.astype(self.dtype, copy=False)
+        self._tokens += k.shape[-2]
         return out

@@ -205,6 +205,25 @@ def test_kv_cache_rejects_bad_appends_and_queries():
         cache.attend(np.zeros((2, 1, 4)), backend="fortran")
 
 
+@pytest.mark.parametrize("name, value", [
+    ("length", 10**6), ("capacity", 10**6), ("d_k", 8), ("d_v", 8),
+    ("batch_shape", (8,)), ("dtype", np.float64),
+])
+def test_kv_cache_sizes_are_read_only(name, value):
+    """A length or shape set from outside would send the kernels past the buffers."""
+    cache = fastattn.KVCache((2,), capacity=4, d_k=4, d_v=3)
+    k, v = np.ones((2, 3, 4)), np.ones((2, 3, 3))
+    cache.append(k, v)
+    before = getattr(cache, name)
+    with pytest.raises(AttributeError):
+        setattr(cache, name, value)
+    assert getattr(cache, name) == before and cache.length == 3
+    q = np.ones((2, 1, 4))
+    for backend in BACKENDS:
+        assert_close(cache.attend(q, backend=backend),
+                     reference64(fastattn.softmax_attention, q, k, v, causal=True), np.float32)
+
+
 # ---------------------------------------------------------------------------
 # LinearAttentionState
 
@@ -296,6 +315,13 @@ def test_linear_state_rejects_bad_input_and_keeps_its_state():
     np.testing.assert_array_equal(state.S, S)
     np.testing.assert_array_equal(state.z, z)
     assert state.tokens == 1
+    for name, value in (("tokens", 5), ("S", np.zeros_like(S)), ("z", -np.ones_like(z)),
+                        ("d_k", 8), ("batch_shape", (3,)), ("feature_map", "relu"),
+                        ("eps", 1.0), ("dtype", np.float64)):
+        with pytest.raises(AttributeError):
+            setattr(state, name, value)
+    np.testing.assert_array_equal(state.S, S)
+    assert state.tokens == 1 and state.feature_map == "elu"
 
 
 def test_kv_cache_too_large_to_allocate_names_capacity():
