@@ -147,19 +147,23 @@ def _native(dtype):
     return dtype if dtype.isnative else dtype.newbyteorder("=")
 
 
-def _check_float_array(x, name):
-    """``x`` is a plain ndarray of float16, float32 or float64 (any byte order)."""
+def _check_float_array(x, name, code=None):
+    """``x`` is a plain ndarray of float16, float32 or float64 (any byte order).
+
+    ``code`` is how the argument is written in the advice's code (default ``name``).
+    """
+    code = name if code is None else code
     if not isinstance(x, np.ndarray):
         raise TypeError(f"{name} must be a numpy.ndarray, got {type(x).__name__}")
     if isinstance(x, np.ma.MaskedArray):
         raise TypeError(
             f"{name} must be a plain numpy.ndarray, got a numpy.ma.MaskedArray whose "
-            f"mask would be ignored; pass e.g. {name}.filled(0.0)"
+            f"mask would be ignored; pass e.g. {code}.filled(0.0)"
         )
     if _native(x.dtype) not in _COMPUTE_DTYPES:
         raise TypeError(
             f"{name} must have dtype float16, float32 or float64, got {x.dtype} "
-            f"(cast it explicitly, e.g. {name}.astype(np.float32))"
+            f"(cast it explicitly, e.g. {code}.astype(np.float32))"
         )
 
 
@@ -350,11 +354,11 @@ def _check_state(initial_state, batch_shape, d_k, d_v, dtype, dim_name="d_k", sp
             f"got {type(initial_state).__name__}"
         )
     S, z = initial_state
-    for x, name, shape, dims in (
-        (S, "initial_state[0] (S)", batch_shape + (d_k, d_v), f"(..., {dim_name}, d_v)"),
-        (z, "initial_state[1] (z)", batch_shape + (d_k,), f"(..., {dim_name})"),
+    for x, name, code, shape, dims in (
+        (S, "initial_state[0] (S)", "S", batch_shape + (d_k, d_v), f"(..., {dim_name}, d_v)"),
+        (z, "initial_state[1] (z)", "z", batch_shape + (d_k,), f"(..., {dim_name})"),
     ):
-        _check_float_array(x, name)
+        _check_float_array(x, name, code)
         if x.shape != shape:
             raise ValueError(f"{name} must have shape {shape} {dims}, got {x.shape}")
     if spec is not None and spec.name != "taylor" and np.any(np.asarray(z) < 0):
@@ -431,7 +435,12 @@ def linear_attention(
         State of keys that came before this call, seen by every query:
         ``S`` of shape ``(..., D, d_v)`` and ``z`` of shape ``(..., D)``
         (``D = d_k`` for ``"elu"`` and ``"relu"``).  Default: no earlier
-        keys (zeros).
+        keys (zeros).  It is cast to the computation dtype, which ``q``,
+        ``k`` and ``v`` alone decide (a float64 state with float32 inputs is
+        used in float32).  A non-finite entry is taken as given, in every
+        backend alike: a NaN makes the rows that see it NaN, an inf in ``S``
+        makes them non-finite, and an inf in ``z`` makes them 0 (an
+        overflowing denominator, see Notes).
     return_state : bool, default False
         Also return the state after the last key of this call.  Running a
         sequence in pieces, passing each piece's state to the next, equals
@@ -466,8 +475,10 @@ def linear_attention(
         ``eps`` (or one that is inf in the computation dtype), or a state of the wrong shape or (for every map but
         ``"taylor"``, whose features may be negative) with a negative ``z``.
     MemoryError
-        With ``backend="reference"`` and ``causal=True``, before allocating,
-        when the ``n_q x n_k`` intermediates exceed the available memory.
+        Before any work, when the ``(D, d_v)`` states (about three of them at
+        the peak, ``B · D · d_v`` values each), or with ``backend="reference"``
+        and ``causal=True`` the ``n_q x n_k`` intermediates, exceed the
+        available memory.
 
     Notes
     -----
@@ -505,6 +516,7 @@ def linear_attention(
     S0 = z0 = None
     if D is not None:
         S0, z0 = _check_state(initial_state, batch_shape, D, d_v, dtype, _dim_name(spec), spec)
+        _check_state_fits(batch_shape, D, d_v, n_q, n_k, dtype, spec)
     module = _dispatch.backend_for_call(backend, "linear", q, k, v, causal, dtype, feature_map)
     out_shape = batch_shape + (n_q, d_v)
     empty = 0 in batch_shape or 0 in (n_q, n_k, d_v)
@@ -517,6 +529,7 @@ def linear_attention(
     if D is None:  # a user's map: D is known once it has run
         D = feats.num_features
         S0, z0 = _check_state(initial_state, batch_shape, D, d_v, dtype, _dim_name(spec), spec)
+        _check_state_fits(batch_shape, D, d_v, 0, 0, dtype, spec)
     out, S, z = feature_maps.linear_forward(
         kernel, spec, feats, qq, kk, _as_kernel_input(v, dtype), causal and not empty, eps, S0, z0
     )
@@ -524,6 +537,29 @@ def linear_attention(
     if not return_state:
         return out
     return out, (S.reshape(batch_shape + (D, d_v)), z.reshape(batch_shape + (D,)))
+
+
+#: Copies of the ``(D, d_v)`` state a fast call holds at its peak: the
+#: kernel's working states, the initial state and the one returned (measured:
+#: Cython 2x, Numba 3x the state at d_k = d_v = 16384).
+STATE_COPIES = 3
+
+
+def _check_state_fits(batch_shape, D, d_v, n_q, n_k, dtype, spec):
+    """MemoryError, before any work, when the ``(D, d_v)`` states (and the
+    features of a map computed up front) cannot fit in available memory."""
+    B = math.prod(batch_shape)
+    itemsize = np.dtype(dtype).itemsize
+    nbytes = STATE_COPIES * B * D * d_v * itemsize
+    if spec.name not in feature_maps.ELEMENTWISE:
+        nbytes += B * (n_q + n_k) * D * itemsize
+    reference.check_fits_in_memory(
+        nbytes,
+        f"linear attention with D={D:,} features and d_v={d_v:,}, for its "
+        f"{batch_shape + (D, d_v)} states{'' if spec.name in feature_maps.ELEMENTWISE else ' and features'},",
+        advice="the state grows as D x d_v (D = d_k for elu and relu, "
+               "1 + d_k + d_k (d_k + 1) / 2 for taylor): give smaller head dims or fewer features",
+    )
 
 
 def _dim_name(spec):
@@ -595,6 +631,16 @@ def attention_weights(
     out_shape = batch_shape + (n_q, n_k)
     if 0 in out_shape:
         return np.zeros(out_shape, dtype)
+    # The reference holds two n_q x n_k arrays at most (and the causal mask);
+    # refused here with advice for this function, which has no tiled backend.
+    reference.check_fits_in_memory(
+        reference.quadratic_bytes(math.prod(batch_shape), n_q, n_k, np.dtype(dtype).itemsize,
+                                  arrays=2) + (2 * n_q * n_k if causal else 0),
+        f"attention_weights, for its {out_shape} weights and their intermediates,",
+        advice="the weights are n_q x n_k: pass fewer queries or keys (a slice of q or k), "
+               "or compute the attention itself with softmax_attention or linear_attention, "
+               "which need O(n d) memory",
+    )
     qq, kk = _as_kernel_input(q, dtype), _as_kernel_input(k, dtype)
     if kind == "softmax":
         weights, _ = reference.softmax_weights(qq, kk, causal, scale)

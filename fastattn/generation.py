@@ -395,11 +395,22 @@ class LinearAttentionState:
         if not q.shape[-2] == k.shape[-2] == v.shape[-2]:
             raise ValueError(f"q, k and v must hold the same number of tokens; got q {q.shape}, "
                              f"k {k.shape}, v {v.shape}")
-        out, (S, z) = _api.linear_attention(
-            q, k, v, feature_map=self.feature_map, causal=True, eps=self.eps,
-            initial_state=None if self.S is None else (self.S, self.z), return_state=True,
-            backend=backend,
-        )
+        try:
+            out, (S, z) = _api.linear_attention(
+                q, k, v, feature_map=self.feature_map, causal=True, eps=self.eps,
+                initial_state=None if self.S is None else (self.S, self.z), return_state=True,
+                backend=backend,
+            )
+        except ValueError as exc:
+            # The caller passed no initial_state: name the state's own arrays,
+            # which only a change in place can have made wrong.
+            message = str(exc)
+            for name, own in (("initial_state[0] (S)", "S"), ("initial_state[1] (z)", "z")):
+                message = message.replace(
+                    name, f"this LinearAttentionState's {own} (changed in place since the last step?)")
+            if message == str(exc):
+                raise
+            raise ValueError(message) from None
         self._S = S.astype(self.dtype, copy=False)
         self._z = z.astype(self.dtype, copy=False)
         self._tokens += k.shape[-2]

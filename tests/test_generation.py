@@ -322,6 +322,12 @@ def test_linear_state_rejects_bad_input_and_keeps_its_state():
             setattr(state, name, value)
     np.testing.assert_array_equal(state.S, S)
     assert state.tokens == 1 and state.feature_map == "elu"
+    # Changed in place, the state is named as the state's, not as an argument never passed.
+    state.z[0, 0] = -1.0
+    with pytest.raises(ValueError, match=r"this LinearAttentionState's z \(changed in place") as info:
+        state.step(q, k, v)
+    assert "initial_state" not in str(info.value)
+    assert state.tokens == 1
 
 
 def test_kv_cache_too_large_to_allocate_names_capacity():

@@ -242,6 +242,37 @@ def test_negative_key_sums_are_allowed_for_taylor_whose_features_may_be_negative
     assert np.isfinite(out).all()
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["non-causal", "causal"])
+@pytest.mark.parametrize("where, bad, rows", [
+    ("S", np.nan, "nan"), ("z", np.nan, "nan"), ("S", np.inf, "non-finite"), ("z", np.inf, "zero"),
+])
+def test_non_finite_initial_state_is_taken_as_given_by_every_backend(backend, where, bad, rows,
+                                                                    causal):
+    """As documented: a NaN makes the rows that see it NaN, an inf in S makes
+    them non-finite, an inf in z makes them 0 -- the same in every backend."""
+    q, k, v = make_qkv((2, 5, 4), dtype=np.float32, seed=8)
+    S, z = np.ones((2, 4, 4), np.float32), np.ones((2, 4), np.float32)
+    (S if where == "S" else z)[0, 1, ...] = bad
+    out = fastattn.linear_attention(q, k, v, causal=causal, initial_state=(S, z), backend=backend)
+    want = fastattn.linear_attention(q, k, v, causal=causal, initial_state=(S, z),
+                                     backend="reference")
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)   # NaN where NaN, inf where inf
+    assert np.isfinite(out[1]).all()                               # the other head is untouched
+    check = {"nan": lambda o: np.isnan(o).all(), "non-finite": lambda o: (~np.isfinite(o)).any(axis=-1).all(),
+             "zero": lambda o: (o == 0).all()}[rows]
+    assert check(out[0]), out[0]
+
+
+def test_a_state_of_integers_gets_advice_that_is_code():
+    q, k, v = make_qkv((2, 5, 4), dtype=np.float32, seed=9)
+    S, z = np.ones((2, 4, 4), np.int64), np.ones((2, 4), np.float32)
+    with pytest.raises(TypeError, match=r"initial_state\[0\] \(S\) must have dtype .* "
+                                        r"e\.g\. S\.astype\(np\.float32\)"):
+        fastattn.linear_attention(q, k, v, initial_state=(S, z))
+    with pytest.raises(TypeError, match=r"e\.g\. z\.astype\(np\.float32\)"):
+        fastattn.linear_attention(q, k, v, initial_state=(S.astype(np.float32), z.astype(int)))
+
+
 # ---------------------------------------------------------------------------
 # The reference refuses an n x n allocation that cannot fit.
 # ---------------------------------------------------------------------------
@@ -306,10 +337,36 @@ def test_reference_memory_error_before_allocating(little_memory, case):
     assert stated, f"no byte count in: {message}"
     assert one_array <= stated[0] <= 4 * one_array, f"{stated[0]:,} bytes for {one_array:,}: {message}"
     assert f"{little_memory:,}" in message
-    assert "'numba'" in message and "'cython'" in message
+    if call == "weights":   # it has no backend to switch to: the advice says what to do instead
+        assert "backend" not in message and "fewer queries or keys" in message
+    else:
+        assert "'numba'" in message and "'cython'" in message
     # Refused before the n_q x n_k arrays exist: the call allocated a small
     # fraction of even one of them.
     assert peak < one_array / 4, f"allocated {peak:,} bytes before refusing"
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["non-causal", "causal"])
+@pytest.mark.parametrize("fmap, d, n, D", [("elu", 512, 4, 512), ("taylor", 48, 256, 1225)])
+def test_linear_state_too_large_is_refused_before_any_work(little_memory, backend, fmap, d, n, D,
+                                                           causal):
+    """The (D, d_v) state grows as the square of the head dim: a call whose
+    states cannot fit is refused before it allocates them (it used to be
+    killed by the system at d = 70,000)."""
+    q, k, v = make_qkv((2, n, d), dtype=np.float32, seed=7)
+    state_bytes = 2 * D * d * 4
+    assert state_bytes > little_memory
+    tracemalloc.start()
+    try:
+        with pytest.raises(MemoryError) as info:
+            fastattn.linear_attention(q, k, v, feature_map=fmap, causal=causal, backend=backend)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    message = str(info.value)
+    assert f"D={D:,} features and d_v={d}" in message and f"(2, {D}, {d})" in message
+    assert f"{little_memory:,}" in message and "smaller head dims" in message
+    assert peak < state_bytes, f"allocated {peak:,} bytes before refusing"
 
 
 def test_non_causal_linear_reference_needs_no_n_by_n_array(little_memory):
