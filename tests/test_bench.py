@@ -617,6 +617,33 @@ def test_cli_refuses_a_corrupt_out_and_says_what_to_do(capsys, tmp_path, fresh):
     assert out.read_text() == before   # neither resumed nor replaced
 
 
+def test_cli_says_what_a_resumed_out_keeps_and_drops(capsys, tmp_path):
+    out = tmp_path / "run.jsonl"
+    base = ["bench", "--kind", "softmax", "--causal", "no", "--backends", "reference",
+            "--threads", "1", "--repeats", "1", "--no-memory", "--no-progress", "--out", str(out)]
+    assert main(base + ["--n", "8", "16"]) == 0
+    capsys.readouterr()
+    # Cut the last point short, as a run killed mid-write leaves it.
+    data = out.read_bytes()
+    out.write_bytes(data[: data.rstrip(b"\n").rfind(b"\n") + 1] + b'{"schema": "fastattn.res')
+    assert main(base + ["--n", "8", "16", "32"]) == 0
+    captured = capsys.readouterr()
+    err = captured.err
+    assert "cut short by an interrupted write" in err and "byte(s) were dropped" in err
+    assert f"resuming {out}: 1 of this command's 3 points on 1 thread(s) are there already" in err
+    assert "measuring the other 2" in err
+    assert "earlier commands" not in captured.out
+    # Another grid into the same file: the side files hold this command's points, and it says so.
+    assert main(base + ["--n", "64"]) == 0
+    text = capsys.readouterr().out
+    assert f"{out} also holds 3 point(s) of earlier commands" in text
+    csv_rows = out.with_suffix(".csv").read_text().splitlines()[1:]
+    assert len(csv_rows) == 1 and len([r for r in read_records(out) if r["record"] == "point"]) == 4
+    # --fresh says nothing of resuming.
+    assert main(base + ["--n", "8", "--fresh"]) == 0
+    assert "resuming" not in capsys.readouterr().err
+
+
 def test_cli_without_torch_says_how_to_add_it(capsys, tmp_path, monkeypatch):
     monkeypatch.setattr(peers, "available_peers", lambda: ())
     out = tmp_path / "b.jsonl"

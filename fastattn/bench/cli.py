@@ -63,8 +63,10 @@ def add_parser(subparsers):
     add("--baseline", default=None, metavar="NAME",
         help="backend the ratio column compares with (default reference)")
     add("--out", type=Path, default=None,
-        help="results file (JSON lines; default results/bench-<time>.jsonl, resumed if it "
-             "exists), with a CSV (.csv) and a JSON summary (.summary.json) beside it")
+        help="results file (JSON lines; default results/bench-<time>.jsonl; resumed if it "
+             "exists: its points of this command are kept, not measured again), with a CSV "
+             "(.csv), a JSON summary (.summary.json) and a Markdown table (.md) of this "
+             "command's points beside it")
     add("--fresh", action="store_true", help="start --out afresh instead of resuming it")
     add("--no-memory", action="store_true", help="skip the memory probe")
     add("--no-check", action="store_true", help="skip the check against the float64 reference")
@@ -229,7 +231,7 @@ def _why_idle(name, kinds, regimes, feature_maps):
 
 def _run(args):
     from .._threads import default_num_threads
-    from .results import read_records
+    from .results import point_key, read_records
     from .sweep import Options, new_run_id, run_sweep
     from .table import (FAR_ABOVE_ROOF, far_above_roof, format_tables, format_versus,
                         roof_statements, versus_rows, write_csv, write_summary,
@@ -241,12 +243,21 @@ def _run(args):
     options = Options(repeats=args.repeats, memory=not args.no_memory, check=not args.no_check)
     run_id, records = new_run_id(), []
     resume = not args.fresh
+    resumed = resume and out.is_file() and out.stat().st_size > 0
+
+    def announce(todo, done):
+        if resumed and done:
+            print(f"fastattn bench: resuming {out}: {done} of this command's {todo + done} "
+                  f"points{f' on {threads} thread(s)' if threads else ''} are there already "
+                  f"and are kept, not measured again; measuring the other {todo} (--fresh "
+                  "starts the file afresh)", file=sys.stderr)
+
     try:
         for threads in dict.fromkeys(args.threads or [None]):  # one sweep per thread count
             records += run_sweep(points, out, options, threads=threads, resume=resume,
                                  threads_reason="as asked (--threads)" if threads else None,
                                  progress=None if args.no_progress else "fastattn bench",
-                                 run_id=run_id)
+                                 run_id=run_id, announce=announce)
             resume = True  # the next thread count adds to this run's file
     except KeyboardInterrupt:
         print(f"\ninterrupted: the points measured so far are in {out}; to measure the rest, "
@@ -287,6 +298,13 @@ def _run(args):
     table_path = write_versus_markdown(rows, out.with_suffix(".md"), roof_text)
     print(f"\nresults: {out}\ncsv:     {csv_path}\nsummary: {summary_path}\n"
           f"table:   {table_path}")
+    mine = {point_key(r) for r in records}
+    others = sum(1 for r in read_records(out)
+                 if r.get("record") == "point" and point_key(r) not in mine)
+    if others:
+        print(f"note: {out} also holds {others} point(s) of earlier commands with other "
+              "options; the csv, summary and table above are this command's points only "
+              "(every point stays in the results file)")
     for name, hint in absent.items():
         print(f"note: {name} is absent; to compare with it: {hint}")
     return 0

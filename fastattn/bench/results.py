@@ -236,6 +236,8 @@ class ResultsWriter:
         check_writable(self.path, "results file")
         exists = self.path.exists()
         self.existing = read_records(self.path) if exists else []
+        #: Bytes of a last line cut short by an interrupted write, dropped on resuming.
+        self.dropped_tail = 0
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if exists and not resume:
             atomic_write(self.path, b"")
@@ -245,8 +247,9 @@ class ResultsWriter:
             if data and not data.endswith(b"\n"):
                 # A last record whole but for its newline was read: keep it.
                 whole = len(self.existing) == len([x for x in data.splitlines() if x.strip()])
-                atomic_write(self.path, data + b"\n" if whole else
-                             data[: data.rfind(b"\n") + 1])
+                keep = len(data) if whole else data.rfind(b"\n") + 1
+                self.dropped_tail = len(data) - keep
+                atomic_write(self.path, data + b"\n" if whole else data[:keep])
 
     def done_keys(self):
         """Keys (:func:`point_key`) of the points already measured with status ok or skipped."""

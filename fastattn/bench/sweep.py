@@ -542,6 +542,10 @@ def run_sweep(points, results_path, options=Options(), *, threads=None, threads_
                              else "as given")
     threads = check_count("threads", default_num_threads() if threads is None else threads)
     writer = ResultsWriter(results_path, resume=resume)  # refuses a foreign file first
+    if writer.dropped_tail:
+        print(f"note: the last line of {results_path} was cut short by an interrupted write; "
+              f"its {writer.dropped_tail} byte(s) were dropped (the point they held, if this run "
+              "asks for it, is measured again)", file=sys.stderr)
     found = {point_key(r): r for r in writer.existing
              if r["record"] == "point" and r.get("status") in ("ok", "skipped")}
     todo = [p for p in points if point_key(p.record_fields(threads)) not in found]
