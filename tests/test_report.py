@@ -551,6 +551,33 @@ def test_report_without_points_does_not_print_empty_settings():
     assert "not recorded thread" not in html and "dtype ," not in html
 
 
+def _visible_text(html):
+    html = re.sub(r"data:image/[^\"']+", "", html)
+    return re.sub(r"<[^>]+>", " ", html)
+
+
+def test_no_python_none_reaches_the_page():
+    """A file of environment records alone (an interrupted run), and points that record
+    no thread count (an asv result without the threads benchmark), say so in words."""
+    env = [dict(r, threads_reason="as asked (--threads)") for r in synthetic_records()
+           if r["record"] == "environment"]
+    no_threads = [dict(r, threads=None) if r["record"] == "point" else r
+                  for r in synthetic_records()]
+    for records in (env, no_threads):
+        text = _visible_text(build_report(records, quality=None).html)
+        assert not re.search(r"\bNone\b", text), re.findall(r".{60}\bNone\b.{20}", text)
+    assert "not recorded" in text
+
+
+def test_many_repeat_counts_are_given_as_their_range():
+    records = synthetic_records()
+    points = [r for r in records if r["record"] == "point" and r["status"] == "ok"]
+    for i, r in enumerate(points):
+        r["times_s"] = [r["median_s"]] * (3 + i % 20)
+    text = _visible_text(build_report(records, quality=None).html)
+    assert "timed over 3 to 22 repeats" in " ".join(text.split())
+
+
 def test_environment_does_not_contradict_the_backends():
     html = build_report(synthetic_records(), quality=None).html
     env = [dict(r, versions={**r["versions"], "cython": None}, backends=["reference", "cython"])

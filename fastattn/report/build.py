@@ -191,6 +191,14 @@ def _joined(values):
     return ", ".join(str(v) for v in sorted({v for v in values if v is not None})) or None
 
 
+def _span(values):
+    """A few distinct counts joined ("3, 5"), many as their range ("3 to 100"); None if none."""
+    distinct = sorted({v for v in values if v is not None})
+    if len(distinct) > 3:
+        return f"{distinct[0]} to {distinct[-1]}"
+    return ", ".join(str(v) for v in distinct) or None
+
+
 def _machine_section(name, env, roofs, points, every_curve):
     """The page's block of one machine: the prefill scaling curves (at least three n; the
     feature-map points at two n are for their own section) and the Generation block."""
@@ -231,7 +239,7 @@ def _machine_section(name, env, roofs, points, every_curve):
     section = {
         "name": name or "this machine", "env_rows": env_rows, "env_rest": env_rest,
         "threads": threads, "threads_reason": env.get("threads_reason"),
-        "dtypes": dtypes, "repeats": _joined(
+        "dtypes": dtypes, "repeats": _span(
             int(r) for c in curve_list for r in c.repeats if r),
         "statistic": _statistic_text(curve_list),
         "memory_methods": _joined(m for c in curve_list for m in c.memory_method),
@@ -303,7 +311,7 @@ def _summary(section, quality):
         out.append(f"The machine was busy while measuring (1-minute load average "
                    f"{section['load']} on {section['cores']} cores): times are inflated and "
                    "noisy; compare the kernels side by side rather than with other runs.")
-    if section and section["threads_reason"]:
+    if section and section["threads_reason"] and section["threads"]:
         out.append(f"Measured on {section['threads']} thread(s): "
                    f"{section['threads_reason']}.")
     out += section["fastest"] if section else []

@@ -66,7 +66,9 @@ def add_parser(subparsers):
              "other work leaves idle)")
     add("--repeats", metavar="R", type=positive_int,
         help=f"timed repeats per point (default {DEFAULT_REPEATS}, {QUICK_REPEATS} with --quick; "
-             f"fewer for a slow call, never under 3, more for a fast one, timed for 0.25 s), "
+             f"fewer for a call whose repeats would take over {MAX_POINT_S:g} s ({QUICK_MAX_POINT_S:g} s "
+             f"with --quick), never under 3 or R if smaller; more for a fast one, timed for "
+             f"0.25 s), "
              f"the backends of one shape taking turns over {ROUNDS} rounds")
     add("--quick", action="store_true",
         help=f"a tiny grid (n = {' '.join(map(str, QUICK_NS))}, {QUICK_REPEATS} repeats, no "
