@@ -536,6 +536,37 @@ def test_a_truncated_middle_line_is_called_corrupt_not_foreign(tmp_path, capsys)
     assert f"{path}:6 is corrupt" in err and "not a fastattn results file" not in err
 
 
+def test_ctrl_c_while_drawing_is_an_interrupt_not_an_error(tmp_path, capsys, monkeypatch):
+    """matplotlib turns a KeyboardInterrupt inside its C code into a ValueError of its own
+    ("Invalid affine transformation matrix"); the report still says it was interrupted."""
+    import os
+    import signal
+    import time
+
+    from fastattn.report import build
+
+    def drawing(*args, **kwargs):
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)
+        except KeyboardInterrupt:
+            raise ValueError("Invalid affine transformation matrix") from None
+        pytest.fail("no SIGINT arrived")
+
+    monkeypatch.setattr(build, "build_report", drawing)
+    path = write_jsonl(tmp_path / "run.jsonl", synthetic_records(ns=(1024, 2048)))
+    assert main(["report", "--from", str(path)]) == 130
+    err = capsys.readouterr().err
+    assert "interrupted" in err and "affine" not in err
+    assert not path.with_suffix(".html").exists()
+    # A ValueError of the drawing without Ctrl-C is still an error, with its message.
+    monkeypatch.setattr(build, "build_report",
+                        lambda *a, **k: (_ for _ in ()).throw(ValueError("bad figure")))
+    assert main(["report", "--from", str(path)]) == 2
+    assert "error: bad figure" in capsys.readouterr().err
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
 def test_minilm_that_is_not_an_npz_is_refused_in_plain_words(tmp_path, capsys):
     readme = tmp_path / "README.md"
     readme.write_text("# notes\n")

@@ -1,9 +1,11 @@
 """``fastattn report``: run the sweep into ``reports/fastattn-<time>.jsonl``, then write the
 HTML report beside it; ``--from`` only builds, ``--resume`` continues, ``--asv`` reads asv."""
 
+import contextlib
 import datetime as _dt
 import importlib
 import shlex
+import signal
 import sys
 import zipfile
 from pathlib import Path
@@ -296,6 +298,36 @@ def _check_image_clash(image, out, results=None):
                               "its own")
 
 
+@contextlib.contextmanager
+def _noting_interrupts():
+    """Yield a function that says whether Ctrl-C came while inside; it still interrupts as
+    before (the handler in place is called), but code that turns the KeyboardInterrupt
+    into an error of its own (matplotlib's drawing does) can be told apart."""
+    seen = []
+    try:
+        previous = signal.getsignal(signal.SIGINT)
+    except ValueError:   # not the main thread: no handler can be set
+        yield lambda: False
+        return
+    if not callable(previous):   # SIG_IGN or SIG_DFL: leave them be
+        yield lambda: False
+        return
+
+    def note(signum, frame):
+        seen.append(signum)
+        previous(signum, frame)
+
+    try:
+        signal.signal(signal.SIGINT, note)
+    except ValueError:
+        yield lambda: False
+        return
+    try:
+        yield lambda: bool(seen)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def _run(args):
     if (args.history or args.asv_commit) is not None and args.asv is None:
         raise ReportError(f"{'--history' if args.history else '--asv-commit'} needs --asv DIR")
@@ -342,12 +374,15 @@ def _run(args):
     from .build import build_report
     from .quality import compute_quality
 
-    try:
-        quality = compute_quality("auto" if args.minilm is None else args.minilm)
-        report = build_report(records, source=source, quality=quality, history=history,
-                              history_benchmark=args.history)
-    except (OSError, ValueError) as exc:
-        raise ReportError(str(exc)) from None
+    with _noting_interrupts() as interrupted:
+        try:
+            quality = compute_quality("auto" if args.minilm is None else args.minilm)
+            report = build_report(records, source=source, quality=quality, history=history,
+                                  history_benchmark=args.history)
+        except (OSError, ValueError) as exc:
+            if interrupted():   # Ctrl-C inside matplotlib's C code comes out as its ValueError
+                raise KeyboardInterrupt from None
+            raise ReportError(str(exc)) from None
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(out, report.html)
     beside = _figure_beside(out)
