@@ -359,6 +359,11 @@ def test_cli_refuses_a_readme_image_it_cannot_write_before_measuring(tmp_path, c
                      str(tmp_path / "new.jsonl"), "--readme-image", str(image)]) == 2
         assert f"is {what}" in capsys.readouterr().err
         assert not out.exists() and not (tmp_path / "new.jsonl").exists()
+    # A name that promises another format: the figure is a PNG whatever the name says.
+    assert main(["report", "--quick", "--out", str(out), "--readme-image",
+                 str(tmp_path / "figure.jpg")]) == 2
+    assert "figure.jpg: the figure is written as a PNG" in capsys.readouterr().err
+    assert not out.exists() and not (tmp_path / "figure.jpg").exists()
 
 
 def test_a_report_of_points_at_too_few_lengths_says_so(tmp_path):

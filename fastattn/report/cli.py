@@ -296,6 +296,9 @@ def _check_image_clash(image, out, results=None):
         if image.resolve() == path.resolve():
             raise ReportError(f"--readme-image {image} is {what}; give the figure a path of "
                               "its own")
+    if image.suffix.lower() != ".png":
+        raise ReportError(f"--readme-image {image}: the figure is written as a PNG; give a "
+                          "path ending in .png")
 
 
 @contextlib.contextmanager
