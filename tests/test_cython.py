@@ -136,9 +136,12 @@ _PRODUCTS_IN_A_CHILD = (
     "import warnings, json\n"
     "with warnings.catch_warnings(record=True) as caught:\n"
     "    warnings.simplefilter('always')\n"
-    "    import fastattn._cython as cy\n"
+    "    import fastattn\n"
+    "    fastattn.available_backends()   # imports the backends, as a user's first call\n"
+    "import fastattn._cython as cy\n"
     "print(json.dumps({'isa': [m._products_isa() for m in (cy.softmax, cy.linear, cy.decode)],\n"
-    "                  'warnings': [str(w.message) for w in caught]}))\n"
+    "                  'warnings': [str(w.message) for w in caught],\n"
+    "                  'sources': [w.filename for w in caught]}))\n"
 )
 
 
@@ -167,6 +170,8 @@ def test_simd_cap_is_read_alike_by_every_extension(value, held):
     assert got["isa"] == [held] * 3
     unknown = value.strip() != "" and value.strip().lower() not in ("off", "avx2")
     assert any("banana" in w and "FASTATTN_SIMD" in w for w in got["warnings"]) == unknown
+    # Attributed to the user's import (the child's -c script), not a line of fastattn.
+    assert all(source == "<string>" for source in got["sources"]), got["sources"]
 
 
 @pytest.mark.parametrize("cap", ["avx2", "off"])

@@ -35,6 +35,8 @@ CHILD = textwrap.dedent(
     assert "numba" in names, (names, fastattn.unavailable_backends())
     assert any("without its disk cache" in str(w.message) and "NUMBA_CACHE_DIR" in str(w.message)
                for w in caught), [str(w.message) for w in caught]
+    # Attributed to the call above (this -c script), not to a line of fastattn.
+    assert all(w.filename == "<string>" for w in caught), [w.filename for w in caught]
     fastattn.set_num_threads(1)
     assert fastattn.get_num_threads()["numba"] == 1
     q = np.load(sys.argv[1])

@@ -78,12 +78,12 @@ def _read_simd_cap():
     """Make every extension read ``FASTATTN_SIMD`` now, so that all of them hold the
     value this process imported them with; warn about a value that is neither
     of :data:`SIMD_CAPS` (it is ignored)."""
-    import warnings
+    from .._warnings import warn_user
 
     cap = os.environ.get("FASTATTN_SIMD")
     if cap is not None and cap.strip() and cap.strip().lower() not in SIMD_CAPS:
-        warnings.warn(f"FASTATTN_SIMD={cap!r} is ignored: expected one of {list(SIMD_CAPS)} "
-                      "(or unset)", RuntimeWarning, stacklevel=3)
+        warn_user(f"FASTATTN_SIMD={cap!r} is ignored: expected one of {list(SIMD_CAPS)} "
+                  "(or unset)", RuntimeWarning)
     for module in (softmax, linear, decode):
         module._products_isa()
 

@@ -20,13 +20,12 @@ small to split run serially (see :mod:`fastattn._numba._threads`).
 Importing this module raises ImportError when Numba is not installed.
 """
 
-import warnings
-
 import numba  # noqa: F401  (ImportError here marks the backend unavailable)
 # SciPy's BLAS, which Numba's np.dot calls, is loaded now, so that the thread
 # limits find it before the first kernel call (Numba would load it lazily).
 import scipy.linalg.cython_blas  # noqa: F401
 
+from .._warnings import warn_user
 from ._threads import get_num_threads, set_num_threads
 from .config import DISK_CACHE, NO_DISK_CACHE_REASON
 from .linear import favor_key_features, favor_query_features, linear_forward, taylor_features
@@ -39,8 +38,8 @@ if not DISK_CACHE:
         "Numba has no writable cache here, so its kernels compile in every process "
         f"({NO_DISK_CACHE_REASON}); set NUMBA_CACHE_DIR to a writable directory"
     )
-    warnings.warn(f"fastattn's numba backend runs without its disk cache: {AUTO_UNSUITABLE}",
-                  RuntimeWarning, stacklevel=2)
+    warn_user(f"fastattn's numba backend runs without its disk cache: {AUTO_UNSUITABLE}",
+              RuntimeWarning)
 
 __all__ = [
     "softmax_forward",
