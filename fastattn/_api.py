@@ -216,8 +216,12 @@ def _as_kernel_input(x, dtype):
 
 
 def _check_positive_scalar(value, name, allow_zero):
+    if isinstance(value, np.ndarray) and value.ndim == 0 and value.dtype.kind in "iuf":
+        value = value[()]   # a 0-d array (np.array(0.125), a scalar tensor's .numpy()) is its value
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+        got = (f"an array of shape {value.shape} and dtype {value.dtype}"
+               if isinstance(value, np.ndarray) else type(value).__name__)
+        raise TypeError(f"{name} must be a real number, got {got}")
     value = float(value)
     if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
         bound = ">= 0" if allow_zero else "> 0"

@@ -352,7 +352,8 @@ def _user_features(fn, x, batch_shape, dtype, which):
         raise TypeError(f"{what} must return float features, got dtype {phi.dtype}")
     if phi.ndim != shown.ndim or phi.shape[:-1] != shown.shape[:-1] or phi.shape[-1] < 1:
         raise ValueError(
-            f"{what} must return features of shape {shown.shape[:-1] + ('D',)} with D >= 1 for "
+            f"{what} must return features of shape ({', '.join(map(str, shown.shape[:-1]))}, D) "
+            f"with D >= 1 for "
             f"{which} of shape {shown.shape}, got {phi.shape}"
         )
     phi = np.require(phi.reshape(x.shape[:2] + phi.shape[-1:]), dtype=dtype,

@@ -624,7 +624,7 @@ def test_favor_features_arguments_are_validated(kwargs, exc, match):
 BAD_CALLABLES = {
     "list": (lambda x: x.tolist(), TypeError, r"feature_map\(q\) must return a numpy.ndarray"),
     "int": (lambda x: (x > 0).astype(np.int64), TypeError, "must return float features"),
-    "rows": (lambda x: np.abs(x[..., :-1, :]), ValueError, r"shape \(2, 5, 'D'\)"),
+    "rows": (lambda x: np.abs(x[..., :-1, :]), ValueError, r"shape \(2, 5, D\)"),
     "rank": (lambda x: np.abs(x)[..., None], ValueError, "must return features of shape"),
     "D0": (lambda x: x[..., :0], ValueError, "D >= 1"),
     "nan": (lambda x: np.where(x > 1, np.nan, np.abs(x)), ValueError, "non-finite"),

@@ -125,10 +125,23 @@ def test_scale_must_be_finite_and_positive(backend, kind, value):
             "scale")
 
 
-@pytest.mark.parametrize("value", ["0.5", [1.0], True, 1j], ids=repr)
+@pytest.mark.parametrize("value", ["0.5", [1.0], True, 1j, np.array([0.5]), np.array(True)],
+                         ids=repr)
 def test_scale_must_be_a_real_number(backend, value):
-    _raises(TypeError, lambda: _call("softmax", scale=value, backend=backend),
-            "scale must be a real number")
+    message = _raises(TypeError, lambda: _call("softmax", scale=value, backend=backend),
+                      "scale must be a real number")
+    if isinstance(value, np.ndarray):
+        assert f"shape {value.shape}" in message
+
+
+@pytest.mark.parametrize("value", [np.array(0.5), np.array(2, dtype=np.int64),
+                                   np.array(0.5, dtype=np.float32)], ids=repr)
+def test_scale_and_eps_may_be_0d_arrays(backend, value):
+    """A 0-d real array is its value, as numpy takes it."""
+    want = _call("softmax", scale=float(value), backend=backend)
+    np.testing.assert_array_equal(_call("softmax", scale=value, backend=backend), want)
+    want = _call("linear", eps=float(value), backend=backend)
+    np.testing.assert_array_equal(_call("linear", eps=value, backend=backend), want)
 
 
 @pytest.mark.parametrize("value", [-1e-6, np.nan, np.inf], ids=str)
