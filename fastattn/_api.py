@@ -259,6 +259,8 @@ def _finite_in(value, name, dtype):
 
 
 def _check_bool(value, name):
+    if isinstance(value, np.ndarray) and value.ndim == 0 and value.dtype == bool:
+        value = value[()]   # a 0-d boolean array is its value, as for the scalars
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name} must be True or False, got {value!r}")
     return bool(value)

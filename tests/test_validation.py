@@ -144,6 +144,13 @@ def test_scale_and_eps_may_be_0d_arrays(backend, value):
     np.testing.assert_array_equal(_call("linear", eps=value, backend=backend), want)
 
 
+@pytest.mark.parametrize("kind", ["softmax", "linear"])
+def test_causal_may_be_a_numpy_bool(backend, kind):
+    want = _call(kind, causal=True, backend=backend)
+    for value in (np.bool_(True), np.array(True)):
+        np.testing.assert_array_equal(_call(kind, causal=value, backend=backend), want)
+
+
 @pytest.mark.parametrize("value", [-1e-6, np.nan, np.inf], ids=str)
 @pytest.mark.parametrize("kind", ["linear", "weights"])
 def test_eps_must_be_finite_and_non_negative(backend, kind, value):
