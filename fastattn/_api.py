@@ -215,6 +215,11 @@ def _as_kernel_input(x, dtype):
     return np.require(x, dtype=dtype, requirements=["C", "A", "W"])
 
 
+def _shape_text(*dims):
+    """A shape with named dims, as a reader writes it: ``(2, 8, D)``, not ``(2, 8, 'D')``."""
+    return "(" + ", ".join(map(str, dims)) + ")"
+
+
 def _check_positive_scalar(value, name, allow_zero):
     if isinstance(value, np.ndarray) and value.ndim == 0 and value.dtype.kind in "iuf":
         value = value[()]   # a 0-d array (np.array(0.125), a scalar tensor's .numpy()) is its value

@@ -351,8 +351,10 @@ def _user_features(fn, x, batch_shape, dtype, which):
     if phi.dtype.kind != "f":
         raise TypeError(f"{what} must return float features, got dtype {phi.dtype}")
     if phi.ndim != shown.ndim or phi.shape[:-1] != shown.shape[:-1] or phi.shape[-1] < 1:
+        from ._api import _shape_text   # _api imports this module
+
         raise ValueError(
-            f"{what} must return features of shape ({', '.join(map(str, shown.shape[:-1]))}, D) "
+            f"{what} must return features of shape {_shape_text(*shown.shape[:-1], 'D')} "
             f"with D >= 1 for "
             f"{which} of shape {shown.shape}, got {phi.shape}"
         )

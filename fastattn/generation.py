@@ -191,7 +191,7 @@ class KVCache:
             if x.shape != want:
                 raise ValueError(
                     f"{name} must have shape batch_shape + (t, {d}) = "
-                    f"{self.batch_shape + ('t', d)}, got {x.shape}"
+                    f"{_api._shape_text(*self.batch_shape, 't', d)}, got {x.shape}"
                 )
         if k.shape[-2] != v.shape[-2]:
             raise ValueError(f"k and v must hold the same number of tokens; got k {k.shape}, v {v.shape}")
@@ -390,7 +390,7 @@ class LinearAttentionState:
             if x.shape != self.batch_shape + (x.shape[-2], d):
                 raise ValueError(
                     f"{name} must have shape batch_shape + (t, {dim}) = "
-                    f"{self.batch_shape + ('t', d)}, this state's, got {x.shape}"
+                    f"{_api._shape_text(*self.batch_shape, 't', d)}, this state's, got {x.shape}"
                 )
         if not q.shape[-2] == k.shape[-2] == v.shape[-2]:
             raise ValueError(f"q, k and v must hold the same number of tokens; got q {q.shape}, "

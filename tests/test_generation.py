@@ -181,7 +181,7 @@ def test_kv_cache_rejects_bad_construction(args, kwargs, error, match):
 def test_kv_cache_rejects_bad_appends_and_queries():
     cache = fastattn.KVCache((2,), capacity=4, d_k=4, d_v=3)
     k, v = np.zeros((2, 3, 4)), np.zeros((2, 3, 3))
-    with pytest.raises(ValueError, match=r"k must have shape"):
+    with pytest.raises(ValueError, match=r"k must have shape batch_shape \+ \(t, 4\) = \(2, t, 4\), "):
         cache.append(np.zeros((2, 3, 5)), v)
     with pytest.raises(ValueError, match=r"v must have shape"):
         cache.append(k, np.zeros((3, 3, 3)))
@@ -306,7 +306,7 @@ def test_linear_state_rejects_bad_input_and_keeps_its_state():
     # A mismatch with the state names the argument and the state's shape (not
     # initial_state, which the caller never passed).
     with pytest.raises(ValueError, match=r"q must have shape batch_shape \+ \(t, d_k\) = "
-                                         r"\(2, 't', 4\), this state's, got \(1, 1, 4\)"):
+                                         r"\(2, t, 4\), this state's, got \(1, 1, 4\)"):
         state.step(q[:1], k[:1], v[:1])
     with pytest.raises(ValueError, match=r"q must have shape .*got \(2, 1, 3\)"):
         state.step(np.zeros((2, 1, 3)), np.zeros((2, 1, 3)), v)
