@@ -341,9 +341,11 @@ def probe_roof(shapes, dtypes=("float32", "float64"), budget_s=0.1, rounds=3, li
             best[task] = max(best[task], rate)
             count[task] += calls
     label = blas_label(library)
+    # np.exp is NumPy's own loop on one thread, not the BLAS the GEMMs run on.
+    exp_label = f"np.exp of NumPy {np.__version__}, one thread"
     when = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
     return [{"probe": kind, "dtype": dtype, "repeats": count[t], "library": library,
-             "blas": label, "probed_at": when,
+             "blas": label if kind == "gemm" else exp_label, "probed_at": when,
              **({"shape": [n, d, n], "gflops": best[t] / 1e9} if kind == "gemm"
                 else {"size": n, "gelem_s": best[t] / 1e9})}
             for t in tasks for kind, dtype, n, d in [t]]
