@@ -756,9 +756,55 @@ def test_a_point_far_above_its_roof_is_called_a_slowed_probe():
 @pytest.mark.parametrize("seconds, text", [
     (812e-6, "812 µs"), (12.34e-3, "12.3 ms"), (1.414, "1.41 s"), (3e-8, "30 ns"),
     (999.6e-6, "1 ms"), (0.99996, "1 s"), (999.96e-9, "1 µs"), (1234.0, "1230 s"),
-    (None, "–"),
+    (None, "–"), (1e308, "1e+308 s"), (2.5e6, "2.5e+06 s"),
 ], ids=lambda x: repr(x))
 def test_times_are_written_in_the_unit_they_round_to(seconds, text):
     from fastattn.bench.table import format_seconds
 
     assert format_seconds(seconds) == text
+
+
+@pytest.mark.parametrize("nbytes, text", [
+    (512, "512 B"), (1536, "1.5 KiB"), (72 * 2**20, "72 MiB"), (150 * 2**30, "150 GiB"),
+    (1e308, "9.31e+298 GiB"), (None, "–"),
+], ids=lambda x: repr(x))
+def test_sizes_are_written_short_even_when_absurd(nbytes, text):
+    from fastattn.bench.table import format_bytes
+
+    assert format_bytes(nbytes) == text
+
+
+@pytest.mark.parametrize("value", ["", ",", " , "])
+def test_cli_backends_naming_no_backend_is_a_usage_error(value, tmp_path, capsys):
+    out = tmp_path / "r.jsonl"
+    assert main(["bench", "--backends", value, "--out", str(out), "--no-progress"]) == 2
+    assert "--backends names no backend" in capsys.readouterr().err
+    assert main(["bench", "--startup", "--backends", value, "--out", str(out)]) == 2
+    assert "--backends names no backend" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_cli_backends_are_split_on_commas_and_spaces_trimmed(tmp_path):
+    from fastattn.bench.cli import backend_names
+    assert backend_names(["reference, numpy", "reference"]) == ["reference", "numpy"]
+    assert backend_names(None) is None
+
+
+@pytest.mark.parametrize("name", ["x.md", "x.csv", "x.summary.json"])
+def test_cli_out_naming_a_file_written_beside_the_results_is_refused_first(name, tmp_path,
+                                                                           capsys):
+    out = tmp_path / name
+    assert main(["bench", "--kind", "softmax", "--n", "8", "--backends", "reference",
+                 "--threads", "1", "--no-progress", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "--out names the JSON-lines results file" in err and "x.jsonl" in err
+    assert not any(tmp_path.iterdir())  # refused before anything was measured or written
+
+
+@pytest.mark.parametrize("command", ["bench", "report"])
+def test_help_names_the_repeats_it_speaks_of(command, capsys):
+    # "never under 3 or R if smaller": R must be the option's own placeholder.
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "or R if smaller" in text and "--repeats R " in text

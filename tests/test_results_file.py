@@ -329,8 +329,13 @@ def test_a_read_only_results_file_is_refused_unchanged(good_file):
     ({"record": "point", **_point(4), "median_s": float("nan")}, "median_s = nan"),
     ({"record": "point", **_point(4), "peak_bytes": float("inf")}, "peak_bytes = inf"),
     ({"record": "point", **_point(4), "times_s": [1e-3, -1e-3]}, "times_s"),
+    ({"record": "point", **_point(4), "median_s": 1e308, "max_s": 2e-3},
+     r"median_s = 1e\+308 above max_s = 0.002; expected min_s <= median_s <= max_s"),
+    ({"record": "point", **_point(4), "min_s": 2.0, "median_s": 1.0},
+     "min_s = 2.0 above median_s = 1.0"),
 ], ids=["no-fields", "n_q-text", "median-text", "bad-status", "roof-gflops", "times-text",
-        "median-negative", "median-nan", "peak-inf", "times-negative"])
+        "median-negative", "median-nan", "peak-inf", "times-negative", "median-above-max",
+        "min-above-median"])
 def test_every_record_is_checked_on_reading(tmp_path, record, message):
     path = tmp_path / "r.jsonl"
     path.write_text(_line("environment", cpu="x") + json.dumps({"schema": SCHEMA, **record})
@@ -349,18 +354,25 @@ def test_every_record_is_checked_on_reading(tmp_path, record, message):
     (["bench", "--n", "8", "--backends", "reference", "--out", "/proc/fastattn-x.jsonl"],
      "does not take new files"),
     (["report", "--quick", "--out", "{file}/x.html"], "is a file, not a folder"),
+    (["bench", "--n", "8", "--backends", "reference", "--out", "{dir_stem}.jsonl"],
+     "writes its csv beside it, at {dir}, which is a directory; give another --out"),
 ], ids=["compare-negative-seed", "startup-out-dir", "bench-out-under-a-file", "bench-out-in-proc",
-        "report-out-under-a-file"])
+        "report-out-under-a-file", "bench-csv-beside-is-a-dir"])
 def test_bad_output_paths_and_seeds_are_refused_before_any_work(tmp_path, capsys, argv, message):
     from fastattn.cli import main
 
     (tmp_path / "adir").mkdir()
     (tmp_path / "afile").write_text("mine\n")
-    argv = [a.format(dir=tmp_path / "adir", file=tmp_path / "afile") for a in argv]
+    if "{dir_stem}" in argv[-1]:   # the folder is where the results' csv goes
+        (tmp_path / "adir").rename(tmp_path / "adir.csv")
+    folder = tmp_path / ("adir.csv" if "{dir_stem}" in argv[-1] else "adir")
+    fields = dict(dir=folder, file=tmp_path / "afile", dir_stem=tmp_path / "adir")
+    argv = [a.format(**fields) for a in argv]
+    message = message.format(**fields)
     if argv[-1].startswith("/proc/") and not Path("/proc").is_dir():
         pytest.skip("no /proc here")
     with pytest.raises(SystemExit) if argv[0] == "compare" else contextlib.nullcontext():
         assert main(argv) == 2
     assert message in capsys.readouterr().err
     assert (tmp_path / "afile").read_text() == "mine\n"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["adir", "afile"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([folder.name, "afile"])

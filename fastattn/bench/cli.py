@@ -56,7 +56,7 @@ def add_parser(subparsers):
     add("--threads", nargs="+", type=thread_count, default=None, metavar="N",
         help="threads for every backend, BLAS and peers (default: usable cores); several "
              "(e.g. --threads 1 2) measure every point at each, in one run")
-    add("--repeats", type=positive_int, default=5,
+    add("--repeats", type=positive_int, default=5, metavar="R",
         help="timed repeats per point after a warm-up (default 5; fewer for a call whose "
              "repeats would take over 5 s, never under 3 or R if smaller; a fast call is "
              "repeated for 0.25 s, up to 100 times); the backends of one shape take turns, "
@@ -116,6 +116,19 @@ class BenchUsageError(ValueError):
     """A bad combination of options (exit code 2, message on stderr)."""
 
 
+def backend_names(requested):
+    """The names of ``--backends`` (each item may hold several, split by commas), in order and
+    once each; None when the option was not given; BenchUsageError when it names none."""
+    if requested is None:
+        return None
+    names = list(dict.fromkeys(n.strip() for item in requested for n in item.split(",")
+                               if n.strip()))
+    if not names:
+        raise BenchUsageError(f"--backends names no backend (got {' '.join(map(repr, requested))}); "
+                              "give names such as: --backends numba cython torch")
+    return names
+
+
 def resolve_backends(requested):
     """The backends to measure and the absent peers (with how to add them); BenchUsageError,
     listing what is available, for a name that is unknown or cannot run here."""
@@ -124,9 +137,9 @@ def resolve_backends(requested):
     from .sweep import default_backends, known_backends
 
     available, absent = default_backends(), peers.absent_peers()
-    if not requested:
+    names = backend_names(requested)
+    if names is None:
         return available, absent
-    names = list(dict.fromkeys(n for item in requested for n in item.split(",") if n))
     here = f"available here: {', '.join(available)}"
     for name in names:
         if name not in known_backends():
@@ -149,7 +162,7 @@ def run(args):
             from .startup import run_startup, startup_backends
 
             try:
-                backends = startup_backends(args.backends)
+                backends = startup_backends(backend_names(args.backends))
             except ValueError as exc:
                 raise BenchUsageError(str(exc)) from None
             out = args.out or Path("results") / time.strftime("startup-%Y%m%d-%H%M%S.jsonl")
@@ -172,8 +185,11 @@ def _plan(args):
         raise BenchUsageError(
             f"--baseline {baseline!r} is not among the measured backends: {', '.join(backends)}")
     out = args.out or Path("results") / time.strftime("bench-%Y%m%d-%H%M%S.jsonl")
-    if out.suffix == ".csv":
-        raise BenchUsageError(f"--out names the JSON-lines results file, got {out}")
+    beside = next((s for s in (".summary.json", ".csv", ".md") if out.name.endswith(s)), None)
+    if beside:  # the results file would be overwritten by its own table or summary
+        raise BenchUsageError(
+            f"--out names the JSON-lines results file, got {out}: a {beside} file is written "
+            f"beside it; give e.g. --out {out.with_name(out.name[:-len(beside)] + '.jsonl')}")
     check_writable(out, "results file")
     if out.exists():
         try:
@@ -183,9 +199,12 @@ def _plan(args):
                 f"{exc}; --out resumes this file (--fresh replaces it), and neither is done "
                 "to a file that is not sound: repair or remove that line, or give another "
                 "--out") from None
-    check_target(out.with_suffix(".csv"), "csv")
-    check_target(out.with_suffix(".summary.json"), "summary")
-    check_target(out.with_suffix(".md"), "markdown")
+    for suffix, kind in ((".csv", "csv"), (".summary.json", "summary"), (".md", "markdown")):
+        side = out.with_suffix(suffix)
+        if side.is_dir():   # check_target's advice (a file inside it) would be wrong here
+            raise ResultsFileError(f"--out {out} writes its {kind} beside it, at {side}, which "
+                                   "is a directory; give another --out")
+        check_target(side, kind)
     if args.num_features and "favor" not in args.feature_map:
         raise BenchUsageError("--num-features sets FAVOR+'s m: give --feature-map favor too")
     shapes = args.shape or [(args.batch, args.heads, None, args.d_k, None, None)]

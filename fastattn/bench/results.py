@@ -100,6 +100,11 @@ def check_record(record):
         value = record.get(name)
         if value is not None and not _HOLDS[kind_of](value):
             return f"has {name} = {value!r}; expected {kind_of}"
+    given = [(name, record[name]) for name in ("min_s", "median_s", "max_s")
+             if record.get(name) is not None]
+    for (low, a), (high, b) in zip(given, given[1:]):
+        if a > b:
+            return f"has {low} = {a!r} above {high} = {b!r}; expected min_s <= median_s <= max_s"
     return None
 
 

@@ -45,12 +45,12 @@ class StartupError(RuntimeError):
     """A child process failed (its stderr's tail is in the message)."""
 
 
-def startup_backends(requested):
-    """The fastattn backends to time (``auto`` included); ValueError for any other name."""
+def startup_backends(names):
+    """The fastattn backends to time, from the names given (None: every available one and
+    ``auto``); ValueError for any other name."""
     available = list(_api.available_backends())
-    if not requested:
+    if names is None:
         return available + ["auto"]
-    names = list(dict.fromkeys(n for item in requested for n in item.split(",") if n))
     for name in names:
         if name != "auto" and name not in available:
             raise ValueError(f"--startup times fastattn backends, got {name!r}; "

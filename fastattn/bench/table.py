@@ -38,7 +38,8 @@ def format_seconds(seconds):
     unit, factor = next((u, f) for u, f in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6),
                                             ("ns", 0.0)) if seconds >= f)
     value = seconds / (factor or 1e-9)
-    return f"{value:.0f} {unit}" if value >= 1000 else f"{value:.3g} {unit}"
+    # 1000 to 999,999 in full ("1234 s"); beyond, a hand-edited or absurd value, in e-notation.
+    return f"{value:.0f} {unit}" if 1000 <= value < 1e6 else f"{value:.3g} {unit}"
 
 
 def format_bytes(nbytes):
@@ -48,7 +49,7 @@ def format_bytes(nbytes):
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(nbytes) >= size:
             value = nbytes / size
-            return f"{value:.3g} {unit}" if value < 100 else f"{value:.0f} {unit}"
+            return f"{value:.3g} {unit}" if not 100 <= value < 1e6 else f"{value:.0f} {unit}"
     return f"{nbytes:.0f} B"
 
 
