@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -97,7 +98,7 @@ def test_absent_peers_name_the_command_that_adds_them(monkeypatch):
     assert peers.available_peers() == ("torch", "numpy")
     absent = peers.absent_peers()
     assert set(absent) == {"onnxruntime", "jax"}  # onnxruntime needs onnx to build its graph
-    assert "fastattn[peers]" in absent["onnxruntime"] and "jax" in absent["jax"]
+    assert '".[peers]"' in absent["onnxruntime"] and "jax" in absent["jax"]
 
 
 def test_listing_the_peers_imports_none_of_them():
@@ -147,3 +148,14 @@ def test_one_jax_thread_goes_into_the_xla_flags_before_jax_starts(monkeypatch):
     assert set(peers._XLA_ONE_THREAD) <= set(flags)
     peers.set_peer_threads(2)
     assert os.environ["XLA_FLAGS"].split() == ["--xla_dump_to=/nowhere"]
+
+
+def test_every_extra_pins_torch_to_the_cpu_build():
+    # An unpinned torch pulls a CUDA build of gigabytes; the hints recommend these extras.
+    tomllib = pytest.importorskip("tomllib")
+    root = Path(__file__).resolve().parents[1]
+    extras = tomllib.loads((root / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    torch_pins = [req for reqs in extras.values() for req in reqs if req.startswith("torch")]
+    assert torch_pins and all(req.startswith("torch==") for req in torch_pins)
+    assert all('".[peers]"' in peers.INSTALL_HINT[name] for name in ("torch", "onnxruntime", "jax"))

@@ -13,6 +13,7 @@ import json
 import re
 import sys
 import types
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -742,3 +743,64 @@ def test_cli_resume_refuses_a_file_of_another_grid_before_measuring(tmp_path, mo
     err = capsys.readouterr().err
     assert "outside this run's grid" in err and "Traceback" not in err
     assert results.read_bytes() == data
+
+
+def test_no_peer_and_no_recorded_hint_lists_how_to_add_every_prefill_peer(quality):
+    records = synthetic_records()
+    records[0]["absent_peers"] = {}   # an older run that recorded no hints
+    html = build_report(records, source="synthetic", quality=quality).html
+    assert "No peer ran the prefill points" in html
+    for name in ("torch", "onnxruntime", "jax"):
+        assert f"<br>{name}: <code>pip install -e &#34;.[peers]&#34;" in html
+
+
+def test_roof_probe_table_gives_the_exp_rate_one_thread(report_html):
+    probes = report_html[report_html.index("Roof probes"):]
+    probes = probes[:probes.index("</table>")]
+    exp_row = next(row for row in probes.split("<tr>") if row.startswith('<td class="l">exp'))
+    assert "<td>1 (of the run&#39;s 2)</td>" in exp_row or "<td>1 (of the run's 2)</td>" in exp_row
+    gemm_row = next(row for row in probes.split("<tr>") if row.startswith('<td class="l">gemm'))
+    assert "<td>2</td>" in gemm_row
+
+
+def test_report_help_and_readme_name_the_largest_prefill_n_measured(capsys):
+    from fastattn.report.cli import sweep_points
+
+    largest = max(p.n for p in sweep_points(None) if p.regime == "prefill")
+    with pytest.raises(SystemExit):
+        main(["report", "--help"])
+    assert f"also at {largest}" in " ".join(capsys.readouterr().out.split())
+    readme = " ".join((Path(__file__).resolve().parents[1] / "README.md").read_text().split())
+    assert f"curves of the fast backends reach {largest}" in readme
+
+
+def test_a_resumed_report_keeps_the_reason_for_its_thread_count(tmp_path, monkeypatch):
+    from fastattn.bench import sweep
+
+    records = synthetic_records(backends=("reference",), ns=(128,))
+    records[0]["threads_reason"] = "other work kept 1 of 3 cores busy"
+    path = write_jsonl(tmp_path / "run.jsonl", records)
+    seen = {}
+
+    def capture(*args, **kwargs):
+        seen.update(kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sweep, "run_sweep", capture)
+    assert main(["report", "--resume", str(path)]) == 130
+    assert seen["threads"] == 2
+    assert seen["threads_reason"] == ("other work kept 1 of 3 cores busy "
+                                      "(when the resumed run started)")
+
+
+def test_a_bench_run_of_single_shapes_lists_every_point_and_fits_nothing(quality):
+    # fastattn bench --shape measures one n per kernel: no curve scales, every point is shown.
+    records = synthetic_records(ns=(2048,))
+    html = build_report(records, source="bench.jsonl", quality=quality).html
+    assert "No kernel was measured at three or more n here" in html
+    other = html[html.index("Points of kernels measured at fewer than three n"):]
+    other = other[:other.index("</table>")]
+    ok = [r for r in records if r["record"] == "point" and r["status"] == "ok"]
+    assert other.count("<tr><td") == len(ok) == 8   # 2 backends x 2 kinds x 2 masks
+    assert other.count("<td>2048</td>") == len(ok)
+    assert "asv keeps none" not in html

@@ -36,11 +36,14 @@ from threadpoolctl import threadpool_limits
 #: Peer names known to the sweep.
 PEERS = ("torch", "onnxruntime", "jax", "numpy")
 
-#: How to add a missing peer, shown by ``fastattn bench`` and the report.
+#: How to add a missing peer, shown by ``fastattn bench`` and the report.  The extra pins
+#: torch to a CPU build: an unpinned ``pip install torch`` may pull a CUDA build of gigabytes.
 INSTALL_HINT = {
-    "torch": 'pip install "fastattn[torch]"  (or: pip install torch)',
-    "onnxruntime": 'pip install "fastattn[peers]"  (or: pip install onnxruntime onnx)',
-    "jax": 'pip install "fastattn[peers]"  (or: pip install jax)',
+    "torch": 'pip install -e ".[peers]" in the fastattn checkout  (or, the CPU build alone: '
+             'pip install torch --index-url https://download.pytorch.org/whl/cpu)',
+    "onnxruntime": 'pip install -e ".[peers]" in the fastattn checkout  '
+                   '(or: pip install onnxruntime onnx)',
+    "jax": 'pip install -e ".[peers]" in the fastattn checkout  (or: pip install jax)',
     "numpy": "pip install numpy",
 }
 

@@ -9,6 +9,7 @@ import numpy as np
 
 from .. import __version__
 from ..bench.engine import MAX_PROBE_N, PEAK_PROBE_N
+from ..bench.peers import INSTALL_HINT
 from ..bench.table import (ABOVE_ROOF_WHY, format_bytes, format_number, format_percent,
                            format_seconds, mask_name, roof_statements)
 from . import analysis, figures, frontier, generation
@@ -17,10 +18,9 @@ from . import analysis, figures, frontier, generation
 #: only replaced when it carries it.
 REPORT_MARKER = '<meta name="generator" content="fastattn report">'
 
-PEER_HELP = ("No peer ran the prefill points: these results hold no PyTorch points (torch "
-             "was not installed where they were measured). To put PyTorch's SDPA and a PyTorch "
-             "linear attention beside fastattn's kernels, install torch and run fastattn "
-             "report again:")
+PEER_HELP = ("No peer ran the prefill points: these results hold none (no peer was installed "
+             "where they were measured). To put PyTorch's SDPA, onnxruntime's and JAX's "
+             "attention beside fastattn's kernels, install them and run fastattn report again:")
 
 
 @dataclass
@@ -138,24 +138,35 @@ def _exponent_rows(curve_list):
     return list(rows.values())
 
 
+def _point_cell(c, i):
+    """The table cell of curve ``c``'s ``i``-th point: time, throughput, memory, error."""
+    return {"median": format_seconds(c.median_s[i]),
+            "range": f"{format_seconds(c.min_s[i])}–{format_seconds(c.max_s[i])}",
+            "repeats": int(c.repeats[i]), "gflops": format_number(c.gflops[i]),
+            "roof_pct": format_percent(c.roof_fraction[i]), "above_roof": bool(c.above_roof[i]),
+            "check_failed": int(c.n[i]) in c.check_failed,
+            "memory": format_bytes(c.peak_bytes[i]), "err": format_number(c.max_abs_err[i], 2)}
+
+
 def _point_tables(curve_list):
     """One wide table per (attention, causal): rows n, a column group per curve."""
     tables = []
     for attention in ("softmax", "linear"):
         for causal in (False, True):
             group = [c for c in curve_list if c.attention == attention and c.causal == causal]
-            rows = analysis.rows_by_n(group, lambda c, i: {
-                "median": format_seconds(c.median_s[i]),
-                "range": f"{format_seconds(c.min_s[i])}–{format_seconds(c.max_s[i])}",
-                "repeats": int(c.repeats[i]), "gflops": format_number(c.gflops[i]),
-                "roof_pct": format_percent(c.roof_fraction[i]),
-                "above_roof": bool(c.above_roof[i]),
-                "check_failed": int(c.n[i]) in c.check_failed,
-                "memory": format_bytes(c.peak_bytes[i]), "err": format_number(c.max_abs_err[i], 2)})
             if group:
                 tables.append({"title": f"{attention} attention, {mask_name(causal)}",
-                               "columns": [c.label for c in group], "rows": rows})
+                               "columns": [c.label for c in group],
+                               "rows": analysis.rows_by_n(group, _point_cell)})
     return tables
+
+
+def _other_point_rows(curve_list):
+    """A row per point of the curves too short to scale (a bench run's single shapes, the
+    feature-map grid's two n), which the wide tables leave out."""
+    return [{"label": c.label, "attention": c.attention, "mask": mask_name(c.causal),
+             "n": int(n), **_point_cell(c, i)}
+            for c in curve_list for i, n in enumerate(c.n.tolist())]
 
 
 def _fastest_lines(curve_list):
@@ -182,9 +193,10 @@ def _fastest_lines(curve_list):
 
 def _statistic_text(curve_list):
     stats_ = {c.statistic for c in curve_list}
-    if stats_ == {"min"}:
+    if stats_ <= {"min"}:   # no curve: nothing fitted, and nothing to explain
         return "fastest repeat"
-    return "median" if stats_ == {"median"} else "fastest repeat; median where asv kept no samples"
+    return "median" if stats_ == {"median"} else (
+        "fastest repeat; median where a point recorded none (asv keeps none without samples)")
 
 
 def _joined(values):
@@ -256,6 +268,7 @@ def _machine_section(name, env, roofs, points, every_curve):
         "exponents": _exponent_rows(curve_list),
         "crossovers": analysis.crossover_rows(curve_list),
         "tables": _point_tables(curve_list),
+        "other_points": _other_point_rows([c for c in prefill if len(c.n) < 3]),
         "not_ok": [p for p in points if p.get("machine") == name and p.get("status") != "ok"],
         "backends": sorted({c.backend for c in curve_list if not c.peer}),
         "peers": sorted({c.backend for c in curve_list if c.peer}),
@@ -385,6 +398,7 @@ def build_report(records, *, source="", quality=None, history=None, history_benc
         marker=REPORT_MARKER, version=__version__, source=source, sections=sections,
         generated=(generated or _dt.datetime.now(_dt.timezone.utc)).strftime("%Y-%m-%d %H:%M UTC"),
         comparison_png=comparison_png, peer_help=PEER_HELP,
+        prefill_peer_hints={k: INSTALL_HINT[k] for k in ("torch", "onnxruntime", "jax")},
         summary=_summary(sections[0], quality), quality=_quality_section(quality, all_curves),
         history=_history_section(history, history_benchmark), fit_min_n=analysis.FIT_MIN_N,
         max_probe_n=MAX_PROBE_N, peak_probe_n=PEAK_PROBE_N,

@@ -40,7 +40,9 @@ def add_parser(subparsers):
         "report",
         help="measure time and memory against n, then write one self-contained HTML report",
         description="Measure softmax and linear attention (every backend and peer, causal and "
-                    "not, d=64, float32, n 128 to 8192) into a JSON-lines results file, then "
+                    "not, d=64, float32, n 128 to 8192; the fast backends' non-causal "
+                    "attention also at 16384, with every feature map) into a JSON-lines "
+                    "results file, then "
                     "write one self-contained HTML report (scaling, fits, crossover, roof, "
                     "quality, environment) and print its path.")
     add = parser.add_argument
@@ -174,9 +176,12 @@ def _measure(args, results):
 
     threads, why = args.threads, "as asked (--threads)"
     if threads is None and args.resume is not None:  # finish the grid on its own threads
-        threads = next((r["threads"] for r in _read_results(results)
-                        if r["record"] == "point"), None)
-        why = "the thread count of the resumed results file"
+        earlier = _read_results(results)
+        threads = next((r["threads"] for r in earlier if r["record"] == "point"), None)
+        first_why = next((r["threads_reason"] for r in earlier if r["record"] == "environment"
+                          and r.get("threads_reason")), None)
+        why = (f"{first_why} (when the resumed run started)" if first_why
+               else "the thread count of the resumed results file")
     if threads is None:
         threads, cores = sweep.idle_cores(), default_num_threads()
         why = f"every usable core ({cores})" if threads >= cores else (
