@@ -299,8 +299,10 @@ DEFAULT_EPS = 1e-6
 FAVOR_EPS = 0.0
 
 
-def resolve(feature_map, d_k):
+def resolve(feature_map, d_k, d_k_of="q and k have"):
     """Validate ``feature_map=`` for inputs of key dimension ``d_k``; return its :class:`Spec`.
+
+    ``d_k_of`` says whose ``d_k`` it is, in the error for a FavorFeatures of another.
 
     Raises
     ------
@@ -316,8 +318,8 @@ def resolve(feature_map, d_k):
     elif isinstance(feature_map, FavorFeatures):
         if feature_map.d_k != d_k:
             raise ValueError(
-                f"feature_map is {feature_map!r}, built for d_k={feature_map.d_k}, but q and k "
-                f"have d_k={d_k}"
+                f"feature_map is {feature_map!r}, built for d_k={feature_map.d_k}, but "
+                f"{d_k_of} d_k={d_k}"
             )
         return Spec("favor", favor=feature_map)
     elif callable(feature_map):

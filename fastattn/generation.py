@@ -20,7 +20,7 @@ import numbers
 
 import numpy as np
 
-from . import _api, _dispatch, feature_maps
+from . import _api, _dispatch, feature_maps, reference
 
 #: Backend -> module whose ``cache_softmax_forward(q, k, v, causal, scale, n_k)``
 #: attends over the first ``n_k`` keys of a preallocated buffer.
@@ -125,16 +125,19 @@ class KVCache:
         self._d_v = self._d_k if d_v is None else _check_dim(d_v, "d_v", 1)
         self._dtype = _check_storage_dtype(dtype)
         self._length = 0
+        need = math.prod(self.batch_shape) * self.capacity * (self.d_k + self.d_v) \
+            * self.dtype.itemsize
+        what = (f"KVCache: capacity={self.capacity}, for the keys and values of batch shape "
+                f"{self.batch_shape},")
+        # Checked before allocating: np.empty of more than the RAM can succeed (the pages
+        # are only promised) and fail later, in the middle of a generation.
+        reference.check_fits_in_memory(need, what, advice="give a smaller capacity")
         try:
             self._k = np.empty(self.batch_shape + (self.capacity, self.d_k), self.dtype)
             self._v = np.empty(self.batch_shape + (self.capacity, self.d_v), self.dtype)
         except (MemoryError, ValueError) as exc:  # numpy: "array is too big" or no memory
-            need = math.prod(self.batch_shape) * self.capacity * (self.d_k + self.d_v) \
-                * np.dtype(self.dtype).itemsize
-            raise MemoryError(
-                f"KVCache: capacity={self.capacity} needs {need:,} bytes for the keys and "
-                f"values of batch shape {self.batch_shape}, more than this machine can "
-                f"allocate ({exc}); give a smaller capacity") from None
+            raise MemoryError(f"{what} needs {need:,} bytes, more than this machine can "
+                              f"allocate ({exc}); give a smaller capacity") from None
 
     # Read-only: the kernels index the buffers by these, so a length or shape
     # set from outside would read past the buffers; append and reset change them.
@@ -182,8 +185,10 @@ class KVCache:
         TypeError
             If ``k`` or ``v`` is not a float ndarray.
         ValueError
-            If a shape does not match the cache, or the cache has no room for
-            ``t`` more tokens (the message gives length and capacity).
+            If a shape does not match the cache, the cache has no room for
+            ``t`` more tokens (the message gives length and capacity), or a
+            finite value would overflow the cache's dtype (float64 values
+            beyond 3.4e38 in a float32 cache).  The cache is unchanged.
         """
         for x, name, d in ((k, "k", self.d_k), (v, "v", self.d_v)):
             _api._check_array(x, name)
@@ -201,8 +206,16 @@ class KVCache:
                 f"KVCache is full: it holds {self.length} of {self.capacity} tokens and cannot "
                 f"append {t} more; create it with a larger capacity"
             )
-        self._k[..., self.length : self.length + t, :] = k
-        self._v[..., self.length : self.length + t, :] = v
+        for buffer, x, name in ((self._k, k, "k"), (self._v, v, "v")):
+            try:
+                with np.errstate(over="raise"):  # a cast to float32 overflowing: not a silent inf
+                    buffer[..., self.length : self.length + t, :] = x
+            except FloatingPointError:
+                raise ValueError(
+                    f"{name} holds finite values beyond the range of this cache's dtype "
+                    f"{self.dtype} (largest {np.finfo(self.dtype).max:.4g}), which would be "
+                    f"stored as inf; rescale them, or make the cache with dtype=np.float64"
+                ) from None
         self._length += t
 
     def attend(self, q, *, causal=True, scale=None, backend="auto"):
@@ -331,9 +344,12 @@ class LinearAttentionState:
         self._d_k = _check_dim(d_k, "d_k", 1)
         self._d_v = self._d_k if d_v is None else _check_dim(d_v, "d_v", 1)
         self._dtype = _check_storage_dtype(dtype)
-        self._eps = None if eps is None else _api._check_positive_scalar(eps, "eps", allow_zero=True)
+        # eps is checked against the state's dtype now, not only at the first step.
+        self._eps = None if eps is None else _api._finite_in(
+            _api._check_positive_scalar(eps, "eps", allow_zero=True), "eps", np.dtype(self._dtype))
         self._feature_map = feature_map
-        self._num_features = feature_maps.resolve(feature_map, self._d_k).num_features(self._d_k)
+        self._num_features = feature_maps.resolve(
+            feature_map, self._d_k, d_k_of="this LinearAttentionState has").num_features(self._d_k)
         self.reset()
 
     # Read-only: the state's shape and its token count follow from the steps
@@ -356,6 +372,12 @@ class LinearAttentionState:
     def reset(self):
         """Back to no tokens: ``S = 0``, ``z = 0`` (None for a callable's unknown ``D``)."""
         D = self.num_features
+        if D is not None:
+            need = math.prod(self.batch_shape) * D * (self.d_v + 1) * self.dtype.itemsize
+            shape = _api._shape_text(*self.batch_shape, D, self.d_v)
+            reference.check_fits_in_memory(
+                need, f"LinearAttentionState: the state S {shape} and z, of D={D} features,",
+                advice="give a smaller batch_shape, d_k or d_v")
         self._S = None if D is None else np.zeros(self.batch_shape + (D, self.d_v), self.dtype)
         self._z = None if D is None else np.zeros(self.batch_shape + (D,), self.dtype)
         self._tokens = 0

@@ -6,6 +6,7 @@ Every step is held to the plain calls (and through them to the reference).
 import importlib
 
 import numpy as np
+import psutil
 import pytest
 
 import fastattn
@@ -295,8 +296,13 @@ def test_linear_state_rejects_bad_input_and_keeps_its_state():
         fastattn.LinearAttentionState((2,), d_k=4, dtype="int8")
     with pytest.raises(ValueError, match="feature_map"):
         fastattn.LinearAttentionState((2,), d_k=4, feature_map="cosine")
-    with pytest.raises(ValueError, match="d_k"):
+    with pytest.raises(ValueError, match="but this LinearAttentionState has d_k=4") as info:
         fastattn.LinearAttentionState((2,), d_k=4, feature_map=fastattn.FavorFeatures(8))
+    assert "q and k" not in str(info.value)   # the caller gave no q or k
+    # eps is checked against the state's dtype when the state is made, not at its first step.
+    with pytest.raises(ValueError, match="eps must be finite in the computation dtype float32"):
+        fastattn.LinearAttentionState((2,), d_k=4, eps=1e39)
+    assert fastattn.LinearAttentionState((2,), d_k=4, eps=1e39, dtype=np.float64).eps == 1e39
     q, k, v = make_qkv((2, 1, 4), dtype=np.float32)
     state = fastattn.LinearAttentionState((2,), d_k=4)
     state.step(q, k, v)
@@ -331,5 +337,33 @@ def test_linear_state_rejects_bad_input_and_keeps_its_state():
 
 
 def test_kv_cache_too_large_to_allocate_names_capacity():
-    with pytest.raises(MemoryError, match=r"capacity=1000000000000000 needs [\d,]+ bytes"):
+    with pytest.raises(MemoryError, match=r"capacity=1000000000000000, .* needs [\d,]+ bytes"):
         fastattn.KVCache((2,), capacity=10**15, d_k=64)
+
+
+def test_generation_objects_beyond_the_ram_are_refused_before_allocating():
+    # np.empty of more than the RAM can succeed (pages only promised) and fail mid-generation.
+    ram = psutil.virtual_memory().total
+    capacity = 2 * ram // (2 * 64 * 4) + 1          # keys and values: twice the RAM
+    with pytest.raises(MemoryError, match=r"capacity=\d+, .* give a smaller capacity"):
+        fastattn.KVCache((1,), capacity=capacity, d_k=64)
+    d_k = int((2 * ram / 1000 / 4) ** 0.5) + 1       # S (1000, d_k, d_k): twice the RAM
+    with pytest.raises(MemoryError, match=r"LinearAttentionState: the state S \(1000, \d+, \d+\)"
+                                          r" .* give a smaller batch_shape, d_k or d_v"):
+        fastattn.LinearAttentionState((1000,), d_k=d_k)
+
+
+def test_kv_cache_refuses_values_that_overflow_its_dtype_and_keeps_its_length():
+    cache = fastattn.KVCache((1,), capacity=4, d_k=2)
+    k = np.ones((1, 1, 2))
+    cache.append(k, k)
+    big = np.array([[[1e39, 1.0]]])   # finite in float64, inf in float32
+    for args, name in (((big, k), "k"), ((k, big), "v")):
+        with pytest.raises(ValueError, match=rf"^{name} holds finite values beyond the range of "
+                                             r"this cache's dtype float32"):
+            cache.append(*args)
+        assert cache.length == 1
+    # An inf given is taken as given, as by every kernel.
+    cache.append(np.array([[[np.inf, 1.0]]]), k)
+    assert cache.length == 2
+    assert fastattn.KVCache((1,), capacity=1, d_k=2, dtype=np.float64).append(big, big) is None
