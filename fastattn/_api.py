@@ -126,13 +126,15 @@ def get_backend(backend):
         If ``backend`` is not a known name, or is known but cannot run here
         (the message lists the available backends and why this one is not).
     """
-    if backend == "auto":
-        return _load(next(b for b in available_backends() if b not in _not_for_auto))
-    if not isinstance(backend, str) or backend not in BACKEND_MODULES:
+    if not isinstance(backend, str) or (backend != "auto" and backend not in BACKEND_MODULES):
+        got = (f"an array of shape {backend.shape}" if isinstance(backend, np.ndarray)
+               else repr(backend))
         raise ValueError(
-            f"backend must be 'auto' or one of {sorted(BACKEND_MODULES)}, got {backend!r}; "
+            f"backend must be 'auto' or one of {sorted(BACKEND_MODULES)}, got {got}; "
             f"available here: {list(available_backends())}"
         )
+    if backend == "auto":
+        return _load(next(b for b in available_backends() if b not in _not_for_auto))
     module = _load(backend)
     if module is None:
         raise ValueError(
@@ -507,6 +509,13 @@ def linear_attention(
     ``|k|`` of about ``1e18`` in float32 (less the more keys there are) and
     ``1e153`` in float64; rescale such inputs first (relu attention does
     not change when ``q`` is scaled).
+
+    An inf in ``v`` makes every row that sees its key non-finite, but
+    which of inf and NaN it gets is not specified: a feature or weight of
+    exactly 0 meets it as ``0 · inf`` (NaN) in the state ``φ(k)ᵀ v`` of
+    the fast backends, and not in the reference's ``n_q x n_k`` weights,
+    so backends (and, for the chunked causal kernels, the key's place in
+    its chunk) may differ.  A NaN anywhere gives NaN in every backend.
 
     Examples
     --------

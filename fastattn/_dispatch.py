@@ -235,7 +235,7 @@ def backend_name_for_call(backend, kind, q, k, v, causal, dtype):
     ValueError
         As :func:`fastattn._api.get_backend`, for an unknown or unavailable backend.
     """
-    if backend == "auto":
+    if isinstance(backend, str) and backend == "auto":   # an array's == is an array
         return auto_backend(kind, math.prod(q.shape[:-2]), q.shape[-2], k.shape[-2], q.shape[-1],
                             v.shape[-1], causal, dtype)
     _api.get_backend(backend)

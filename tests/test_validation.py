@@ -192,6 +192,18 @@ def test_unknown_backend_lists_the_available_ones(kind, value):
     _raises(ValueError, lambda: _call(kind, Q[:, :0], K[:, :0], V[:, :0], backend=value), "backend")
 
 
+@pytest.mark.parametrize("kind", ["softmax", "linear"])
+def test_an_array_as_backend_is_named_not_compared(kind):
+    # backend == "auto" on an array is an array: its truth was numpy's error, not ours.
+    cache = fastattn.KVCache((), capacity=2, d_k=3, d_v=6, dtype=Q.dtype)
+    cache.append(K[0, :2], V[0, :2])
+    for value in (np.array(["numba", "cython"]), np.array("auto")):
+        _raises(ValueError, lambda: _call(kind, backend=value), "backend must be",
+                f"got an array of shape {value.shape}")
+        _raises(ValueError, lambda: cache.attend(Q[0, :1], backend=value), "backend must be",
+                f"got an array of shape {value.shape}")
+
+
 def test_unknown_weights_kind():
     _raises(ValueError, lambda: fastattn.attention_weights(Q, K, kind="cosine"),
             "kind must be 'softmax' or 'linear'", "'cosine'")
