@@ -68,7 +68,8 @@ def main(argv=None):
     try:
         return args.func(args) or 0
     except KeyboardInterrupt:
-        print("interrupted; measured points are kept in the results file", file=sys.stderr)
+        # A command with a results file says where its points are before this.
+        print(f"fastattn {args.command}: interrupted", file=sys.stderr)
         return 130
 
 

@@ -79,3 +79,19 @@ def test_quality_refuses_complex_and_scalar_outputs():
         fastattn.quality(np.ones(3) + 1j, np.ones(3))
     with pytest.raises(ValueError, match=r"approx_out must have at least 1 dimension"):
         fastattn.quality(np.ones(1), np.float64(1.0))
+
+
+def test_an_interrupted_compare_claims_no_results_file(monkeypatch, capsys):
+    import importlib
+
+    from fastattn.cli import main
+
+    module = importlib.import_module("fastattn.compare")   # fastattn.compare is the function
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(module, "compare", interrupted)
+    assert main(["compare", "--n", "8", "--d", "4"]) == 130
+    err = capsys.readouterr().err
+    assert err.strip() == "fastattn compare: interrupted"   # compare keeps no results file
