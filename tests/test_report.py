@@ -804,3 +804,32 @@ def test_a_bench_run_of_single_shapes_lists_every_point_and_fits_nothing(quality
     assert other.count("<tr><td") == len(ok) == 8   # 2 backends x 2 kinds x 2 masks
     assert other.count("<td>2048</td>") == len(ok)
     assert "asv keeps none" not in html
+
+
+@pytest.mark.parametrize("count, label", [(4, "numba softmax"), (12, "x" * 60), (40, "cython")])
+def test_a_panel_of_many_or_long_labels_keeps_its_axes(count, label):
+    # A report from a bench run of many shapes: dozens of curves with long labels made the
+    # constrained layout collapse the axes (matplotlib warned and drew no legend).
+    import warnings
+
+    import matplotlib.pyplot as plt
+
+    from fastattn.report import figures
+
+    fig, axes = figures._panel_grid([("a", []), ("b", [])], 2)
+    for ax in axes:
+        for i in range(count):
+            ax.plot([1, 2], [i + 1, i + 2], label=f"{label} {i}")
+        figures._finish(ax, "panel")
+    if count > figures.LEGEND_MAX:
+        assert axes[0].get_legend() is None
+        assert any(f"{count} curves" in t.get_text() for t in axes[0].texts)
+    else:
+        assert len(axes[0].get_legend().get_texts()) == count
+    height = fig.get_size_inches()[1]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        png = figures.to_png(fig)
+    assert png.startswith(b"\x89PNG")
+    assert (height < fig.get_size_inches()[1]) == (count == 12)   # grown for 12 rows only
+    plt.close("all")

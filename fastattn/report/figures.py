@@ -39,17 +39,48 @@ def _style(curve):
                if curve.key.get("dtype") == "float64" else {})}
 
 
+#: Most legend entries drawn below a panel; a panel of more (a run of many shapes) names
+#: its curves in the page's tables instead, as a legend that long would crowd out the axes.
+LEGEND_MAX = 16
+#: Labels longer than this go one to a legend row, shorter ones two.
+LEGEND_WIDE_LABEL = 44
+#: Inches of figure height a legend row takes (fontsize 7.5), and the legend rows a panel
+#: of :func:`_panel_grid`'s height leaves room for below its axes.
+LEGEND_ROW_IN, LEGEND_ROWS_IN_PANEL = 0.16, 6
+
+
+def _legend_columns(labels):
+    return 1 if max(map(len, labels)) > LEGEND_WIDE_LABEL else 2
+
+
 def _finish(ax, title, xlabel=None):
     """The n axis, the panel title and the legend below the panel (the curves stay visible)."""
     _n_axis(ax, xlabel)
     ax.set_title(title, fontsize=11)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=7.5, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2,
-                  frameon=False)
+    labels = ax.get_legend_handles_labels()[1]
+    if len(labels) > LEGEND_MAX:
+        ax.text(0.5, -0.16, f"{len(labels)} curves: too many to label here; the tables below "
+                "name them", transform=ax.transAxes, ha="center", va="top", fontsize=8)
+    elif labels:
+        ax.legend(fontsize=7.5, loc="upper center", bbox_to_anchor=(0.5, -0.16),
+                  ncol=_legend_columns(labels), frameon=False)
+
+
+def _fit_legends(fig):
+    """Make ``fig`` taller for legends of more rows than a panel leaves room for."""
+    rows = [-(-len(labels) // _legend_columns(labels)) for ax in fig.axes
+            if (legend := ax.get_legend()) is not None
+            and (labels := [t.get_text() for t in legend.get_texts()])]
+    extra = max(rows, default=0) - LEGEND_ROWS_IN_PANEL
+    if extra > 0:
+        grid_rows = max(ax.get_subplotspec().get_gridspec().nrows for ax in fig.axes)
+        width, height = fig.get_size_inches()
+        fig.set_size_inches(width, height + grid_rows * extra * LEGEND_ROW_IN)
 
 
 def to_png(fig):
     """Render ``fig`` to PNG bytes and close it."""
+    _fit_legends(fig)
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=DPI)  # layout="constrained": one draw, no tight bbox pass
     plt.close(fig)
