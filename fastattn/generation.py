@@ -28,6 +28,9 @@ _CACHE_MODULES = _dispatch.RECURRENT_STEP_MODULES
 
 _STORAGE_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
+#: The advice of a KVCache too large for the memory: it is batch x capacity x (d_k + d_v).
+_SMALLER_CACHE = "give a smaller capacity, d_k, d_v or batch_shape"
+
 
 def _check_dim(value, name, minimum):
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral) \
@@ -131,13 +134,13 @@ class KVCache:
                 f"{self.batch_shape},")
         # Checked before allocating: np.empty of more than the RAM can succeed (the pages
         # are only promised) and fail later, in the middle of a generation.
-        reference.check_fits_in_memory(need, what, advice="give a smaller capacity")
+        reference.check_fits_in_memory(need, what, advice=_SMALLER_CACHE)
         try:
             self._k = np.empty(self.batch_shape + (self.capacity, self.d_k), self.dtype)
             self._v = np.empty(self.batch_shape + (self.capacity, self.d_v), self.dtype)
         except (MemoryError, ValueError) as exc:  # numpy: "array is too big" or no memory
             raise MemoryError(f"{what} needs {need:,} bytes, more than this machine can "
-                              f"allocate ({exc}); give a smaller capacity") from None
+                              f"allocate ({exc}); {_SMALLER_CACHE}") from None
 
     # Read-only: the kernels index the buffers by these, so a length or shape
     # set from outside would read past the buffers; append and reset change them.
@@ -404,7 +407,9 @@ class LinearAttentionState:
             As :func:`fastattn.linear_attention`; ``q``, ``k`` and ``v`` must
             match the state's ``batch_shape``, ``d_k`` and ``d_v`` (the message
             names the argument and the shape expected) and hold the same
-            number of tokens.  The state is unchanged after an error.
+            number of tokens; ValueError too if the new state would overflow the
+            state's dtype (float64 tokens beyond 3.4e38 into a float32 state).
+            The state is unchanged after an error.
         """
         for x, name, dim in ((q, "q", "d_k"), (k, "k", "d_k"), (v, "v", "d_v")):
             _api._check_array(x, name)
@@ -433,7 +438,15 @@ class LinearAttentionState:
             if message == str(exc):
                 raise
             raise ValueError(message) from None
-        self._S = S.astype(self.dtype, copy=False)
-        self._z = z.astype(self.dtype, copy=False)
+        try:
+            with np.errstate(over="raise"):  # float64 tokens into a float32 state
+                S, z = S.astype(self.dtype, copy=False), z.astype(self.dtype, copy=False)
+        except FloatingPointError:
+            raise ValueError(
+                f"the state after these tokens holds finite values beyond the range of this "
+                f"state's dtype {self.dtype} (largest {np.finfo(self.dtype).max:.4g}), which "
+                "would be stored as inf; rescale k and v, or make the state with "
+                "dtype=np.float64. The state is unchanged") from None
+        self._S, self._z = S, z
         self._tokens += k.shape[-2]
         return out

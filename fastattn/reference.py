@@ -140,8 +140,10 @@ def check_fits_in_memory(nbytes, what, advice=None):
         if advice is None:
             advice = (f"use a tiled backend ({', '.join(repr(b) for b in TILED_BACKENDS)}), "
                       "which needs O(n d) memory")
+        # Digits a reader can take in: an absurd size in e-notation, not 40 digits.
+        need = f"{nbytes:,}" if nbytes < 1e15 else f"{float(nbytes):.3g}"
         raise MemoryError(
-            f"{what} needs {nbytes:,} bytes ({nbytes / 2**30:.1f} GiB) "
+            f"{what} needs {need} bytes ({nbytes / 2**30:.3g} GiB) "
             f"but only {available:,} bytes are available; {advice}"
         )
 

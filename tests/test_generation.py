@@ -337,7 +337,7 @@ def test_linear_state_rejects_bad_input_and_keeps_its_state():
 
 
 def test_kv_cache_too_large_to_allocate_names_capacity():
-    with pytest.raises(MemoryError, match=r"capacity=1000000000000000, .* needs [\d,]+ bytes"):
+    with pytest.raises(MemoryError, match=r"capacity=1000000000000000, .* needs 1.02e\+18 bytes"):
         fastattn.KVCache((2,), capacity=10**15, d_k=64)
 
 
@@ -345,8 +345,13 @@ def test_generation_objects_beyond_the_ram_are_refused_before_allocating():
     # np.empty of more than the RAM can succeed (pages only promised) and fail mid-generation.
     ram = psutil.virtual_memory().total
     capacity = 2 * ram // (2 * 64 * 4) + 1          # keys and values: twice the RAM
-    with pytest.raises(MemoryError, match=r"capacity=\d+, .* give a smaller capacity"):
+    with pytest.raises(MemoryError, match=r"capacity=\d+, .* give a smaller capacity, d_k, "
+                                          r"d_v or batch_shape"):
         fastattn.KVCache((1,), capacity=capacity, d_k=64)
+    # A small capacity of huge rows: the advice names more than the capacity, and the
+    # size is in e-notation, not 40 digits.
+    with pytest.raises(MemoryError, match=r"needs 3.2e\+16 bytes \(2.98e\+07 GiB\)"):
+        fastattn.KVCache((1,), capacity=8, d_k=4, d_v=10**15 - 4)
     d_k = int((2 * ram / 1000 / 4) ** 0.5) + 1       # S (1000, d_k, d_k): twice the RAM
     with pytest.raises(MemoryError, match=r"LinearAttentionState: the state S \(1000, \d+, \d+\)"
                                           r" .* give a smaller batch_shape, d_k or d_v"):
@@ -367,3 +372,15 @@ def test_kv_cache_refuses_values_that_overflow_its_dtype_and_keeps_its_length():
     cache.append(np.array([[[np.inf, 1.0]]]), k)
     assert cache.length == 2
     assert fastattn.KVCache((1,), capacity=1, d_k=2, dtype=np.float64).append(big, big) is None
+
+
+def test_linear_state_refuses_a_state_that_overflows_its_dtype_and_keeps_its_state():
+    state = fastattn.LinearAttentionState((1,), d_k=8)
+    ones = np.ones((1, 1, 8))
+    state.step(ones, ones, ones)
+    S, z = state.S.copy(), state.z.copy()
+    with pytest.raises(ValueError, match=r"beyond the range of this state's dtype float32"):
+        state.step(ones, np.full((1, 1, 8), 1e39), ones)   # finite in float64, inf in float32
+    assert state.tokens == 1
+    assert np.array_equal(state.S, S) and np.array_equal(state.z, z)
+    assert np.all(np.isfinite(state.step(ones, ones, ones)))   # the next step is not NaN

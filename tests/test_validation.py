@@ -325,8 +325,10 @@ def little_memory(monkeypatch):
 
 
 def _bytes(message):
-    """Every integer written with thousands separators in ``message``."""
-    return [int(m.replace(",", "")) for m in re.findall(r"\d{1,3}(?:,\d{3})+", message)]
+    """Every integer written with thousands separators in ``message``, and every size in
+    bytes written in e-notation (an absurd one: 1.2e+19 bytes), in order."""
+    found = re.findall(r"\d{1,3}(?:,\d{3})+|\d(?:\.\d+)?e\+\d+(?= bytes)", message)
+    return [float(m) if "e" in m else int(m.replace(",", "")) for m in found]
 
 
 MEMORY_CASES = {
