@@ -655,7 +655,7 @@ def test_cli_without_torch_says_how_to_add_it(capsys, tmp_path, monkeypatch):
                  "--repeats", "1", "--d-k", "8", "--out", str(out), "--no-progress"])
     assert code == 0
     text = capsys.readouterr().out
-    assert "torch is not installed" in text and 'pip install -e ".[peers]"' in text
+    assert "torch is not installed" in text and '.venv/bin/pip install -e ".[peers]"' in text
     assert "vs reference" in text and "GFLOP/s" in text
     csv_lines = out.with_suffix(".csv").read_text().splitlines()
     assert csv_lines[0].startswith("attention,backend")

@@ -6,6 +6,7 @@ registry tests run everywhere and import no peer.
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -150,12 +151,17 @@ def test_one_jax_thread_goes_into_the_xla_flags_before_jax_starts(monkeypatch):
     assert os.environ["XLA_FLAGS"].split() == ["--xla_dump_to=/nowhere"]
 
 
-def test_every_extra_pins_torch_to_the_cpu_build():
-    # An unpinned torch pulls a CUDA build of gigabytes; the hints recommend these extras.
+def test_every_extra_pins_torch_and_the_hints_name_the_venvs_pip():
+    # An unpinned torch pulls a CUDA build of gigabytes; the hints recommend these extras,
+    # with the pip of the README's .venv (a bare pip may be another Python's).
     tomllib = pytest.importorskip("tomllib")
     root = Path(__file__).resolve().parents[1]
     extras = tomllib.loads((root / "pyproject.toml").read_text())["project"][
         "optional-dependencies"]
     torch_pins = [req for reqs in extras.values() for req in reqs if req.startswith("torch")]
     assert torch_pins and all(req.startswith("torch==") for req in torch_pins)
-    assert all('".[peers]"' in peers.INSTALL_HINT[name] for name in ("torch", "onnxruntime", "jax"))
+    for name in ("torch", "onnxruntime", "jax"):
+        hint = peers.INSTALL_HINT[name]
+        assert '.venv/bin/pip install -e ".[peers]"' in hint
+        assert all(p == ".venv/bin/pip" for p in re.findall(r"\S*pip(?= install)", hint))
+    assert "--index-url https://download.pytorch.org/whl/cpu" in peers.INSTALL_HINT["torch"]

@@ -150,6 +150,12 @@ def test_crossover_none_in_range_and_throughout():
     assert always.n is None and always.status == "linear-faster-throughout"
     apart = analysis.crossover([128, 256], [1, 2], [1024, 2048], [1, 2])
     assert apart.status == "no-common-range"
+    # One n in common is a comparison at that n, not "the whole common range".
+    touching = analysis.crossover([128, 256], [2, 4], [256, 512], [1, 2])
+    assert touching.describe() == ("linear faster at the only n measured for both (n = 256); "
+                                   "no range to cross over in")
+    slower = analysis.crossover([128, 256], [2, 4], [256, 512], [8, 9])
+    assert slower.describe().startswith("softmax not slower at the only n measured for both")
 
 
 def test_crossover_on_different_grids():
@@ -317,7 +323,11 @@ def test_cli_from_builds_report_without_touching_results(tmp_path, capsys):
     image = tmp_path / "docs" / "scaling.png"
     assert main(["report", "--from", str(results), "--out", str(out),
                  "--readme-image", str(image)]) == 0
-    assert capsys.readouterr().out.strip() == str(out)
+    printed = capsys.readouterr()
+    assert printed.out.strip() == str(out)
+    # The cut line is left out, and said so (it was silent).
+    assert f"the last line of {results} was cut short" in printed.err
+    assert "its 46 byte(s) are left out" in printed.err
     html = out.read_text()
     assert REPORT_MARKER in html and "an older report" not in html
     assert "Fitted exponents" in html
@@ -751,7 +761,8 @@ def test_no_peer_and_no_recorded_hint_lists_how_to_add_every_prefill_peer(qualit
     html = build_report(records, source="synthetic", quality=quality).html
     assert "No peer ran the prefill points" in html
     for name in ("torch", "onnxruntime", "jax"):
-        assert f"<br>{name}: <code>pip install -e &#34;.[peers]&#34;" in html
+        assert f"<br>{name}: <code>.venv/bin/pip install " in html
+        assert ".venv/bin/pip install -e &#34;.[peers]&#34;" in html
 
 
 def test_roof_probe_table_gives_the_exp_rate_one_thread(report_html):
@@ -804,6 +815,12 @@ def test_a_bench_run_of_single_shapes_lists_every_point_and_fits_nothing(quality
     assert other.count("<tr><td") == len(ok) == 8   # 2 backends x 2 kinds x 2 masks
     assert other.count("<td>2048</td>") == len(ok)
     assert "asv keeps none" not in html
+    assert "seeded inputs (batch 1, one head)" in html
+    for r in records:
+        if r["record"] == "point" and r["backend"] == "numba":
+            r["heads"] = 2   # a run of two shapes: the methods text names both
+    html = build_report(records, source="bench.jsonl", quality=quality).html
+    assert "seeded inputs (batch × heads 1 × 1, 1 × 2)" in html
 
 
 @pytest.mark.parametrize("count, label", [(4, "numba softmax"), (12, "x" * 60), (40, "cython")])
@@ -833,3 +850,9 @@ def test_a_panel_of_many_or_long_labels_keeps_its_axes(count, label):
     assert png.startswith(b"\x89PNG")
     assert (height < fig.get_size_inches()[1]) == (count == 12)   # grown for 12 rows only
     plt.close("all")
+
+
+def test_the_page_header_and_the_repeat_counts_read_as_sentences(report_html):
+    header = " ".join(report_html[report_html.index('<div class="meta">'):].split("</div>")[0].split())
+    assert "Measured on <b>this machine</b>." in header   # not "this machine</b> ."
+    assert "the number of timed repeats" in report_html   # what "(99×)" means

@@ -36,14 +36,16 @@ from threadpoolctl import threadpool_limits
 #: Peer names known to the sweep.
 PEERS = ("torch", "onnxruntime", "jax", "numpy")
 
-#: How to add a missing peer, shown by ``fastattn bench`` and the report.  The extra pins
-#: torch to a CPU build: an unpinned ``pip install torch`` may pull a CUDA build of gigabytes.
+#: How to add a missing peer, shown by ``fastattn bench`` and the report: with the pip of
+#: the environment fastattn runs in (the README's ``.venv``).  PyPI's Linux torch is a CUDA
+#: build of several GB; PyTorch's CPU index has the CPU build.
 INSTALL_HINT = {
-    "torch": 'pip install -e ".[peers]" in the fastattn checkout  (or, the CPU build alone: '
-             'pip install torch --index-url https://download.pytorch.org/whl/cpu)',
-    "onnxruntime": 'pip install -e ".[peers]" in the fastattn checkout  '
-                   '(or: pip install onnxruntime onnx)',
-    "jax": 'pip install -e ".[peers]" in the fastattn checkout  (or: pip install jax)',
+    "torch": ".venv/bin/pip install torch --index-url https://download.pytorch.org/whl/cpu  "
+             '(or every peer, in the fastattn checkout: .venv/bin/pip install -e ".[peers]")',
+    "onnxruntime": '.venv/bin/pip install -e ".[peers]" in the fastattn checkout  '
+                   "(or: .venv/bin/pip install onnxruntime onnx)",
+    "jax": '.venv/bin/pip install -e ".[peers]" in the fastattn checkout  '
+           "(or: .venv/bin/pip install jax)",
     "numpy": "pip install numpy",
 }
 

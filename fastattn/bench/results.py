@@ -140,6 +140,20 @@ def read_records(path):
     return records
 
 
+def cut_tail_bytes(path):
+    """Bytes of a last line of ``path`` cut short by an interrupted write, which
+    :func:`read_records` leaves out (0 when the last line is whole)."""
+    data = Path(path).read_bytes()
+    if not data or data.endswith(b"\n"):
+        return 0
+    tail = data[data.rfind(b"\n") + 1:]
+    try:
+        json.loads(tail)
+    except ValueError:
+        return len(tail)
+    return 0   # a whole record but for its newline: read
+
+
 def _json_default(value):
     # NumPy scalars and arrays that slip into a record.
     if hasattr(value, "item") and getattr(value, "ndim", 1) == 0:

@@ -237,6 +237,11 @@ class Crossover:
         """A sentence for the report."""
         if self.status == "no-common-range":
             return "no common range of n measured for both"
+        if self.n_lo == self.n_hi:   # one n in common: a comparison there, not over a range
+            which = ("linear faster" if self.status == "linear-faster-throughout"
+                     else "softmax not slower")
+            return (f"{which} at the only n measured for both (n = {self.n_lo}); no range "
+                    "to cross over in")
         if self.status == "linear-faster-throughout":
             return f"linear faster over the whole common range (from n = {self.n_lo})"
         if self.status == "none-in-range":

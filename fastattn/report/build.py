@@ -199,6 +199,15 @@ def _statistic_text(curve_list):
         "fastest repeat; median where a point recorded none (asv keeps none without samples)")
 
 
+def _input_shapes(points):
+    """The inputs' batch and heads, as the methods text says them: "batch 1, one head", or
+    each (batch, heads) measured ("batch x heads 1 x 1, 1 x 2") for a run of several shapes."""
+    pairs = sorted({(p.get("batch") or 1, p.get("heads") or 1) for p in points})
+    if pairs in ([], [(1, 1)]):
+        return "batch 1, one head"
+    return "batch × heads " + ", ".join(f"{b} × {h}" for b, h in pairs)
+
+
 def _joined(values):
     return ", ".join(str(v) for v in sorted({v for v in values if v is not None})) or None
 
@@ -402,5 +411,6 @@ def build_report(records, *, source="", quality=None, history=None, history_benc
         summary=_summary(sections[0], quality), quality=_quality_section(quality, all_curves),
         history=_history_section(history, history_benchmark), fit_min_n=analysis.FIT_MIN_N,
         max_probe_n=MAX_PROBE_N, peak_probe_n=PEAK_PROBE_N,
-        from_asv=any(p.get("source") == "asv" for p in points), n_records=len(records))
+        from_asv=any(p.get("source") == "asv" for p in points), n_records=len(records),
+        input_shapes=_input_shapes(points))
     return Report(page, pngs[0])

@@ -376,6 +376,13 @@ def _run(args):
         if args.from_ is None:
             _measure(args, results)
         records, source = _read_results(results), str(results)
+        if args.from_ is not None:
+            from ..bench.results import cut_tail_bytes
+
+            if cut := cut_tail_bytes(results):
+                print(f"fastattn report: note: the last line of {results} was cut short by an "
+                      f"interrupted write; its {cut} byte(s) are left out of the report",
+                      file=sys.stderr)
     _check_output(out, protected)
 
     from ..bench.results import atomic_write
