@@ -413,13 +413,20 @@ def test_an_interrupted_bench_names_its_results_file(tmp_path, capsys, monkeypat
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
-    monkeypatch.setattr(sweep, "run_sweep", interrupted)
     out = tmp_path / "cut short.jsonl"
-    assert main(["bench", "--n", "8", "--backends", "reference", "--no-progress", "--fresh",
-                 "--out", str(out)]) == 130
+    argv = ["bench", "--kind", "softmax", "--n", "8", "--threads", "1", "--repeats", "1",
+            "--backends", "reference", "--no-progress", "--out", str(out)]
+    with monkeypatch.context() as patch:
+        patch.setattr(sweep, "run_sweep", interrupted)
+        assert main(argv + ["--fresh"]) == 130
     err = capsys.readouterr().err
-    assert f"the points measured so far are in {out}" in err
+    assert "no point was measured yet" in err and "so far" not in err   # none is there
     assert f"--out '{out}'" in err and "without --fresh" in err
+    assert main(argv) == 0   # one point measured, then a resumed run interrupted
+    capsys.readouterr()
+    monkeypatch.setattr(sweep, "run_sweep", interrupted)
+    assert main(argv[:4] + ["8", "16"] + argv[5:]) == 130
+    assert f"the points measured so far are in {out}" in capsys.readouterr().err
 
 
 def test_run_sweep_validates_arguments(tmp_path):

@@ -397,6 +397,10 @@ def test_cli_refuses_to_overwrite_other_files(tmp_path, capsys):
     assert other.read_text() == "<html>my notes</html>"
     assert main(["report", "--from", str(results), "--out", str(results)]) == 2
     assert "results file" in capsys.readouterr().err
+    # A name of another format would hold HTML: refused, with the .html name to give.
+    assert main(["report", "--from", str(results), "--out", str(tmp_path / "rep.png")]) == 2
+    assert "--out names the HTML report" in capsys.readouterr().err
+    assert not (tmp_path / "rep.png").exists()
     assert read_records(results)  # still intact
 
 

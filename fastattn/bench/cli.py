@@ -280,9 +280,15 @@ def _run(args):
                                  run_id=run_id, announce=announce)
             resume = True  # the next thread count adds to this run's file
     except KeyboardInterrupt:
-        print(f"\ninterrupted: the points measured so far are in {out}; to measure the rest, "
-              f"run the same command with --out {shlex.quote(str(out))}"
-              + (" and without --fresh" if args.fresh else ""), file=sys.stderr)
+        try:
+            kept = out.exists() and any(r["record"] == "point" for r in read_records(out))
+        except (OSError, ResultsFileError):
+            kept = True   # say where they would be, as before
+        where = (f"the points measured so far are in {out}" if kept
+                 else "no point was measured yet")
+        print(f"\ninterrupted: {where}; to measure the rest, run the same command with "
+              f"--out {shlex.quote(str(out))}" + (" and without --fresh" if args.fresh else ""),
+              file=sys.stderr)
         return 130
     print()
     print(format_tables(records, baseline=baseline, backend_order=backends))

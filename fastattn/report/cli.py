@@ -100,6 +100,9 @@ def _check_output(out, protected=()):
     for path in protected:
         if path is not None and out.resolve() == Path(path).resolve():
             raise ReportError(f"--out {out} is the results file; choose another path for the report")
+    if out.suffix.lower() not in (".html", ".htm"):   # rep.png would get HTML
+        raise ReportError(f"--out names the HTML report, got {out}; give a name ending in "
+                          f".html, e.g. --out {out.with_suffix('.html')}")
     try:
         check_replaceable(out, "report", REPORT_MARKER)
     except ResultsFileError as exc:
