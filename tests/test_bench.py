@@ -797,14 +797,16 @@ def test_cli_backends_are_split_on_commas_and_spaces_trimmed(tmp_path):
     assert backend_names(None) is None
 
 
-@pytest.mark.parametrize("name", ["x.md", "x.csv", "x.summary.json"])
+@pytest.mark.parametrize("name", ["x.md", "x.csv", "x.summary.json", "X.MD", "x.jsonl.md"])
 def test_cli_out_naming_a_file_written_beside_the_results_is_refused_first(name, tmp_path,
                                                                            capsys):
     out = tmp_path / name
     assert main(["bench", "--kind", "softmax", "--n", "8", "--backends", "reference",
                  "--threads", "1", "--no-progress", "--out", str(out)]) == 2
     err = capsys.readouterr().err
-    assert "--out names the JSON-lines results file" in err and "x.jsonl" in err
+    assert "--out names the JSON-lines results file" in err
+    assert f"--out {tmp_path / (name[0] + '.jsonl')}" in err
+    assert ".jsonl.jsonl" not in err
     assert not any(tmp_path.iterdir())  # refused before anything was measured or written
 
 

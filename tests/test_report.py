@@ -443,6 +443,8 @@ def test_cli_quick_end_to_end(tmp_path, monkeypatch, capsys):
 def test_cli_missing_results_file(tmp_path, capsys):
     assert main(["report", "--from", str(tmp_path / "nope.jsonl")]) == 2
     assert "no results file" in capsys.readouterr().err
+    assert main(["report", "--from", str(tmp_path)]) == 2
+    assert f"{tmp_path} is a directory, not a results file" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("source", ["--from", "--asv"])

@@ -185,11 +185,15 @@ def _plan(args):
         raise BenchUsageError(
             f"--baseline {baseline!r} is not among the measured backends: {', '.join(backends)}")
     out = args.out or Path("results") / time.strftime("bench-%Y%m%d-%H%M%S.jsonl")
-    beside = next((s for s in (".summary.json", ".csv", ".md") if out.name.endswith(s)), None)
+    # Any case: X.MD and X.md are one file on a case-insensitive filesystem.
+    beside = next((s for s in (".summary.json", ".csv", ".md") if out.name.lower().endswith(s)),
+                  None)
     if beside:  # the results file would be overwritten by its own table or summary
+        stem = out.name[:-len(beside)]
         raise BenchUsageError(
             f"--out names the JSON-lines results file, got {out}: a {beside} file is written "
-            f"beside it; give e.g. --out {out.with_name(out.name[:-len(beside)] + '.jsonl')}")
+            f"beside it; give e.g. --out "
+            f"{out.with_name(stem if stem.endswith('.jsonl') else stem + '.jsonl')}")
     check_writable(out, "results file")
     if out.exists():
         try:

@@ -115,6 +115,9 @@ def _read_results(path):
     try:
         records = read_records(path)
     except FileNotFoundError:
+        if Path(path).is_dir():
+            raise ReportError(f"{path} is a directory, not a results file: give the .jsonl "
+                              "file that fastattn bench or fastattn report wrote") from None
         raise ReportError(f"no results file at {path}") from None
     except ResultsFileError as exc:
         raise ReportError(f"refusing {path}: {exc}") from None
