@@ -663,6 +663,9 @@ def test_cli_without_torch_says_how_to_add_it(capsys, tmp_path, monkeypatch):
     assert code == 0
     text = capsys.readouterr().out
     assert "torch is not installed" in text and '.venv/bin/pip install -e ".[peers]"' in text
+    # Once for each absent peer, before the run; not again after the tables.
+    assert text.count("add it with") == len(peers.absent_peers()) >= 1
+    assert "to compare with it" not in text
     assert "vs reference" in text and "GFLOP/s" in text
     csv_lines = out.with_suffix(".csv").read_text().splitlines()
     assert csv_lines[0].startswith("attention,backend")
@@ -817,3 +820,11 @@ def test_help_names_the_repeats_it_speaks_of(command, capsys):
         main([command, "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "or R if smaller" in text and "--repeats R " in text
+
+
+def test_cli_names_no_absent_peer_when_the_backends_are_named(capsys, tmp_path, monkeypatch):
+    monkeypatch.setattr(peers, "available_peers", lambda: ())
+    assert main(["bench", "--kind", "softmax", "--n", "8", "--threads", "1", "--repeats", "1",
+                 "--d-k", "8", "--backends", "reference", "--out", str(tmp_path / "b.jsonl"),
+                 "--no-progress"]) == 0
+    assert "pip install" not in capsys.readouterr().out   # no peer was asked for

@@ -130,8 +130,9 @@ def backend_names(requested):
 
 
 def resolve_backends(requested):
-    """The backends to measure and the absent peers (with how to add them); BenchUsageError,
-    listing what is available, for a name that is unknown or cannot run here."""
+    """The backends to measure and, when none were named, the absent peers (with how to add
+    them); BenchUsageError, listing what is available, for a name that is unknown or cannot
+    run here."""
 
     from . import peers
     from .sweep import default_backends, known_backends
@@ -152,7 +153,7 @@ def resolve_backends(requested):
         if name not in available:
             reason = _api.unavailable_backends().get(name, "not available")
             raise BenchUsageError(f"backend {name!r} cannot run here ({reason}); {here}")
-    return names, {k: v for k, v in absent.items() if k not in names}
+    return names, {}   # peers not asked for are not news
 
 
 def run(args):
@@ -335,6 +336,4 @@ def _run(args):
         print(f"note: {out} also holds {others} point(s) of earlier commands with other "
               "options; the csv, summary and table above are this command's points only "
               "(every point stays in the results file)")
-    for name, hint in absent.items():
-        print(f"note: {name} is absent; to compare with it: {hint}")
     return 0
