@@ -143,10 +143,15 @@ def read_records(path):
 def cut_tail_bytes(path):
     """Bytes of a last line of ``path`` cut short by an interrupted write, which
     :func:`read_records` leaves out (0 when the last line is whole)."""
-    data = Path(path).read_bytes()
+    return _cut_tail(Path(path).read_bytes())
+
+
+def _cut_tail(data):
     if not data or data.endswith(b"\n"):
         return 0
     tail = data[data.rfind(b"\n") + 1:]
+    if not tail.strip():
+        return 0   # blank, as read_records skips it
     try:
         json.loads(tail)
     except ValueError:
@@ -265,10 +270,9 @@ class ResultsWriter:
             data = self.path.read_bytes()
             if data and not data.endswith(b"\n"):
                 # A last record whole but for its newline was read: keep it.
-                whole = len(self.existing) == len([x for x in data.splitlines() if x.strip()])
-                keep = len(data) if whole else data.rfind(b"\n") + 1
-                self.dropped_tail = len(data) - keep
-                atomic_write(self.path, data + b"\n" if whole else data[:keep])
+                self.dropped_tail = _cut_tail(data)
+                atomic_write(self.path, data[:len(data) - self.dropped_tail]
+                             if self.dropped_tail else data + b"\n")
 
     def done_keys(self):
         """Keys (:func:`point_key`) of the points already measured with status ok or skipped."""
