@@ -14,6 +14,7 @@ Both validate what they are given as :func:`fastattn.softmax_attention` and
 :func:`fastattn.linear_attention` do (the same checks, in :mod:`fastattn._api`).
 """
 
+import contextlib
 import importlib
 import math
 import numbers
@@ -30,6 +31,19 @@ _STORAGE_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 #: The advice of a KVCache too large for the memory: it is batch x capacity x (d_k + d_v).
 _SMALLER_CACHE = "give a smaller capacity, d_k, d_v or batch_shape"
+
+
+@contextlib.contextmanager
+def _refusing_overflow(what, whose, dtype, advice):
+    """Inside: a cast into ``dtype`` that overflows (float64 beyond 3.4e38 into float32) is a
+    ValueError naming ``what`` holds the values and ``whose`` dtype it is, not a silent inf."""
+    try:
+        with np.errstate(over="raise"):
+            yield
+    except FloatingPointError:
+        raise ValueError(
+            f"{what} holds finite values beyond the range of {whose} dtype {dtype} (largest "
+            f"{np.finfo(dtype).max:.4g}), which would be stored as inf; {advice}") from None
 
 
 def _check_dim(value, name, minimum):
@@ -210,15 +224,9 @@ class KVCache:
                 f"append {t} more; create it with a larger capacity"
             )
         for buffer, x, name in ((self._k, k, "k"), (self._v, v, "v")):
-            try:
-                with np.errstate(over="raise"):  # a cast to float32 overflowing: not a silent inf
-                    buffer[..., self.length : self.length + t, :] = x
-            except FloatingPointError:
-                raise ValueError(
-                    f"{name} holds finite values beyond the range of this cache's dtype "
-                    f"{self.dtype} (largest {np.finfo(self.dtype).max:.4g}), which would be "
-                    f"stored as inf; rescale them, or make the cache with dtype=np.float64"
-                ) from None
+            with _refusing_overflow(name, "this cache's", self.dtype, "rescale them, or make "
+                                    "the cache with dtype=np.float64"):
+                buffer[..., self.length : self.length + t, :] = x
         self._length += t
 
     def attend(self, q, *, causal=True, scale=None, backend="auto"):
@@ -349,7 +357,7 @@ class LinearAttentionState:
         self._dtype = _check_storage_dtype(dtype)
         # eps is checked against the state's dtype now, not only at the first step.
         self._eps = None if eps is None else _api._finite_in(
-            _api._check_positive_scalar(eps, "eps", allow_zero=True), "eps", np.dtype(self._dtype))
+            _api._check_positive_scalar(eps, "eps", allow_zero=True), "eps", self._dtype)
         self._feature_map = feature_map
         self._num_features = feature_maps.resolve(
             feature_map, self._d_k, d_k_of="this LinearAttentionState has").num_features(self._d_k)
@@ -438,15 +446,10 @@ class LinearAttentionState:
             if message == str(exc):
                 raise
             raise ValueError(message) from None
-        try:
-            with np.errstate(over="raise"):  # float64 tokens into a float32 state
-                S, z = S.astype(self.dtype, copy=False), z.astype(self.dtype, copy=False)
-        except FloatingPointError:
-            raise ValueError(
-                f"the state after these tokens holds finite values beyond the range of this "
-                f"state's dtype {self.dtype} (largest {np.finfo(self.dtype).max:.4g}), which "
-                "would be stored as inf; rescale k and v, or make the state with "
-                "dtype=np.float64. The state is unchanged") from None
+        with _refusing_overflow("the state after these tokens", "this state's", self.dtype,
+                                "rescale k and v, or make the state with dtype=np.float64. "
+                                "The state is unchanged"):
+            S, z = S.astype(self.dtype, copy=False), z.astype(self.dtype, copy=False)
         self._S, self._z = S, z
         self._tokens += k.shape[-2]
         return out
