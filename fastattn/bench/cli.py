@@ -112,6 +112,11 @@ def shape_arg(text):
     return values + ((regimes or [None])[0], (kinds or [None])[0])
 
 
+#: The files written beside the results file ``x.jsonl``: suffix and kind (for
+#: :func:`fastattn.bench.table.check_target`).
+SIDE_FILES = ((".csv", "csv"), (".summary.json", "summary"), (".md", "markdown"))
+
+
 class BenchUsageError(ValueError):
     """A bad combination of options (exit code 2, message on stderr)."""
 
@@ -124,8 +129,9 @@ def backend_names(requested):
     names = list(dict.fromkeys(n.strip() for item in requested for n in item.split(",")
                                if n.strip()))
     if not names:
-        raise BenchUsageError(f"--backends names no backend (got {' '.join(map(repr, requested))}); "
-                              "give names such as: --backends numba cython torch")
+        got = " ".join(map(repr, requested))
+        raise BenchUsageError(f"--backends names no backend (got {got}); give names such as: "
+                              "--backends numba cython torch")
     return names
 
 
@@ -187,8 +193,7 @@ def _plan(args):
             f"--baseline {baseline!r} is not among the measured backends: {', '.join(backends)}")
     out = args.out or Path("results") / time.strftime("bench-%Y%m%d-%H%M%S.jsonl")
     # Any case: X.MD and X.md are one file on a case-insensitive filesystem.
-    beside = next((s for s in (".summary.json", ".csv", ".md") if out.name.lower().endswith(s)),
-                  None)
+    beside = next((s for s, _ in SIDE_FILES if out.name.lower().endswith(s)), None)
     if beside:  # the results file would be overwritten by its own table or summary
         stem = out.name[:-len(beside)]
         raise BenchUsageError(
@@ -204,7 +209,7 @@ def _plan(args):
                 f"{exc}; --out resumes this file (--fresh replaces it), and neither is done "
                 "to a file that is not sound: repair or remove that line, or give another "
                 "--out") from None
-    for suffix, kind in ((".csv", "csv"), (".summary.json", "summary"), (".md", "markdown")):
+    for suffix, kind in SIDE_FILES:
         side = out.with_suffix(suffix)
         if side.is_dir():   # check_target's advice (a file inside it) would be wrong here
             raise ResultsFileError(f"--out {out} writes its {kind} beside it, at {side}, which "
