@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import fastattn
-from fastattn.bench import engine, peers
+from fastattn.bench import engine, peers, sweep
 from fastattn.bench.flops import attention_flops, visible_pairs
 from fastattn.bench.results import SCHEMA, ResultsFileError, read_records
 from fastattn.bench.sweep import Options, Point, default_grid, run_sweep
@@ -828,3 +828,19 @@ def test_cli_names_no_absent_peer_when_the_backends_are_named(capsys, tmp_path, 
                  "--d-k", "8", "--backends", "reference", "--out", str(tmp_path / "b.jsonl"),
                  "--no-progress"]) == 0
     assert "pip install" not in capsys.readouterr().out   # no peer was asked for
+
+
+def test_ctrl_c_while_the_worker_starts_leaves_nothing_to_join(monkeypatch):
+    # Found by a new-user trial: close() joined a process whose start() was interrupted
+    # ("AssertionError: can only join a started process" after the KeyboardInterrupt).
+    import multiprocessing.context
+
+    def interrupted(self):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(multiprocessing.context.SpawnProcess, "start", interrupted)
+    worker = sweep._Worker(1)
+    with pytest.raises(KeyboardInterrupt):
+        worker.request("environment", {"threads": 1})
+    assert worker.process is None
+    worker.close()   # no AssertionError

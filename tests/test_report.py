@@ -401,6 +401,13 @@ def test_cli_refuses_to_overwrite_other_files(tmp_path, capsys):
     assert main(["report", "--from", str(results), "--out", str(tmp_path / "rep.png")]) == 2
     assert "--out names the HTML report" in capsys.readouterr().err
     assert not (tmp_path / "rep.png").exists()
+    assert main(["report", "--from", str(results), "--out", ""]) == 2   # was a ValueError
+    assert "--out names the HTML report, got '.'" in capsys.readouterr().err
+    # The figure beside the report is checked before the report is written, not after.
+    (tmp_path / "k-scaling.png").mkdir()
+    assert main(["report", "--from", str(results), "--out", str(tmp_path / "k.html")]) == 2
+    assert "the figure beside the report" in capsys.readouterr().err
+    assert not (tmp_path / "k.html").exists()
     assert read_records(results)  # still intact
 
 

@@ -303,9 +303,11 @@ class _Worker:
         # refuses set_num_threads above its start-up count.
         with mock.patch.dict(os.environ, {name: str(self.threads) for name in _THREAD_ENV},
                              NUMBA_NUM_THREADS=str(max(self.threads, default_num_threads()))):
-            self.process = context.Process(target=_worker_main, daemon=True,
-                                           args=(child, self.threads, self.peers_only))
-            self.process.start()
+            process = context.Process(target=_worker_main, daemon=True,
+                                      args=(child, self.threads, self.peers_only))
+            process.start()
+            # Kept once started: Ctrl-C inside start() leaves nothing for close() to join.
+            self.process = process
         child.close()
         try:
             self.conn.recv()  # started and set up: time limits count from here

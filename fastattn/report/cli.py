@@ -101,12 +101,15 @@ def _check_output(out, protected=()):
         if path is not None and out.resolve() == Path(path).resolve():
             raise ReportError(f"--out {out} is the results file; choose another path for the report")
     if out.suffix.lower() not in (".html", ".htm"):   # rep.png would get HTML
-        raise ReportError(f"--out names the HTML report, got {out}; give a name ending in "
-                          f".html, e.g. --out {out.with_suffix('.html')}")
+        example = f", e.g. --out {out.with_suffix('.html')}" if out.name else ""
+        raise ReportError(f"--out names the HTML report, got {str(out)!r}; give a name "
+                          f"ending in .html{example}")
     try:
         check_replaceable(out, "report", REPORT_MARKER)
     except ResultsFileError as exc:
         raise ReportError(str(exc)) from None
+    # The figure written beside it, too: refused after the report was written, it was late.
+    _check_image(_figure_beside(out), "the figure beside the report")
 
 
 def _read_results(path):
@@ -414,7 +417,7 @@ def _run(args):
                          else "--readme-image")
             image.parent.mkdir(parents=True, exist_ok=True)
             atomic_write(image, report.scaling_png)
-        except (OSError, ResultsFileError) as exc:
+        except (OSError, ResultsFileError, ReportError) as exc:
             raise ReportError(f"the report is written ({out}), but not the figure {image}: "
                               f"{exc}") from None
         print(f"scaling figure: {image}", file=sys.stderr)
