@@ -662,7 +662,7 @@ def test_cli_without_torch_says_how_to_add_it(capsys, tmp_path, monkeypatch):
                  "--repeats", "1", "--d-k", "8", "--out", str(out), "--no-progress"])
     assert code == 0
     text = capsys.readouterr().out
-    assert "torch is not installed" in text and '.venv/bin/pip install -e ".[peers]"' in text
+    assert "torch is not installed" in text and peers.INSTALL_HINT["torch"] in text
     # Once for each absent peer, before the run; not again after the tables.
     assert text.count("add it with") == len(peers.absent_peers()) >= 1
     assert "to compare with it" not in text

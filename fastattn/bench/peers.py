@@ -37,15 +37,14 @@ from threadpoolctl import threadpool_limits
 PEERS = ("torch", "onnxruntime", "jax", "numpy")
 
 #: How to add a missing peer, shown by ``fastattn bench`` and the report: with the pip of
-#: the environment fastattn runs in (the README's ``.venv``).  PyPI's Linux torch is a CUDA
-#: build of several GB; PyTorch's CPU index has the CPU build.
+#: the README's ``.venv``, run from the fastattn checkout.  torch comes from PyTorch's CPU
+#: index, at the version the ``peers`` extra pins (PyPI's Linux torch is a CUDA build of
+#: several GB); once it is there, ``pip install -e ".[peers]"`` keeps it.
 INSTALL_HINT = {
-    "torch": ".venv/bin/pip install torch --index-url https://download.pytorch.org/whl/cpu  "
-             '(or every peer, in the fastattn checkout: .venv/bin/pip install -e ".[peers]")',
-    "onnxruntime": '.venv/bin/pip install -e ".[peers]" in the fastattn checkout  '
-                   "(or: .venv/bin/pip install onnxruntime onnx)",
-    "jax": '.venv/bin/pip install -e ".[peers]" in the fastattn checkout  '
-           "(or: .venv/bin/pip install jax)",
+    "torch": ".venv/bin/pip install torch==2.13.0 --index-url "
+             "https://download.pytorch.org/whl/cpu  (in the fastattn checkout)",
+    "onnxruntime": ".venv/bin/pip install onnxruntime onnx  (in the fastattn checkout)",
+    "jax": ".venv/bin/pip install jax  (in the fastattn checkout)",
     "numpy": "pip install numpy",
 }
 
