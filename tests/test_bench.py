@@ -356,19 +356,32 @@ def test_points_of_one_shape_take_turns_and_others_are_timed_alone(tmp_path, mon
         Options(rounds=0)
 
 
-@pytest.mark.parametrize("estimate_s, warm_calls", [(1e-3, 1), (engine.TURN_WARM_S, 0)])
-def test_a_turn_of_a_short_call_starts_with_an_untimed_call(estimate_s, warm_calls):
+@pytest.mark.parametrize("estimate_s, warms", [(1e-3, True), (engine.TURN_WARM_S, False)])
+def test_a_turn_of_a_short_call_starts_with_untimed_calls(estimate_s, warms):
     """The previous turn (another implementation, the roof's GEMM) leaves the caches
-    holding its data: a short call's turn first makes one call it does not time; a
-    call of TURN_WARM_S or more is timed at once."""
+    holding its data, and a core waking from idle runs slow for its first milliseconds:
+    a short call's turn first makes TURN_WARMUP_S of calls it does not time (one at
+    least); a call of TURN_WARM_S or more is timed at once."""
     from fastattn.bench.sweep import _serve
 
-    made = []
-    state = {"calls": {"p": (lambda: made.append(1), estimate_s)}, "peers_only": True}
+    made = []   # the start of each call
+    state = {"calls": {"p": (lambda: made.append(time.perf_counter()), estimate_s)},
+             "peers_only": True}
     timing = _serve(("time", {"key": "p", "repeats": 3, "min_time_s": 0, "max_repeats": 3}),
                     state)
     assert timing["repeats"] == 3
-    assert len(made) == timing["number"] * timing["repeats"] + warm_calls
+    timed = timing["number"] * timing["repeats"]
+    warm = made[:len(made) - timed]
+    if warms:
+        assert warm and made[-timed] - warm[0] >= engine.TURN_WARMUP_S
+    else:
+        assert warm == []
+
+
+def test_warm_up_makes_one_call_at_least():
+    made = []
+    assert engine.warm_up(lambda: made.append(1), 0) == len(made) == 1
+    assert engine.warm_up(lambda: made.append(1), 0.005) == len(made) - 1 > 1
 
 
 def test_bench_says_which_options_its_points_ignore(tmp_path, capsys):

@@ -39,14 +39,22 @@ SETTLE_S = 0.2
 #: Idle seconds before each turn when the backends of one shape take turns (more than one
 #: thread): the previous turn's pool (OpenBLAS spins ~0.1 s) is then asleep or nearly so.
 TURN_SETTLE_S = 0.1
-#: A turn of a call estimated below this many seconds starts with one untimed call, so
-#: the timed ones find their own inputs in the caches and their arrays' pages at hand,
-#: not what the previous turn (another implementation, the roof's GEMM) left: a
-#: memory-bound call is otherwise timed cold.  Measured here, a single-head causal
-#: linear-attention call (n = 16384, 1 thread) took 1.28x as long right after 1 GB
-#: went through another process as after a call of its own.  Longer calls pay that
-#: once in a share too small to matter.
+#: A turn of a call estimated below this many seconds starts with untimed calls (see
+#: TURN_WARMUP_S), so the timed ones find their own inputs in the caches and their
+#: arrays' pages at hand, not what the previous turn (another implementation, the
+#: roof's GEMM) left: a memory-bound call is otherwise timed cold.  Measured here, a
+#: single-head causal linear-attention call (n = 16384, 1 thread) took 1.28x as long
+#: right after 1 GB went through another process as after a call of its own.  Longer
+#: calls pay that once in a share too small to matter.
 TURN_WARM_S = 0.05
+#: Seconds of untimed calls (one at least) that start such a turn.  After the idle of
+#: TURN_SETTLE_S a core runs slow for its first milliseconds of work, one call or
+#: many: measured here (2026-12-04, load 0.3), a single-head non-causal linear call
+#: (n = 4096, d = 64, 2 threads) had a median of 0.77 ms right after one untimed call
+#: and 0.48-0.50 ms after 16 (1 thread: 1.17 and 0.81-0.82 ms); the slow calls fell in
+#: the first 2 ms.  The roof's GEMM is the fastest of PAIRED_ROOF_BUDGET_S of calls, past that ramp too, so a
+#: kernel and its roof are timed alike; asv warms up for 0.1 s.
+TURN_WARMUP_S = 0.01
 #: A timed repeat lasts at least this long (``number`` calls of a fast kernel).
 MIN_REPEAT_S = 2e-4
 #: A fast call is repeated for this long at least (at most MAX_REPEATS times), so
@@ -119,6 +127,16 @@ def point_flops(spec):
     return attention_flops(spec["attention"], spec["n_q"], n_k,
                            feature_dim(spec) if linear else spec["d_k"], spec["d_v"],
                            spec["causal"], spec["batch"], spec["heads"])
+
+
+def warm_up(call, seconds=TURN_WARMUP_S):
+    """Untimed ``call()``s for ``seconds`` (one at least); returns how many were made."""
+    deadline = time.perf_counter() + seconds
+    made = 0
+    while made == 0 or time.perf_counter() < deadline:
+        call()
+        made += 1
+    return made
 
 
 def time_call(call, repeats, estimate_s, min_time_s=None, max_repeats=None):

@@ -233,7 +233,7 @@ def _serve(task, state):
         call, estimate = state["calls"][payload["key"]]
         try:
             if estimate < engine.TURN_WARM_S:
-                call()  # untimed: the turn's timed calls start warm
+                engine.warm_up(call)  # untimed: the turn's timed calls start warm
             timing = engine.time_call(call, payload["repeats"], estimate, payload["min_time_s"],
                                       payload["max_repeats"])
         except Exception as exc:
@@ -476,8 +476,9 @@ def _measure_group(points, workers, options, roofs, threads):
     still owed one (a share of ``min_time_s`` for a fast call), starting one point further
     on each round, so a spell of load from elsewhere falls on every point alike and the
     ratios of their times are measured side by side (a turn of a call shorter than
-    :data:`~.engine.TURN_WARM_S` starts with an untimed call, so it is not timed in the
-    caches the previous turn left).  ``options.rounds`` (default: one a
+    :data:`~.engine.TURN_WARM_S` starts with :data:`~.engine.TURN_WARMUP_S` of untimed
+    calls, so it is not timed in the caches the previous turn left nor on a core waking
+    from idle).  ``options.rounds`` (default: one a
     repeat) caps the rounds, a turn then timing several repeats.  With more than one
     thread, each turn starts after :data:`~.engine.TURN_SETTLE_S` idle (the previous
     turn's pool may still spin)."""
