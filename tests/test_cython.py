@@ -465,6 +465,25 @@ def test_causal_linear_finds_an_inf_in_a_later_chunk_of_values(dtype):
     assert not np.isfinite(got[1, 1050:, 3]).any()
 
 
+def test_causal_linear_runs_share_the_first_step_by_its_cost():
+    # Fewer heads than threads: run 0 is done whole, the later runs (RUN_CHUNKS
+    # chunks) without their product with the state, 2 C d_k d_v of a chunk's
+    # 4 C d_k d_v + C (C + 1) (d_k + d_v) flops: at d = C = 64 a later chunk costs
+    # 0.668 of a whole one, so on 2 threads run 0 takes 0.9 x 0.4 of the chunks.
+    starts = cy._linear._run_starts(64, 2, 64, 0, 64, 64)
+    run_chunks = cy._linear.RUN_CHUNKS
+    assert starts[0] == 0 and starts[-1] == 64
+    assert starts[1] == round(cy._linear.FIRST_RUN_SHARE * 64 * 0.668 / 1.668)
+    assert set(np.diff(starts[1:-1])) == {run_chunks} and 1 <= starts[-1] - starts[-2] <= run_chunks
+    # One thread a head, or one chunk: a single run.
+    assert list(cy._linear._run_starts(64, 1, 64, 0, 64, 64)) == [0, 64]
+    assert list(cy._linear._run_starts(1, 2, 64, 0, 64, 64)) == [0, 1]
+    # Many keys before the first chunk (n_k > n_q): run 0 folds them, so it keeps
+    # one chunk; and it never takes them all.
+    assert list(cy._linear._run_starts(6, 2, 64, 10_000, 64, 64)) == [0, 1, 5, 6]
+    assert cy._linear._run_starts(2, 8, 64, 0, 64, 64)[1] == 1
+
+
 @pytest.mark.parametrize("chunk", [24, 40])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f64"])
 def test_causal_linear_runs_with_a_chunk_not_a_whole_number_of_panels(monkeypatch, dtype, chunk):

@@ -19,10 +19,10 @@ Heads are shared out by OpenMP, one parallel region a call.  With fewer
 heads than threads a head is cut into segments: non-causal (fewer than
 :data:`SEGMENTS_PER_THREAD` heads a thread), the segments' keys are folded into
 partial states, summed behind a barrier, then the query chunks run; causal,
-the chunks are cut into runs (:data:`RUNS_PER_THREAD` for each thread a head
-has), the keys before the last run are folded in pieces in parallel, a prefix
-sum over the runs gives each run its starting state, and the runs go in
-parallel, a run's chunks in order (see :func:`_causal`).  Each chunk
+the chunks are cut into runs that go in parallel, a run's chunks in order: the
+first whole, the later ones (:data:`RUN_CHUNKS` chunks) from a state of their
+own keys only, leaving their queries' product with the earlier keys' state to
+a last step, after a prefix sum over the runs (see :func:`_causal`).  Each chunk
 prefetches the rows the next one reads.  With AVX-512 or AVX2 and ``d_v`` a
 multiple of the lanes every product is a register-blocked kernel of ``_linear_t.h``
 (no packing, the row scales applied at its store); otherwise BLAS,
@@ -55,11 +55,15 @@ CHUNK = 64
 #: buffer (``128 d_k`` elements) stays in L1 (256 rows measured slower, 1 thread).
 NONCAUSAL_CHUNK = 128
 
-#: Causal, fewer heads than threads: each head's chunks in this many runs for each
-#: thread the head has, a run's chunks one after another from the run's state; the
-#: keys of every run but the last are folded twice (see :func:`_causal`), so more
-#: runs share the work out more evenly but cost more.
-RUNS_PER_THREAD = 1
+#: Causal, fewer heads than threads: chunks a run after the first (see :func:`_causal`).
+#: Short runs share the work out evenly (the thread of the first run takes later runs
+#: when it is done); each costs a state written and summed.
+RUN_CHUNKS = 4
+
+#: Causal, fewer heads than threads: the first run's share of a head's first step
+#: against what the cost in flops makes even (see :func:`_run_starts`): its thread,
+#: if slower than counted, is then not the last; if faster, it takes later runs.
+FIRST_RUN_SHARE = 0.9
 
 #: Non-causal, fewer than this many heads a thread: segments of keys a thread:
 #: with several a thread, shared out dynamically, a thread slowed by other
@@ -352,12 +356,16 @@ cdef const floating *_query_chunk(const floating *q, int i0, int i1, int d_k, in
                                   int code, const floating *S, const floating *z,
                                   floating *out, floating *buf, floating *den,
                                   bint normalise, floating eps, bint micro,
-                                  int ahead_rows=0) noexcept nogil:
+                                  int ahead_rows=0, const floating *den_add=NULL,
+                                  bint accumulate=False) noexcept nogil:
     """``out[i0:i1] = φ(q) S`` and ``den = φ(q) · z``; returns ``φ(q[i0:i1])``.
 
     ``normalise``: the rows are divided by ``den + eps`` too and ``den``
     holds the row scales (:func:`_scales`) on return.  ``ahead_rows``: the
     next chunk's rows of ``q`` and ``out`` from ``i1`` prefetched meanwhile.
+    ``accumulate``: ``out[i0:i1] += φ(q) S`` (before the scales), and ``den``
+    gains ``den_add[0:i1 - i0]`` (not NULL) before them: the rows' diagonal
+    term, formed earlier (:func:`_causal_segment` keeping its state).
     """
     cdef int rows = i1 - i0
     cdef const floating *phi = _features(q + <Py_ssize_t> i0 * d_k, <Py_ssize_t> rows * d_k,
@@ -368,14 +376,16 @@ cdef const floating *_query_chunk(const floating *q, int i0, int i1, int d_k, in
         query_scores(z, phi, rows, d_k, 1, den, 0)
     else:
         _row_dots(phi, rows, d_k, z, den)
+    if den_add != NULL:
+        _add(den_add, rows, den)
     if normalise:
         _scales(den, rows, eps)
     if micro:
         _product(phi, d_k, 1, S, d_v, rows, d_k, NULL, d_v, out + <Py_ssize_t> i0 * d_v, d_v,
-                 False, den if normalise else NULL, out + <Py_ssize_t> i1 * d_v,
+                 accumulate, den if normalise else NULL, out + <Py_ssize_t> i1 * d_v,
                  <Py_ssize_t> ahead_rows * d_v * sizeof(floating))
         return phi
-    gemm(False, False, rows, d_v, d_k, 1, phi, d_k, S, d_v, 0,
+    gemm(False, False, rows, d_v, d_k, 1, phi, d_k, S, d_v, 1 if accumulate else 0,
          out + <Py_ssize_t> i0 * d_v, d_v)
     if normalise:
         _scale_rows(out + <Py_ssize_t> i0 * d_v, rows, d_v, den)
@@ -471,7 +481,8 @@ cdef void _causal_segment(const floating *q, const floating *k, const floating *
                           int n_q, int n_k, int d_k, int d_v, int code, floating eps,
                           int chunk, int c_begin, int c_end, int folded, bint last, bint fold,
                           floating *buf, int *seen, bint micro,
-                          bint ahead_last=False) noexcept nogil:
+                          bint ahead_last=False, floating *S_keep=NULL,
+                          floating *z_keep=NULL, floating *den_keep=NULL) noexcept nogil:
     """Query chunks ``[c_begin, c_end)`` of one head, in order, from the state ``(S, z)``.
 
     ``(S, z)`` holds the keys ``[0, folded)`` on entry; keys are folded in as
@@ -481,6 +492,12 @@ cdef void _causal_segment(const floating *q, const floating *k, const floating *
     and when the chunk's values are all finite the diagonal is a product over each
     block of rows' visible keys; else BLAS.  Each chunk prefetches the next
     one's rows (queries, keys, values, output), the last one when ``ahead_last``.
+
+    ``S_keep`` not NULL: the chunks' products with the state are left for later
+    (:func:`_causal`, step 3): chunk ``t`` keeps the state its queries see in
+    ``S_keep[t - c_begin]`` (``d_k d_v`` elements each) and ``z_keep[t - c_begin]``
+    (``d_k``), its rows of ``out`` hold only the diagonal term, not normalised, and
+    ``den_keep[i]`` (indexed by query row) that term's part of row ``i``'s denominator.
     """
     cdef floating *q_buf = buf
     cdef floating *k_buf = q_buf + chunk * d_k
@@ -496,6 +513,8 @@ cdef void _causal_segment(const floating *q, const floating *k, const floating *
     cdef const floating *phi_q
     cdef const floating *phi_k
     cdef bint v_finite, diag_product, z_formed
+    cdef bint keep = S_keep != NULL
+    cdef Py_ssize_t state = <Py_ssize_t> d_k * d_v
     for t in range(c_begin, c_end):
         i0 = t * chunk
         i1 = min(i0 + chunk, n_q)
@@ -508,15 +527,26 @@ cdef void _causal_segment(const floating *q, const floating *k, const floating *
         folded = p0
         width = p1 - p0
         next_rows = min(chunk, n_q - i1) if t + 1 < c_end or ahead_last else 0
-        # Without a diagonal, or when its product applies the row scales, the
-        # rows are normalised there; else below.
-        phi_q = _query_chunk(q, i0, i1, d_k, d_v, code, S, z, out, q_buf, den,
-                             width == 0, eps, micro, next_rows)
+        # The diagonal's values all finite (checked here, where they are in
+        # cache): its term may be one product over weights zeroed where masked.
+        v_finite = width > 0 and all_finite(v + <Py_ssize_t> p0 * d_v, <Py_ssize_t> width * d_v)
+        diag_product = micro and v_finite
+        if keep:
+            # The state for step 3; the rows start at 0, the diagonal's denominators too.
+            memcpy(S_keep + (t - c_begin) * state, S, state * sizeof(floating))
+            memcpy(z_keep + (t - c_begin) * d_k, z, d_k * sizeof(floating))
+            phi_q = _features(q + <Py_ssize_t> i0 * d_k, <Py_ssize_t> rows * d_k, q_buf, code,
+                              q + <Py_ssize_t> i1 * d_k if next_rows else NULL)
+            memset(den, 0, rows * sizeof(floating))
+            if not diag_product:
+                # The diagonal term (if any) is added to the rows below, not written.
+                memset(out + <Py_ssize_t> i0 * d_v, 0, <Py_ssize_t> rows * d_v * sizeof(floating))
+        else:
+            # Without a diagonal, or when its product applies the row scales, the
+            # rows are normalised there; else below.
+            phi_q = _query_chunk(q, i0, i1, d_k, d_v, code, S, z, out, q_buf, den,
+                                 width == 0, eps, micro, next_rows)
         if width > 0:
-            # The diagonal's values all finite (checked here, where they are in
-            # cache): its term may be one product over weights zeroed where masked.
-            v_finite = all_finite(v + <Py_ssize_t> p0 * d_v, <Py_ssize_t> width * d_v)
-            diag_product = micro and v_finite
             # Folding them at the end: z gains the diagonal's keys with their features
             # (the chunk's denominators have read z already).
             z_formed = fold and _sums_with_features(code, d_k, k_buf)
@@ -554,34 +584,35 @@ cdef void _causal_segment(const floating *q, const floating *k, const floating *
                         vrow = v + <Py_ssize_t> (p0 + j) * d_v
                         for c in range(d_v):
                             orow[c] = orow[c] + a * vrow[c]
-            _scales(den, rows, eps)
+            if keep:
+                memcpy(den_keep + i0, den, rows * sizeof(floating))
+            else:
+                _scales(den, rows, eps)
             if diag_product:
                 _product(a_buf, width, 1, v + <Py_ssize_t> p0 * d_v, d_v, rows, width, seen,
-                         d_v, out + <Py_ssize_t> i0 * d_v, d_v, True, den,
+                         d_v, out + <Py_ssize_t> i0 * d_v, d_v, not keep, NULL if keep else den,
                          v + <Py_ssize_t> p1 * d_v, <Py_ssize_t> next_rows * d_v * sizeof(floating))
             else:
                 if v_finite:
                     # Masked weights are 0 and every value is finite: one GEMM.
                     gemm(False, False, rows, d_v, width, 1, a_buf, width,
                          v + <Py_ssize_t> p0 * d_v, d_v, 1, out + <Py_ssize_t> i0 * d_v, d_v)
-                _scale_rows(out + <Py_ssize_t> i0 * d_v, rows, d_v, den)
+                if not keep:
+                    _scale_rows(out + <Py_ssize_t> i0 * d_v, rows, d_v, den)
             # The diagonal's keys join the state, their features formed once.
             if fold:
                 _fold_features(phi_k, v + <Py_ssize_t> p0 * d_v, width, d_k, d_v, S, z, micro,
                                NULL, 0, False, z_formed)
                 folded = p1
+        elif keep:
+            memset(den_keep + i0, 0, rows * sizeof(floating))   # and the rows are 0
     if last:
         _fold_keys(k, v, folded, n_k, d_k, d_v, code, chunk, S, z, k_buf, micro)
 
 
-cdef inline int _run_keys(int g, int run, int n_chunks, int chunk, int n_q,
-                          int n_k) noexcept nogil:
-    """Keys folded before run ``g`` (of ``run`` chunks) starts: 0 for the first run
-    (its own segment folds the keys before its first chunk), the keys every query
-    of its first chunk sees for the others, ``n_k`` past the last chunk."""
-    cdef int c = g * run
-    if g == 0:
-        return 0
+cdef inline int _keys_before(int c, int n_chunks, int chunk, int n_q, int n_k) noexcept nogil:
+    """Keys every query of chunk ``c`` sees (bottom-right aligned), ``n_k`` past the
+    last chunk."""
     if c >= n_chunks:
         return n_k
     return min(max(c * chunk + n_k - n_q, 0), n_k)
@@ -594,8 +625,10 @@ def _causal(
     floating[:, :, ::1] out,
     floating[:, :, :, ::1] S_r,
     floating[:, :, ::1] z_r,
-    floating[:, :, :, ::1] S_p,
-    floating[:, :, ::1] z_p,
+    const int[::1] run_starts,
+    floating[:, :, :, ::1] S_keep,
+    floating[:, :, ::1] z_keep,
+    floating[:, ::1] den_keep,
     floating[::1] workspace,
     int[::1] seen,
     int code,
@@ -608,39 +641,46 @@ def _causal(
     ``S_r.shape[1] == 1``: a head a work item, its chunks in order from
     ``(S_r[b, 0], z_r[b, 0])`` (the initial state on entry, the state after
     the last key on return).  Else (fewer heads than threads) a head's chunks
-    are cut into ``G = S_r.shape[1] - 1`` runs of consecutive chunks, and
-    ``(S_r[b, g], z_r[b, g])`` becomes the state run ``g`` starts from
-    (entry 0 the initial state on entry, entry ``G`` the state after the last
-    key on return):
+    are cut into ``G = S_r.shape[1] - 1`` runs of consecutive chunks, run ``g``
+    the chunks ``[run_starts[g], run_starts[g + 1])`` (the later runs all as long
+    as run 1 but the last), and no key is folded twice:
 
-    1. in parallel, the keys before the last run are folded in pieces, each
-       into its own ``(S_p[b, i], z_p[b, i])`` (written, not added to), the keys
-       of each run before the last cut into ``P = S_p.shape[1] / (G - 1)`` pieces;
-    2. a prefix sum: entry ``g`` is entry ``g - 1`` and run ``g - 1``'s pieces,
-       split by blocks of rows of the state;
-    3. the runs in parallel, each as a head of its own from its entry copied into
-       the thread's own state, folding its keys as it goes (the last run's state
-       is entry ``G``).
+    1. the runs in parallel, each folding its own keys as it goes into the thread's
+       own state.  Run 0 starts from ``(S_r[b, 0], z_r[b, 0])`` and is done whole.
+       Every later run starts from zeros and does what needs no earlier key: it keeps
+       the state of its own keys each chunk's queries see (in ``S_keep``, ``z_keep``,
+       a chunk from ``run_starts[1]`` on) and forms the diagonal term, not normalised,
+       in ``out`` (its denominators in ``den_keep``).  Run ``g``'s state after its keys
+       is written to entry ``g + 1``;
+    2. a prefix sum over the runs, by blocks of rows of the state: entry ``g + 1``
+       gains entry ``g`` (``g >= 1``), so entry ``g`` is the state run ``g`` starts
+       from and entry ``G`` the state after the last key;
+    3. the chunks of the later runs in parallel: ``out += φ(q) (S_r[b, g] + S_keep)``,
+       then normalised.
 
-    The keys of every run but the last are folded twice (in step 1 and by their
-    run), which costs less than writing and reading a state a chunk: about
-    ``(G - 1) / (G T)`` of a head's work a thread, a few per cent on 2 threads;
-    each step is behind a loop's barrier.  ``seen``: ``chunk`` ints a thread.
+    A later run's chunk costs step 1 all but its product with the state: run 0 is a
+    head's share of step 1 or a little less, and the later runs are short
+    (:data:`RUN_CHUNKS`), so that the threads share step 1 out evenly whatever a
+    chunk costs each (:func:`_run_starts`).  Extra work
+    against one thread: a state copied a chunk, the queries' features formed twice
+    and their rows written twice; each step is behind a loop's barrier.  ``seen``:
+    ``chunk`` ints a thread.
     """
     cdef int n_batch = q.shape[0], n_q = q.shape[1], d_k = q.shape[2]
     cdef int n_k = k.shape[1], d_v = v.shape[2]
     cdef int n_chunks = (n_q + chunk - 1) // chunk
     cdef int n_runs = S_r.shape[1] - 1
-    cdef bint by_runs = n_runs > 0
-    cdef int run = (n_chunks + n_runs - 1) // n_runs if by_runs else n_chunks
-    cdef int n_pieces = S_p.shape[1] // (n_runs - 1) if n_runs > 1 else 0
-    cdef int n_items = n_batch * max(n_runs, S_p.shape[1]) if by_runs else n_batch
+    cdef bint by_runs = n_runs > 1
+    cdef int first = run_starts[1] if by_runs else n_chunks   # the first chunk kept for step 3
+    cdef int n_late = n_chunks - first
+    cdef int run_chunks = run_starts[2] - run_starts[1] if by_runs else 1   # a later run's
+    cdef int n_items = n_batch * max(n_runs, 1)
     cdef int row_blocks = (d_k + _PREFIX_ROWS - 1) // _PREFIX_ROWS
     cdef Py_ssize_t state = <Py_ssize_t> d_k * d_v
     cdef Py_ssize_t per_thread = _causal_workspace(chunk, d_k, d_v)
-    cdef int item, b, g, i, a, a1, j0, j1, c_begin, c_end
+    cdef int item, b, g, t, a, a1, c_begin, c_end, i0, i1
     cdef floating *buf = NULL   # per-thread workspace, set in the parallel block
-    cdef floating *own = NULL   # the thread's own state in step 3
+    cdef floating *own = NULL   # the thread's own state in steps 1 and 3
     cdef floating e = <floating> eps
     cdef bint micro = simd_rows(d_v, buf)   # the register-blocked products, else BLAS
     if micro and code == ELU:
@@ -656,44 +696,55 @@ def _causal(
                                 e, chunk, 0, n_chunks, 0, True, True, buf,
                                 &seen[threadid() * chunk], micro)
         else:
-            # (1) piece i of run g = i // P: keys [j0, j1) of the run's [start, end)
-            for item in prange(n_batch * S_p.shape[1], schedule="dynamic"):
-                b = item // S_p.shape[1]
-                i = item % S_p.shape[1]
-                g = i // n_pieces
-                a = _run_keys(g, run, n_chunks, chunk, n_q, n_k)
-                a1 = _run_keys(g + 1, run, n_chunks, chunk, n_q, n_k)
-                j0 = a + (a1 - a) * (i % n_pieces) // n_pieces
-                j1 = a + (a1 - a) * (i % n_pieces + 1) // n_pieces
-                _fold_keys(&k[b, 0, 0], &v[b, 0, 0], j0, j1, d_k, d_v, code, chunk,
-                           &S_p[b, i, 0, 0], &z_p[b, i, 0], buf, micro, 0, True)
+            # (1) the runs: run 0 of every head first, whole, then the later runs,
+            # keeping their states and diagonals, to whichever thread is free
+            for item in prange(n_batch * n_runs, schedule="dynamic"):
+                b = item % n_batch
+                g = item // n_batch
+                c_begin = run_starts[g]
+                c_end = run_starts[g + 1]
+                if g == 0:
+                    memcpy(own, &S_r[b, 0, 0, 0], state * sizeof(floating))
+                    memcpy(own + state, &z_r[b, 0, 0], d_k * sizeof(floating))
+                    _causal_segment(&q[b, 0, 0], &k[b, 0, 0], &v[b, 0, 0], &out[b, 0, 0],
+                                    own, own + state, n_q, n_k, d_k, d_v, code, e, chunk,
+                                    c_begin, c_end, 0, False, True, buf,
+                                    &seen[threadid() * chunk], micro)
+                else:
+                    memset(own, 0, (state + d_k) * sizeof(floating))
+                    _causal_segment(&q[b, 0, 0], &k[b, 0, 0], &v[b, 0, 0], &out[b, 0, 0],
+                                    own, own + state, n_q, n_k, d_k, d_v, code, e, chunk,
+                                    c_begin, c_end,
+                                    _keys_before(c_begin, n_chunks, chunk, n_q, n_k),
+                                    g == n_runs - 1, True, buf, &seen[threadid() * chunk], micro,
+                                    False, &S_keep[b, c_begin - first, 0, 0],
+                                    &z_keep[b, c_begin - first, 0], &den_keep[b, 0])
+                memcpy(&S_r[b, g + 1, 0, 0], own, state * sizeof(floating))
+                memcpy(&z_r[b, g + 1, 0], own + state, d_k * sizeof(floating))
             # (2) the prefix sum over the runs, _PREFIX_ROWS rows of the state at a time
             for item in prange(n_batch * row_blocks, schedule="static"):
                 b = item // row_blocks
                 a = item % row_blocks * _PREFIX_ROWS
                 a1 = min(a + _PREFIX_ROWS, d_k)
                 for g in range(1, n_runs):
-                    memcpy(&S_r[b, g, a, 0], &S_r[b, g - 1, a, 0],
-                           (a1 - a) * d_v * sizeof(floating))
-                    memcpy(&z_r[b, g, a], &z_r[b, g - 1, a], (a1 - a) * sizeof(floating))
-                    for i in range((g - 1) * n_pieces, g * n_pieces):
-                        _add(&S_p[b, i, a, 0], <Py_ssize_t> (a1 - a) * d_v, &S_r[b, g, a, 0])
-                        _add(&z_p[b, i, a], a1 - a, &z_r[b, g, a])
-            # (3) the runs, each from its entry in the thread's own state
-            for item in prange(n_batch * n_runs, schedule="dynamic"):
-                b = item // n_runs
-                g = item % n_runs
+                    _add(&S_r[b, g, a, 0], <Py_ssize_t> (a1 - a) * d_v, &S_r[b, g + 1, a, 0])
+                    _add(&z_r[b, g, a], a1 - a, &z_r[b, g + 1, a])
+            # (3) the later runs' chunks: the state of the keys before the run and of the
+            # run's own keys, then the product; runs of _QUERY_RUN chunks a thread
+            for item in prange(n_batch * n_late, schedule="dynamic", chunksize=_QUERY_RUN):
+                b = item // n_late
+                t = first + item % n_late
+                g = 1 + (t - first) // run_chunks
                 memcpy(own, &S_r[b, g, 0, 0], state * sizeof(floating))
+                _add(&S_keep[b, t - first, 0, 0], state, own)
                 memcpy(own + state, &z_r[b, g, 0], d_k * sizeof(floating))
-                c_begin = g * run
-                c_end = min(c_begin + run, n_chunks)
-                _causal_segment(&q[b, 0, 0], &k[b, 0, 0], &v[b, 0, 0], &out[b, 0, 0],
-                                own, own + state, n_q, n_k, d_k, d_v, code, e, chunk, c_begin,
-                                c_end, _run_keys(g, run, n_chunks, chunk, n_q, n_k),
-                                g == n_runs - 1, True, buf, &seen[threadid() * chunk], micro)
-                if g == n_runs - 1:
-                    memcpy(&S_r[b, n_runs, 0, 0], own, state * sizeof(floating))
-                    memcpy(&z_r[b, n_runs, 0], own + state, d_k * sizeof(floating))
+                _add(&z_keep[b, t - first, 0], d_k, own + state)
+                i0 = t * chunk
+                i1 = min(i0 + chunk, n_q)
+                _query_chunk(&q[b, 0, 0], i0, i1, d_k, d_v, code, own, own + state,
+                             &out[b, 0, 0], buf, buf + chunk * d_k, True, e, micro,
+                             min(chunk, n_q - i1) if (item + 1) % _QUERY_RUN else 0,
+                             &den_keep[b, i0], True)
 
 
 def _takes_products(int d_v, dtype):
@@ -704,6 +755,28 @@ def _takes_products(int d_v, dtype):
     if np.dtype(dtype) == np.float32:
         return bool(simd_rows(d_v, &f32))
     return bool(simd_rows(d_v, &f64))
+
+
+def _run_starts(n_chunks, threads, chunk, prefix, d_k, d_v):
+    """The first chunk of each run of a head that ``threads`` threads share (``threads``
+    may be fractional: the threads over the heads), and ``n_chunks`` after them.
+
+    Step 1 of :func:`_causal` costs run 0 its ``prefix`` keys before the first chunk
+    and whole chunks, the later runs chunks without their product with the state:
+    counted in flops (a chunk ``4 C d_k d_v + C (C + 1) (d_k + d_v)``, its product
+    ``2 C d_k d_v``, a key folded ``2 d_k d_v``), run 0 takes :data:`FIRST_RUN_SHARE`
+    of the chunks that make it one thread's share, a chunk at least and all but one
+    at most; the rest are runs of :data:`RUN_CHUNKS`.  A single thread or chunk:
+    ``[0, n_chunks]``.
+    """
+    if threads <= 1 or n_chunks < 2:
+        return np.array([0, n_chunks], np.intc)
+    whole = 4 * chunk * d_k * d_v + chunk * (chunk + 1) * (d_k + d_v)
+    later = whole - 2 * chunk * d_k * d_v
+    even = (n_chunks * later - (threads - 1) * prefix * 2 * d_k * d_v) / (
+        threads * whole - (whole - later))
+    first = min(max(1, round(FIRST_RUN_SHARE * even)), n_chunks - 1)
+    return np.array([0, *range(first, n_chunks, RUN_CHUNKS), n_chunks], np.intc)
 
 
 def linear_attention_forward(q, k, v, feature_map, bint causal, double eps, S0=None, z0=None,
@@ -744,9 +817,13 @@ def linear_attention_forward(q, k, v, feature_map, bint causal, double eps, S0=N
     outputs: ``T · (3 CHUNK d_k + CHUNK² + CHUNK + d_k d_v + d_k)`` elements
     and ``T · CHUNK`` ints for ``T`` threads when causal,
     ``T · NONCAUSAL_CHUNK · (d_k + 1)`` otherwise, and a ``(d_k, d_v)`` state a
-    segment: causal with fewer heads than threads, a state a run and a piece of
-    the keys, at most ``B (2 G + T) d_k d_v`` elements for ``G`` runs a head
-    (``RUNS_PER_THREAD ⌈T / B⌉`` runs, fewer when there are fewer chunks).  Katharopoulos et al., "Transformers are RNNs" (ICML 2020).
+    segment of keys (non-causal, fewer than ``SEGMENTS_PER_THREAD`` heads a
+    thread).  Causal with fewer heads than threads: for each chunk after the
+    first run a state, ``d_k d_v + d_k`` elements, for each run (one and a
+    :data:`RUN_CHUNKS` th of them) another, and a denominator a query: at most
+    ``B (1.25 ⌈n_q / CHUNK⌉ (d_k d_v + d_k) + n_q)`` elements, about 1.25 times
+    the output when ``d_k = CHUNK``.
+    Katharopoulos et al., "Transformers are RNNs" (ICML 2020).
     """
     if feature_map not in FEATURE_MAP_CODES:
         raise ValueError(f"feature_map must be one of {list(FEATURE_MAP_CODES)}, got {feature_map!r}")
@@ -762,14 +839,10 @@ def linear_attention_forward(q, k, v, feature_map, bint causal, double eps, S0=N
     code = FEATURE_MAP_CODES[feature_map]
     n_chunks = -(-(n_q if causal else k.shape[1]) // chunk)
     if causal:
-        # Fewer heads than threads: each head's chunks in runs, RUNS_PER_THREAD for each
-        # thread the head has, none of them empty, and the keys of the runs before the
-        # last in enough pieces for every thread (see _causal).
-        n_runs = n_pieces = 0
-        if n_batch < n_threads and n_chunks > 1:
-            n_runs = min(n_chunks, RUNS_PER_THREAD * -(-n_threads // n_batch))
-            n_runs = -(-n_chunks // -(-n_chunks // n_runs))
-            n_pieces = -(-n_threads // (n_batch * (n_runs - 1)))
+        # Fewer heads than threads: each head's chunks in runs (see _causal).
+        starts = _run_starts(n_chunks, n_threads / n_batch, chunk,
+                             max(0, min(k.shape[1] - n_q, k.shape[1])), d_k, d_v)
+        n_runs = len(starts) - 1 if len(starts) > 2 else 0
         n_seg = n_runs + 1
     else:
         # Fewer than SEGMENTS_PER_THREAD heads a thread: each head's keys
@@ -783,9 +856,12 @@ def linear_attention_forward(q, k, v, feature_map, bint causal, double eps, S0=N
     S_seg[:, 0] = 0 if S0 is None else S0
     z_seg[:, 0] = 0 if z0 is None else z0
     if causal:
-        n_p = max(n_runs - 1, 0) * n_pieces
-        _causal(q, k, v, out, S_seg, z_seg, aligned_empty((n_batch, n_p, d_k, d_v), dtype),
-                np.empty((n_batch, n_p, d_k), dtype), workspace,
+        n_late = n_chunks - starts[1] if n_runs else 0
+        # Written before they are read, for the chunks after the first run only.
+        S_keep = aligned_empty((n_batch, n_late, d_k, d_v), dtype)
+        z_keep = np.empty((n_batch, n_late, d_k), dtype)
+        den_keep = np.empty((n_batch, n_q if n_runs else 0), dtype)
+        _causal(q, k, v, out, S_seg, z_seg, starts, S_keep, z_keep, den_keep, workspace,
                 np.empty(n_threads * chunk, np.intc), code, eps, chunk, n_threads)
         return out, S_seg[:, -1].copy(), z_seg[:, -1].copy()
     S = aligned_empty((n_batch, d_k, d_v), dtype)
