@@ -501,6 +501,10 @@ def linear_attention(
     and ``"relu"`` (applied chunk by chunk inside the kernels), and
     ``O(B · n · (D + d_v))`` with the other maps, whose features are
     computed first (FAVOR+: one ``n x d_k x m`` GEMM and ``n · m`` exps).
+    Causal on the Cython backend with fewer heads than threads, the chunks
+    of a head share the threads by keeping a state a chunk of 64 queries:
+    at most the size of ``q``, ``k``, ``v`` and the output together (larger
+    states, e.g. ``D = d_v`` above 255, run a head a thread instead).
 
     With ``"elu"`` and ``"relu"`` the features grow like the inputs, and a
     row whose denominator ``φ(q) · z`` overflows the dtype is wrong, in

@@ -482,6 +482,12 @@ def test_causal_linear_runs_share_the_first_step_by_its_cost():
     # one chunk; and it never takes them all.
     assert list(cy._linear._run_starts(6, 2, 64, 10_000, 64, 64)) == [0, 1, 5, 6]
     assert cy._linear._run_starts(2, 8, 64, 0, 64, 64)[1] == 1
+    # A state a chunk larger than the chunk's q, k, v and output rows (d = 512 > 4 C):
+    # no runs, so the kept states never outgrow the inputs; d_k = d_v = 255 is the last
+    # that splits (255² + 255 = 2 C (255 + 255)).
+    assert list(cy._linear._run_starts(64, 2, 64, 0, 512, 512)) == [0, 64]
+    assert len(cy._linear._run_starts(64, 2, 64, 0, 255, 255)) > 2
+    assert list(cy._linear._run_starts(64, 2, 64, 0, 256, 256)) == [0, 64]
 
 
 @pytest.mark.parametrize("chunk", [24, 40])

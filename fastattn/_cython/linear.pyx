@@ -766,10 +766,13 @@ def _run_starts(n_chunks, threads, chunk, prefix, d_k, d_v):
     counted in flops (a chunk ``4 C d_k d_v + C (C + 1) (d_k + d_v)``, its product
     ``2 C d_k d_v``, a key folded ``2 d_k d_v``), run 0 takes :data:`FIRST_RUN_SHARE`
     of the chunks that make it one thread's share, a chunk at least and all but one
-    at most; the rest are runs of :data:`RUN_CHUNKS`.  A single thread or chunk:
-    ``[0, n_chunks]``.
+    at most; the rest are runs of :data:`RUN_CHUNKS`.  A single thread or chunk, or
+    a state a chunk larger than the chunk's rows of ``q``, ``k``, ``v`` and the
+    output (``d_k d_v + d_k > 2 C (d_k + d_v)``: ``d_k = d_v`` above about
+    ``4 C``, where the kept states would outgrow the inputs): ``[0, n_chunks]``,
+    each head on one thread.
     """
-    if threads <= 1 or n_chunks < 2:
+    if threads <= 1 or n_chunks < 2 or d_k * d_v + d_k > 2 * chunk * (d_k + d_v):
         return np.array([0, n_chunks], np.intc)
     whole = 4 * chunk * d_k * d_v + chunk * (chunk + 1) * (d_k + d_v)
     later = whole - 2 * chunk * d_k * d_v
@@ -822,7 +825,8 @@ def linear_attention_forward(q, k, v, feature_map, bint causal, double eps, S0=N
     first run a state, ``d_k d_v + d_k`` elements, for each run (one and a
     :data:`RUN_CHUNKS` th of them) another, and a denominator a query: at most
     ``B (1.25 ⌈n_q / CHUNK⌉ (d_k d_v + d_k) + n_q)`` elements, about 1.25 times
-    the output when ``d_k = CHUNK``.
+    the output when ``d_k = CHUNK``, and never more than ``q``, ``k``, ``v`` and
+    the output together (with larger states each head runs on one thread).
     Katharopoulos et al., "Transformers are RNNs" (ICML 2020).
     """
     if feature_map not in FEATURE_MAP_CODES:

@@ -59,8 +59,9 @@ def add_parser(subparsers):
     add("--repeats", type=positive_int, default=5, metavar="R",
         help="timed repeats per point after a warm-up (default 5; fewer for a call whose "
              "repeats would take over 5 s, never under 3 or R if smaller; a fast call is "
-             "repeated for 0.25 s, up to 100 times); the backends of one shape take turns, "
-             "one repeat each a round, a turn of a call under 50 ms after 10 ms of untimed calls")
+             "repeated for 0.25 s, up to 100 times); the backends of one shape take turns "
+             "over R rounds, one repeat each a round (a fast call: its share of the 0.25 s); "
+             "when one call takes under 50 ms, each turn starts with 10 ms of untimed calls")
     add("--baseline", default=None, metavar="NAME",
         help="backend the ratio column compares with (default reference)")
     add("--out", type=Path, default=None,

@@ -47,7 +47,7 @@ TURN_SETTLE_S = 0.1
 #: right after 1 GB went through another process as after a call of its own.  Longer
 #: calls pay that once in a share too small to matter.
 TURN_WARM_S = 0.05
-#: Seconds of untimed calls (one at least) that start such a turn.  After the idle of
+#: Seconds of untimed calls after a first one (see warm_up) that start such a turn.  After the idle of
 #: TURN_SETTLE_S a core runs slow for its first milliseconds of work, one call or
 #: many: measured here (2026-12-04, load 0.3), a single-head non-causal linear call
 #: (n = 4096, d = 64, 2 threads) had a median of 0.77 ms right after one untimed call
@@ -130,10 +130,14 @@ def point_flops(spec):
 
 
 def warm_up(call, seconds=TURN_WARMUP_S):
-    """Untimed ``call()``s for ``seconds`` (one at least); returns how many were made."""
-    deadline = time.perf_counter() + seconds
-    made = 0
-    while made == 0 or time.perf_counter() < deadline:
+    """One untimed ``call()``, then more for ``seconds``; returns how many were made.
+
+    The clock starts after the first call: right after an idle turn on 2 threads
+    that one call alone sometimes stalls 10-15 ms (measured here, whatever the
+    kernel), which would otherwise use up the whole warm-up."""
+    call()
+    made, deadline = 1, time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
         call()
         made += 1
     return made
