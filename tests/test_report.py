@@ -866,6 +866,7 @@ def test_a_panel_of_many_or_long_labels_keeps_its_axes(count, label):
 
 
 def test_the_page_header_and_the_repeat_counts_read_as_sentences(report_html):
-    header = " ".join(report_html[report_html.index('<div class="meta">'):].split("</div>")[0].split())
+    meta = report_html[report_html.index('<div class="meta">'):]
+    header = " ".join(meta.split("</div>")[0].split())
     assert "Measured on <b>this machine</b>." in header   # not "this machine</b> ."
     assert "the number of timed repeats" in report_html   # what "(99×)" means

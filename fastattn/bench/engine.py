@@ -47,13 +47,14 @@ TURN_SETTLE_S = 0.1
 #: right after 1 GB went through another process as after a call of its own.  Longer
 #: calls pay that once in a share too small to matter.
 TURN_WARM_S = 0.05
-#: Seconds of untimed calls after a first one (see warm_up) that start such a turn.  After the idle of
-#: TURN_SETTLE_S a core runs slow for its first milliseconds of work, one call or
-#: many: measured here (2026-12-04, load 0.3), a single-head non-causal linear call
-#: (n = 4096, d = 64, 2 threads) had a median of 0.77 ms right after one untimed call
-#: and 0.48-0.50 ms after 16 (1 thread: 1.17 and 0.81-0.82 ms); the slow calls fell in
-#: the first 2 ms.  The roof's GEMM is the fastest of PAIRED_ROOF_BUDGET_S of calls, past that ramp too, so a
-#: kernel and its roof are timed alike; asv warms up for 0.1 s.
+#: Seconds of untimed calls after a first one (see warm_up) that start such a turn.
+#: After the idle of TURN_SETTLE_S a core runs slow for its first milliseconds of
+#: work, one call or many: measured here (2026-12-04, load 0.3), a single-head
+#: non-causal linear call (n = 4096, d = 64, 2 threads) had a median of 0.77 ms right
+#: after one untimed call and 0.48-0.50 ms after 16 (1 thread: 1.17 and 0.81-0.82 ms);
+#: the slow calls fell in the first 2 ms.  The roof's GEMM is the fastest of
+#: PAIRED_ROOF_BUDGET_S of calls, past that ramp too, so a kernel and its roof are
+#: timed alike; asv warms up for 0.1 s.
 TURN_WARMUP_S = 0.01
 #: A timed repeat lasts at least this long (``number`` calls of a fast kernel).
 MIN_REPEAT_S = 2e-4
