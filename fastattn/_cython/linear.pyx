@@ -476,6 +476,12 @@ cdef inline Py_ssize_t _causal_workspace(int chunk, int d_k, int d_v) noexcept n
     return _segment_buffer(chunk, d_k) + <Py_ssize_t> d_k * d_v + d_k
 
 
+cdef inline int _keys_before(int c, int chunk, int n_q, int n_k) noexcept nogil:
+    """Keys every query of chunk ``c`` sees (bottom-right aligned: query ``i`` sees key
+    ``j <= i + n_k - n_q``), ``n_k`` past the last chunk."""
+    return min(max(c * chunk + n_k - n_q, 0), n_k)
+
+
 cdef void _causal_segment(const floating *q, const floating *k, const floating *v,
                           floating *out, floating *S, floating *z,
                           int n_q, int n_k, int d_k, int d_v, int code, floating eps,
@@ -521,8 +527,8 @@ cdef void _causal_segment(const floating *q, const floating *k, const floating *
         rows = i1 - i0
         # Keys [0, p0) are seen by every query of the chunk, [p0, p1) by some
         # (the diagonal, each query's own key included), then folded in.
-        p0 = min(max(i0 + off, 0), n_k)
-        p1 = min(max(i1 + off, 0), n_k)
+        p0 = _keys_before(t, chunk, n_q, n_k)
+        p1 = _keys_before(t + 1, chunk, n_q, n_k)
         _fold_keys(k, v, folded, p0, d_k, d_v, code, chunk, S, z, k_buf, micro)
         folded = p0
         width = p1 - p0
@@ -608,14 +614,6 @@ cdef void _causal_segment(const floating *q, const floating *k, const floating *
             memset(den_keep + i0, 0, rows * sizeof(floating))   # and the rows are 0
     if last:
         _fold_keys(k, v, folded, n_k, d_k, d_v, code, chunk, S, z, k_buf, micro)
-
-
-cdef inline int _keys_before(int c, int n_chunks, int chunk, int n_q, int n_k) noexcept nogil:
-    """Keys every query of chunk ``c`` sees (bottom-right aligned), ``n_k`` past the
-    last chunk."""
-    if c >= n_chunks:
-        return n_k
-    return min(max(c * chunk + n_k - n_q, 0), n_k)
 
 
 def _causal(
@@ -715,7 +713,7 @@ def _causal(
                     _causal_segment(&q[b, 0, 0], &k[b, 0, 0], &v[b, 0, 0], &out[b, 0, 0],
                                     own, own + state, n_q, n_k, d_k, d_v, code, e, chunk,
                                     c_begin, c_end,
-                                    _keys_before(c_begin, n_chunks, chunk, n_q, n_k),
+                                    _keys_before(c_begin, chunk, n_q, n_k),
                                     g == n_runs - 1, True, buf, &seen[threadid() * chunk], micro,
                                     False, &S_keep[b, c_begin - first, 0, 0],
                                     &z_keep[b, c_begin - first, 0], &den_keep[b, 0])
