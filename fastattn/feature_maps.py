@@ -57,6 +57,19 @@ def taylor_num_features(d_k):
     return 1 + d_k + d_k * (d_k + 1) // 2
 
 
+def feature_dim(name, d_k, num_features=None):
+    """``D``, the feature dimension of the map ``name`` at head dimension ``d_k``, drawn from
+    nothing (no random features are made): ``d_k`` for elu and relu, ``num_features`` (or
+    :func:`default_num_features`) for favor, :func:`taylor_num_features` for taylor."""
+    if name in ELEMENTWISE:
+        return int(d_k)
+    if name == "favor":
+        return int(num_features) if num_features else default_num_features(d_k)
+    if name == "taylor":
+        return taylor_num_features(d_k)
+    raise ValueError(f"feature_map: expected one of {', '.join(NAMES)}, got {name!r}")
+
+
 def _positive_int(value, name):
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be a positive int, got {value!r}")

@@ -108,7 +108,7 @@ def _feature_map(spec):
 
 def feature_dim(spec):
     """``D``, the features of a linear point's map (``d_k`` for elu and relu)."""
-    return feature_maps.resolve(_feature_map(spec), spec["d_k"]).num_features(spec["d_k"])
+    return feature_maps.feature_dim(spec.get("feature_map") or "elu", spec["d_k"], spec.get("num_features"))
 
 
 def held_bytes(spec):

@@ -18,6 +18,7 @@ from .. import _api
 from .._threads import default_num_threads
 from . import engine, peers
 from .results import ResultsWriter, point_key
+from .schema import DECODE_NS, DEFAULT_NS, FAVOR_MULTIPLES, FEATURE_MAP_NS  # noqa: F401
 
 ATTENTIONS = ("softmax", "linear")
 DTYPES = ("float32", "float64")
@@ -28,13 +29,6 @@ REGIMES = ("prefill", "decode")
 #: "favor" takes ``num_features`` (m; default :class:`fastattn.FavorFeatures`').
 FEATURE_MAPS = ("elu", "relu", "favor", "taylor")
 
-#: n of the default grid: 128 to 8192 (the report's scaling range).
-DEFAULT_NS = (128, 256, 512, 1024, 2048, 4096, 8192)
-#: Context lengths of the decode grid: 128 to 65536.
-DECODE_NS = (128, 512, 2048, 8192, 32768, 65536)
-#: n of the feature-map grid, and its FAVOR+ feature counts as multiples of d_k.
-FEATURE_MAP_NS = (4096, 16384)
-FAVOR_MULTIPLES = (1, 4, 16, 64)
 
 
 def new_run_id():

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field, fields
 import numpy as np
 
 from .. import FavorFeatures, attention_weights, linear_attention, softmax_attention
+from ..bench.schema import FAVOR_MULTIPLES, FEATURE_MAP_NS
 from ..bench.table import format_bytes, format_seconds
 from ..compare import quality, row_entropy, row_kl_divergence
 from ..feature_maps import taylor_num_features
@@ -40,14 +41,14 @@ from matplotlib.ticker import FuncFormatter  # noqa: E402
 #: Seed of FAVOR+'s random features (``FavorFeatures(..., random_state=FAVOR_SEED)``).
 FAVOR_SEED = 0
 #: FAVOR+ on the frontier: ``m = factor · d_k``.
-FAVOR_FACTORS = (1, 4, 16, 64)
+FAVOR_FACTORS = FAVOR_MULTIPLES
 #: FAVOR+ convergence: ``m = factor · d_k`` (the frontier's, so nothing is computed twice).
 CONVERGENCE_FACTORS = FAVOR_FACTORS
 #: The row metrics (KL, entropy) take every ``n // ROW_SAMPLE``-th query of a head (all of
 #: them up to n = ROW_SAMPLE): each row is exact, and the n x n weights stay cheap.
 ROW_SAMPLE = 64
 #: Sequence lengths whose measured time per call the frontier shows.
-COST_NS = (4096, 16384)
+COST_NS = FEATURE_MAP_NS
 #: Sequence length of the Gaussian quality case (the seed experiment's generator).
 GAUSSIAN_N = 512
 
