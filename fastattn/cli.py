@@ -5,6 +5,7 @@ Each subcommand lives beside the code it drives and contributes
 """
 
 import argparse
+import importlib.util
 import sys
 
 from . import __version__
@@ -62,9 +63,29 @@ def build_parser():
     return parser
 
 
+#: What ``report`` and ``bench`` import beyond the kernels: pyproject's ``report`` extra.
+REPORT_EXTRA = ("matplotlib", "jinja2", "tqdm", "psutil", "tabulate")
+
+EXTRA_HINT = (
+    "fastattn {command}: needs {missing}, which the report extra installs. In a checkout of "
+    "fastattn:\n"
+    '    pip install -e ".[report]"\n'
+    "or, from PyPI:\n"
+    '    pip install "fastattn[report]"')
+
+
+def missing_extra(modules=REPORT_EXTRA):
+    """The modules of ``modules`` that cannot be imported here, in order."""
+    return [name for name in modules if importlib.util.find_spec(name) is None]
+
+
 def main(argv=None):
     """Entry point of the ``fastattn`` command; returns the exit code."""
     args = build_parser().parse_args(argv)
+    missing = missing_extra() if args.command in ("report", "bench") else []
+    if missing:
+        print(EXTRA_HINT.format(command=args.command, missing=", ".join(missing)), file=sys.stderr)
+        return 2
     try:
         return args.func(args) or 0
     except KeyboardInterrupt:
