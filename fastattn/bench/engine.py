@@ -7,7 +7,6 @@ import ctypes
 import ctypes.util
 import gc
 import math
-import os
 import time
 import timeit
 import tracemalloc
@@ -18,7 +17,7 @@ import numpy as np
 from .. import _api, feature_maps, reference
 from ..compare import gaussian_qkv
 from ..feature_maps import FavorFeatures
-from . import peers
+from . import environment, peers
 from .flops import attention_flops
 
 #: Seed of every sweep's inputs (each point derives its own stream from it).
@@ -75,13 +74,13 @@ def make_inputs(spec, seed=DEFAULT_SEED):
 
 def make_call(spec, q, k, v):
     """The no-argument call of point ``spec``: the public function (as a user calls it), or
-    the peer's builder in ``peers.CALLS``.  A linear decode point is one step,
+    the peer's builder (:attr:`~.peers.Peer.calls`).  A linear decode point is one step,
     ``initial_state`` the state of the first n - 1 keys (built once, untimed)."""
     attention, backend, causal = spec["attention"], spec["backend"], spec["causal"]
     feature_map, decode = _feature_map(spec), spec.get("regime") == "decode"
     scale = reference.default_scale(q.shape[-1])
     if backend in peers.PEERS:
-        build = peers.CALLS[attention, "decode" if decode else "prefill"][backend]
+        build = peers.PEERS[backend].calls[attention, "decode" if decode else "prefill"]
         option = scale if attention == "softmax" else spec.get("feature_map") or "elu"
         return build(q, k, v, causal, option, heads=spec.get("heads", 1))
     if attention == "softmax":
@@ -275,31 +274,6 @@ def probe_n(n):
     return max(1, min(int(n), MAX_PROBE_N))
 
 
-def blas_label(library="numpy"):
-    """The BLAS a probe's ``library`` runs on, e.g. ``"OpenBLAS 0.3.27 (Haswell) through
-    NumPy 2.1.3"`` or ``"MKL 2024.2 through torch 2.13.0"``."""
-    if library == "torch":
-        import torch
-
-        config = torch.__config__.show()
-        line = next((x for x in config.splitlines() if "Math Kernel Library Version" in x), "")
-        version = line.split("Version", 1)[1].split("-")[0].strip() if line else ""
-        blas = ("MKL" if torch.backends.mkl.is_available() else "BLAS") + \
-            (f" {version}" if version else "")
-        return f"{blas} through torch {torch.__version__}"
-    from .environment import blas_info
-
-    found = [b for b in blas_info() if "numpy" in str(b.get("filepath") or "")] or blas_info()
-    text = "BLAS"
-    if found:
-        info = found[0]
-        name = {"openblas": "OpenBLAS", "mkl": "MKL", "blis": "BLIS"}.get(
-            info.get("internal_api"), info.get("internal_api") or "BLAS")
-        text = f"{name} {info.get('version') or ''}".strip() + (
-            f" ({info['architecture']})" if info.get("architecture") else "")
-    return f"{text} through NumPy {np.__version__}"
-
-
 def _task(kind, dtype, n, d, library="numpy"):
     """A probe's call and its work (flops of ``n x d @ d x n``, or n exps)."""
     rng = np.random.default_rng(0)
@@ -363,12 +337,12 @@ def probe_roof(shapes, dtypes=("float32", "float64"), budget_s=0.1, rounds=3, li
                                         MAX_PROBE_CALLS - count[task])
             best[task] = max(best[task], rate)
             count[task] += calls
-    label = blas_label(library)
+    blas = environment.roof_blas(library)
     # np.exp is NumPy's own loop on one thread, not the BLAS the GEMMs run on.
     exp_label = f"np.exp of NumPy {np.__version__}, one thread"
     when = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
     return [{"probe": kind, "dtype": dtype, "repeats": count[t], "library": library,
-             "blas": label if kind == "gemm" else exp_label, "probed_at": when,
+             **(blas if kind == "gemm" else {"blas": exp_label}), "probed_at": when,
              **({"shape": [n, d, n], "gflops": best[t] / 1e9} if kind == "gemm"
                 else {"size": n, "gelem_s": best[t] / 1e9})}
             for t in tasks for kind, dtype, n, d in [t]]
@@ -392,10 +366,11 @@ def time_gemm(dtype, n, d, library="numpy", budget_s=PAIRED_ROOF_BUDGET_S, cache
     return rate / 1e9
 
 
-def gemm_probes(roofs, dtype, threads=None, machine=None):
-    """The GEMM probes of ``roofs`` of ``dtype`` (and of ``threads``, ``machine`` if given)."""
+def gemm_probes(roofs, dtype=None, threads=None, machine=None):
+    """The GEMM probes of ``roofs`` (of ``dtype``, ``threads``, ``machine`` if given): the one
+    reader of roof records, :func:`roof_probe` the one roof rule."""
     return [r for r in roofs if r.get("probe", "gemm") == "gemm" and r.get("gflops")
-            and r.get("dtype") == dtype and len(r.get("shape") or ()) == 3
+            and dtype in (None, r.get("dtype")) and len(r.get("shape") or ()) == 3
             and (threads is None or r.get("threads") in (None, threads))
             and (machine is None or r.get("machine") in (None, machine))]
 
@@ -452,8 +427,8 @@ def why_skip(spec):
     if backend == "reference":
         need += quadratic_need(spec, itemsize)
     elif backend in peers.PEERS:
-        need += peers.peer_extra_bytes(backend, spec["attention"], spec["causal"], b, n,
-                                       spec["d_k"], spec["d_v"], itemsize)
+        need += peers.PEERS[backend].extra_bytes(spec["attention"], spec["causal"], b, n,
+                                                 spec["d_k"], spec["d_v"], itemsize)
     available = psutil.virtual_memory().available
     if need > MEMORY_HEADROOM * available:
         return f"needs about {need / 2**20:,.0f} MiB but {available / 2**20:,.0f} MiB are available"
@@ -500,10 +475,6 @@ def check_accuracy(spec, out, references, seed=DEFAULT_SEED, max_bytes=None):
             "check_ok": bool(err <= tol)}
 
 
-def _load():
-    return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-
-
 def prepare_point(spec, repeats=5, memory=True, check=True, seed=DEFAULT_SEED,
                   references=None, max_point_s=None):
     """Everything of one point but its timed repeats: ``(call, fields, n_repeats, estimate_s)``.
@@ -520,7 +491,7 @@ def prepare_point(spec, repeats=5, memory=True, check=True, seed=DEFAULT_SEED,
         time.sleep(SETTLE_S)  # let the previous point's thread pools go to sleep
         start = time.perf_counter()
         out = call()
-        fields = {"status": "ok", "reason": None, "seed": seed, "load_avg_1m": _load(),
+        fields = {"status": "ok", "reason": None, "seed": seed, "load_avg_1m": environment.load_avg_1m(),
                   "warmup_s": time.perf_counter() - start, "peak_bytes": None,
                   "memory_method": None}
         peak, method, estimate = peak_extra_bytes(call)

@@ -12,7 +12,6 @@ these).
 """
 
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -102,12 +101,13 @@ def run_startup(args, out, backends):
     """``fastattn bench --startup``: measure ``backends`` (:func:`startup_backends`), print
     the table, append the records to ``out``."""
     from .._threads import default_num_threads
+    from .environment import load_avg_1m
     from .results import ResultsWriter
 
     writer = ResultsWriter(out, resume=True)
     for threads in args.threads or [default_num_threads()]:
         times = measure_startup(backends, threads, args.repeats)
-        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+        load = load_avg_1m()
         base = times[BASELINE]
         for name in backends:
             writer.write("startup", backend=name, threads=threads, repeats=args.repeats,

@@ -16,7 +16,7 @@ from unittest import mock
 
 from .. import _api
 from .._threads import default_num_threads
-from . import engine, peers
+from . import engine, environment, peers
 from .results import ResultsWriter, point_key
 from .schema import DECODE_NS, DEFAULT_NS, FAVOR_MULTIPLES, FEATURE_MAP_NS  # noqa: F401
 
@@ -167,7 +167,7 @@ def default_backends(peers_too=True):
 
 def known_backends():
     """Every name :class:`Point` may carry: fastattn's backends and the peers."""
-    return tuple(_api.BACKEND_MODULES) + peers.PEERS
+    return tuple(_api.BACKEND_MODULES) + tuple(peers.PEERS)
 
 
 def default_grid(attentions=ATTENTIONS, backends=None, ns=DEFAULT_NS, causal=(False, True),
@@ -200,8 +200,6 @@ def feature_map_grid(backends, ns=FEATURE_MAP_NS, d_k=64, **kwargs):
 
 # ---------------------------------------------------------------- the worker
 def _serve(task, state):
-    from . import environment
-
     kind, payload = task
     if kind == "environment":
         env = environment.collect(threads=payload["threads"])
@@ -370,7 +368,7 @@ def _write_header(writer, worker, peer_worker, todo, threads, why, options, run_
                   "the roof is NumPy's BLAS alone", file=sys.stderr)
             continue
         records += [writer.write("roof", run_id=run_id, threads=threads,
-                                 load_avg_1m=engine._load(), **entry) for entry in probed]
+                                 load_avg_1m=environment.load_avg_1m(), **entry) for entry in probed]
     return records
 
 
