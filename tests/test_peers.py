@@ -167,3 +167,35 @@ def test_every_extra_pins_torch_and_the_hints_name_the_venvs_pip():
         assert all(p == ".venv/bin/pip" for p in re.findall(r"\S*pip(?= install)", hint))
     assert peers.INSTALL_HINT["torch"].startswith(
         f".venv/bin/pip install {torch_pins[0]} --index-url https://download.pytorch.org/whl/cpu")
+
+
+def _reference_softmax(q, k, v, causal, scale, heads=1):
+    return lambda: fastattn.softmax_attention(q, k, v, causal=causal, scale=scale,
+                                              backend="reference")
+
+
+def test_a_new_peer_is_one_record_and_an_absent_one_says_how_to_install_it(monkeypatch, tmp_path):
+    from fastattn.bench.sweep import Options, Point, run_sweep
+
+    calls = {("softmax", "prefill"): _reference_softmax}
+    monkeypatch.setitem(peers.PEERS, "mine", peers.Peer(
+        "mine", ("numpy",), ".venv/bin/pip install mine", calls, lambda n: None, lambda: 3))
+    monkeypatch.setitem(peers.PEERS, "gone", peers.Peer(
+        "gone", ("no_such_module_fastattn",), ".venv/bin/pip install gone", calls,
+        lambda n: None, lambda: 1))
+    assert "mine" in peers.available_peers() and "gone" not in peers.available_peers()
+    assert peers.peer_threads()["mine"] == 3 and "gone" not in peers.peer_threads()
+    assert peers.absent_peers()["gone"] == ".venv/bin/pip install gone"
+    assert "no linear attention" in peers.why_not("mine", "linear")
+    points = [Point("softmax", name, False, 16, 8, 8) for name in ("mine", "gone")]
+    mine, gone = run_sweep(points, tmp_path / "r.jsonl", Options(repeats=1, memory=False,
+                                                                   roof=False),
+                           threads=1, isolate=False, progress=None)
+    assert mine["status"] == "ok" and mine["peer"] and mine["check_ok"]
+    assert gone["status"] == "skipped" and gone["reason"].endswith(
+        "add it with: .venv/bin/pip install gone")
+
+
+def test_install_hints_are_commands_to_paste_as_they_are():
+    for hint in peers.INSTALL_HINT.values():
+        assert "(" not in hint and "checkout" not in hint, hint

@@ -226,6 +226,25 @@ def test_a_paired_fraction_above_the_roof_is_flagged_with_the_reason():
     assert table.format_roof_percent(1.2, 0.9) == "120%! (90%)"
 
 
+def test_bench_versus_prints_the_table_of_a_results_file(tmp_path, capsys):
+    """``fastattn bench --versus`` reads the ratios from a file with the bench's own table
+    (what tools/peer_ratios.py re-implemented), and says when there is no peer to race."""
+    path = tmp_path / "r.jsonl"
+    roof = {"schema": SCHEMA, "record": "roof", "probe": "gemm", "dtype": "float32",
+            "threads": 2, "shape": [512, 64, 512], "gflops": 100.0, "blas": "OpenBLAS x",
+            "blas_name": "OpenBLAS", "library": "numpy"}
+    lines = [roof, _point("cython", 0.020), _point("torch", 0.025, peer=True)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    assert main(["bench", "--versus", str(path)]) == 0
+    text = capsys.readouterr().out
+    row = next(line for line in text.splitlines() if line.startswith("1x8x512x64"))
+    assert "cython" in row and "torch" in row and "0.80" in row
+    assert "OpenBLAS x" in text
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines[:2]))
+    assert main(["bench", "--versus", str(path)]) == 2
+    assert "no point of a peer" in capsys.readouterr().err
+
+
 def test_versus_rows_give_no_ratio_across_runs_or_without_a_peer():
     rows = table.versus_rows([_point("cython", 0.02, run_id="a"),
                               _point("torch", 0.01, peer=True, run_id="b"),

@@ -73,6 +73,9 @@ def add_parser(subparsers):
     add("--no-memory", action="store_true", help="skip the memory probe")
     add("--no-check", action="store_true", help="skip the check against the float64 reference")
     add("--no-progress", action="store_true", help="no progress bar")
+    add("--versus", type=Path, metavar="RESULTS",
+        help="instead of the sweep: print the best fastattn / best peer table of the points "
+             "in the results file RESULTS (as a run prints it), and its roof")
     add("--startup", action="store_true",
         help="instead of the sweep: time --repeats new processes per fastattn backend "
              "(--backends, default all and auto), import numpy alone against import "
@@ -166,6 +169,8 @@ def resolve_backends(requested):
 def run(args):
     """Run ``fastattn bench`` with parsed ``args``; return the exit code."""
     try:
+        if args.versus:
+            return print_versus(args.versus)
         if args.startup:
             from .startup import run_startup, startup_backends
 
@@ -179,6 +184,23 @@ def run(args):
     except (BenchUsageError, ResultsFileError) as exc:
         print(f"fastattn bench: error: {exc}", file=sys.stderr)
         return 2
+
+
+def print_versus(path):
+    """``fastattn bench --versus RESULTS``: the versus table and the roof of a results file."""
+    from .results import read_records
+    from .table import format_versus, roof_statements, versus_rows
+
+    try:
+        records = read_records(path)
+    except FileNotFoundError as exc:
+        raise BenchUsageError(str(exc)) from None
+    rows = versus_rows([r for r in records if r["record"] == "point"])
+    if not any(r["peer"] for r in rows):
+        raise BenchUsageError(f"{path} holds no point of a peer beside a fastattn backend")
+    roofs = [r for r in records if r["record"] == "roof"]
+    print(format_versus(rows, roof_statements(roofs)))
+    return 0
 
 
 def _plan(args):
