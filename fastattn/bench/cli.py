@@ -9,11 +9,12 @@ from pathlib import Path
 from .. import _api
 from .._argtypes import positive_int, thread_count
 from .results import ResultsFileError
+from .schema import ATTENTIONS, DECODE_NS, DEFAULT_NS, DTYPES, REGIMES
 
 
 def add_parser(subparsers):
     """Register ``fastattn bench`` and its options."""
-    from .sweep import DECODE_NS, DEFAULT_NS, FEATURE_MAPS, REGIMES
+    from .sweep import FEATURE_MAPS
 
     parser = subparsers.add_parser(
         "bench",
@@ -45,7 +46,7 @@ def add_parser(subparsers):
     add("--d-v", type=positive_int, default=None, help="value head dim (default: d_k)")
     add("--batch", type=positive_int, default=1, help="batch size (default 1)")
     add("--heads", type=positive_int, default=1, help="heads (default 1)")
-    add("--dtype", nargs="+", choices=("float32", "float64"), default=["float32"],
+    add("--dtype", nargs="+", choices=DTYPES, default=["float32"],
         help="dtype(s) (default float32)")
     add("--causal", choices=("yes", "no", "both"), default="both",
         help="causal mask (default both)")
@@ -85,15 +86,13 @@ def add_parser(subparsers):
 
 
 #: The attentions a ``--shape`` may be prefixed with.
-KINDS = ("softmax", "linear")
+KINDS = ATTENTIONS
 
 
 def shape_arg(text):
     """argparse type: ``[KIND:][REGIME:]BxHxNxD`` as ``(batch, heads, n, d_k, regime,
     kind)``: four positive ints, ``"prefill"``, ``"decode"`` or None (every ``--regime``),
     and ``"softmax"``, ``"linear"`` or None (every ``--kind``); the prefixes in either order."""
-    from .sweep import REGIMES
-
     *prefixes, dims = text.lower().split(":")
     parts = dims.replace("×", "x").split("x")
     try:
@@ -206,7 +205,7 @@ def print_versus(path):
 def _plan(args):
     """The grid, the results path and the baseline; refuses what cannot be written, first."""
     from .results import check_writable, read_records
-    from .sweep import DECODE_NS, DEFAULT_NS, FEATURE_MAPS, default_grid
+    from .sweep import FEATURE_MAPS, default_grid
     from .table import check_target
 
     backends, absent = resolve_backends(args.backends)

@@ -1,7 +1,7 @@
 """The measuring engine of ``fastattn bench``, ``fastattn report`` and ``benchmarks/``: one
 input factory, call builder, timing loop, memory probe, roof rule and check, run for one
-point (a dict of :meth:`~fastattn.bench.sweep.Point.spec` fields) by :func:`prepare_point`,
-:func:`time_call` and :func:`finish_point`."""
+point (its record's fields, :meth:`~fastattn.bench.sweep.Point.record_fields`) by
+:func:`prepare_point`, :func:`time_call` and :func:`finish_point`."""
 
 import ctypes
 import ctypes.util
@@ -41,19 +41,12 @@ TURN_SETTLE_S = 0.1
 #: A turn of a call estimated below this many seconds starts with untimed calls (see
 #: TURN_WARMUP_S), so the timed ones find their own inputs in the caches and their
 #: arrays' pages at hand, not what the previous turn (another implementation, the
-#: roof's GEMM) left: a memory-bound call is otherwise timed cold.  Measured here, a
-#: single-head causal linear-attention call (n = 16384, 1 thread) took 1.28x as long
-#: right after 1 GB went through another process as after a call of its own.  Longer
-#: calls pay that once in a share too small to matter.
+#: roof's GEMM) left: a memory-bound call is otherwise timed cold.
 TURN_WARM_S = 0.05
-#: Seconds of untimed calls after a first one (see warm_up) that start such a turn.
-#: After the idle of TURN_SETTLE_S a core runs slow for its first milliseconds of
-#: work, one call or many: measured here (2026-12-04, load 0.3), a single-head
-#: non-causal linear call (n = 4096, d = 64, 2 threads) had a median of 0.77 ms right
-#: after one untimed call and 0.48-0.50 ms after 16 (1 thread: 1.17 and 0.81-0.82 ms);
-#: the slow calls fell in the first 2 ms.  The roof's GEMM is the fastest of
-#: PAIRED_ROOF_BUDGET_S of calls, past that ramp too, so a kernel and its roof are
-#: timed alike; asv warms up for 0.1 s.
+#: Seconds of untimed calls after a first one (see warm_up) that start such a turn: after
+#: the idle of TURN_SETTLE_S a core runs slow for its first milliseconds of work.  The
+#: roof's GEMM is the fastest of PAIRED_ROOF_BUDGET_S of calls, past that ramp too, so a
+#: kernel and its roof are timed alike.
 TURN_WARMUP_S = 0.01
 #: A timed repeat lasts at least this long (``number`` calls of a fast kernel).
 MIN_REPEAT_S = 2e-4
@@ -130,11 +123,8 @@ def point_flops(spec):
 
 
 def warm_up(call, seconds=TURN_WARMUP_S):
-    """One untimed ``call()``, then more for ``seconds``; returns how many were made.
-
-    The clock starts after the first call: right after an idle turn on 2 threads
-    that one call alone sometimes stalls 10-15 ms (measured here, whatever the
-    kernel), which would otherwise use up the whole warm-up."""
+    """One untimed ``call()``, then more for ``seconds``; returns how many were made.  The
+    clock starts after the first call, which right after an idle turn may stall alone."""
     call()
     made, deadline = 1, time.perf_counter() + seconds
     while time.perf_counter() < deadline:
@@ -258,10 +248,9 @@ def _peak_extra_bytes(call, method):
 MAX_PROBE_N = 16384
 
 #: Lengths probed at every d of a run besides its own n: where the GEMM ``n x d @ d x n`` runs
-#: fastest on these machines (its n x n output still in cache; from a few thousand n on the
-#: output's writes bound it).  So the roof, the fastest probe, is the machine's GEMM rate at
-#: that d, not a memory-bound GEMM, even in a run of long sequences alone: such a run probed
-#: 2-thread MKL at 171 GFLOP/s, one with n = 512 among them at 339.
+#: fastest (its n x n output still in cache; from a few thousand n on the output's writes
+#: bound it).  So the roof, the fastest probe, is the machine's GEMM rate at that d, not a
+#: memory-bound GEMM, even in a run of long sequences alone.
 PEAK_PROBE_N = (512, 1024)
 
 #: BLAS libraries the roof may be probed through: OpenBLAS by NumPy's ``matmul``, and MKL by
@@ -443,7 +432,7 @@ class ReferenceCache:
 
     def get(self, spec, q, k, v):
         key = tuple(sorted((name, str(value)) for name, value in spec.items()
-                           if name != "backend"))
+                           if name not in ("backend", "peer", "threads")))
         if key not in self._store:
             q64, k64, v64 = (x.astype(np.float64) for x in (q, k, v))
             self._store[key] = make_call(dict(spec, backend="reference"), q64, k64, v64)()

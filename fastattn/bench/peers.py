@@ -18,9 +18,14 @@ without being imported:
 * **numpy**: the plain NumPy recurrent step of linear attention (decode only),
   ``S += φ(k)ᵀv; z += φ(k); out = φ(q)S / (φ(q)·z + eps)``.
 
-A peer is checked against the float64 reference like any backend.  Its builders,
-``(q, k, v, causal, option, heads=1) -> callable`` with ``option`` the scale (softmax) or
-the feature map (linear), are its :attr:`Peer.calls` by attention and regime.
+A peer is checked against the float64 reference like any backend.  Its builders are its
+:attr:`Peer.calls` by attention and regime; each takes ``(q, k, v, causal, option,
+heads=1)``: ``q (B, n_q, d_k)``, ``k (B, n_k, d_k)``, ``v (B, n_k, d_v)`` C-contiguous
+arrays with ``B = batch * heads``, ``option`` the scale (softmax) or the feature map
+(linear), and returns a no-argument callable whose result is the output ``(B, n_q, d_v)``
+as an ndarray.  A builder raises ValueError for what it cannot compute as fastattn does (a
+causal mask aligned differently when ``n_q != n_k``, heads that do not divide ``B``) and
+TypeError for a dtype it does not run.
 """
 
 import importlib.metadata
@@ -180,30 +185,9 @@ def _as_4d(torch, arrays, heads):
 
 
 def torch_softmax_call(q, k, v, causal, scale, heads=1):
-    """A no-argument callable computing softmax attention with PyTorch's SDPA.
-
-    Parameters
-    ----------
-    q, k, v : ndarray of shape (B, n, d_k), (B, n, d_k), (B, n, d_v)
-        float32 or float64, C-contiguous, ``B = batch * heads``; wrapped
-        without a copy and passed as ``(batch, heads, n, d)`` (the layout
-        PyTorch's flash kernel needs).
-    causal : bool
-        PyTorch's ``is_causal`` mask is aligned at the top left, which equals
-        fastattn's bottom-right mask only when ``n_q == n_k``.
-    scale : float
-    heads : int, default 1
-
-    Returns
-    -------
-    callable
-        Returns the output as an ndarray ``(B, n_q, d_v)``.
-
-    Raises
-    ------
-    ValueError
-        If ``causal`` and ``n_q != n_k``, or ``heads`` does not divide ``B``.
-    """
+    """Softmax attention by PyTorch's SDPA, float32 or float64: the inputs wrapped without a
+    copy as ``(batch, heads, n, d)`` tensors (the layout its flash kernel needs); its
+    ``is_causal`` mask is aligned at the top left (so ``n_q == n_k`` when causal)."""
     _check_peer_inputs("torch", q, k, v, causal, heads)
     torch = _torch()
     tq, tk, tv = _as_4d(torch, (q, k, v), heads)
@@ -246,40 +230,12 @@ def _heads_first(x, heads):
 
 
 def onnxruntime_softmax_call(q, k, v, causal, scale, heads=1):
-    """A no-argument callable computing softmax attention with onnxruntime.
-
-    The graph is one ``com.microsoft`` MultiHeadAttention node (``num_heads``
-    = ``heads``, ``scale``, ``unidirectional=1`` when causal), built with
-    ``onnx.helper`` and run by a CPU ``InferenceSession`` whose
-    ``intra_op_num_threads`` is the count of :func:`set_peer_threads`.
-
-    Parameters
-    ----------
-    q, k, v : ndarray of shape (B, n_q, d_k), (B, n_k, d_k), (B, n_k, d_v)
-        float32 (onnxruntime's CPU kernel has no float64), ``B = batch *
-        heads``.  The operator takes ``(batch, n, heads * d)``: the inputs are
-        rearranged once here, before any timing (a copy when ``heads > 1``).
-    causal : bool
-        ``unidirectional=1``; equals fastattn's bottom-right mask when
-        ``n_q == n_k``.
-    scale : float
-    heads : int, default 1
-
-    Returns
-    -------
-    callable
-        Runs the session and returns the output as an ndarray
-        ``(B, n_q, d_v)``; when ``heads > 1`` that includes rearranging the
-        operator's ``(batch, n_q, heads * d_v)`` output, an ``O(B n d_v)``
-        copy beside the ``O(B n_q n_k d)`` attention.
-
-    Raises
-    ------
-    TypeError
-        If the inputs are not float32.
-    ValueError
-        If ``causal`` and ``n_q != n_k``, or ``heads`` does not divide ``B``.
-    """
+    """Softmax attention by onnxruntime, float32 only (its CPU kernel has no float64): one
+    ``com.microsoft`` MultiHeadAttention node (``num_heads``, ``scale``, ``unidirectional=1``
+    when causal) run by a CPU ``InferenceSession`` on the peers' threads.  The operator takes
+    ``(batch, n, heads * d)``: the inputs are rearranged once, before any timing (a copy when
+    ``heads > 1``), and each call rearranges its output back, an ``O(B n d_v)`` copy beside
+    the ``O(B n_q n_k d)`` attention."""
     _check_peer_inputs("onnxruntime", q, k, v, causal, heads)
     if not all(x.dtype == np.float32 for x in (q, k, v)):
         raise TypeError(f"onnxruntime's MultiHeadAttention runs float32 only, got {q.dtype}")
@@ -316,38 +272,11 @@ def onnxruntime_softmax_call(q, k, v, causal, scale, heads=1):
 
 
 def jax_softmax_call(q, k, v, causal, scale, heads=1):
-    """A no-argument callable computing softmax attention with JAX on CPU.
-
-    ``jax.nn.dot_product_attention`` (XLA's implementation) under
-    ``jax.jit``, compiled here by one warm-up call; each call waits for the
-    result (``block_until_ready``).  XLA's CPU threads are fixed when JAX
-    starts (see :func:`set_peer_threads`).
-
-    Parameters
-    ----------
-    q, k, v : ndarray of shape (B, n_q, d_k), (B, n_k, d_k), (B, n_k, d_v)
-        float32 (the operator computes its softmax in float32 whatever the
-        inputs' dtype, so float64 would not be float64), ``B = batch *
-        heads``; copied to the device once, here.  The operator's
-        ``(batch, n, heads, d)`` layout is formed inside the jitted function
-        (XLA may fuse it), as is the output's way back.
-    causal, scale, heads
-        As in :func:`torch_softmax_call` (JAX's ``is_causal`` is aligned at
-        the top left too).
-
-    Returns
-    -------
-    callable
-        The output as an ndarray ``(B, n_q, d_v)``.
-
-    Raises
-    ------
-    TypeError
-        If the inputs are not float32.
-    ValueError
-        If ``causal`` and ``n_q != n_k``, ``heads`` does not divide ``B``, or
-        ``d_v != d_k`` (which the operator does not take).
-    """
+    """Softmax attention by ``jax.nn.dot_product_attention`` (XLA) under ``jax.jit``, compiled
+    here by one warm-up call; float32 only (it computes its softmax in float32 whatever the
+    inputs' dtype) and ``d_v == d_k``.  The inputs are copied to the device once, here; the
+    operator's ``(batch, n, heads, d)`` layout is formed inside the jitted function, and each
+    call waits for its result.  Its ``is_causal`` mask is aligned at the top left."""
     _check_peer_inputs("jax", q, k, v, causal, heads)
     if v.shape[-1] != q.shape[-1]:
         raise ValueError(f"jax.nn.dot_product_attention needs d_v == d_k, got d_k={q.shape[-1]}, "
@@ -378,27 +307,10 @@ def jax_softmax_call(q, k, v, causal, scale, heads=1):
 
 
 def torch_linear_call(q, k, v, causal, feature_map="elu", eps=1e-6, heads=1):
-    """A no-argument callable computing linear attention in plain PyTorch.
-
-    Non-causal: the product form, ``O(n d_k d_v)`` time and ``O(n d + d_k d_v)``
-    memory.  Causal: the cumulative-sum form, ``S_i = cumsum_j φ(k_j)ᵀ v_j``
-    stored for every position, ``O(n d_k d_v)`` time and memory.
-
-    Parameters
-    ----------
-    q, k, v : ndarray of shape (B, n, d_k), (B, n, d_k), (B, n, d_v)
-    causal : bool
-        Requires ``n_q == n_k`` (the cumulative sums run along one sequence).
-    feature_map : {"elu", "relu"}
-    eps : float
-    heads : int, default 1
-        Inputs are passed as ``(batch, heads, n, d)`` tensors.
-
-    Returns
-    -------
-    callable
-        Returns the output as an ndarray ``(B, n_q, d_v)``.
-    """
+    """Linear attention in plain PyTorch (``feature_map`` elu or relu): non-causal, the
+    product form, ``O(n d_k d_v)`` time and ``O(n d + d_k d_v)`` memory; causal (``n_q ==
+    n_k``), the cumulative-sum form, ``S_i = cumsum_j φ(k_j)ᵀ v_j`` stored for every
+    position, ``O(n d_k d_v)`` time and memory."""
     torch = _torch()
     F = torch.nn.functional
     if causal and q.shape[-2] != k.shape[-2]:

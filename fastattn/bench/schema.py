@@ -10,6 +10,12 @@ SCHEMA = "fastattn.results/1"
 RECORD_TYPES = ("environment", "roof", "point", "startup")
 STATUSES = ("ok", "skipped", "error")
 
+#: The values a point's attention, dtype and regime take: "prefill", a whole sequence at
+#: once (n_q = n_k = n); "decode", one generated token: one query against n keys, causal.
+ATTENTIONS = ("softmax", "linear")
+DTYPES = ("float32", "float64")
+REGIMES = ("prefill", "decode")
+
 COUNT, AMOUNT = "a positive int", "a finite number >= 0"
 NAME, FLAG = "a name", "true or false"
 STATUS = "one of " + ", ".join(STATUSES)

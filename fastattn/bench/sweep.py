@@ -15,19 +15,16 @@ from dataclasses import asdict, dataclass
 from unittest import mock
 
 from .. import _api
+from ..feature_maps import NAMES
 from .._threads import default_num_threads
 from . import engine, environment, peers
 from .results import ResultsWriter, point_key
-from .schema import DECODE_NS, DEFAULT_NS, FAVOR_MULTIPLES, FEATURE_MAP_NS  # noqa: F401
+from .schema import (ATTENTIONS, DECODE_NS, DEFAULT_NS, DTYPES, FAVOR_MULTIPLES,  # noqa: F401
+                     FEATURE_MAP_NS, REGIMES)
 
-ATTENTIONS = ("softmax", "linear")
-DTYPES = ("float32", "float64")
-#: Regimes a point can measure: "prefill", a whole sequence at once (n_q = n_k = n);
-#: "decode", one generated token: one query against a context of n keys, causal.
-REGIMES = ("prefill", "decode")
-#: Feature maps of linear attention a point can carry (the first is the default);
+#: Feature maps of linear attention a point can carry (fastattn's, the first the default);
 #: "favor" takes ``num_features`` (m; default :class:`fastattn.FavorFeatures`').
-FEATURE_MAPS = ("elu", "relu", "favor", "taylor")
+FEATURE_MAPS = NAMES
 
 
 
@@ -93,15 +90,16 @@ class Point:
 
     peer = property(lambda self: self.backend in peers.PEERS, doc="True for a peer (torch).")
 
-    def spec(self):
-        """The call's fields (what :mod:`fastattn.bench.engine` measures)."""
+    def record_fields(self, threads=None):
+        """The point as its record holds it (:data:`~.schema.POINT_KEYS` and ``peer``;
+        ``threads`` when given): its one shape from here on, which the engine measures, the
+        results file stores with the outcome and the report draws."""
         fields = asdict(self)
         n = fields.pop("n")
-        return {**fields, "n_q": 1 if self.regime == "decode" else n, "n_k": n}
+        return {**fields, "n_q": 1 if self.regime == "decode" else n, "n_k": n,
+                "peer": self.peer, **({} if threads is None else {"threads": int(threads)})}
 
-    def record_fields(self, threads):
-        """The identifying fields of this point's record (:data:`~.results.POINT_KEYS` and ``peer``)."""
-        return {**self.spec(), "peer": self.peer, "threads": int(threads)}
+    spec = record_fields
 
     def label(self):
         """Short text naming the point, e.g. ``softmax causal n=1024 d=64 float32 numba``."""
@@ -374,15 +372,17 @@ def _write_header(writer, worker, peer_worker, todo, threads, why, options, run_
 
 def _shape_key(point):
     """What the points of one comparison share: everything but the backend."""
-    return tuple(value for name, value in sorted(point.spec().items()) if name != "backend")
+    return tuple(value for name, value in sorted(point.record_fields().items())
+                 if name not in ("backend", "peer"))
 
 
 class _Entry:
     """One point of a comparison as it is measured: its worker, the fields of its
     preparation, its timings so far and the seconds its requests took."""
 
-    def __init__(self, point, worker):
+    def __init__(self, point, worker, threads):
         self.point, self.worker, self.key = point, worker, point.label()
+        self.spec = point.record_fields(threads)
         self.fields, self.repeats, self.timings, self.spent = None, 0, [], 0.0
         self.thread_counts, self.rounds = None, []  # the round of each timing
 
@@ -400,7 +400,7 @@ class _Entry:
 
     def prepare(self, options):
         try:
-            answer = self.request("prepare", {"spec": self.point.spec(), "options": options,
+            answer = self.request("prepare", {"spec": self.spec, "options": options,
                                               "key": self.key}, options)
         except RuntimeError as exc:  # WorkerDied included
             return {"status": "error", "reason": str(exc)}
@@ -433,7 +433,7 @@ class _Entry:
         roof's, which a slow spell of the machine, falling on both, moves less."""
         if not self.ok or not self.timings:
             return self.fields
-        outcome = engine.finish_point(self.point.spec(), self.fields,
+        outcome = engine.finish_point(self.spec, self.fields,
                                       engine.merge_timings(self.timings))
         outcome.update(thread_counts=self.thread_counts, rounds=len(self.timings),
                        round_min_s=[t["min_s"] for t in self.timings])
@@ -474,7 +474,7 @@ def _measure_group(points, workers, options, roofs, threads):
     repeat) caps the rounds, a turn then timing several repeats.  With more than one
     thread, each turn starts after :data:`~.engine.TURN_SETTLE_S` idle (the previous
     turn's pool may still spin)."""
-    entries = [_Entry(point, workers[point.peer]) for point in points]
+    entries = [_Entry(point, workers[point.peer], threads) for point in points]
     for entry in entries:
         entry.fields = entry.prepare(options)
     live = [entry for entry in entries if entry.ok]
