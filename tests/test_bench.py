@@ -737,9 +737,9 @@ def test_roof_is_the_best_probe_of_the_dtype_not_a_slow_one():
 def test_idle_cores_leaves_out_the_cores_other_work_keeps_busy(monkeypatch):
     import psutil
 
-    from fastattn.bench import sweep
+    from fastattn.bench import environment, sweep
 
-    monkeypatch.setattr(sweep, "default_num_threads", lambda: 2)
+    monkeypatch.setattr(environment, "default_num_threads", lambda: 2)
     monkeypatch.setattr(psutil, "cpu_count", lambda logical=True: 2)
     monkeypatch.setattr(psutil, "cpu_percent", lambda interval=None, percpu=False: [100.0, 3.0])
     assert sweep.idle_cores() == 1          # one core kept busy by another process

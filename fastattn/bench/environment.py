@@ -17,6 +17,15 @@ def load_avg_1m():
     return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
 
 
+def idle_cores(interval_s=0.5):
+    """Usable cores other work left idle over ``interval_s`` seconds (at least 1): with more
+    threads than idle cores, each parallel region waits for a descheduled thread."""
+    import psutil
+
+    busy = sum(psutil.cpu_percent(interval=interval_s, percpu=True)) / 100
+    return max(1, min(default_num_threads(), round(psutil.cpu_count() - busy)))
+
+
 def _cpuinfo(prefix):
     """The value of the first /proc/cpuinfo line starting with ``prefix``, or None."""
     try:

@@ -18,6 +18,7 @@ from .. import _api
 from ..feature_maps import NAMES
 from .._threads import default_num_threads
 from . import engine, environment, peers
+from .environment import idle_cores  # noqa: F401  (fastattn report reads it here)
 from .results import ResultsWriter, point_key
 from .schema import (ATTENTIONS, DECODE_NS, DEFAULT_NS, DTYPES, FAVOR_MULTIPLES,  # noqa: F401
                      FEATURE_MAP_NS, REGIMES)
@@ -25,7 +26,6 @@ from .schema import (ATTENTIONS, DECODE_NS, DEFAULT_NS, DTYPES, FAVOR_MULTIPLES,
 #: Feature maps of linear attention a point can carry (fastattn's, the first the default);
 #: "favor" takes ``num_features`` (m; default :class:`fastattn.FavorFeatures`').
 FEATURE_MAPS = NAMES
-
 
 
 def new_run_id():
@@ -148,15 +148,6 @@ class Options:
         return ("numpy",) + (("torch",) if "torch" in peers.available_peers() else ())
 
 
-def idle_cores(interval_s=0.5):
-    """Usable cores other work left idle over ``interval_s`` seconds (at least 1): with more
-    threads than idle cores, each parallel region waits for a descheduled thread."""
-    import psutil
-
-    busy = sum(psutil.cpu_percent(interval=interval_s, percpu=True)) / 100
-    return max(1, min(default_num_threads(), round(psutil.cpu_count() - busy)))
-
-
 def default_backends(peers_too=True):
     """Every fastattn backend that runs here (the reference first), then the installed peers."""
     names = sorted(_api.available_backends(), key=lambda b: b != "reference")
@@ -187,10 +178,10 @@ def default_grid(attentions=ATTENTIONS, backends=None, ns=DEFAULT_NS, causal=(Fa
 
 
 def feature_map_grid(backends, ns=FEATURE_MAP_NS, d_k=64, **kwargs):
-    """Non-causal linear points of every feature map: elu, relu, FAVOR+ at
-    ``m = FAVOR_MULTIPLES x d_k`` and taylor, at each n of ``ns``."""
-    maps = [("elu", None), ("relu", None)] + [("favor", f * d_k) for f in FAVOR_MULTIPLES] \
-        + [("taylor", None)]
+    """Non-causal linear points of every feature map (:data:`FEATURE_MAPS`; FAVOR+ at
+    ``m = FAVOR_MULTIPLES x d_k``), at each n of ``ns``."""
+    maps = [(fmap, m) for fmap in FEATURE_MAPS
+            for m in ([f * d_k for f in FAVOR_MULTIPLES] if fmap == "favor" else [None])]
     return [p for fmap, m in maps for p in default_grid(
         ("linear",), backends, ns, (False,), d_k=d_k, d_v=d_k, feature_map=fmap,
         num_features=m, **kwargs)]
