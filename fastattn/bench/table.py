@@ -7,8 +7,6 @@ import math
 import re
 import statistics
 
-from tabulate import tabulate
-
 from .results import atomic_write, check_replaceable, to_json
 from .schema import CONFIG_KEYS, CSV_COLUMNS, SUMMARY_FIELDS, VERSUS_KEYS
 
@@ -169,6 +167,8 @@ def _text_table(header, rows, align):
     """``header`` and ``rows`` (lists of str) as a plain text table, columns aligned as
     ``align`` says (``"left"`` or ``"right"`` each); a row of ``(cells, text)`` with ``text``
     has its first cells, then ``text`` across the rest of the row."""
+    from tabulate import tabulate
+
     cells = [r[0] + [""] * (len(header) - len(r[0])) if isinstance(r, tuple) else r
              for r in rows]
     lines = tabulate(cells, header, tablefmt="simple", colalign=align,
@@ -348,6 +348,8 @@ def format_versus(rows, roof_text=()):
 
 def versus_markdown(rows, roof_text=()):
     """The Markdown table of :func:`versus_rows`, ready for the README (marker first)."""
+    from tabulate import tabulate
+
     cells = [[c.replace("|", "\\|") for c in _versus_cells(r)] for r in rows]
     table = tabulate(cells, _VERSUS_HEADER, tablefmt="github", disable_numparse=True)
     return "\n".join([VERSUS_MARKER, "", table, ""]
