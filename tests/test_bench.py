@@ -119,6 +119,10 @@ def test_sweep_writes_environment_roof_then_points(tmp_path):
     stored = read_records(path)
     assert stored[0]["record"] == "environment"
     assert stored[0]["cpu_model"] and stored[0]["versions"]["numpy"] == np.__version__
+    # The schema names every field of the record: a new one is declared there first.
+    from fastattn.bench.schema import ENVIRONMENT_KEYS
+
+    assert set(stored[0]) - {"schema", "record"} <= set(ENVIRONMENT_KEYS)
     roofs = [r for r in stored if r["record"] == "roof"]
     assert {r["dtype"] for r in roofs if r["probe"] == "gemm"} == {"float32", "float64"}
     assert all(r["gflops"] > 0 for r in roofs if r["probe"] == "gemm")

@@ -129,3 +129,8 @@ ENVIRONMENT_FIELDS = (
     ("Cython products' instruction set", "cython_products"),
     ("Peers available", "peers"),
 )
+#: Every top-level key of an environment record: those of ENVIRONMENT_FIELDS, then those a
+#: report lists after them (the sweep's, and the asv reader's for a machine of asv).
+ENVIRONMENT_KEYS = tuple(dict.fromkeys(path.split(".")[0] for _, path in ENVIRONMENT_FIELDS)) + (
+    "memory_available_bytes", "python_implementation", "unavailable_backends", "absent_peers",
+    "run_id", "source", "machine", "date", "env_name", "arch", "env_vars", "chosen")
