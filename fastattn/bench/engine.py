@@ -100,7 +100,8 @@ def _feature_map(spec):
 
 def feature_dim(spec):
     """``D``, the features of a linear point's map (``d_k`` for elu and relu)."""
-    return feature_maps.feature_dim(spec.get("feature_map") or "elu", spec["d_k"], spec.get("num_features"))
+    return feature_maps.feature_dim(spec.get("feature_map") or "elu", spec["d_k"],
+                                    spec.get("num_features"))
 
 
 def held_bytes(spec):
@@ -480,7 +481,8 @@ def prepare_point(spec, repeats=5, memory=True, check=True, seed=DEFAULT_SEED,
         time.sleep(SETTLE_S)  # let the previous point's thread pools go to sleep
         start = time.perf_counter()
         out = call()
-        fields = {"status": "ok", "reason": None, "seed": seed, "load_avg_1m": environment.load_avg_1m(),
+        fields = {"status": "ok", "reason": None, "seed": seed,
+                  "load_avg_1m": environment.load_avg_1m(),
                   "warmup_s": time.perf_counter() - start, "peak_bytes": None,
                   "memory_method": None}
         peak, method, estimate = peak_extra_bytes(call)

@@ -10,9 +10,10 @@ import uuid
 
 from pathlib import Path
 
-from .schema import (AMOUNT, AMOUNTS, COUNT, COUNTS, DEFAULT_REGIME, FIELD_TYPES, FLAG,  # noqa: F401
-                     NAME, POINT_KEYS, RECORD_TYPES, REQUIRED, REQUIRED_OK, SCHEMA, STATUS,
-                     STATUSES, point_key)
+# The schema's names, read here by the report and older callers too.
+from .schema import (AMOUNT, AMOUNTS, COUNT, COUNTS, DEFAULT_REGIME,  # noqa: F401
+                     FIELD_TYPES, FLAG, NAME, POINT_KEYS, RECORD_TYPES, REQUIRED, REQUIRED_OK,
+                     SCHEMA, STATUS, STATUSES, point_key)
 
 
 class ResultsFileError(ValueError):

@@ -356,8 +356,9 @@ def _write_header(writer, worker, peer_worker, todo, threads, why, options, run_
             print(f"fastattn: the roof's GEMM through {library} could not be probed ({exc}); "
                   "the roof is NumPy's BLAS alone", file=sys.stderr)
             continue
-        records += [writer.write("roof", run_id=run_id, threads=threads,
-                                 load_avg_1m=environment.load_avg_1m(), **entry) for entry in probed]
+        load = environment.load_avg_1m()
+        records += [writer.write("roof", run_id=run_id, threads=threads, load_avg_1m=load,
+                                 **entry) for entry in probed]
     return records
 
 
