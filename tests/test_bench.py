@@ -695,7 +695,7 @@ def test_cli_without_torch_says_how_to_add_it(capsys, tmp_path, monkeypatch):
     text = capsys.readouterr().out
     assert "torch is not installed" in text and peers.INSTALL_HINT["torch"] in text
     # Once for each absent peer, before the run; not again after the tables.
-    assert text.count("add it with") == len(peers.absent_peers()) >= 1
+    assert text.count("add it, in the fastattn checkout, with") == len(peers.absent_peers()) >= 1
     assert "to compare with it" not in text
     assert "vs reference" in text and "GFLOP/s" in text
     csv_lines = out.with_suffix(".csv").read_text().splitlines()

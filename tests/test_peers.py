@@ -193,7 +193,7 @@ def test_a_new_peer_is_one_record_and_an_absent_one_says_how_to_install_it(monke
                            threads=1, isolate=False, progress=None)
     assert mine["status"] == "ok" and mine["peer"] and mine["check_ok"]
     assert gone["status"] == "skipped" and gone["reason"].endswith(
-        "add it with: .venv/bin/pip install gone")
+        "in the fastattn checkout, with: .venv/bin/pip install gone")
 
 
 def test_install_hints_are_commands_to_paste_as_they_are():

@@ -157,8 +157,8 @@ def resolve_backends(requested):
             raise BenchUsageError(f"unknown backend {name!r}; {here}"
                                   + (f" (known but absent: {', '.join(gone)})" if gone else ""))
         if name in absent:
-            raise BenchUsageError(f"peer {name!r} is not installed; add it with: "
-                                  f"{absent[name]}; {here}")
+            raise BenchUsageError(f"peer {name!r} is not installed ({here}); add it, in the "
+                                  f"fastattn checkout, with: {absent[name]}")
         if name not in available:
             reason = _api.unavailable_backends().get(name, "not available")
             raise BenchUsageError(f"backend {name!r} cannot run here ({reason}); {here}")
@@ -291,7 +291,8 @@ def _run(args):
 
     points, out, backends, baseline, absent = _plan(args)
     for name, hint in absent.items():
-        print(f"{name} is not installed, so it is not compared; add it with: {hint}")
+        print(f"{name} is not installed, so it is not compared; add it, in the fastattn "
+              f"checkout, with: {hint}")
     options = Options(repeats=args.repeats, memory=not args.no_memory, check=not args.no_check)
     run_id, records = new_run_id(), []
     resume = not args.fresh

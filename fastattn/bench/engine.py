@@ -402,7 +402,8 @@ def why_skip(spec):
     backend = spec["backend"]
     if backend in peers.PEERS:
         if backend not in peers.available_peers():
-            return f"{backend} is not installed; add it with: {peers.PEERS[backend].install}"
+            return (f"{backend} is not installed; add it, in the fastattn checkout, with: "
+                    f"{peers.PEERS[backend].install}")
         unsupported = peers.why_not(backend, spec["attention"], spec["dtype"], spec["d_k"],
                                     spec["d_v"], spec.get("regime") or "prefill",
                                     spec.get("feature_map"))
