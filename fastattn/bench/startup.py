@@ -88,13 +88,13 @@ def measure_startup(backends, threads, repeats):
 
 def format_startup(times, threads):
     """The table: one row per backend, min and median in ms."""
-    lines = [f"start-up in a new process ({threads} threads; first call: softmax n=1, d=64, "
-             "float32)", f"{'':34s} {'min':>9s} {'median':>9s}"]
-    for name, values in times.items():
-        label = BASELINE if name == BASELINE else f"{name}: beyond import numpy"
-        lines.append(f"{label:34s} {min(values) * 1e3:7.1f}ms "
-                     f"{statistics.median(values) * 1e3:7.1f}ms")
-    return "\n".join(lines)
+    from .table import text_table
+
+    rows = [[BASELINE if name == BASELINE else f"{name}: beyond import numpy",
+             f"{min(values) * 1e3:.1f}ms", f"{statistics.median(values) * 1e3:.1f}ms"]
+            for name, values in times.items()]
+    return (f"start-up in a new process ({threads} threads; first call: softmax n=1, d=64, "
+            "float32)\n" + text_table(["", "min", "median"], rows, ["left", "right", "right"]))
 
 
 def run_startup(args, out, backends):

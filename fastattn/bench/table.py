@@ -148,7 +148,7 @@ def summarise(records, baseline=None, backend_order=()):
 
 
 def _cells(row):
-    if row["status"] != "ok":   # the reason spans the row (:func:`_text_table`)
+    if row["status"] != "ok":   # the reason spans the row (:func:`text_table`)
         return [str(row["n"]), row["backend"]], f"{row['status']}: {row['reason'] or ''}"
     err = MISSING if row["max_abs_err"] is None else f"{row['max_abs_err']:.1e}"
     if row["check_n"] and row["check_n"] != row["n"]:
@@ -163,7 +163,7 @@ def _cells(row):
             MISSING if row["vs_baseline"] is None else f"{row['vs_baseline']:.2f}x", err], None
 
 
-def _text_table(header, rows, align):
+def text_table(header, rows, align):
     """``header`` and ``rows`` (lists of str) as a plain text table, columns aligned as
     ``align`` says (``"left"`` or ``"right"`` each); a row of ``(cells, text)`` with ``text``
     has its first cells, then ``text`` across the rest of the row."""
@@ -188,7 +188,7 @@ def format_tables(records, baseline=None, backend_order=()):
     header = ["n", "backend", "median (min-max)", "GFLOP/s", "% roof", "peak extra",
               ratio_title, "max err"]
     align = ["right", "left"] + ["right"] * (len(header) - 2)
-    out = [config["title"] + "\n" + _text_table(header, [_cells(row) for row in config["rows"]],
+    out = [config["title"] + "\n" + text_table(header, [_cells(row) for row in config["rows"]],
                                                 align)
            for config in summarise(records, baseline, backend_order)["configurations"]]
     if baseline:
@@ -340,7 +340,7 @@ def format_versus(rows, roof_text=()):
     """The text table of :func:`versus_rows` (what ``fastattn bench`` prints)."""
     if not rows:
         return ""
-    table = _text_table(_VERSUS_HEADER, [_versus_cells(r) for r in rows],
+    table = text_table(_VERSUS_HEADER, [_versus_cells(r) for r in rows],
                         ["left"] * len(_VERSUS_HEADER))
     return "\n".join(["best fastattn / best peer", table, ""]
                      + [f"  {n}" for n in _versus_notes(rows, roof_text)])
