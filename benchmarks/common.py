@@ -23,7 +23,9 @@ Environment variables read here (all optional):
 """
 
 import functools
+import importlib.util
 import os
+from pathlib import Path
 
 import numpy as np
 
@@ -83,31 +85,42 @@ class Param(int):
                        len(self.text))
 
 
+def _load_schema():
+    """fastattn's one schema (``fastattn/bench/schema.py``, plain constants) of this working
+    tree: asv runs the suite against older commits too, whose installed fastattn may not
+    have it, and the parameters must be the same for every commit."""
+    path = Path(__file__).resolve().parents[1] / "fastattn" / "bench" / "schema.py"
+    spec_ = importlib.util.spec_from_file_location("_fastattn_asv_schema", path)
+    module = importlib.util.module_from_spec(spec_)
+    spec_.loader.exec_module(module)
+    return module
+
+
+schema = _load_schema()
+
 #: Every backend fastattn defines; those not built here are skipped in setup.
 BACKENDS = ("reference", "numba", "cython")
-#: n = n_q = n_k: powers of 4, so each step multiplies an O(n^2) cost by 16.
-N_GRID = tuple(Param("n", n, 5) for n in (256, 1024, 4096, 16384))
+#: n = n_q = n_k (the schema's ASV_NS).
+N_GRID = tuple(Param("n", n, 5) for n in schema.ASV_NS)
 DTYPES = ("float32", "float64")
 CAUSAL = (Param("causal", False, None), Param("causal", True, None))
 #: Head dimension d_k = d_v and batch of every benchmark call.
-D = 64
-BATCH = 1
+D, BATCH = schema.ASV_D, schema.ASV_BATCH
 REFERENCE_MAX_N = int(os.environ.get("FASTATTN_ASV_REFERENCE_MAX_N", "4096"))
 #: n of the accuracy benchmarks (max abs error against the float64 reference).
 ERROR_N = (Param("n", 1024, 5),)
 
-#: Decode (benchmarks/decode.py): context lengths n, 128 to 65536 (issue 11's
-#: 8192 and 32768 among them), and the heads of each step, as in issue 11.
+#: Decode (benchmarks/decode.py): the schema's context lengths, and the heads of each step.
 REGIME_DECODE = Name("regime", "decode")
-DECODE_N = tuple(Param("n", n, 5) for n in (128, 512, 2048, 8192, 32768, 65536))
-DECODE_HEADS = 8
+DECODE_N = tuple(Param("n", n, 5) for n in schema.DECODE_NS)
+DECODE_HEADS = schema.ASV_DECODE_HEADS
 
-#: Feature maps of linear attention (benchmarks/feature_maps.py): the maps at n
-#: in FEATURE_N, and FAVOR+'s feature count m (d_k, 4 d_k, 16 d_k, 64 d_k) at n
-#: in FAVOR_N.
-FEATURE_MAPS = ("elu", "relu", "favor", "taylor")
-FEATURE_N = tuple(Param("n", n, 5) for n in (1024, 4096, 16384))
-FAVOR_M = tuple(Param("m", m * D, 4) for m in (1, 4, 16, 64))
+#: Feature maps of linear attention (benchmarks/feature_maps.py): fastattn's maps
+#: (a commit without its registry has elu and relu) at n in FEATURE_N, and FAVOR+'s
+#: feature count m (the schema's multiples of d_k) at n in FAVOR_N.
+FEATURE_MAPS = tuple(getattr(getattr(fastattn, "feature_maps", None), "NAMES", ("elu", "relu")))
+FEATURE_N = tuple(Param("n", n, 5) for n in schema.ASV_FEATURE_MAP_NS)
+FAVOR_M = tuple(Param("m", m * D, 4) for m in schema.FAVOR_MULTIPLES)
 FAVOR_N = FEATURE_N[:2]
 #: The reference's causal linear form is the masked n x n one, n^2 D work: it
 #: runs while n^2 D <= this (about 1 s a call), up to FASTATTN_ASV_REFERENCE_MAX_N.
@@ -129,7 +142,8 @@ def fix_threads():
 def spec(attention, backend, n, causal, dtype):
     """The point of one benchmark call, as the engine takes it."""
     return {"attention": attention, "backend": backend, "causal": bool(causal), "n_q": int(n),
-            "n_k": int(n), "d_k": D, "d_v": D, "batch": BATCH, "heads": 1, "dtype": dtype,
+            "n_k": int(n), "d_k": D, "d_v": D, "batch": BATCH, "heads": schema.ASV_HEADS,
+            "dtype": dtype,
             "feature_map": "elu" if attention == "linear" else None}
 
 

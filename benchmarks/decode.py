@@ -24,7 +24,7 @@ import numpy as np
 
 import fastattn
 
-from .common import (BACKENDS, D, DECODE_HEADS, DECODE_N, DTYPES, QUICK, REGIME_DECODE,
+from .common import (BACKENDS, BATCH, D, DECODE_HEADS, DECODE_N, DTYPES, QUICK, REGIME_DECODE,
                      engine, fix_threads, peak_bytes, skip_if_no_memory, skip_unless_built)
 
 ATTENTIONS = ("softmax", "linear")
@@ -33,7 +33,7 @@ ATTENTIONS = ("softmax", "linear")
 def decode_spec(attention, backend, n, dtype):
     """The engine's point of one decode step: ``n_q = 1`` query over ``n_k = n`` keys."""
     return {"attention": attention, "backend": backend, "causal": True, "n_q": 1,
-            "n_k": int(n), "d_k": D, "d_v": D, "batch": 1, "heads": DECODE_HEADS,
+            "n_k": int(n), "d_k": D, "d_v": D, "batch": BATCH, "heads": DECODE_HEADS,
             "dtype": dtype, "feature_map": "elu" if attention == "linear" else None}
 
 

@@ -119,6 +119,10 @@ def test_sweep_writes_environment_roof_then_points(tmp_path):
     stored = read_records(path)
     assert stored[0]["record"] == "environment"
     assert stored[0]["cpu_model"] and stored[0]["versions"]["numpy"] == np.__version__
+    # The schema names every field of the record: a new one is declared there first.
+    from fastattn.bench.schema import ENVIRONMENT_KEYS
+
+    assert set(stored[0]) - {"schema", "record"} <= set(ENVIRONMENT_KEYS)
     roofs = [r for r in stored if r["record"] == "roof"]
     assert {r["dtype"] for r in roofs if r["probe"] == "gemm"} == {"float32", "float64"}
     assert all(r["gflops"] > 0 for r in roofs if r["probe"] == "gemm")
@@ -691,7 +695,7 @@ def test_cli_without_torch_says_how_to_add_it(capsys, tmp_path, monkeypatch):
     text = capsys.readouterr().out
     assert "torch is not installed" in text and peers.INSTALL_HINT["torch"] in text
     # Once for each absent peer, before the run; not again after the tables.
-    assert text.count("add it with") == len(peers.absent_peers()) >= 1
+    assert text.count("add it, in the fastattn checkout, with") == len(peers.absent_peers()) >= 1
     assert "to compare with it" not in text
     assert "vs reference" in text and "GFLOP/s" in text
     csv_lines = out.with_suffix(".csv").read_text().splitlines()
@@ -737,9 +741,9 @@ def test_roof_is_the_best_probe_of_the_dtype_not_a_slow_one():
 def test_idle_cores_leaves_out_the_cores_other_work_keeps_busy(monkeypatch):
     import psutil
 
-    from fastattn.bench import sweep
+    from fastattn.bench import environment, sweep
 
-    monkeypatch.setattr(sweep, "default_num_threads", lambda: 2)
+    monkeypatch.setattr(environment, "default_num_threads", lambda: 2)
     monkeypatch.setattr(psutil, "cpu_count", lambda logical=True: 2)
     monkeypatch.setattr(psutil, "cpu_percent", lambda interval=None, percpu=False: [100.0, 3.0])
     assert sweep.idle_cores() == 1          # one core kept busy by another process

@@ -86,9 +86,8 @@ def test_float32_only_peers_refuse_float64(name):
 
 def test_every_peer_has_an_install_hint_and_a_builder():
     assert set(peers.INSTALL_HINT) == set(peers.PEERS)
-    assert set().union(*peers.CALLS.values()) == set(peers.PEERS)
+    assert all(peer.calls and peer.install for peer in peers.PEERS.values())
     assert set(peers.SOFTMAX_CALLS) == {"torch", "onnxruntime", "jax"}
-    assert set(peers.LINEAR_CALLS) <= set(peers.PEERS)
     assert peers.why_not("numpy", "linear", regime="decode") is None
     assert "float32 only" in peers.why_not("onnxruntime", "softmax", "float64", 64, 64)
     assert "no feature map" in peers.why_not("torch", "linear", feature_map="favor")
@@ -106,7 +105,7 @@ def test_listing_the_peers_imports_none_of_them():
     code = ("import sys, json; from fastattn.bench import environment, peers; "
             "peers.set_peer_threads(1); "
             "print(json.dumps([peers.available_peers(), peers.absent_peers(), peers.peer_threads(), "
-            "{n: environment._version(n) for n in peers.PEERS}, "
+            "{n: p.version() for n, p in peers.PEERS.items()}, "
             "[m for m in ('torch', 'onnxruntime', 'onnx', 'jax') if m in sys.modules]]))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     available, absent, threads, versions, imported = json.loads(out.stdout)
@@ -137,7 +136,7 @@ print(json.dumps(peers.peer_threads()[{name!r}]))
 def test_peer_threads_reports_the_count_set(name):
     pytest.importorskip(SOFTMAX_PEERS[name][0])
     assert _threads_in_a_fresh_process(name, 1) == 1
-    assert _threads_in_a_fresh_process(name, 2) == (2 if name != "jax" else peers._cpus())
+    assert _threads_in_a_fresh_process(name, 2) == (2 if name != "jax" else fastattn._threads.default_num_threads())
 
 
 def test_one_jax_thread_goes_into_the_xla_flags_before_jax_starts(monkeypatch):
@@ -168,3 +167,35 @@ def test_every_extra_pins_torch_and_the_hints_name_the_venvs_pip():
         assert all(p == ".venv/bin/pip" for p in re.findall(r"\S*pip(?= install)", hint))
     assert peers.INSTALL_HINT["torch"].startswith(
         f".venv/bin/pip install {torch_pins[0]} --index-url https://download.pytorch.org/whl/cpu")
+
+
+def _reference_softmax(q, k, v, causal, scale, heads=1):
+    return lambda: fastattn.softmax_attention(q, k, v, causal=causal, scale=scale,
+                                              backend="reference")
+
+
+def test_a_new_peer_is_one_record_and_an_absent_one_says_how_to_install_it(monkeypatch, tmp_path):
+    from fastattn.bench.sweep import Options, Point, run_sweep
+
+    calls = {("softmax", "prefill"): _reference_softmax}
+    monkeypatch.setitem(peers.PEERS, "mine", peers.Peer(
+        "mine", ("numpy",), ".venv/bin/pip install mine", calls, lambda n: None, lambda: 3))
+    monkeypatch.setitem(peers.PEERS, "gone", peers.Peer(
+        "gone", ("no_such_module_fastattn",), ".venv/bin/pip install gone", calls,
+        lambda n: None, lambda: 1))
+    assert "mine" in peers.available_peers() and "gone" not in peers.available_peers()
+    assert peers.peer_threads()["mine"] == 3 and "gone" not in peers.peer_threads()
+    assert peers.absent_peers()["gone"] == ".venv/bin/pip install gone"
+    assert "no linear attention" in peers.why_not("mine", "linear")
+    points = [Point("softmax", name, False, 16, 8, 8) for name in ("mine", "gone")]
+    mine, gone = run_sweep(points, tmp_path / "r.jsonl", Options(repeats=1, memory=False,
+                                                                   roof=False),
+                           threads=1, isolate=False, progress=None)
+    assert mine["status"] == "ok" and mine["peer"] and mine["check_ok"]
+    assert gone["status"] == "skipped" and gone["reason"].endswith(
+        "in the fastattn checkout, with: .venv/bin/pip install gone")
+
+
+def test_install_hints_are_commands_to_paste_as_they_are():
+    for hint in peers.INSTALL_HINT.values():
+        assert "(" not in hint and "checkout" not in hint, hint

@@ -205,19 +205,44 @@ def test_the_paired_ratio_is_the_median_of_the_rounds_ratios():
         assert table.versus_rows([ours, peer])[0]["paired"] is None
 
 
+def _unpad(line):
+    """A Markdown table line without the padding that aligns its columns."""
+    return " | ".join(cell.strip() for cell in line.split("|")).strip()
+
+
 def test_a_paired_fraction_above_the_roof_is_flagged_with_the_reason():
     """Below its roof by the fastest repeat (0.1 s: 86 GFLOP/s of 100), above the GEMM
     timed beside it in its rounds (a slow round's GEMM): the bracket carries the ``!``."""
     ours = _point("cython", 0.1, n=2048, roof_fraction_paired=1.37)
     theirs = _point("torch", 0.105, peer=True, n=2048)
     rows = table.versus_rows([ours, theirs])
-    (line,) = [x for x in table.versus_markdown(rows).splitlines() if x.startswith("| 1x8")]
+    (line,) = [_unpad(x) for x in table.versus_markdown(rows).splitlines()
+               if x.startswith("| 1x8")]
     assert line.endswith("| 86% (137%!) |"), line
     assert table.ABOVE_ROOF_NOTE in table.format_versus(rows)
     within = table.versus_rows([_point("cython", 0.1, n=2048, roof_fraction_paired=0.9), theirs])
     assert "!" not in table.format_versus(within)
     assert table.format_roof_percent(0.86, 0.9) == "86% (90%)"
     assert table.format_roof_percent(1.2, 0.9) == "120%! (90%)"
+
+
+def test_bench_versus_prints_the_table_of_a_results_file(tmp_path, capsys):
+    """``fastattn bench --versus`` reads the ratios from a file with the bench's own table
+    (what tools/peer_ratios.py re-implemented), and says when there is no peer to race."""
+    path = tmp_path / "r.jsonl"
+    roof = {"schema": SCHEMA, "record": "roof", "probe": "gemm", "dtype": "float32",
+            "threads": 2, "shape": [512, 64, 512], "gflops": 100.0, "blas": "OpenBLAS x",
+            "blas_name": "OpenBLAS", "library": "numpy"}
+    lines = [roof, _point("cython", 0.020), _point("torch", 0.025, peer=True)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    assert main(["bench", "--versus", str(path)]) == 0
+    text = capsys.readouterr().out
+    row = next(line for line in text.splitlines() if line.startswith("1x8x512x64"))
+    assert "cython" in row and "torch" in row and "0.80" in row
+    assert "OpenBLAS x" in text
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines[:2]))
+    assert main(["bench", "--versus", str(path)]) == 2
+    assert "no point of a peer" in capsys.readouterr().err
 
 
 def test_versus_rows_give_no_ratio_across_runs_or_without_a_peer():
@@ -242,7 +267,7 @@ def test_versus_markdown_is_a_table_and_refuses_a_foreign_file(tmp_path):
     path = table.write_versus_markdown(rows, tmp_path / "t.md", ["roof line"])
     text = path.read_text()
     assert text.startswith(table.VERSUS_MARKER)
-    lines = [line for line in text.splitlines() if line.startswith("|")]
+    lines = [_unpad(line) for line in text.splitlines() if line.startswith("|")]
     assert lines[0].startswith("| shape BxHxNxD | attention | mask")
     # 4 * 8 heads * 512^2 * 64 flops in 5 ms: 107 GFLOP/s, above the roof of 100
     assert lines[2] == ("| 1x8x512x64 | softmax | non-causal | float32 | 2 | cython | 5 ms "
@@ -352,7 +377,7 @@ def test_bench_prints_the_versus_table_and_the_roof_with_a_peer(tmp_path, capsys
     assert re.search(r"non-causal\s+float32\s+1\s+numba", row)
     roof = text.split("roof (the GEMM probed in this run", 1)[1]
     assert "through NumPy" in roof and "through torch" in roof and "- the roof" in roof
-    md = (tmp_path / "p.md").read_text()
+    md = "\n".join(map(_unpad, (tmp_path / "p.md").read_text().splitlines()))
     assert "| 1x2x32x16 | softmax | non-causal | float32 | 1 | numba |" in md
 
 

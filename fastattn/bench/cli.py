@@ -9,11 +9,12 @@ from pathlib import Path
 from .. import _api
 from .._argtypes import positive_int, thread_count
 from .results import ResultsFileError
+from .schema import ATTENTIONS, DECODE_NS, DEFAULT_NS, DTYPES, REGIMES
 
 
 def add_parser(subparsers):
     """Register ``fastattn bench`` and its options."""
-    from .sweep import DECODE_NS, DEFAULT_NS, FEATURE_MAPS, REGIMES
+    from .sweep import FEATURE_MAPS
 
     parser = subparsers.add_parser(
         "bench",
@@ -45,7 +46,7 @@ def add_parser(subparsers):
     add("--d-v", type=positive_int, default=None, help="value head dim (default: d_k)")
     add("--batch", type=positive_int, default=1, help="batch size (default 1)")
     add("--heads", type=positive_int, default=1, help="heads (default 1)")
-    add("--dtype", nargs="+", choices=("float32", "float64"), default=["float32"],
+    add("--dtype", nargs="+", choices=DTYPES, default=["float32"],
         help="dtype(s) (default float32)")
     add("--causal", choices=("yes", "no", "both"), default="both",
         help="causal mask (default both)")
@@ -73,6 +74,9 @@ def add_parser(subparsers):
     add("--no-memory", action="store_true", help="skip the memory probe")
     add("--no-check", action="store_true", help="skip the check against the float64 reference")
     add("--no-progress", action="store_true", help="no progress bar")
+    add("--versus", type=Path, metavar="RESULTS",
+        help="instead of the sweep: print the best fastattn / best peer table of the points "
+             "in the results file RESULTS (as a run prints it), and its roof")
     add("--startup", action="store_true",
         help="instead of the sweep: time --repeats new processes per fastattn backend "
              "(--backends, default all and auto), import numpy alone against import "
@@ -82,15 +86,13 @@ def add_parser(subparsers):
 
 
 #: The attentions a ``--shape`` may be prefixed with.
-KINDS = ("softmax", "linear")
+KINDS = ATTENTIONS
 
 
 def shape_arg(text):
     """argparse type: ``[KIND:][REGIME:]BxHxNxD`` as ``(batch, heads, n, d_k, regime,
     kind)``: four positive ints, ``"prefill"``, ``"decode"`` or None (every ``--regime``),
     and ``"softmax"``, ``"linear"`` or None (every ``--kind``); the prefixes in either order."""
-    from .sweep import REGIMES
-
     *prefixes, dims = text.lower().split(":")
     parts = dims.replace("×", "x").split("x")
     try:
@@ -155,8 +157,8 @@ def resolve_backends(requested):
             raise BenchUsageError(f"unknown backend {name!r}; {here}"
                                   + (f" (known but absent: {', '.join(gone)})" if gone else ""))
         if name in absent:
-            raise BenchUsageError(f"peer {name!r} is not installed; add it with: "
-                                  f"{absent[name]}; {here}")
+            raise BenchUsageError(f"peer {name!r} is not installed ({here}); add it, in the "
+                                  f"fastattn checkout, with: {absent[name]}")
         if name not in available:
             reason = _api.unavailable_backends().get(name, "not available")
             raise BenchUsageError(f"backend {name!r} cannot run here ({reason}); {here}")
@@ -166,6 +168,8 @@ def resolve_backends(requested):
 def run(args):
     """Run ``fastattn bench`` with parsed ``args``; return the exit code."""
     try:
+        if args.versus:
+            return print_versus(args.versus)
         if args.startup:
             from .startup import run_startup, startup_backends
 
@@ -181,10 +185,27 @@ def run(args):
         return 2
 
 
+def print_versus(path):
+    """``fastattn bench --versus RESULTS``: the versus table and the roof of a results file."""
+    from .results import read_records
+    from .table import format_versus, roof_statements, versus_rows
+
+    try:
+        records = read_records(path)
+    except FileNotFoundError as exc:
+        raise BenchUsageError(str(exc)) from None
+    rows = versus_rows([r for r in records if r["record"] == "point"])
+    if not any(r["peer"] for r in rows):
+        raise BenchUsageError(f"{path} holds no point of a peer beside a fastattn backend")
+    roofs = [r for r in records if r["record"] == "roof"]
+    print(format_versus(rows, roof_statements(roofs)))
+    return 0
+
+
 def _plan(args):
     """The grid, the results path and the baseline; refuses what cannot be written, first."""
     from .results import check_writable, read_records
-    from .sweep import DECODE_NS, DEFAULT_NS, FEATURE_MAPS, default_grid
+    from .sweep import FEATURE_MAPS, default_grid
     from .table import check_target
 
     backends, absent = resolve_backends(args.backends)
@@ -270,7 +291,8 @@ def _run(args):
 
     points, out, backends, baseline, absent = _plan(args)
     for name, hint in absent.items():
-        print(f"{name} is not installed, so it is not compared; add it with: {hint}")
+        print(f"{name} is not installed, so it is not compared; add it, in the fastattn "
+              f"checkout, with: {hint}")
     options = Options(repeats=args.repeats, memory=not args.no_memory, check=not args.no_check)
     run_id, records = new_run_id(), []
     resume = not args.fresh

@@ -1,13 +1,12 @@
 """The measuring engine of ``fastattn bench``, ``fastattn report`` and ``benchmarks/``: one
 input factory, call builder, timing loop, memory probe, roof rule and check, run for one
-point (a dict of :meth:`~fastattn.bench.sweep.Point.spec` fields) by :func:`prepare_point`,
-:func:`time_call` and :func:`finish_point`."""
+point (its record's fields, :meth:`~fastattn.bench.sweep.Point.record_fields`) by
+:func:`prepare_point`, :func:`time_call` and :func:`finish_point`."""
 
 import ctypes
 import ctypes.util
 import gc
 import math
-import os
 import time
 import timeit
 import tracemalloc
@@ -18,7 +17,7 @@ import numpy as np
 from .. import _api, feature_maps, reference
 from ..compare import gaussian_qkv
 from ..feature_maps import FavorFeatures
-from . import peers
+from . import environment, peers
 from .flops import attention_flops
 
 #: Seed of every sweep's inputs (each point derives its own stream from it).
@@ -42,19 +41,12 @@ TURN_SETTLE_S = 0.1
 #: A turn of a call estimated below this many seconds starts with untimed calls (see
 #: TURN_WARMUP_S), so the timed ones find their own inputs in the caches and their
 #: arrays' pages at hand, not what the previous turn (another implementation, the
-#: roof's GEMM) left: a memory-bound call is otherwise timed cold.  Measured here, a
-#: single-head causal linear-attention call (n = 16384, 1 thread) took 1.28x as long
-#: right after 1 GB went through another process as after a call of its own.  Longer
-#: calls pay that once in a share too small to matter.
+#: roof's GEMM) left: a memory-bound call is otherwise timed cold.
 TURN_WARM_S = 0.05
-#: Seconds of untimed calls after a first one (see warm_up) that start such a turn.
-#: After the idle of TURN_SETTLE_S a core runs slow for its first milliseconds of
-#: work, one call or many: measured here (2026-12-04, load 0.3), a single-head
-#: non-causal linear call (n = 4096, d = 64, 2 threads) had a median of 0.77 ms right
-#: after one untimed call and 0.48-0.50 ms after 16 (1 thread: 1.17 and 0.81-0.82 ms);
-#: the slow calls fell in the first 2 ms.  The roof's GEMM is the fastest of
-#: PAIRED_ROOF_BUDGET_S of calls, past that ramp too, so a kernel and its roof are
-#: timed alike; asv warms up for 0.1 s.
+#: Seconds of untimed calls after a first one (see warm_up) that start such a turn: after
+#: the idle of TURN_SETTLE_S a core runs slow for its first milliseconds of work.  The
+#: roof's GEMM is the fastest of PAIRED_ROOF_BUDGET_S of calls, past that ramp too, so a
+#: kernel and its roof are timed alike.
 TURN_WARMUP_S = 0.01
 #: A timed repeat lasts at least this long (``number`` calls of a fast kernel).
 MIN_REPEAT_S = 2e-4
@@ -75,13 +67,13 @@ def make_inputs(spec, seed=DEFAULT_SEED):
 
 def make_call(spec, q, k, v):
     """The no-argument call of point ``spec``: the public function (as a user calls it), or
-    the peer's builder in ``peers.CALLS``.  A linear decode point is one step,
+    the peer's builder (:attr:`~.peers.Peer.calls`).  A linear decode point is one step,
     ``initial_state`` the state of the first n - 1 keys (built once, untimed)."""
     attention, backend, causal = spec["attention"], spec["backend"], spec["causal"]
     feature_map, decode = _feature_map(spec), spec.get("regime") == "decode"
     scale = reference.default_scale(q.shape[-1])
     if backend in peers.PEERS:
-        build = peers.CALLS[attention, "decode" if decode else "prefill"][backend]
+        build = peers.PEERS[backend].calls[attention, "decode" if decode else "prefill"]
         option = scale if attention == "softmax" else spec.get("feature_map") or "elu"
         return build(q, k, v, causal, option, heads=spec.get("heads", 1))
     if attention == "softmax":
@@ -108,7 +100,8 @@ def _feature_map(spec):
 
 def feature_dim(spec):
     """``D``, the features of a linear point's map (``d_k`` for elu and relu)."""
-    return feature_maps.feature_dim(spec.get("feature_map") or "elu", spec["d_k"], spec.get("num_features"))
+    return feature_maps.feature_dim(spec.get("feature_map") or "elu", spec["d_k"],
+                                    spec.get("num_features"))
 
 
 def held_bytes(spec):
@@ -131,11 +124,8 @@ def point_flops(spec):
 
 
 def warm_up(call, seconds=TURN_WARMUP_S):
-    """One untimed ``call()``, then more for ``seconds``; returns how many were made.
-
-    The clock starts after the first call: right after an idle turn on 2 threads
-    that one call alone sometimes stalls 10-15 ms (measured here, whatever the
-    kernel), which would otherwise use up the whole warm-up."""
+    """One untimed ``call()``, then more for ``seconds``; returns how many were made.  The
+    clock starts after the first call, which right after an idle turn may stall alone."""
     call()
     made, deadline = 1, time.perf_counter() + seconds
     while time.perf_counter() < deadline:
@@ -259,10 +249,9 @@ def _peak_extra_bytes(call, method):
 MAX_PROBE_N = 16384
 
 #: Lengths probed at every d of a run besides its own n: where the GEMM ``n x d @ d x n`` runs
-#: fastest on these machines (its n x n output still in cache; from a few thousand n on the
-#: output's writes bound it).  So the roof, the fastest probe, is the machine's GEMM rate at
-#: that d, not a memory-bound GEMM, even in a run of long sequences alone: such a run probed
-#: 2-thread MKL at 171 GFLOP/s, one with n = 512 among them at 339.
+#: fastest (its n x n output still in cache; from a few thousand n on the output's writes
+#: bound it).  So the roof, the fastest probe, is the machine's GEMM rate at that d, not a
+#: memory-bound GEMM, even in a run of long sequences alone.
 PEAK_PROBE_N = (512, 1024)
 
 #: BLAS libraries the roof may be probed through: OpenBLAS by NumPy's ``matmul``, and MKL by
@@ -273,31 +262,6 @@ ROOF_LIBRARIES = ("numpy", "torch")
 def probe_n(n):
     """The n of the GEMM probe that stands for an attention shape of length ``n``."""
     return max(1, min(int(n), MAX_PROBE_N))
-
-
-def blas_label(library="numpy"):
-    """The BLAS a probe's ``library`` runs on, e.g. ``"OpenBLAS 0.3.27 (Haswell) through
-    NumPy 2.1.3"`` or ``"MKL 2024.2 through torch 2.13.0"``."""
-    if library == "torch":
-        import torch
-
-        config = torch.__config__.show()
-        line = next((x for x in config.splitlines() if "Math Kernel Library Version" in x), "")
-        version = line.split("Version", 1)[1].split("-")[0].strip() if line else ""
-        blas = ("MKL" if torch.backends.mkl.is_available() else "BLAS") + \
-            (f" {version}" if version else "")
-        return f"{blas} through torch {torch.__version__}"
-    from .environment import blas_info
-
-    found = [b for b in blas_info() if "numpy" in str(b.get("filepath") or "")] or blas_info()
-    text = "BLAS"
-    if found:
-        info = found[0]
-        name = {"openblas": "OpenBLAS", "mkl": "MKL", "blis": "BLIS"}.get(
-            info.get("internal_api"), info.get("internal_api") or "BLAS")
-        text = f"{name} {info.get('version') or ''}".strip() + (
-            f" ({info['architecture']})" if info.get("architecture") else "")
-    return f"{text} through NumPy {np.__version__}"
 
 
 def _task(kind, dtype, n, d, library="numpy"):
@@ -363,12 +327,12 @@ def probe_roof(shapes, dtypes=("float32", "float64"), budget_s=0.1, rounds=3, li
                                         MAX_PROBE_CALLS - count[task])
             best[task] = max(best[task], rate)
             count[task] += calls
-    label = blas_label(library)
+    blas = environment.roof_blas(library)
     # np.exp is NumPy's own loop on one thread, not the BLAS the GEMMs run on.
     exp_label = f"np.exp of NumPy {np.__version__}, one thread"
     when = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
     return [{"probe": kind, "dtype": dtype, "repeats": count[t], "library": library,
-             "blas": label if kind == "gemm" else exp_label, "probed_at": when,
+             **(blas if kind == "gemm" else {"blas": exp_label}), "probed_at": when,
              **({"shape": [n, d, n], "gflops": best[t] / 1e9} if kind == "gemm"
                 else {"size": n, "gelem_s": best[t] / 1e9})}
             for t in tasks for kind, dtype, n, d in [t]]
@@ -392,10 +356,11 @@ def time_gemm(dtype, n, d, library="numpy", budget_s=PAIRED_ROOF_BUDGET_S, cache
     return rate / 1e9
 
 
-def gemm_probes(roofs, dtype, threads=None, machine=None):
-    """The GEMM probes of ``roofs`` of ``dtype`` (and of ``threads``, ``machine`` if given)."""
+def gemm_probes(roofs, dtype=None, threads=None, machine=None):
+    """The GEMM probes of ``roofs`` (of ``dtype``, ``threads``, ``machine`` if given): the one
+    reader of roof records, :func:`roof_probe` the one roof rule."""
     return [r for r in roofs if r.get("probe", "gemm") == "gemm" and r.get("gflops")
-            and r.get("dtype") == dtype and len(r.get("shape") or ()) == 3
+            and dtype in (None, r.get("dtype")) and len(r.get("shape") or ()) == 3
             and (threads is None or r.get("threads") in (None, threads))
             and (machine is None or r.get("machine") in (None, machine))]
 
@@ -437,7 +402,8 @@ def why_skip(spec):
     backend = spec["backend"]
     if backend in peers.PEERS:
         if backend not in peers.available_peers():
-            return f"{backend} is not installed; add it with: {peers.INSTALL_HINT[backend]}"
+            return (f"{backend} is not installed; add it, in the fastattn checkout, with: "
+                    f"{peers.PEERS[backend].install}")
         unsupported = peers.why_not(backend, spec["attention"], spec["dtype"], spec["d_k"],
                                     spec["d_v"], spec.get("regime") or "prefill",
                                     spec.get("feature_map"))
@@ -452,8 +418,8 @@ def why_skip(spec):
     if backend == "reference":
         need += quadratic_need(spec, itemsize)
     elif backend in peers.PEERS:
-        need += peers.peer_extra_bytes(backend, spec["attention"], spec["causal"], b, n,
-                                       spec["d_k"], spec["d_v"], itemsize)
+        need += peers.PEERS[backend].extra_bytes(spec["attention"], spec["causal"], b, n,
+                                                 spec["d_k"], spec["d_v"], itemsize)
     available = psutil.virtual_memory().available
     if need > MEMORY_HEADROOM * available:
         return f"needs about {need / 2**20:,.0f} MiB but {available / 2**20:,.0f} MiB are available"
@@ -468,7 +434,7 @@ class ReferenceCache:
 
     def get(self, spec, q, k, v):
         key = tuple(sorted((name, str(value)) for name, value in spec.items()
-                           if name != "backend"))
+                           if name not in ("backend", "peer", "threads")))
         if key not in self._store:
             q64, k64, v64 = (x.astype(np.float64) for x in (q, k, v))
             self._store[key] = make_call(dict(spec, backend="reference"), q64, k64, v64)()
@@ -500,10 +466,6 @@ def check_accuracy(spec, out, references, seed=DEFAULT_SEED, max_bytes=None):
             "check_ok": bool(err <= tol)}
 
 
-def _load():
-    return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-
-
 def prepare_point(spec, repeats=5, memory=True, check=True, seed=DEFAULT_SEED,
                   references=None, max_point_s=None):
     """Everything of one point but its timed repeats: ``(call, fields, n_repeats, estimate_s)``.
@@ -520,7 +482,8 @@ def prepare_point(spec, repeats=5, memory=True, check=True, seed=DEFAULT_SEED,
         time.sleep(SETTLE_S)  # let the previous point's thread pools go to sleep
         start = time.perf_counter()
         out = call()
-        fields = {"status": "ok", "reason": None, "seed": seed, "load_avg_1m": _load(),
+        fields = {"status": "ok", "reason": None, "seed": seed,
+                  "load_avg_1m": environment.load_avg_1m(),
                   "warmup_s": time.perf_counter() - start, "peak_bytes": None,
                   "memory_method": None}
         peak, method, estimate = peak_extra_bytes(call)

@@ -1,12 +1,29 @@
-"""What a measurement ran on: CPU, cores, threads, BLAS, library versions."""
+"""What a measurement ran on: CPU, cores, load, threads, BLAS, library versions (the one
+place the bench reads the machine)."""
 
-import importlib.metadata
 import os
 import platform
 import socket
 import subprocess
 import sys
 from pathlib import Path
+
+from .._threads import default_num_threads
+from .peers import PEERS, _version, absent_peers, available_peers
+
+
+def load_avg_1m():
+    """The 1-minute load average, or None where the system has none."""
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+
+
+def idle_cores(interval_s=0.5):
+    """Usable cores other work left idle over ``interval_s`` seconds (at least 1): with more
+    threads than idle cores, each parallel region waits for a descheduled thread."""
+    import psutil
+
+    busy = sum(psutil.cpu_percent(interval=interval_s, percpu=True)) / 100
+    return max(1, min(default_num_threads(), round(psutil.cpu_count() - busy)))
 
 
 def _cpuinfo(prefix):
@@ -23,13 +40,6 @@ def _cpu_flags():
     flags = set((_cpuinfo("flags") or "").split())
     wanted = ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512_vnni")
     return [f for f in wanted if f in flags] if flags else None
-
-
-def _version(distribution):
-    try:
-        return importlib.metadata.version(distribution)
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
 def _git_commit():
@@ -75,18 +85,13 @@ def collect(threads=None):
     import psutil
 
     import fastattn
-    from .peers import absent_peers, available_peers
 
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except AttributeError:
-        usable = os.cpu_count()
     memory = psutil.virtual_memory()
     return {
         "cpu_model": _cpuinfo("model name") or platform.processor() or platform.machine(),
         "cpu_flags": _cpu_flags(),
         "cores_logical": os.cpu_count(),
-        "cores_usable": usable,
+        "cores_usable": default_num_threads(),
         "memory_total_bytes": int(memory.total),
         "memory_available_bytes": int(memory.available),
         "threads": threads,
@@ -101,8 +106,9 @@ def collect(threads=None):
         "hostname": socket.gethostname(),
         "versions": {"fastattn": fastattn.__version__, "numpy": np.__version__,
                      **{name.lower(): _version(name)
-                        for name in ("scipy", "numba", "Cython", "threadpoolctl", "torch",
-                                     "onnxruntime", "onnx", "jax", "jaxlib")}},
+                        for name in ("scipy", "numba", "Cython", "threadpoolctl")},
+                     **{name: _version(name) for peer in PEERS.values() if peer.name != "numpy"
+                        for name in peer.distributions or peer.modules}},
         "backends": list(fastattn.available_backends()),
         "cython_products": _cython_products(),
         "unavailable_backends": fastattn.unavailable_backends(),
@@ -110,6 +116,30 @@ def collect(threads=None):
         "absent_peers": absent_peers(),
         "git_commit": _git_commit(),
     }
+
+
+def roof_blas(library="numpy"):
+    """The BLAS a roof probe's ``library`` runs on: ``{"blas": label, "blas_name": name}``,
+    e.g. ``"OpenBLAS 0.3.27 (Haswell) through NumPy 2.1.3"`` and ``"OpenBLAS"``, or
+    ``"MKL 2024.2 through torch 2.13.0"`` and ``"MKL"``."""
+    if library == "torch":
+        import torch
+
+        line = next((x for x in torch.__config__.show().splitlines()
+                     if "Math Kernel Library Version" in x), "")
+        version = line.split("Version", 1)[1].split("-")[0].strip() if line else ""
+        name = "MKL" if torch.backends.mkl.is_available() else "BLAS"
+        return {"blas": f"{name} {version}".strip() + f" through torch {torch.__version__}",
+                "blas_name": name}
+    import numpy as np
+
+    found = [b for b in blas_info() if "numpy" in str(b.get("filepath") or "")] or blas_info()
+    info = found[0] if found else {}
+    name = {"openblas": "OpenBLAS", "mkl": "MKL", "blis": "BLIS"}.get(
+        info.get("internal_api"), info.get("internal_api") or "BLAS")
+    text = f"{name} {info.get('version') or ''}".strip() + (
+        f" ({info['architecture']})" if info.get("architecture") else "")
+    return {"blas": f"{text} through NumPy {np.__version__}", "blas_name": name}
 
 
 def _numpy_blas_name(np):

@@ -1,79 +1,113 @@
 """Peers: what a user would otherwise call, measured on the same inputs.
 
-Each is optional (``pip install -e ".[peers]"`` adds them all, never a
-dependency of the kernels) and is found without being imported:
+A peer is one :class:`Peer` record in :data:`PEERS` (adding a peer is a record and a
+test): the modules it needs, the command that installs it, its thread setting, its call
+builders, the memory it needs, its version and what it supports.  Each is optional
+(``pip install -e ".[peers]"`` adds them all, never a dependency of the kernels) and found
+without being imported:
 
 * **torch** (PyTorch on CPU): softmax attention by
-  ``torch.nn.functional.scaled_dot_product_attention`` (causal and not), and
-  linear attention in its two usual PyTorch forms (Katharopoulos et al.
-  2020): the non-causal product ``φ(q) (φ(k)ᵀ v) / (φ(q) Σ_j φ(k_j) + eps)``
-  and the causal cumulative-sum form, which materialises the running state
-  ``cumsum_j φ(k_j)ᵀ v_j`` of shape ``(B, n, d_k, d_v)``;
-* **onnxruntime**: softmax attention by the ``com.microsoft``
-  MultiHeadAttention contrib operator, as a one-node ONNX graph
-  (``unidirectional=1`` when causal), float32 only;
-* **jax**: softmax attention by ``jax.nn.dot_product_attention`` under
-  ``jax.jit`` (XLA on CPU), float32 only (its softmax is always float32).
+  ``torch.nn.functional.scaled_dot_product_attention`` (causal and not), and linear
+  attention in its two usual PyTorch forms (Katharopoulos et al. 2020): the non-causal
+  product ``φ(q) (φ(k)ᵀ v) / (φ(q) Σ_j φ(k_j) + eps)`` and the causal cumulative-sum form,
+  which materialises the running state ``cumsum_j φ(k_j)ᵀ v_j`` of shape ``(B, n, d_k, d_v)``;
+* **onnxruntime**: softmax attention by the ``com.microsoft`` MultiHeadAttention contrib
+  operator, as a one-node ONNX graph (``unidirectional=1`` when causal), float32 only;
+* **jax**: softmax attention by ``jax.nn.dot_product_attention`` under ``jax.jit`` (XLA on
+  CPU), float32 only (its softmax is always float32);
+* **numpy**: the plain NumPy recurrent step of linear attention (decode only),
+  ``S += φ(k)ᵀv; z += φ(k); out = φ(q)S / (φ(q)·z + eps)``.
 
-* **numpy**: the plain NumPy recurrent step of linear attention (decode
-  only), ``S += φ(k)ᵀv; z += φ(k); out = φ(q)S / (φ(q)·z + eps)``.
-
-A peer is checked against the float64 reference like any backend.  Its
-builders, ``(q, k, v, causal, option, heads=1) -> callable`` with ``option``
-the scale (softmax) or the feature map (linear), are registered in
-:data:`CALLS` by attention and regime; :func:`why_not` says why a peer has
-no call for a point, and :func:`fastattn.bench.engine.make_call` looks the
-builder up.
+A peer is checked against the float64 reference like any backend.  Its builders are its
+:attr:`Peer.calls` by attention and regime; each takes ``(q, k, v, causal, option,
+heads=1)``: ``q (B, n_q, d_k)``, ``k (B, n_k, d_k)``, ``v (B, n_k, d_v)`` C-contiguous
+arrays with ``B = batch * heads``, ``option`` the scale (softmax) or the feature map
+(linear), and returns a no-argument callable whose result is the output ``(B, n_q, d_v)``
+as an ndarray.  A builder raises ValueError for what it cannot compute as fastattn does (a
+causal mask aligned differently when ``n_q != n_k``, heads that do not divide ``B``) and
+TypeError for a dtype it does not run.
 """
 
+import importlib.metadata
 import importlib.util
 import os
 import sys
+from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
-from threadpoolctl import threadpool_limits
 
-#: Peer names known to the sweep.
-PEERS = ("torch", "onnxruntime", "jax", "numpy")
+from .._threads import default_num_threads
 
-#: How to add a missing peer, shown by ``fastattn bench`` and the report: with the pip of
-#: the README's ``.venv``, run from the fastattn checkout.  torch comes from PyTorch's CPU
-#: index, at the version the ``peers`` extra pins (PyPI's Linux torch is a CUDA build of
-#: several GB); once it is there, ``pip install -e ".[peers]"`` keeps it.
-INSTALL_HINT = {
-    "torch": ".venv/bin/pip install torch==2.13.0 --index-url "
-             "https://download.pytorch.org/whl/cpu  (in the fastattn checkout)",
-    "onnxruntime": ".venv/bin/pip install onnxruntime onnx  (in the fastattn checkout)",
-    "jax": ".venv/bin/pip install jax  (in the fastattn checkout)",
-    "numpy": "pip install numpy",
-}
-
-#: Modules a peer needs, by peer (all must be findable for it to be available).
-_MODULES = {"torch": ("torch",), "onnxruntime": ("onnxruntime", "onnx"), "jax": ("jax",),
-            "numpy": ("numpy",)}
-
-
-#: Thread count the peers get when first imported (set by :func:`set_peer_threads`).
+#: Thread count the peers get (set by :func:`set_peer_threads`; None: each one's default).
 _threads = None
 
 
-def _torch():
-    first = "torch" not in sys.modules
-    import torch
-
-    if first and _threads is not None:
-        torch.set_num_threads(_threads)
-    return torch
+def _io_bytes(attention, causal, batch, n, d_k, d_v, itemsize):
+    """Bytes of a call's inputs, output and layouts: the default of :attr:`Peer.extra_bytes`."""
+    return 4 * batch * n * max(d_k, d_v) * itemsize
 
 
-def available_peers():
-    """Peers importable here (without importing them).
+@dataclass(frozen=True)
+class Peer:
+    """Everything the bench knows of one peer.
 
-    Returns
-    -------
-    tuple of str
+    Attributes
+    ----------
+    name : str
+    modules : tuple of str
+        Modules it needs: it is available when all are findable (none is imported).
+    install : str
+        The command that adds it, to paste as it is in the fastattn checkout.
+    calls : dict of (str, str) to callable
+        Call builders by ``(attention, regime)``.
+    set_threads, threads : callable
+        ``set_threads(n)`` fixes its intra-op threads now, or on its import;
+        ``threads()`` the count in force (or to be, when not imported yet).
+    distributions : tuple of str
+        Its distributions, whose versions the environment record keeps (the first is
+        :meth:`version`'s).
+    float32_only, same_d : bool
+        Its softmax attention runs in float32 only; needs ``d_v == d_k``.
+    feature_maps : tuple
+        Feature maps its linear attention implements (None: the default, elu).
+    extra_bytes : callable
+        ``(attention, causal, batch, n, d_k, d_v, itemsize) -> int``: bytes a call needs
+        beyond its inputs and output (so what cannot fit is skipped).
     """
-    return tuple(name for name in PEERS if all(_findable(m) for m in _MODULES[name]))
+
+    name: str
+    modules: tuple
+    install: str
+    calls: dict
+    set_threads: Callable
+    threads: Callable
+    distributions: tuple = ()
+    float32_only: bool = False
+    same_d: bool = False
+    feature_maps: tuple = (None, "elu", "relu")
+    extra_bytes: Callable = field(default=_io_bytes)
+
+    def available(self):
+        """True if every module it needs is findable here (without importing it)."""
+        return all(_findable(m) for m in self.modules)
+
+    def version(self):
+        """Its installed version, or None."""
+        return _version((self.distributions or self.modules)[0])
+
+    def why_not(self, attention, dtype=None, d_k=None, d_v=None, regime="prefill",
+                feature_map=None):
+        """Why it has no call for such a point, or None when it has one."""
+        if (attention, regime) not in self.calls:
+            return f"{self.name} has no {attention} attention ({regime}) to race"
+        if attention == "linear" and feature_map not in self.feature_maps:
+            return f"{self.name}'s linear attention has no feature map {feature_map!r}"
+        if self.float32_only and dtype is not None and np.dtype(dtype) != np.float32:
+            return f"{self.name}'s softmax attention runs in float32 only"
+        if self.same_d and d_k is not None and d_k != d_v:
+            return "jax.nn.dot_product_attention needs d_v == d_k"
+        return None
 
 
 def _findable(name):
@@ -83,89 +117,62 @@ def _findable(name):
         return False
 
 
-def absent_peers():
-    """Peers that are not installed, mapped to how to install them.
-
-    Returns
-    -------
-    dict of str to str
-    """
-    have = available_peers()
-    return {name: INSTALL_HINT[name] for name in PEERS if name not in have}
+def _version(distribution):
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
-def set_peer_threads(n_threads):
-    """Fix the intra-op thread count of every peer, now if imported, else on import.
+def _torch():
+    """torch, imported with the peers' thread count."""
+    first = "torch" not in sys.modules
+    import torch
 
-    Importing a peer takes seconds, so each is only imported when one of its
-    points is measured:
+    if first and _threads is not None:
+        torch.set_num_threads(_threads)
+    return torch
 
-    * torch: ``torch.set_num_threads`` (now, or in :func:`_torch`);
-    * onnxruntime: ``SessionOptions.intra_op_num_threads`` of every session
-      built afterwards (:func:`onnxruntime_softmax_call`);
-    * jax: XLA's CPU thread pool is sized when JAX starts, so the count goes
-      into ``XLA_FLAGS`` before the first import; one thread is
-      ``--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1``,
-      more threads leave XLA's pool at its default (one thread per CPU this
-      process may run on).  Once JAX has started the count no longer changes
-      and :func:`peer_threads` reports the one in force;
-    * numpy: its BLAS (threadpoolctl), for the plain recurrent step.
-    """
-    global _threads
-    _threads = int(n_threads)
-    threadpool_limits(_threads, user_api="blas")
+
+def _set_torch_threads(n):
     if "torch" in sys.modules:
-        sys.modules["torch"].set_num_threads(_threads)
-    if "jax" not in sys.modules:
-        flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if f not in _XLA_ONE_THREAD]
-        if _threads == 1:
-            flags += list(_XLA_ONE_THREAD)
-        os.environ["XLA_FLAGS"] = " ".join(flags)
+        sys.modules["torch"].set_num_threads(n)
+
+
+def _torch_threads():
+    torch = sys.modules.get("torch")
+    return torch.get_num_threads() if torch is not None else _threads
 
 
 #: XLA flags that keep JAX's CPU computations on one thread.
 _XLA_ONE_THREAD = ("--xla_cpu_multi_thread_eigen=false", "intra_op_parallelism_threads=1")
 
 
-def _cpus():
-    """CPUs this process may run on (XLA's and onnxruntime's default pool size)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+def _set_jax_threads(n):
+    """XLA's CPU pool is sized when JAX starts: one thread goes into ``XLA_FLAGS`` before
+    the first import; more threads leave XLA's pool at its default (one per usable CPU).
+    Once JAX has started the count no longer changes."""
+    if "jax" not in sys.modules:
+        flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if f not in _XLA_ONE_THREAD]
+        os.environ["XLA_FLAGS"] = " ".join(flags + (list(_XLA_ONE_THREAD) if n == 1 else []))
 
 
 def _jax_threads():
     """Threads of XLA's CPU pool as ``XLA_FLAGS`` set it (read by JAX once, on start)."""
     flags = os.environ.get("XLA_FLAGS", "").split()
-    return 1 if all(f in flags for f in _XLA_ONE_THREAD) else _cpus()
+    return 1 if all(f in flags for f in _XLA_ONE_THREAD) else default_num_threads()
 
 
-def peer_threads():
-    """Thread counts of the available peers, by name: as in force if imported, else as they will be set.
+def _set_blas_threads(n):
+    from threadpoolctl import threadpool_limits
 
-    Returns
-    -------
-    dict of str to int
-        torch: ``torch.get_num_threads()`` once imported; onnxruntime: the
-        ``intra_op_num_threads`` its sessions get (all CPUs when unset);
-        jax: the size of XLA's CPU pool from ``XLA_FLAGS``; numpy: the threads
-        of its BLAS.
-    """
-    counts = {}
-    have = available_peers()
-    if "torch" in have:
-        torch = sys.modules.get("torch")
-        counts["torch"] = torch.get_num_threads() if torch is not None else _threads
-    if "onnxruntime" in have:
-        counts["onnxruntime"] = _threads if _threads is not None else _cpus()
-    if "jax" in have:
-        counts["jax"] = _jax_threads()
-    if "numpy" in have:  # its BLAS, as the sweep set it
-        from .._threads import blas_threads
+    threadpool_limits(n, user_api="blas")
 
-        counts["numpy"] = blas_threads()
-    return counts
+
+def _blas_threads():
+    from .._threads import blas_threads
+
+    return blas_threads()
 
 
 def _as_4d(torch, arrays, heads):
@@ -178,30 +185,9 @@ def _as_4d(torch, arrays, heads):
 
 
 def torch_softmax_call(q, k, v, causal, scale, heads=1):
-    """A no-argument callable computing softmax attention with PyTorch's SDPA.
-
-    Parameters
-    ----------
-    q, k, v : ndarray of shape (B, n, d_k), (B, n, d_k), (B, n, d_v)
-        float32 or float64, C-contiguous, ``B = batch * heads``; wrapped
-        without a copy and passed as ``(batch, heads, n, d)`` (the layout
-        PyTorch's flash kernel needs).
-    causal : bool
-        PyTorch's ``is_causal`` mask is aligned at the top left, which equals
-        fastattn's bottom-right mask only when ``n_q == n_k``.
-    scale : float
-    heads : int, default 1
-
-    Returns
-    -------
-    callable
-        Returns the output as an ndarray ``(B, n_q, d_v)``.
-
-    Raises
-    ------
-    ValueError
-        If ``causal`` and ``n_q != n_k``, or ``heads`` does not divide ``B``.
-    """
+    """Softmax attention by PyTorch's SDPA, float32 or float64: the inputs wrapped without a
+    copy as ``(batch, heads, n, d)`` tensors (the layout its flash kernel needs); its
+    ``is_causal`` mask is aligned at the top left (so ``n_q == n_k`` when causal)."""
     _check_peer_inputs("torch", q, k, v, causal, heads)
     torch = _torch()
     tq, tk, tv = _as_4d(torch, (q, k, v), heads)
@@ -244,40 +230,12 @@ def _heads_first(x, heads):
 
 
 def onnxruntime_softmax_call(q, k, v, causal, scale, heads=1):
-    """A no-argument callable computing softmax attention with onnxruntime.
-
-    The graph is one ``com.microsoft`` MultiHeadAttention node (``num_heads``
-    = ``heads``, ``scale``, ``unidirectional=1`` when causal), built with
-    ``onnx.helper`` and run by a CPU ``InferenceSession`` whose
-    ``intra_op_num_threads`` is the count of :func:`set_peer_threads`.
-
-    Parameters
-    ----------
-    q, k, v : ndarray of shape (B, n_q, d_k), (B, n_k, d_k), (B, n_k, d_v)
-        float32 (onnxruntime's CPU kernel has no float64), ``B = batch *
-        heads``.  The operator takes ``(batch, n, heads * d)``: the inputs are
-        rearranged once here, before any timing (a copy when ``heads > 1``).
-    causal : bool
-        ``unidirectional=1``; equals fastattn's bottom-right mask when
-        ``n_q == n_k``.
-    scale : float
-    heads : int, default 1
-
-    Returns
-    -------
-    callable
-        Runs the session and returns the output as an ndarray
-        ``(B, n_q, d_v)``; when ``heads > 1`` that includes rearranging the
-        operator's ``(batch, n_q, heads * d_v)`` output, an ``O(B n d_v)``
-        copy beside the ``O(B n_q n_k d)`` attention.
-
-    Raises
-    ------
-    TypeError
-        If the inputs are not float32.
-    ValueError
-        If ``causal`` and ``n_q != n_k``, or ``heads`` does not divide ``B``.
-    """
+    """Softmax attention by onnxruntime, float32 only (its CPU kernel has no float64): one
+    ``com.microsoft`` MultiHeadAttention node (``num_heads``, ``scale``, ``unidirectional=1``
+    when causal) run by a CPU ``InferenceSession`` on the peers' threads.  The operator takes
+    ``(batch, n, heads * d)``: the inputs are rearranged once, before any timing (a copy when
+    ``heads > 1``), and each call rearranges its output back, an ``O(B n d_v)`` copy beside
+    the ``O(B n_q n_k d)`` attention."""
     _check_peer_inputs("onnxruntime", q, k, v, causal, heads)
     if not all(x.dtype == np.float32 for x in (q, k, v)):
         raise TypeError(f"onnxruntime's MultiHeadAttention runs float32 only, got {q.dtype}")
@@ -314,38 +272,11 @@ def onnxruntime_softmax_call(q, k, v, causal, scale, heads=1):
 
 
 def jax_softmax_call(q, k, v, causal, scale, heads=1):
-    """A no-argument callable computing softmax attention with JAX on CPU.
-
-    ``jax.nn.dot_product_attention`` (XLA's implementation) under
-    ``jax.jit``, compiled here by one warm-up call; each call waits for the
-    result (``block_until_ready``).  XLA's CPU threads are fixed when JAX
-    starts (see :func:`set_peer_threads`).
-
-    Parameters
-    ----------
-    q, k, v : ndarray of shape (B, n_q, d_k), (B, n_k, d_k), (B, n_k, d_v)
-        float32 (the operator computes its softmax in float32 whatever the
-        inputs' dtype, so float64 would not be float64), ``B = batch *
-        heads``; copied to the device once, here.  The operator's
-        ``(batch, n, heads, d)`` layout is formed inside the jitted function
-        (XLA may fuse it), as is the output's way back.
-    causal, scale, heads
-        As in :func:`torch_softmax_call` (JAX's ``is_causal`` is aligned at
-        the top left too).
-
-    Returns
-    -------
-    callable
-        The output as an ndarray ``(B, n_q, d_v)``.
-
-    Raises
-    ------
-    TypeError
-        If the inputs are not float32.
-    ValueError
-        If ``causal`` and ``n_q != n_k``, ``heads`` does not divide ``B``, or
-        ``d_v != d_k`` (which the operator does not take).
-    """
+    """Softmax attention by ``jax.nn.dot_product_attention`` (XLA) under ``jax.jit``, compiled
+    here by one warm-up call; float32 only (it computes its softmax in float32 whatever the
+    inputs' dtype) and ``d_v == d_k``.  The inputs are copied to the device once, here; the
+    operator's ``(batch, n, heads, d)`` layout is formed inside the jitted function, and each
+    call waits for its result.  Its ``is_causal`` mask is aligned at the top left."""
     _check_peer_inputs("jax", q, k, v, causal, heads)
     if v.shape[-1] != q.shape[-1]:
         raise ValueError(f"jax.nn.dot_product_attention needs d_v == d_k, got d_k={q.shape[-1]}, "
@@ -376,27 +307,10 @@ def jax_softmax_call(q, k, v, causal, scale, heads=1):
 
 
 def torch_linear_call(q, k, v, causal, feature_map="elu", eps=1e-6, heads=1):
-    """A no-argument callable computing linear attention in plain PyTorch.
-
-    Non-causal: the product form, ``O(n d_k d_v)`` time and ``O(n d + d_k d_v)``
-    memory.  Causal: the cumulative-sum form, ``S_i = cumsum_j φ(k_j)ᵀ v_j``
-    stored for every position, ``O(n d_k d_v)`` time and memory.
-
-    Parameters
-    ----------
-    q, k, v : ndarray of shape (B, n, d_k), (B, n, d_k), (B, n, d_v)
-    causal : bool
-        Requires ``n_q == n_k`` (the cumulative sums run along one sequence).
-    feature_map : {"elu", "relu"}
-    eps : float
-    heads : int, default 1
-        Inputs are passed as ``(batch, heads, n, d)`` tensors.
-
-    Returns
-    -------
-    callable
-        Returns the output as an ndarray ``(B, n_q, d_v)``.
-    """
+    """Linear attention in plain PyTorch (``feature_map`` elu or relu): non-causal, the
+    product form, ``O(n d_k d_v)`` time and ``O(n d + d_k d_v)`` memory; causal (``n_q ==
+    n_k``), the cumulative-sum form, ``S_i = cumsum_j φ(k_j)ᵀ v_j`` stored for every
+    position, ``O(n d_k d_v)`` time and memory."""
     torch = _torch()
     F = torch.nn.functional
     if causal and q.shape[-2] != k.shape[-2]:
@@ -466,61 +380,73 @@ def numpy_linear_decode_call(q, k, v, causal, feature_map="elu", eps=1e-6, heads
     return step
 
 
-def peer_extra_bytes(name, attention, causal, batch, n, d_k, d_v, itemsize):
-    """Bytes a peer call needs beyond its inputs and output (to skip what cannot fit)."""
-    if name == "torch" and attention == "linear" and causal:
+def _torch_extra_bytes(attention, causal, batch, n, d_k, d_v, itemsize):
+    if attention == "linear" and causal:  # the cumulative-sum form's states
         return 2 * batch * n * d_k * d_v * itemsize
-    if name == "jax" and attention == "softmax":
-        return 3 * batch * n * n * itemsize  # XLA forms the scores, their exp and the weights
-    if name == "onnxruntime" and attention == "softmax":
-        return batch * n * n * itemsize + 8 * batch * n * max(d_k, d_v) * itemsize  # weights; layouts
-    return 4 * batch * n * max(d_k, d_v) * itemsize
+    return _io_bytes(attention, causal, batch, n, d_k, d_v, itemsize)
 
 
-#: Call builders by (attention, regime), then by peer.
-CALLS = {
-    ("softmax", "prefill"): {
-        "torch": torch_softmax_call,
-        "onnxruntime": onnxruntime_softmax_call,
-        "jax": jax_softmax_call,
-    },
-    ("linear", "prefill"): {"torch": torch_linear_call},
-    ("softmax", "decode"): {"torch": torch_softmax_decode_call},
-    ("linear", "decode"): {"numpy": numpy_linear_decode_call},
-}
-#: The prefill builders, by peer.
-SOFTMAX_CALLS, LINEAR_CALLS = CALLS["softmax", "prefill"], CALLS["linear", "prefill"]
+#: Every peer, by name (in the order of the tables).
+PEERS = {peer.name: peer for peer in (
+    Peer("torch", ("torch",),
+         ".venv/bin/pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu",
+         {("softmax", "prefill"): torch_softmax_call, ("linear", "prefill"): torch_linear_call,
+          ("softmax", "decode"): torch_softmax_decode_call},
+         _set_torch_threads, _torch_threads, extra_bytes=_torch_extra_bytes),
+    Peer("onnxruntime", ("onnxruntime", "onnx"), ".venv/bin/pip install onnxruntime onnx",
+         {("softmax", "prefill"): onnxruntime_softmax_call},
+         lambda n: None, lambda: _threads if _threads is not None else default_num_threads(),
+         ("onnxruntime", "onnx"), float32_only=True,
+         # the weights, and the layouts it takes and gives
+         extra_bytes=lambda a, c, b, n, dk, dv, item: b * n * n * item + 8 * b * n * max(dk, dv)
+         * item),
+    Peer("jax", ("jax",), ".venv/bin/pip install jax", {("softmax", "prefill"): jax_softmax_call},
+         _set_jax_threads, _jax_threads, ("jax", "jaxlib"), float32_only=True, same_d=True,
+         # XLA forms the scores, their exp and the weights
+         extra_bytes=lambda a, c, b, n, dk, dv, item: 3 * b * n * n * item),
+    Peer("numpy", ("numpy",), "pip install numpy",
+         {("linear", "decode"): numpy_linear_decode_call}, _set_blas_threads, _blas_threads),
+)}
 
-#: Feature maps the peers' linear attention implements (None: the default, elu).
-PEER_FEATURE_MAPS = (None, "elu", "relu")
+#: How to add a missing peer, by name: a command to paste, with the pip of the README's
+#: ``.venv``, in the fastattn checkout.  torch comes from PyTorch's CPU index, at the
+#: version the ``peers`` extra pins (PyPI's Linux torch is a CUDA build of several GB).
+INSTALL_HINT = {name: peer.install for name, peer in PEERS.items()}
+#: The prefill softmax builders, by peer.
+SOFTMAX_CALLS = {name: peer.calls["softmax", "prefill"] for name, peer in PEERS.items()
+                 if ("softmax", "prefill") in peer.calls}
+
+
+def available_peers():
+    """Peers importable here (without importing them), as a tuple of names."""
+    return tuple(name for name, peer in PEERS.items() if peer.available())
+
+
+def absent_peers():
+    """Peers that are not installed, as a dict of name to the command that installs it."""
+    return {name: peer.install for name, peer in PEERS.items() if not peer.available()}
+
+
+def set_peer_threads(n_threads):
+    """Fix the intra-op thread count of every peer, now if imported, else on import (importing
+    a peer takes seconds, so each is imported only when one of its points is measured):
+    torch's ``set_num_threads``; onnxruntime's ``intra_op_num_threads`` of every session
+    built afterwards; jax's ``XLA_FLAGS`` (:func:`_set_jax_threads`); NumPy's BLAS."""
+    global _threads
+    _threads = int(n_threads)
+    for peer in PEERS.values():
+        peer.set_threads(_threads)
+
+
+def peer_threads():
+    """Thread counts of the available peers, by name: in force if imported, else as they
+    will be set."""
+    return {name: PEERS[name].threads() for name in available_peers()}
 
 
 def why_not(name, attention, dtype=None, d_k=None, d_v=None, regime="prefill", feature_map=None):
-    """Why peer ``name`` has no call for such a point, or None when it has one.
-
-    Parameters
-    ----------
-    name : str
-        One of :data:`PEERS`.
-    attention : {"softmax", "linear"}
-    dtype : str or dtype, optional
-    d_k, d_v : int, optional
-    regime : {"prefill", "decode"}, default "prefill"
-    feature_map : str, optional
-
-    Returns
-    -------
-    str or None
-    """
-    if name not in CALLS[attention, regime]:
-        return f"{name} has no {attention} attention ({regime}) to race"
-    if attention == "linear" and feature_map not in PEER_FEATURE_MAPS:
-        return f"{name}'s linear attention has no feature map {feature_map!r}"
-    if name in ("onnxruntime", "jax") and dtype is not None and np.dtype(dtype) != np.float32:
-        return f"{name}'s softmax attention runs in float32 only"
-    if name == "jax" and d_k is not None and d_k != d_v:
-        return "jax.nn.dot_product_attention needs d_v == d_k"
-    return None
+    """Why peer ``name`` has no call for such a point, or None (:meth:`Peer.why_not`)."""
+    return PEERS[name].why_not(attention, dtype, d_k, d_v, regime, feature_map)
 
 
 def supports(name, attention, regime="prefill", feature_map=None):

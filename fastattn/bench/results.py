@@ -1,6 +1,6 @@
 """The one results format: JSON lines appended as each record is measured, reports only read.
-A line holds ``"schema": SCHEMA``, ``run_id`` and a ``"record"`` type: ``"environment"``,
-``"roof"``, ``"point"`` or ``"startup"``; :func:`read_records` checks :data:`FIELD_TYPES`."""
+A line holds ``"schema": SCHEMA``, ``run_id`` and a ``"record"`` type; its fields and their
+types are those of :mod:`.schema`, which :func:`read_records` checks."""
 
 
 import json
@@ -10,55 +10,14 @@ import uuid
 
 from pathlib import Path
 
-SCHEMA = "fastattn.results/1"
-RECORD_TYPES = ("environment", "roof", "point", "startup")
-STATUSES = ("ok", "skipped", "error")
-
-#: Keys that identify a point: two records with equal values measure the same thing.
-POINT_KEYS = (
-    "attention", "backend", "regime", "causal", "dtype", "batch", "heads",
-    "n_q", "n_k", "d_k", "d_v", "feature_map", "num_features", "threads",
-)
-
-#: The regime of a point record that does not say (files written before regimes).
-DEFAULT_REGIME = "prefill"
-
-_COUNT, _NUMBER = "a positive int", "a finite number >= 0"
-#: What each known field of a point or roof record must hold (None is allowed
-#: for optional fields: those not in :data:`REQUIRED`).
-FIELD_TYPES = {
-    "attention": "a name", "backend": "a name", "regime": "a name", "dtype": "a name",
-    "causal": "true or false", "peer": "true or false", "check_ok": "true or false",
-    "batch": _COUNT, "heads": _COUNT, "n_q": _COUNT, "n_k": _COUNT, "d_k": _COUNT,
-    "d_v": _COUNT, "threads": _COUNT, "num_features": _COUNT, "number": _COUNT,
-    "repeats": _COUNT, "check_n": _COUNT,
-    "feature_map": "a name", "status": "one of " + ", ".join(STATUSES),
-    "median_s": _NUMBER, "min_s": _NUMBER, "max_s": _NUMBER, "flops": _NUMBER,
-    "gflops": _NUMBER, "roof_gflops": _NUMBER, "roof_fraction": _NUMBER,
-    "peak_bytes": _NUMBER, "peak_bytes_tracemalloc": _NUMBER, "max_abs_err": _NUMBER, "check_tol": _NUMBER,
-    "load_avg_1m": _NUMBER, "gelem_s": _NUMBER, "started": _NUMBER, "warmup_s": _NUMBER,
-    "held_bytes": _NUMBER, "numpy_min_s": _NUMBER, "numpy_median_s": _NUMBER,
-    "times_s": "a list of numbers >= 0", "shape": "a list of positive ints",
-    "roof_shape": "a list of positive ints",
-}
-REQUIRED = {
-    "point": ("attention", "backend", "causal", "dtype", "batch", "heads", "n_q", "n_k",
-              "d_k", "d_v", "threads", "status"),
-    "roof": ("dtype",),
-    "startup": ("backend", "threads", "min_s", "median_s"),   # fastattn bench --startup
-    "environment": (),
-}
-#: Fields a point with status "ok" must hold.
-REQUIRED_OK = ("median_s",)
+# The schema's names, read here by the report and older callers too.
+from .schema import (AMOUNT, AMOUNTS, COUNT, COUNTS, DEFAULT_REGIME,  # noqa: F401
+                     FIELD_TYPES, FLAG, NAME, POINT_KEYS, RECORD_TYPES, REQUIRED, REQUIRED_OK,
+                     SCHEMA, STATUS, STATUSES, point_key)
 
 
 class ResultsFileError(ValueError):
     """A results file that is not fastattn's, is corrupt, or cannot be written; never overwritten."""
-
-
-def point_key(record):
-    """The identity of a point record: its :data:`POINT_KEYS` values (``regime`` defaulted)."""
-    return tuple(record.get(k, DEFAULT_REGIME if k == "regime" else None) for k in POINT_KEYS)
 
 
 def is_number(value):
@@ -74,12 +33,10 @@ def _is_amount(value):
     return is_number(value) and math.isfinite(value) and value >= 0
 
 
-_HOLDS = {_COUNT: _is_count, _NUMBER: _is_amount,
-          "true or false": lambda v: isinstance(v, bool),
-          "a name": lambda v: isinstance(v, str) and bool(v),
-          FIELD_TYPES["status"]: lambda v: v in STATUSES,
-          "a list of numbers >= 0": lambda v: isinstance(v, list) and all(map(_is_amount, v)),
-          "a list of positive ints": lambda v: isinstance(v, list) and all(map(_is_count, v))}
+_HOLDS = {COUNT: _is_count, AMOUNT: _is_amount, FLAG: lambda v: isinstance(v, bool),
+          NAME: lambda v: isinstance(v, str) and bool(v), STATUS: lambda v: v in STATUSES,
+          AMOUNTS: lambda v: isinstance(v, list) and all(map(_is_amount, v)),
+          COUNTS: lambda v: isinstance(v, list) and all(map(_is_count, v))}
 
 
 def check_record(record):

@@ -1,7 +1,97 @@
-"""The one schema of a measured point: its grids (and, as they move here, its keys,
-types and the environment record).  The bench, the report, the asv suite and the asv
-reader all read these names from here; nothing else restates them."""
+"""The one schema of a measured point: its fields and their types, the keys derived from
+them, the grids and the environment record.  The bench, the report, the asv suite and the
+asv reader read these names from here; nothing else restates them.
 
+A results file is JSON lines (:data:`SCHEMA`); each line a record of one of
+:data:`RECORD_TYPES`.  A point record is the point's fields (:data:`POINT_FIELDS`) from the
+moment it is measured to the figure that draws it."""
+
+SCHEMA = "fastattn.results/1"
+RECORD_TYPES = ("environment", "roof", "point", "startup")
+STATUSES = ("ok", "skipped", "error")
+
+#: The values a point's attention, dtype and regime take: "prefill", a whole sequence at
+#: once (n_q = n_k = n); "decode", one generated token: one query against n keys, causal.
+ATTENTIONS = ("softmax", "linear")
+DTYPES = ("float32", "float64")
+REGIMES = ("prefill", "decode")
+
+COUNT, AMOUNT = "a positive int", "a finite number >= 0"
+NAME, FLAG = "a name", "true or false"
+STATUS = "one of " + ", ".join(STATUSES)
+AMOUNTS, COUNTS = "a list of numbers >= 0", "a list of positive ints"
+
+#: Every field of a point record: ``(name, type, roles)``, in the order of the CSV's columns.
+#: ``type`` is what a results file must hold there (None: not checked; every field may be
+#: null unless :data:`REQUIRED`); ``roles``: ``k`` identifies the point (:data:`POINT_KEYS`),
+#: ``c`` a column of the CSV (:data:`CSV_COLUMNS`), ``s`` a field of a summary row
+#: (:data:`SUMMARY_FIELDS`).
+POINT_FIELDS = (
+    ("attention", NAME, "kc"), ("backend", NAME, "kcs"), ("peer", FLAG, "c"),
+    ("causal", FLAG, "kc"), ("dtype", NAME, "kc"), ("batch", COUNT, "kc"),
+    ("heads", COUNT, "kc"), ("n_q", COUNT, "kc"), ("n_k", COUNT, "kc"), ("d_k", COUNT, "kc"),
+    ("d_v", COUNT, "kc"), ("feature_map", NAME, "kc"), ("threads", COUNT, "kc"),
+    ("status", STATUS, "cs"), ("reason", None, "cs"), ("median_s", AMOUNT, "cs"),
+    ("min_s", AMOUNT, "cs"), ("max_s", AMOUNT, "cs"), ("repeats", COUNT, "c"),
+    ("number", COUNT, "c"), ("flops", AMOUNT, "c"), ("gflops", AMOUNT, "cs"),
+    ("roof_gflops", AMOUNT, "c"), ("roof_fraction", AMOUNT, "cs"), ("peak_bytes", AMOUNT, "cs"),
+    ("memory_method", None, "c"), ("peak_bytes_tracemalloc", AMOUNT, "c"),
+    ("max_abs_err", AMOUNT, "cs"), ("check_n", COUNT, "cs"), ("check_ok", FLAG, "cs"),
+    ("run_id", None, "c"), ("regime", NAME, "kc"), ("num_features", COUNT, "kc"),
+    ("held_bytes", AMOUNT, "c"), ("roof_blas", None, "c"), ("roof_shape", COUNTS, "c"),
+    ("rounds", None, "c"), ("roof_fraction_paired", None, "cs"),
+    ("check_tol", AMOUNT, ""), ("load_avg_1m", AMOUNT, ""), ("started", AMOUNT, ""),
+    ("warmup_s", AMOUNT, ""), ("times_s", AMOUNTS, ""),
+)
+#: Fields of roof and startup records beyond a point's.
+OTHER_FIELDS = (("gelem_s", AMOUNT), ("shape", COUNTS), ("numpy_min_s", AMOUNT),
+                ("numpy_median_s", AMOUNT))
+
+#: What each known field of a point, roof or startup record must hold.
+FIELD_TYPES = {name: kind for name, kind, *_ in POINT_FIELDS + OTHER_FIELDS if kind}
+#: Keys that identify a point: two records with equal values measure the same thing.
+POINT_KEYS = tuple(name for name, _, roles in POINT_FIELDS if "k" in roles)
+#: Columns of the CSV written beside a results file, in order.
+CSV_COLUMNS = tuple(name for name, _, roles in POINT_FIELDS if "c" in roles)
+#: Fields of a row of the JSON summary, beside ``n`` and ``vs_baseline``.
+SUMMARY_FIELDS = tuple(name for name, _, roles in POINT_FIELDS if "s" in roles)
+#: What one table of the bench shares: the points that differ only in n and backend.
+CONFIG_KEYS = tuple(k for k in POINT_KEYS if k not in ("backend", "n_q", "n_k"))
+#: What one row of the versus table compares: the points that differ only in backend.
+VERSUS_KEYS = tuple(k for k in POINT_KEYS if k != "backend")
+#: What one curve of the report shares: the machine and a point's keys but n.
+CURVE_KEYS = ("machine",) + tuple(k for k in POINT_KEYS if k not in ("n_q", "n_k"))
+
+REQUIRED = {
+    "point": ("attention", "backend", "causal", "dtype", "batch", "heads", "n_q", "n_k",
+              "d_k", "d_v", "threads", "status"),
+    "roof": ("dtype",),
+    "startup": ("backend", "threads", "min_s", "median_s"),
+    "environment": (),
+}
+#: Fields a point with status "ok" must hold.
+REQUIRED_OK = ("median_s",)
+#: The regime of a point record that does not say (files written before regimes).
+DEFAULT_REGIME = "prefill"
+
+
+def point_key(record):
+    """The identity of a point record: its :data:`POINT_KEYS` values (``regime`` defaulted)."""
+    return tuple(record.get(k, DEFAULT_REGIME if k == "regime" else None) for k in POINT_KEYS)
+
+
+def roof_library(probe):
+    """``(blas, via)`` of a roof record: the BLAS library (``"OpenBLAS"``, ``"MKL"``) and the
+    package that called it (``"NumPy"``, ``"torch"``), from its ``blas_name`` and
+    ``library`` fields, or, in a file written before those, from its ``blas`` label."""
+    label = probe.get("blas") or ""
+    via = {"numpy": "NumPy", "torch": "torch"}.get(probe.get("library"), "")
+    if " through " in label:
+        via = via or label.split(" through ")[1].split()[0]
+    return probe.get("blas_name") or (label.split() or ["BLAS"])[0], via
+
+
+# ------------------------------------------------------------------------------ grids
 #: n of the default grid: 128 to 8192 (the report's scaling range).
 DEFAULT_NS = (128, 256, 512, 1024, 2048, 4096, 8192)
 #: Context lengths of the decode grid: 128 to 65536.
@@ -10,3 +100,37 @@ DECODE_NS = (128, 512, 2048, 8192, 32768, 65536)
 FEATURE_MAP_NS = (4096, 16384)
 #: FAVOR+ feature counts of the feature-map grid, as multiples of d_k.
 FAVOR_MULTIPLES = (1, 4, 16, 64)
+
+#: The asv suite's grid (benchmarks/): n = n_q = n_k in powers of 4, so each step
+#: multiplies an O(n^2) cost by 16; the feature maps at ASV_FEATURE_MAP_NS (FAVOR+'s m at
+#: the first two); decode at DECODE_NS with ASV_DECODE_HEADS heads; head dimension ASV_D
+#: and batch ASV_BATCH everywhere, one head in prefill.
+ASV_NS = (256, 1024, 4096, 16384)
+ASV_FEATURE_MAP_NS = (1024, 4096, 16384)
+ASV_D, ASV_BATCH, ASV_HEADS, ASV_DECODE_HEADS = 64, 1, 1, 8
+
+# ------------------------------------------------------------------ environment record
+#: The fields of an environment record (:func:`fastattn.bench.environment.collect`, the
+#: asv reader's ``commit``, the sweep's ``threads_reason``), as ``(label, dotted path)``
+#: in the order a report lists them.
+ENVIRONMENT_FIELDS = (
+    ("CPU", "cpu_model"), ("CPU features", "cpu_flags"), ("Cores (logical)", "cores_logical"),
+    ("Cores usable by this process", "cores_usable"), ("Threads used", "threads"),
+    ("Why this thread count", "threads_reason"), ("Thread counts in force", "thread_counts"),
+    ("Thread variables set", "thread_env"),
+    ("BLAS", "blas"), ("NumPy's BLAS (build)", "numpy_config_blas"),
+    ("Memory", "memory_total_bytes"), ("Operating system", "platform"),
+    ("Host", "hostname"), ("Python", "python"), ("NumPy", "versions.numpy"),
+    ("SciPy", "versions.scipy"), ("Numba", "versions.numba"),
+    ("Cython (compiler, needed only to build)", "versions.cython"),
+    ("threadpoolctl", "versions.threadpoolctl"), ("PyTorch", "versions.torch"),
+    ("fastattn", "versions.fastattn"), ("fastattn commit", "git_commit"),
+    ("asv commit", "commit"), ("Backends available", "backends"),
+    ("Cython products' instruction set", "cython_products"),
+    ("Peers available", "peers"),
+)
+#: Every top-level key of an environment record: those of ENVIRONMENT_FIELDS, then those a
+#: report lists after them (the sweep's, and the asv reader's for a machine of asv).
+ENVIRONMENT_KEYS = tuple(dict.fromkeys(path.split(".")[0] for _, path in ENVIRONMENT_FIELDS)) + (
+    "memory_available_bytes", "python_implementation", "unavailable_backends", "absent_peers",
+    "run_id", "source", "machine", "date", "env_name", "arch", "env_vars", "chosen")

@@ -12,7 +12,6 @@ these).
 """
 
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -89,25 +88,26 @@ def measure_startup(backends, threads, repeats):
 
 def format_startup(times, threads):
     """The table: one row per backend, min and median in ms."""
-    lines = [f"start-up in a new process ({threads} threads; first call: softmax n=1, d=64, "
-             "float32)", f"{'':34s} {'min':>9s} {'median':>9s}"]
-    for name, values in times.items():
-        label = BASELINE if name == BASELINE else f"{name}: beyond import numpy"
-        lines.append(f"{label:34s} {min(values) * 1e3:7.1f}ms "
-                     f"{statistics.median(values) * 1e3:7.1f}ms")
-    return "\n".join(lines)
+    from .table import text_table
+
+    rows = [[BASELINE if name == BASELINE else f"{name}: beyond import numpy",
+             f"{min(values) * 1e3:.1f}ms", f"{statistics.median(values) * 1e3:.1f}ms"]
+            for name, values in times.items()]
+    return (f"start-up in a new process ({threads} threads; first call: softmax n=1, d=64, "
+            "float32)\n" + text_table(["", "min", "median"], rows, ["left", "right", "right"]))
 
 
 def run_startup(args, out, backends):
     """``fastattn bench --startup``: measure ``backends`` (:func:`startup_backends`), print
     the table, append the records to ``out``."""
     from .._threads import default_num_threads
+    from .environment import load_avg_1m
     from .results import ResultsWriter
 
     writer = ResultsWriter(out, resume=True)
     for threads in args.threads or [default_num_threads()]:
         times = measure_startup(backends, threads, args.repeats)
-        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+        load = load_avg_1m()
         base = times[BASELINE]
         for name in backends:
             writer.write("startup", backend=name, threads=threads, repeats=args.repeats,

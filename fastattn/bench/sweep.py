@@ -15,20 +15,17 @@ from dataclasses import asdict, dataclass
 from unittest import mock
 
 from .. import _api
+from ..feature_maps import NAMES
 from .._threads import default_num_threads
-from . import engine, peers
+from . import engine, environment, peers
+from .environment import idle_cores  # noqa: F401  (fastattn report reads it here)
 from .results import ResultsWriter, point_key
-from .schema import DECODE_NS, DEFAULT_NS, FAVOR_MULTIPLES, FEATURE_MAP_NS  # noqa: F401
+from .schema import (ATTENTIONS, DECODE_NS, DEFAULT_NS, DTYPES, FAVOR_MULTIPLES,  # noqa: F401
+                     FEATURE_MAP_NS, REGIMES)
 
-ATTENTIONS = ("softmax", "linear")
-DTYPES = ("float32", "float64")
-#: Regimes a point can measure: "prefill", a whole sequence at once (n_q = n_k = n);
-#: "decode", one generated token: one query against a context of n keys, causal.
-REGIMES = ("prefill", "decode")
-#: Feature maps of linear attention a point can carry (the first is the default);
+#: Feature maps of linear attention a point can carry (fastattn's, the first the default);
 #: "favor" takes ``num_features`` (m; default :class:`fastattn.FavorFeatures`').
-FEATURE_MAPS = ("elu", "relu", "favor", "taylor")
-
+FEATURE_MAPS = NAMES
 
 
 def new_run_id():
@@ -93,15 +90,16 @@ class Point:
 
     peer = property(lambda self: self.backend in peers.PEERS, doc="True for a peer (torch).")
 
-    def spec(self):
-        """The call's fields (what :mod:`fastattn.bench.engine` measures)."""
+    def record_fields(self, threads=None):
+        """The point as its record holds it (:data:`~.schema.POINT_KEYS` and ``peer``;
+        ``threads`` when given): its one shape from here on, which the engine measures, the
+        results file stores with the outcome and the report draws."""
         fields = asdict(self)
         n = fields.pop("n")
-        return {**fields, "n_q": 1 if self.regime == "decode" else n, "n_k": n}
+        return {**fields, "n_q": 1 if self.regime == "decode" else n, "n_k": n,
+                "peer": self.peer, **({} if threads is None else {"threads": int(threads)})}
 
-    def record_fields(self, threads):
-        """The identifying fields of this point's record (:data:`~.results.POINT_KEYS` and ``peer``)."""
-        return {**self.spec(), "peer": self.peer, "threads": int(threads)}
+    spec = record_fields
 
     def label(self):
         """Short text naming the point, e.g. ``softmax causal n=1024 d=64 float32 numba``."""
@@ -150,15 +148,6 @@ class Options:
         return ("numpy",) + (("torch",) if "torch" in peers.available_peers() else ())
 
 
-def idle_cores(interval_s=0.5):
-    """Usable cores other work left idle over ``interval_s`` seconds (at least 1): with more
-    threads than idle cores, each parallel region waits for a descheduled thread."""
-    import psutil
-
-    busy = sum(psutil.cpu_percent(interval=interval_s, percpu=True)) / 100
-    return max(1, min(default_num_threads(), round(psutil.cpu_count() - busy)))
-
-
 def default_backends(peers_too=True):
     """Every fastattn backend that runs here (the reference first), then the installed peers."""
     names = sorted(_api.available_backends(), key=lambda b: b != "reference")
@@ -167,7 +156,7 @@ def default_backends(peers_too=True):
 
 def known_backends():
     """Every name :class:`Point` may carry: fastattn's backends and the peers."""
-    return tuple(_api.BACKEND_MODULES) + peers.PEERS
+    return tuple(_api.BACKEND_MODULES) + tuple(peers.PEERS)
 
 
 def default_grid(attentions=ATTENTIONS, backends=None, ns=DEFAULT_NS, causal=(False, True),
@@ -189,10 +178,10 @@ def default_grid(attentions=ATTENTIONS, backends=None, ns=DEFAULT_NS, causal=(Fa
 
 
 def feature_map_grid(backends, ns=FEATURE_MAP_NS, d_k=64, **kwargs):
-    """Non-causal linear points of every feature map: elu, relu, FAVOR+ at
-    ``m = FAVOR_MULTIPLES x d_k`` and taylor, at each n of ``ns``."""
-    maps = [("elu", None), ("relu", None)] + [("favor", f * d_k) for f in FAVOR_MULTIPLES] \
-        + [("taylor", None)]
+    """Non-causal linear points of every feature map (:data:`FEATURE_MAPS`; FAVOR+ at
+    ``m = FAVOR_MULTIPLES x d_k``), at each n of ``ns``."""
+    maps = [(fmap, m) for fmap in FEATURE_MAPS
+            for m in ([f * d_k for f in FAVOR_MULTIPLES] if fmap == "favor" else [None])]
     return [p for fmap, m in maps for p in default_grid(
         ("linear",), backends, ns, (False,), d_k=d_k, d_v=d_k, feature_map=fmap,
         num_features=m, **kwargs)]
@@ -200,8 +189,6 @@ def feature_map_grid(backends, ns=FEATURE_MAP_NS, d_k=64, **kwargs):
 
 # ---------------------------------------------------------------- the worker
 def _serve(task, state):
-    from . import environment
-
     kind, payload = task
     if kind == "environment":
         env = environment.collect(threads=payload["threads"])
@@ -369,22 +356,25 @@ def _write_header(writer, worker, peer_worker, todo, threads, why, options, run_
             print(f"fastattn: the roof's GEMM through {library} could not be probed ({exc}); "
                   "the roof is NumPy's BLAS alone", file=sys.stderr)
             continue
-        records += [writer.write("roof", run_id=run_id, threads=threads,
-                                 load_avg_1m=engine._load(), **entry) for entry in probed]
+        load = environment.load_avg_1m()
+        records += [writer.write("roof", run_id=run_id, threads=threads, load_avg_1m=load,
+                                 **entry) for entry in probed]
     return records
 
 
 def _shape_key(point):
     """What the points of one comparison share: everything but the backend."""
-    return tuple(value for name, value in sorted(point.spec().items()) if name != "backend")
+    return tuple(value for name, value in sorted(point.record_fields().items())
+                 if name not in ("backend", "peer"))
 
 
 class _Entry:
     """One point of a comparison as it is measured: its worker, the fields of its
     preparation, its timings so far and the seconds its requests took."""
 
-    def __init__(self, point, worker):
+    def __init__(self, point, worker, threads):
         self.point, self.worker, self.key = point, worker, point.label()
+        self.spec = point.record_fields(threads)
         self.fields, self.repeats, self.timings, self.spent = None, 0, [], 0.0
         self.thread_counts, self.rounds = None, []  # the round of each timing
 
@@ -402,7 +392,7 @@ class _Entry:
 
     def prepare(self, options):
         try:
-            answer = self.request("prepare", {"spec": self.point.spec(), "options": options,
+            answer = self.request("prepare", {"spec": self.spec, "options": options,
                                               "key": self.key}, options)
         except RuntimeError as exc:  # WorkerDied included
             return {"status": "error", "reason": str(exc)}
@@ -435,7 +425,7 @@ class _Entry:
         roof's, which a slow spell of the machine, falling on both, moves less."""
         if not self.ok or not self.timings:
             return self.fields
-        outcome = engine.finish_point(self.point.spec(), self.fields,
+        outcome = engine.finish_point(self.spec, self.fields,
                                       engine.merge_timings(self.timings))
         outcome.update(thread_counts=self.thread_counts, rounds=len(self.timings),
                        round_min_s=[t["min_s"] for t in self.timings])
@@ -476,7 +466,7 @@ def _measure_group(points, workers, options, roofs, threads):
     repeat) caps the rounds, a turn then timing several repeats.  With more than one
     thread, each turn starts after :data:`~.engine.TURN_SETTLE_S` idle (the previous
     turn's pool may still spin)."""
-    entries = [_Entry(point, workers[point.peer]) for point in points]
+    entries = [_Entry(point, workers[point.peer], threads) for point in points]
     for entry in entries:
         entry.fields = entry.prepare(options)
     live = [entry for entry in entries if entry.ok]

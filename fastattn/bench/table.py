@@ -1,27 +1,17 @@
-"""Units, text tables, CSV and the JSON summary of point records: fastattn's only formatting."""
+"""Units, text and Markdown tables (by tabulate), CSV (:mod:`csv`) and the JSON summary of
+point records: fastattn's only formatting."""
 
 import csv
 import io
 import math
+import re
 import statistics
 
 from .results import atomic_write, check_replaceable, to_json
+from .schema import CONFIG_KEYS, CSV_COLUMNS, SUMMARY_FIELDS, VERSUS_KEYS
 
-#: Columns of the CSV written beside a results file, in order.
-CSV_COLUMNS = (
-    "attention", "backend", "peer", "causal", "dtype", "batch", "heads", "n_q", "n_k",
-    "d_k", "d_v", "feature_map", "threads", "status", "reason", "median_s", "min_s",
-    "max_s", "repeats", "number", "flops", "gflops", "roof_gflops", "roof_fraction",
-    "peak_bytes", "memory_method", "peak_bytes_tracemalloc", "max_abs_err", "check_n",
-    "check_ok", "run_id", "regime", "num_features", "held_bytes", "roof_blas", "roof_shape",
-    "rounds", "roof_fraction_paired",
-)
 #: Schema tag of the JSON summary ``fastattn bench`` writes beside its results.
 SUMMARY_SCHEMA = "fastattn.bench-summary/1"
-
-#: Fields that make one table: points that differ only in n and backend.
-CONFIG_KEYS = ("attention", "regime", "causal", "dtype", "d_k", "d_v", "batch", "heads",
-               "feature_map", "num_features", "threads")
 
 MISSING = "–"
 
@@ -150,10 +140,7 @@ def summarise(records, baseline=None, backend_order=()):
                 if r["backend"] == baseline and r.get("status") == "ok"}
         rows = [{"n": r["n_k"], "vs_baseline": base[r["n_k"]] / r["median_s"]
                  if base.get(r["n_k"]) and r.get("median_s") else None,
-                 **{k: r.get(k) for k in ("backend", "status", "reason", "median_s", "min_s",
-                                          "max_s", "gflops", "roof_fraction",
-                                          "roof_fraction_paired", "peak_bytes",
-                                          "max_abs_err", "check_n", "check_ok")}}
+                 **{k: r.get(k) for k in SUMMARY_FIELDS}}
                 for r in group]
         configurations.append({"title": config_title(group[0]), "rows": rows,
                                "config": {k: group[0].get(k) for k in CONFIG_KEYS}})
@@ -161,8 +148,8 @@ def summarise(records, baseline=None, backend_order=()):
 
 
 def _cells(row):
-    if row["status"] != "ok":
-        return [str(row["n"]), row["backend"], f"{row['status']}: {row['reason'] or ''}"]
+    if row["status"] != "ok":   # the reason spans the row (:func:`text_table`)
+        return [str(row["n"]), row["backend"]], f"{row['status']}: {row['reason'] or ''}"
     err = MISSING if row["max_abs_err"] is None else f"{row['max_abs_err']:.1e}"
     if row["check_n"] and row["check_n"] != row["n"]:
         err += f" (n={row['check_n']})"
@@ -173,7 +160,25 @@ def _cells(row):
             f"{format_seconds(row['max_s'])})", format_number(row["gflops"]),
             format_roof_percent(row["roof_fraction"], row["roof_fraction_paired"]),
             format_bytes(row["peak_bytes"]),
-            MISSING if row["vs_baseline"] is None else f"{row['vs_baseline']:.2f}x", err]
+            MISSING if row["vs_baseline"] is None else f"{row['vs_baseline']:.2f}x", err], None
+
+
+def text_table(header, rows, align):
+    """``header`` and ``rows`` (lists of str) as a plain text table, columns aligned as
+    ``align`` says (``"left"`` or ``"right"`` each); a row of ``(cells, text)`` with ``text``
+    has its first cells, then ``text`` across the rest of the row."""
+    from tabulate import tabulate
+
+    cells = [r[0] + [""] * (len(header) - len(r[0])) if isinstance(r, tuple) else r
+             for r in rows]
+    lines = tabulate(cells, header, tablefmt="simple", colalign=align,
+                     disable_numparse=True).splitlines()
+    spans = [(i, r[1]) for i, r in enumerate(rows) if isinstance(r, tuple) and r[1] is not None]
+    if spans:
+        start = [m.start() for m in re.finditer("-+", lines[1])][len(rows[spans[0][0]][0])]
+        for i, text in spans:
+            lines[2 + i] = lines[2 + i][:start].ljust(start) + text
+    return "\n".join(line.rstrip() for line in lines)
 
 
 def format_tables(records, baseline=None, backend_order=()):
@@ -182,20 +187,10 @@ def format_tables(records, baseline=None, backend_order=()):
     ratio_title = f"vs {baseline}" if baseline else "ratio"
     header = ["n", "backend", "median (min-max)", "GFLOP/s", "% roof", "peak extra",
               ratio_title, "max err"]
-    out = []
-    for config in summarise(records, baseline, backend_order)["configurations"]:
-        rows = [_cells(row) for row in config["rows"]]
-        widths = [max([len(header[i])] + [len(r[i]) for r in rows if len(r) > 3 or i < 2])
-                  for i in range(len(header))]
-
-        def line(cells):
-            if len(cells) == 3:  # skipped or error: the reason spans the row
-                return f"{cells[0].rjust(widths[0])}  {cells[1].ljust(widths[1])}  {cells[2]}"
-            return "  ".join(c.ljust(w) if i == 1 else c.rjust(w)
-                             for i, (c, w) in enumerate(zip(cells, widths)))
-
-        out.append("\n".join([config["title"], line(header), "  ".join("-" * w for w in widths)]
-                             + [line(r) for r in rows]))
+    align = ["right", "left"] + ["right"] * (len(header) - 2)
+    out = [config["title"] + "\n" + text_table(header, [_cells(row) for row in config["rows"]],
+                                                align)
+           for config in summarise(records, baseline, backend_order)["configurations"]]
     if baseline:
         out.append(f"{ratio_title}: {baseline}'s median time / this median time "
                    "(above 1 is faster than the baseline).")
@@ -237,9 +232,6 @@ def write_summary(records, path, baseline=None, backend_order=()):
 
 
 # ------------------------------------------------- best fastattn against the best peer
-#: What one row of :func:`versus_rows` compares: points that differ only in backend.
-VERSUS_KEYS = ("attention", "regime", "feature_map", "num_features", "batch", "heads", "n_q",
-               "n_k", "d_k", "d_v", "dtype", "causal", "threads")
 #: Marker on the first line of the Markdown table ``fastattn bench`` writes beside its CSV.
 VERSUS_MARKER = "<!-- fastattn bench: best fastattn / best peer -->"
 
@@ -348,22 +340,20 @@ def format_versus(rows, roof_text=()):
     """The text table of :func:`versus_rows` (what ``fastattn bench`` prints)."""
     if not rows:
         return ""
-    cells = [_versus_cells(r) for r in rows]
-    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(_VERSUS_HEADER)]
-    lines = ["best fastattn / best peer"]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip()
-              for line in [list(_VERSUS_HEADER), ["-" * w for w in widths]] + cells]
-    return "\n".join(lines + [""] + [f"  {n}" for n in _versus_notes(rows, roof_text)])
+    table = text_table(_VERSUS_HEADER, [_versus_cells(r) for r in rows],
+                        ["left"] * len(_VERSUS_HEADER))
+    return "\n".join(["best fastattn / best peer", table, ""]
+                     + [f"  {n}" for n in _versus_notes(rows, roof_text)])
 
 
 def versus_markdown(rows, roof_text=()):
     """The Markdown table of :func:`versus_rows`, ready for the README (marker first)."""
-    def line(cells):
-        return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
+    from tabulate import tabulate
 
-    out = [VERSUS_MARKER, "", line(_VERSUS_HEADER), line(["---"] * len(_VERSUS_HEADER))]
-    out += [line(_versus_cells(r)) for r in rows]
-    return "\n".join(out + [""] + [f"- {n}" for n in _versus_notes(rows, roof_text)]) + "\n"
+    cells = [[c.replace("|", "\\|") for c in _versus_cells(r)] for r in rows]
+    table = tabulate(cells, _VERSUS_HEADER, tablefmt="github", disable_numparse=True)
+    return "\n".join([VERSUS_MARKER, "", table, ""]
+                     + [f"- {n}" for n in _versus_notes(rows, roof_text)]) + "\n"
 
 
 def write_versus_markdown(rows, path, roof_text=()):
@@ -377,12 +367,13 @@ def roof_statements(roofs):
     """Sentences saying which GEMM was probed: per dtype, threads, d and library, the shape
     ``n x d @ d x n`` and every n probed, the library and version, the threads, when, the best
     GFLOP/s (and at which n), and which library is the roof (the fastest)."""
+    from .engine import MAX_PROBE_N, PEAK_PROBE_N, gemm_probes
+
     groups = {}
-    for r in roofs:
-        if r.get("probe", "gemm") == "gemm" and r.get("gflops") and len(r.get("shape") or ()) == 3:
-            key = (str(r.get("dtype")), r.get("threads"), r["shape"][1])
-            groups.setdefault(key, {}).setdefault(r.get("blas") or r.get("library") or
-                                                  "NumPy's BLAS", []).append(r)
+    for r in gemm_probes(roofs):
+        key = (str(r.get("dtype")), r.get("threads"), r["shape"][1])
+        groups.setdefault(key, {}).setdefault(r.get("blas") or r.get("library") or
+                                              "NumPy's BLAS", []).append(r)
     lines = []
     for (dtype, threads, d), by_library in sorted(groups.items(), key=str):
         best = {lib: max(rs, key=lambda r: r["gflops"]) for lib, rs in by_library.items()}
@@ -399,8 +390,6 @@ def roof_statements(roofs):
                 + (" - the roof" if lib == roof else
                    f" (below {roof}: not the roof)"))
     if lines:
-        from .engine import MAX_PROBE_N, PEAK_PROBE_N
-
         lines.append("A point's roof is the fastest of these probes at its d, over every n and "
                      f"library: every n of the run (above n = {MAX_PROBE_N} at "
                      f"n = {MAX_PROBE_N}) and n = {' and '.join(map(str, PEAK_PROBE_N))}, "
