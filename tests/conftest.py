@@ -1,7 +1,10 @@
 """Shared test fixtures: the backends under test, tolerances, input factories.
 
-Every parity test compares a kernel with the NumPy reference evaluated in
-float64, within the tolerance of the kernel's dtype from :data:`TOLERANCES`.
+Every parity test compares a kernel with a float64 answer, within the
+tolerance of the kernel's dtype from :data:`TOLERANCES` (the one table): the
+shared, backend-parametrized files with the independent oracles of
+:mod:`oracles`, the per-backend files with the NumPy reference evaluated in
+float64 (:func:`reference64`).
 """
 
 import os
