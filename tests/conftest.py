@@ -1,7 +1,10 @@
 """Shared test fixtures: the backends under test, tolerances, input factories.
 
-Every parity test compares a kernel with the NumPy reference evaluated in
-float64, within the tolerance of the kernel's dtype from :data:`TOLERANCES`.
+Every parity test compares a kernel with a float64 answer, within the
+tolerance of the kernel's dtype from :data:`TOLERANCES` (the one table): the
+shared, backend-parametrized files with the independent oracles of
+:mod:`oracles`, the per-backend files with the NumPy reference evaluated in
+float64 (:func:`reference64`).
 """
 
 import os
@@ -20,9 +23,37 @@ TOLERANCES = {
     np.dtype(np.float16): {"rtol": 2e-2, "atol": 2e-3},
 }
 
-#: Every backend that can run here; a new backend is tested by being available.
-BACKENDS = fastattn.available_backends()
+def _backends_under_test():
+    """Every backend that can run here; a new backend is tested by being available.
+
+    ``FASTATTN_TEST_BACKENDS=cython`` (names separated by commas or blanks)
+    narrows the backend-parametrized files to those backends, as the Cython
+    tests' child runs under each ``FASTATTN_SIMD`` setting do.
+    """
+    available = fastattn.available_backends()
+    wanted = os.environ.get("FASTATTN_TEST_BACKENDS", "").replace(",", " ").split()
+    return tuple(b for b in available if b in wanted) if wanted else available
+
+
+BACKENDS = _backends_under_test()
 FAST_BACKENDS = tuple(b for b in BACKENDS if b != "reference")
+
+#: The block, chunk and segment sizes of the fast kernels that the shared
+#: matrices (``test_edge_cases.py``) place their sizes around, written out
+#: here rather than read from the kernels so a test never takes its cases from
+#: the code under test; each backend's own file checks they are still the
+#: kernel's (``test_numba.py``, ``test_cython.py``).
+KERNEL_EDGES = {
+    "numba": {"block_q": 256, "block_k": 256, "chunk": 64, "segment": 1024},
+    "cython": {"block_q": 256, "block_k": 512, "chunk": 64, "noncausal_chunk": 128},
+}
+
+
+def shape_id(shape):
+    """Test id of a ``(lead, n_q, n_k, d_k, d_v)`` case: ``B2x3-nq65-nk65-dk8-dv4``."""
+    lead, n_q, n_k, d_k, d_v = shape
+    batch = f"B{'x'.join(map(str, lead))}-" if lead else ""
+    return f"{batch}nq{n_q}-nk{n_k}-dk{d_k}-dv{d_v}"
 
 
 def assert_close(actual, desired, dtype=None, err_msg="", scale=1.0):

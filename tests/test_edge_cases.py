@@ -1,30 +1,34 @@
 """One edge-case matrix, run against every backend that can run here.
 
 Every test takes the ``backend`` fixture of ``conftest.py``, so a backend
-that lands later (Numba, Cython) is held to the same cases by being
-available.  Expected values come from :mod:`oracles` (float64, row by row,
-written from the definitions) or from a contiguous copy of the same input,
-never from another path through the code under test.
+that lands later is held to the same cases by being available.  Expected
+values come from :mod:`oracles` (float64, row by row, written from the
+definitions) or from a contiguous copy of the same input, never from another
+path through the code under test.  Tolerances are ``conftest.TOLERANCES``,
+one table per dtype.
+
+The sizes sit around the fast kernels' block, chunk and segment edges
+(``conftest.KERNEL_EDGES``), so a kernel's first, last or partial block, its
+causal diagonal, or a state carried across chunks is checked here once for
+every backend; each backend's own file keeps only what is its own.
 """
+
+import functools
 
 import numpy as np
 import pytest
 
 import fastattn
-from conftest import TOLERANCES, assert_close, make_qkv
+from conftest import KERNEL_EDGES, assert_close, make_qkv, shape_id
 from oracles import linear_oracle, softmax_oracle
 
 FLOATS = [np.float32, np.float64]
 FEATURE_MAPS = ["elu", "relu"]
 
-
-def _compute(dtype):
-    return np.dtype(np.float32) if np.dtype(dtype) == np.float16 else np.dtype(dtype)
-
-
-def _sid(shape):
-    lead, n_q, n_k, d_k, d_v = shape
-    return f"B{'x'.join(map(str, lead)) or '-'}-nq{n_q}-nk{n_k}-dk{d_k}-dv{d_v}"
+NB, CY = KERNEL_EDGES["numba"], KERNEL_EDGES["cython"]
+#: A query block, a key block and a chunk of linear attention (the same in both backends).
+BQ, BK, CH = NB["block_q"], CY["block_k"], NB["chunk"]
+assert BQ == CY["block_q"] and CH == CY["chunk"] and NB["block_k"] <= BK
 
 
 def _blind_rows(n_q, n_k, causal):
@@ -32,8 +36,14 @@ def _blind_rows(n_q, n_k, causal):
     return max(n_q - n_k, 0) if causal else 0
 
 
+def _shape_inputs(shape, dtype, seed):
+    lead, n_q, n_k, d_k, d_v = shape
+    return make_qkv((*lead, n_q, d_k), n_k=n_k, d_v=d_v, dtype=dtype, seed=seed)
+
+
 # ---------------------------------------------------------------------------
-# Sizes: n = 0, n = 1, n_q != n_k, d = 1, d_v != d_k, leading dims.
+# Sizes: n = 0, n = 1, n_q != n_k, d = 1, d_v != d_k, leading dims, and the
+# edges of the fast kernels' blocks and chunks.
 # ---------------------------------------------------------------------------
 
 SHAPES = [
@@ -42,6 +52,8 @@ SHAPES = [
     ((), 0, 5, 3, 2),
     ((), 5, 0, 3, 2),
     ((), 1, 1, 1, 1),
+    ((), 1, 1, 4, 4),
+    ((), 2, 2, 3, 5),
     ((), 1, 6, 4, 4),       # one query sees every key
     ((), 6, 1, 4, 4),       # causal: five rows see no key
     ((), 9, 4, 3, 5),       # causal: five rows see no key, d_v > d_k
@@ -50,28 +62,72 @@ SHAPES = [
     ((), 7, 7, 2, 9),       # d_v > d_k
     ((), 7, 7, 9, 2),       # d_v < d_k
     ((3,), 5, 8, 4, 3),     # (batch,)
+    ((2,), 7, 7, 8, 8),
+    ((2,), 7, 7, 5, 3),
     ((2, 3), 8, 5, 4, 3),   # (batch, heads), rows that see no key
     ((0,), 4, 4, 3, 3),     # an empty batch
     ((2, 0), 3, 3, 2, 2),   # no heads
-    ((2,), 131, 67, 8, 5),  # past a 64-row block, partial blocks, blind rows
-    ((), 67, 131, 5, 8),    # past a 64-key block, causal offset 64
-    ((), 1, 200, 8, 8),     # one decoding step over a long cache
+    ((2, 1, 3), 4, 5, 3, 2),  # three leading dims
     ((), 5, 7, 200, 130),   # head dims past any fixed register tile
     ((), 6, 6, 1, 300),
-    ((2, 1, 3), 4, 5, 3, 2),  # three leading dims
+    ((), 1, 200, 8, 8),     # one decoding step over a long cache
+    # Around a chunk of linear attention (CH rows) and of the non-causal
+    # Cython kernel (2 CH rows).
+    ((), 63, 63, 16, 8),
+    ((2,), 63, 63, 8, 8),
+    ((), CH - 1, CH + 1, 8, 12),
+    ((), CH + 1, CH - 1, 12, 8),
+    ((2, 3), CH + 1, CH + 1, 8, 4),
+    ((2,), 131, 67, 8, 5),  # past two chunks, partial chunks, blind rows
+    ((), 67, 131, 5, 8),    # causal offset 64
+    ((), 70, 300, 8, 8),    # n_q < n_k: a decoder with a cache
+    ((2,), 300, 70, 8, 8),  # n_q > n_k: the first 230 rows see no key when causal
+    ((2,), 300, 40, 8, 8),
+    # Around a query block (BQ) and a key block (BK, and the Numba kernel's BQ).
+    ((), BQ - 1, BQ - 1, 8, 8),
+    ((), BQ - 1, BQ - 1, 16, 16),
+    ((4,), BQ + 1, BQ + 1, 8, 8),   # enough work items for full-size query blocks
+    ((4,), BQ - 1, BQ + 1, 4, 4),
+    ((), BQ + 1, BK + 1, 16, 9),
+    ((2, 3), BK - 1, BK + 1, 4, 6),
+    ((), BK + 1, BQ - 1, 6, 4),
+    ((), 1000, 1000, 8, 12),
+    ((), 1000, 1000, 32, 24),
+    ((), 3, 700, 8, 8),     # n_q << n_k: the queries see a long prefix
+    ((), 700, 3, 8, 8),     # n_q >> n_k: most causal rows see no key
+    ((), 3, NB["segment"] + 5, 4, 4),  # causal: keys of more than one segment before the first query
 ]
+
+
+@functools.lru_cache(maxsize=None)
+def _softmax_expected(shape, dtype, causal):
+    """The oracle for the inputs of ``test_softmax_sizes``, once for every backend."""
+    return softmax_oracle(*_shape_inputs(shape, dtype, seed=11), causal)
+
+
+@functools.lru_cache(maxsize=None)
+def _linear_expected(shape, dtype, causal, feature_map):
+    return linear_oracle(*_shape_inputs(shape, dtype, seed=12), feature_map, causal)
+
+
+def _state_scale(n_k):
+    """S and z sum n_k terms: their tolerance widens with the length of the sum."""
+    return max(1.0, n_k / 100)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: np.dtype(d).name)
-@pytest.mark.parametrize("shape", SHAPES, ids=_sid)
+@pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
 def test_softmax_sizes(backend, shape, dtype, causal):
     lead, n_q, n_k, d_k, d_v = shape
-    q, k, v = make_qkv((*lead, n_q, d_k), n_k=n_k, d_v=d_v, dtype=dtype, seed=11)
+    q, k, v = _shape_inputs(shape, dtype, seed=11)
+    copies = [x.copy() for x in (q, k, v)]
     out = fastattn.softmax_attention(q, k, v, causal=causal, backend=backend)
     assert out.shape == (*lead, n_q, d_v)
     assert out.dtype == dtype
-    assert_close(out, softmax_oracle(q, k, v, causal), dtype=dtype)
+    assert_close(out, _softmax_expected(shape, dtype, causal), dtype=dtype)
+    for x, x0 in zip((q, k, v), copies):
+        np.testing.assert_array_equal(x, x0, err_msg="the kernel wrote into its input")
     blind = _blind_rows(n_q, n_k, causal)
     assert np.all(out[..., :blind, :] == 0), "a row that sees no key must be exactly 0"
 
@@ -79,27 +135,30 @@ def test_softmax_sizes(backend, shape, dtype, causal):
 @pytest.mark.parametrize("feature_map", FEATURE_MAPS)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: np.dtype(d).name)
-@pytest.mark.parametrize("shape", SHAPES, ids=_sid)
+@pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
 def test_linear_sizes(backend, shape, dtype, causal, feature_map):
     lead, n_q, n_k, d_k, d_v = shape
-    q, k, v = make_qkv((*lead, n_q, d_k), n_k=n_k, d_v=d_v, dtype=dtype, seed=12)
+    q, k, v = _shape_inputs(shape, dtype, seed=12)
+    copies = [x.copy() for x in (q, k, v)]
     out, (S, z) = fastattn.linear_attention(
         q, k, v, feature_map=feature_map, causal=causal, return_state=True, backend=backend
     )
-    expected, S_exp, z_exp = linear_oracle(q, k, v, feature_map, causal)
+    for x, x0 in zip((q, k, v), copies):
+        np.testing.assert_array_equal(x, x0, err_msg="the kernel wrote into its input")
+    expected, S_exp, z_exp = _linear_expected(shape, dtype, causal, feature_map)
     assert out.shape == (*lead, n_q, d_v)
     assert S.shape == (*lead, d_k, d_v) and z.shape == (*lead, d_k)
     assert out.dtype == S.dtype == z.dtype == dtype
     assert_close(out, expected, dtype=dtype)
-    # The state sums n_k terms; widen the tolerance with the length of the sum.
-    assert_close(S, S_exp, dtype=dtype, scale=max(1, n_k / 16))
-    assert_close(z, z_exp, dtype=dtype, scale=max(1, n_k / 16))
+    assert_close(S, S_exp, dtype=dtype, scale=_state_scale(n_k))
+    assert_close(z, z_exp, dtype=dtype, scale=_state_scale(n_k))
     blind = _blind_rows(n_q, n_k, causal)
     assert np.all(out[..., :blind, :] == 0), "a row that sees no key must be exactly 0"
 
 
 @pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: np.dtype(d).name)
-@pytest.mark.parametrize("shape", [((), 6, 2, 3, 4), ((2,), 5, 9, 3, 2), ((), 4, 0, 3, 2)], ids=_sid)
+@pytest.mark.parametrize("shape", [((), 6, 2, 3, 4), ((2,), 5, 9, 3, 2), ((), 4, 0, 3, 2),
+                                   ((2,), 150, 170, 8, 6)], ids=shape_id)
 def test_linear_initial_state_reaches_every_row(backend, shape, dtype):
     """Rows that see no key of this call still see the keys before it (the state)."""
     lead, n_q, n_k, d_k, d_v = shape
@@ -113,8 +172,8 @@ def test_linear_initial_state_reaches_every_row(backend, shape, dtype):
         )
         expected, S_exp, z_exp = linear_oracle(q, k, v, "elu", causal, 1e-6, S0, z0)
         assert_close(out, expected, dtype=dtype)
-        assert_close(S, S_exp, dtype=dtype)
-        assert_close(z, z_exp, dtype=dtype)
+        assert_close(S, S_exp, dtype=dtype, scale=_state_scale(n_k))
+        assert_close(z, z_exp, dtype=dtype, scale=_state_scale(n_k))
         assert np.all(np.abs(out) > 0), "every row sees the state, so none is 0"
 
 
@@ -129,7 +188,7 @@ def test_linear_blind_rows_with_eps_zero_are_zero_not_nan(backend, dtype, featur
     assert_close(out, linear_oracle(q, k, v, feature_map, True, 0.0)[0], dtype=dtype)
 
 
-@pytest.mark.parametrize("shape", [((), 0, 4, 3, 2), ((), 4, 0, 3, 2), ((0, 2), 3, 3, 3, 2)], ids=_sid)
+@pytest.mark.parametrize("shape", [((), 0, 4, 3, 2), ((), 4, 0, 3, 2), ((0, 2), 3, 3, 3, 2)], ids=shape_id)
 def test_empty_float16_keeps_its_dtype(backend, shape):
     lead, n_q, n_k, d_k, d_v = shape
     q, k, v = make_qkv((*lead, n_q, d_k), n_k=n_k, d_v=d_v, dtype=np.float16)
@@ -212,8 +271,12 @@ LAYOUTS = {
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_layout_gives_the_contiguous_answer(backend, layout, dtype, causal):
-    q, k, v = make_qkv((3, 9, 5), n_k=11, d_v=4, dtype=dtype, seed=21)
+@pytest.mark.parametrize("shape", [((3,), 9, 11, 5, 4), ((2,), CH + 6, CH + 11, 16, 6)],
+                         ids=shape_id)
+def test_layout_gives_the_contiguous_answer(backend, shape, layout, dtype, causal):
+    """The same values in another layout give the contiguous copy's answer, bit for bit."""
+    lead, n_q, n_k, d_k, d_v = shape
+    q, k, v = _shape_inputs(shape, dtype, seed=21)
     make = LAYOUTS[layout]
     qv, kv, vv = make(q), make(k), make(v)
     qc, kc, vc = (np.ascontiguousarray(x, dtype=dtype) for x in (qv, kv, vv))
@@ -222,18 +285,27 @@ def test_layout_gives_the_contiguous_answer(backend, layout, dtype, causal):
 
     out = fastattn.softmax_attention(qv, kv, vv, causal=causal, scale=0.6, backend=backend)
     assert out.dtype == dtype   # native byte order
-    assert_close(out, fastattn.softmax_attention(qc, kc, vc, causal=causal, scale=0.6, backend=backend))
+    np.testing.assert_array_equal(
+        out, fastattn.softmax_attention(qc, kc, vc, causal=causal, scale=0.6, backend=backend))
     assert_close(out, softmax_oracle(qc, kc, vc, causal, 0.6), dtype=dtype)
 
     rng = np.random.default_rng(22)
-    S0 = make(rng.standard_normal((3, 5, 4)).astype(dtype))
-    z0 = rng.random((3, 5)).astype(dtype) + 1
+    S0 = make(rng.standard_normal((*lead, d_k, d_v)).astype(dtype))
+    z0 = rng.random((*lead, d_k)).astype(dtype) + 1
     z0 = _strided(z0[:, None, :])[:, 0, :] if layout == "strided" else z0
+    S0c, z0c = np.ascontiguousarray(S0, dtype=dtype), np.ascontiguousarray(z0, dtype=dtype)
     for fm in FEATURE_MAPS:
         out, (S, z) = fastattn.linear_attention(
             qv, kv, vv, feature_map=fm, causal=causal, initial_state=(S0, z0),
             return_state=True, backend=backend,
         )
+        contiguous = fastattn.linear_attention(
+            qc, kc, vc, feature_map=fm, causal=causal, initial_state=(S0c, z0c),
+            return_state=True, backend=backend,
+        )
+        np.testing.assert_array_equal(out, contiguous[0], err_msg=fm)
+        np.testing.assert_array_equal(S, contiguous[1][0], err_msg=fm)
+        np.testing.assert_array_equal(z, contiguous[1][1], err_msg=fm)
         expected, S_exp, z_exp = linear_oracle(qc, kc, vc, fm, causal, 1e-6, S0, z0)
         assert_close(out, expected, dtype=dtype)
         assert_close(S, S_exp, dtype=dtype)
@@ -314,6 +386,23 @@ def test_softmax_large_logits_are_finite_and_right(backend, dtype, scale):
         assert_close(out, softmax_oracle(q, k, v, causal, scale), dtype=dtype)
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: np.dtype(d).name)
+def test_softmax_large_logits_across_blocks(backend, dtype, causal):
+    """|q·k · scale| up to about 1e4 over 300 keys: past a block, every logit exact.
+
+    Integer q and k make every float32 logit exact (|q·k| < 2**24), so the
+    float32 kernels are held to the float64 answer at the table's tolerance.
+    """
+    rng = np.random.default_rng(9)
+    q, k = (rng.integers(-50, 51, (2, BQ + 44, 16)).astype(dtype) for _ in range(2))
+    v = rng.standard_normal((2, BQ + 44, 16)).astype(dtype)
+    assert np.abs(q[0] @ k[0].T * 2.0).max() > 1e4
+    out = fastattn.softmax_attention(q, k, v, causal=causal, scale=2.0, backend=backend)
+    assert np.all(np.isfinite(out))
+    assert_close(out, softmax_oracle(q, k, v, causal, 2.0), dtype=dtype)
+
+
 #: (dtype, scale) where |q| · scale overflows the dtype but every logit q·k · scale is finite.
 SCALE_OVERFLOW = [(np.float32, 1e36), (np.float64, 1e306)]
 
@@ -381,25 +470,34 @@ def test_elu_at_very_negative_inputs_stays_positive(backend, dtype, causal):
     assert_close(out_ones, np.ones((n, 2)), dtype=dtype)
     out = fastattn.linear_attention(q, k, v, causal=causal, eps=0.0, backend=backend)
     assert_close(out, linear_oracle(q, k, v, "elu", causal, 0.0)[0], dtype=dtype)
+    # Past a chunk, random inputs shifted far below 0: φ = exp(x), tiny but positive.
+    q, k, v = make_qkv((CH + 16, 6), dtype=dtype, seed=11)
+    q, k = q + dtype(far[0] - 10), k + dtype(far[0] - 10)
+    out = fastattn.linear_attention(q, k, v, causal=causal, eps=0.0, backend=backend)
+    assert np.isfinite(out).all() and np.abs(out).sum(axis=-1).min() > 0
+    assert_close(out, linear_oracle(q, k, v, "elu", causal, 0.0)[0], dtype=dtype)
 
 
 @pytest.mark.parametrize("eps", [0.0, 1e-6])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: np.dtype(d).name)
-def test_relu_with_every_key_negative_gives_zero_not_nan(backend, dtype, causal, eps):
-    q, k, v = make_qkv((2, 7, 3), n_k=9, d_v=4, dtype=dtype, seed=31)
+@pytest.mark.parametrize("shape", [((2,), 7, 9, 3, 4), ((), 2 * CH + 2, 2 * CH + 2, 8, 6)],
+                         ids=shape_id)
+def test_relu_with_every_key_negative_gives_zero_not_nan(backend, shape, dtype, causal, eps):
+    lead, n_q, n_k, d_k, d_v = shape
+    q, k, v = _shape_inputs(shape, dtype, seed=31)
     k = -np.abs(k) - 0.1
     out, (S, z) = fastattn.linear_attention(
         q, k, v, feature_map="relu", causal=causal, eps=eps, return_state=True, backend=backend
     )
-    np.testing.assert_array_equal(out, np.zeros((2, 7, 4), dtype))
-    np.testing.assert_array_equal(S, np.zeros((2, 3, 4), dtype))
-    np.testing.assert_array_equal(z, np.zeros((2, 3), dtype))
+    np.testing.assert_array_equal(out, np.zeros((*lead, n_q, d_v), dtype))
+    np.testing.assert_array_equal(S, np.zeros((*lead, d_k, d_v), dtype))
+    np.testing.assert_array_equal(z, np.zeros((*lead, d_k), dtype))
     # Queries with every entry negative: φ(q) = 0, the same zero rows.
     q_neg = -np.abs(q) - 0.1
     out = fastattn.linear_attention(q_neg, -k, v, feature_map="relu", causal=causal, eps=eps,
                                     backend=backend)
-    np.testing.assert_array_equal(out, np.zeros((2, 7, 4), dtype))
+    np.testing.assert_array_equal(out, np.zeros((*lead, n_q, d_v), dtype))
 
 
 # ---------------------------------------------------------------------------
@@ -569,15 +667,80 @@ def test_nan_in_a_causal_chunk_does_not_reach_earlier_rows(backend):
         assert_close(out[:, :j], linear_oracle(q[:, :j], k[:, :j], v[:, :j], "elu", True)[0])
 
 
+#: Past the blocks: n = 2 BK + 7 rows, a poisoned key or value entry at row 5,
+#: inside the second query block, and in the middle of the second key block.
+LONG_N = 2 * BK + 7
+LONG_POSITIONS = [5, BQ + 3, BK + BQ // 2]
+LONG_POISONS = {"k-nan": ("k", np.nan), "k-inf": ("k", np.inf), "v-nan": ("v", np.nan),
+                "v-inf": ("v", np.inf)}
+
+
+def _long_poisoned(dtype, what, position, d):
+    q, k, v = make_qkv((LONG_N, d), dtype=dtype, seed=7)
+    where, value = LONG_POISONS[what]
+    (k if where == "k" else v)[position, 1] = value
+    return q, k, v
+
+
+@functools.lru_cache(maxsize=None)
+def _long_expected(dtype, what, position, d):
+    """The oracles' causal answers, softmax and elu, once for every backend."""
+    q, k, v = _long_poisoned(dtype, what, position, d)
+    with np.errstate(invalid="ignore", over="ignore"):
+        return softmax_oracle(q, k, v, True), linear_oracle(q, k, v, "elu", True)[0]
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")   # NaN/inf arithmetic
+@pytest.mark.parametrize("d", [5, 8, 16])   # widths that take BLAS or register-blocked products
+@pytest.mark.parametrize("position", LONG_POSITIONS, ids=lambda j: f"j{j}")
+@pytest.mark.parametrize("what", LONG_POISONS)
+@pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: np.dtype(d).name)
+def test_causal_nonfinite_past_the_blocks_reaches_only_the_rows_that_see_it(
+    backend, dtype, what, position, d
+):
+    """One entry of a key or value made NaN or inf: rows before it are finite and right;
+    from it on, each entry is finite exactly where the oracle's is, and then close to it."""
+    q, k, v = _long_poisoned(dtype, what, position, d)
+    expected = dict(zip(("softmax", "elu"), _long_expected(dtype, what, position, d)))
+    results = {"softmax": fastattn.softmax_attention(q, k, v, causal=True, backend=backend),
+               "elu": fastattn.linear_attention(q, k, v, causal=True, backend=backend)}
+    for name, out in results.items():
+        want = expected[name]
+        assert np.isfinite(out[:position]).all(), f"{name}: a row before the bad entry changed"
+        assert not np.isfinite(out[position:]).all(axis=-1).all(), f"{name}: the bad entry was lost"
+        np.testing.assert_array_equal(np.isfinite(out), np.isfinite(want), err_msg=name)
+        finite = np.isfinite(want)
+        assert_close(out[finite], want[finite], dtype=dtype, err_msg=name)
+
+
 # ---------------------------------------------------------------------------
 # The causal linear state carried across pieces equals one pass.
 # ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("pieces", [[5, 0, 7, 4], [1] * 16, [15, 1]], ids=str)
+#: (lead, d_k, d_v, pieces): short pieces, empty ones, and pieces that end one
+#: row past a chunk's start, in the middle of a chunk and past two chunks.
+PIECES = [
+    ((2, 3), 4, 5, [5, 0, 7, 4]),
+    ((2, 3), 4, 5, [1] * 16),
+    ((2, 3), 4, 5, [15, 1]),
+    ((2,), 8, 6, [1, CH + 1, 150 - CH - 2, 51]),
+    ((2,), 8, 5, [1, CH + 1, CH + 7, CH + 8]),
+]
+
+
+def _pieces_id(case):
+    lead, d_k, d_v, pieces = case
+    sizes = "+".join(map(str, pieces)) if len(set(pieces)) > 1 else f"{len(pieces)}x{pieces[0]}"
+    return f"B{'x'.join(map(str, lead))}-n{sum(pieces)}-dk{d_k}-dv{d_v}-pieces{sizes}"
+
+
+@pytest.mark.parametrize("case", PIECES, ids=_pieces_id)
 @pytest.mark.parametrize("feature_map", FEATURE_MAPS)
 @pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: np.dtype(d).name)
-def test_causal_linear_state_across_pieces_equals_one_pass(backend, dtype, feature_map, pieces):
-    q, k, v = make_qkv((2, 3, 16, 4), d_v=5, dtype=dtype, seed=61)
+def test_causal_linear_state_across_pieces_equals_one_pass(backend, dtype, feature_map, case):
+    lead, d_k, d_v, pieces = case
+    n = sum(pieces)
+    q, k, v = make_qkv((*lead, n, d_k), d_v=d_v, dtype=dtype, seed=61)
     expected, S_exp, z_exp = linear_oracle(q, k, v, feature_map, True)
     whole, (S_whole, z_whole) = fastattn.linear_attention(
         q, k, v, feature_map=feature_map, causal=True, return_state=True, backend=backend
@@ -590,13 +753,15 @@ def test_causal_linear_state_across_pieces_equals_one_pass(backend, dtype, featu
             q[..., sl, :], k[..., sl, :], v[..., sl, :], feature_map=feature_map, causal=True,
             initial_state=state, return_state=True, backend=backend,
         )
-        assert state[0].shape == (2, 3, 4, 5) and state[1].shape == (2, 3, 4)
+        assert state[0].shape == (*lead, d_k, d_v) and state[1].shape == (*lead, d_k)
         outs.append(out)
         start += size
     assert_close(np.concatenate(outs, axis=-2), whole, dtype=dtype)
     assert_close(np.concatenate(outs, axis=-2), expected, dtype=dtype)
-    assert_close(state[0], S_exp, dtype=dtype)
-    assert_close(state[1], z_exp, dtype=dtype)
+    assert_close(state[0], S_exp, dtype=dtype, scale=_state_scale(n))
+    assert_close(state[1], z_exp, dtype=dtype, scale=_state_scale(n))
+    assert_close(state[0], S_whole, dtype=dtype, scale=_state_scale(n))
+    assert_close(state[1], z_whole, dtype=dtype, scale=_state_scale(n))
 
 
 # ---------------------------------------------------------------------------

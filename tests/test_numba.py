@@ -1,8 +1,9 @@
-"""Checks specific to the Numba backend (the shared edge-case matrix covers the rest).
+"""Checks specific to the Numba backend: its polynomial exp, its fastmath flags,
+its thread count and its disk cache.
 
-Every kernel is held to the NumPy reference evaluated in float64, within the
-tolerance of its dtype from ``conftest.TOLERANCES``.  Sizes are chosen
-around the block and chunk edges of :mod:`fastattn._numba.config`.
+What every backend must do (sizes around the blocks and chunks, layouts, pieces
+of a causal sequence, NaN and inf, rows that see no key, large logits, MiniLM)
+is checked once for all of them in ``test_edge_cases.py`` and ``test_minilm.py``.
 """
 
 import os
@@ -19,169 +20,20 @@ numba = pytest.importorskip("numba")
 import fastattn  # noqa: E402
 from fastattn._numba import config, get_num_threads, set_num_threads  # noqa: E402
 from fastattn._numba._exp import exp_array, exp_nonpositive_array  # noqa: E402
-from fastattn.data import load_minilm  # noqa: E402
 
-from conftest import assert_close, make_qkv, minilm_dir, reference64  # noqa: E402
+from conftest import KERNEL_EDGES, assert_close, make_qkv  # noqa: E402
 
 DTYPES = [np.float32, np.float64]
-BQ, BK, C, SEG = config.SOFTMAX_BLOCK_Q, config.SOFTMAX_BLOCK_K, config.LINEAR_CHUNK, config.LINEAR_SEGMENT
-
-# (batch dims, n_q, n_k, d_k, d_v)
-SOFTMAX_SHAPES = [
-    ((), 1, 1, 4, 4),
-    ((), 2, 2, 3, 5),
-    ((2,), 7, 7, 8, 8),
-    ((), 63, 63, 16, 8),
-    ((), BQ - 1, BQ - 1, 8, 8),
-    ((4,), BQ + 1, BQ + 1, 8, 8),  # enough work items for full-size query blocks
-    ((4,), BQ - 1, BK + 1, 4, 4),
-    ((), 1000, 1000, 8, 12),
-    ((2, 3), 65, 65, 8, 4),
-    ((), 70, 300, 8, 8),  # n_q < n_k: a decoder with a cache
-    ((2,), 300, 70, 8, 8),  # n_q > n_k: the first rows see no key when causal
-]
-LINEAR_SHAPES = SOFTMAX_SHAPES + [
-    ((), C - 1, C - 1, 8, 8),
-    ((), C + 1, C + 1, 8, 8),
-    ((), 3, SEG + 5, 4, 4),  # causal: more than one segment of keys before the first query
-]
 
 
-def _id(shape):
-    lead, n_q, n_k, d_k, d_v = shape
-    b = "x".join(map(str, lead)) or "1"
-    return f"B{b}-nq{n_q}-nk{n_k}-dk{d_k}-dv{d_v}"
-
-
-def _inputs(shape, dtype, seed=0, scale=1.0):
-    lead, n_q, n_k, d_k, d_v = shape
-    return make_qkv((*lead, n_q, d_k), n_k=n_k, d_v=d_v, dtype=dtype, seed=seed, scale=scale)
-
-
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f64"])
-@pytest.mark.parametrize("shape", SOFTMAX_SHAPES, ids=_id)
-def test_softmax_matches_reference(shape, dtype, causal):
-    q, k, v = _inputs(shape, dtype)
-    copies = [x.copy() for x in (q, k, v)]
-    out = fastattn.softmax_attention(q, k, v, causal=causal, backend="numba")
-    assert out.dtype == dtype
-    assert_close(out, reference64(fastattn.softmax_attention, q, k, v, causal=causal), dtype)
-    for x, x0 in zip((q, k, v), copies):
-        np.testing.assert_array_equal(x, x0, err_msg="the kernel wrote into its input")
-
-
-@pytest.mark.parametrize("feature_map", ["elu", "relu"])
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f64"])
-@pytest.mark.parametrize("shape", LINEAR_SHAPES, ids=_id)
-def test_linear_matches_reference(shape, dtype, causal, feature_map):
-    q, k, v = _inputs(shape, dtype)
-    kw = dict(causal=causal, feature_map=feature_map, return_state=True)
-    out, (S, z) = fastattn.linear_attention(q, k, v, backend="numba", **kw)
-    ref, (S_ref, z_ref) = reference64(fastattn.linear_attention, q, k, v, **kw)
-    assert out.dtype == S.dtype == z.dtype == dtype
-    assert_close(out, ref, dtype)
-    n_k = shape[2]
-    # S and z are sums over n_k keys: widen the tolerance with the length.
-    assert_close(S, S_ref, dtype, scale=max(1.0, n_k / 100))
-    assert_close(z, z_ref, dtype, scale=max(1.0, n_k / 100))
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f64"])
-def test_non_contiguous_inputs(dtype):
-    q, k, v = make_qkv((2, 40, 16), n_k=50, dtype=dtype, seed=3)
-    qf, kf, vf = (np.asfortranarray(x) for x in (q, k, v))
-    vs = np.repeat(v, 2, axis=-1)[..., ::2]  # a strided view equal to v
-    assert not vs.flags.c_contiguous and np.array_equal(vs, v)
-    for fn in (fastattn.softmax_attention, fastattn.linear_attention):
-        a = fn(qf, kf, vs, causal=True, backend="numba")
-        b = fn(q, k, v, causal=True, backend="numba")
-        np.testing.assert_array_equal(a, b)
-
-
-@pytest.mark.parametrize("feature_map", ["elu", "relu"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f64"])
-def test_state_carried_across_pieces_equals_one_pass(dtype, feature_map):
-    q, k, v = make_qkv((2, 201, 8), d_v=6, dtype=dtype, seed=4)
-    whole, (S_whole, z_whole) = fastattn.linear_attention(
-        q, k, v, causal=True, feature_map=feature_map, return_state=True, backend="numba"
-    )
-    state, outs = None, []
-    for lo, hi in [(0, 1), (1, C + 2), (C + 2, 150), (150, 201)]:
-        out, state = fastattn.linear_attention(
-            q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], causal=True, feature_map=feature_map,
-            initial_state=state, return_state=True, backend="numba",
-        )
-        outs.append(out)
-    assert_close(np.concatenate(outs, axis=1), whole, dtype)
-    assert_close(state[0], S_whole, dtype, scale=2)
-    assert_close(state[1], z_whole, dtype, scale=2)
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f64"])
-@pytest.mark.parametrize("kind", ["softmax", "linear"])
-def test_non_finite_key_or_value_reaches_only_rows_that_see_it(kind, dtype):
-    # Position j sits inside a diagonal block / chunk, not on its edge.
-    n, j = 2 * BQ + 9, BQ + 5
-    q, k, v = make_qkv((n, 8), dtype=dtype, seed=5)
-    fn = fastattn.softmax_attention if kind == "softmax" else fastattn.linear_attention
-    for bad_k, bad_v in [(np.nan, None), (None, np.inf), (None, np.nan)]:
-        kk, vv = k.copy(), v.copy()
-        if bad_k is not None:
-            kk[j, 3] = bad_k
-        if bad_v is not None:
-            vv[j, 2] = bad_v
-        out = fn(q, kk, vv, causal=True, backend="numba")
-        assert np.isfinite(out[:j]).all(), "a row before the bad key was poisoned"
-        assert_close(out[:j], fn(q[:j], k[:j], v[:j], causal=True, backend="reference"), dtype)
-        assert not np.isfinite(out[j:]).all(axis=-1).any(), "a row that sees the bad key stayed finite"
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f64"])
-def test_rows_that_see_no_key_are_zero(dtype):
-    q, k, v = make_qkv((300, 8), n_k=70, dtype=dtype, seed=6)
-    for fn in (fastattn.softmax_attention, fastattn.linear_attention):
-        out = fn(q, k, v, causal=True, backend="numba")
-        np.testing.assert_array_equal(out[: 300 - 70], 0)
-        assert np.isfinite(out).all()
-
-
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_relu_zero_denominator_gives_zero(causal):
-    q, k, v = make_qkv((130, 8), dtype=np.float32, seed=7)
-    k = -np.abs(k) - 0.1  # every key negative: φ(k) = 0
-    out = fastattn.linear_attention(q, k, v, feature_map="relu", causal=causal, eps=0.0, backend="numba")
-    np.testing.assert_array_equal(out, 0)
-
-
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_large_logits_stay_finite_and_correct(causal):
-    # |q·k| around 1e4 in float32, and scale > 1.
-    q, k, v = make_qkv((300, 16), dtype=np.float32, seed=8, scale=25.0)
-    out = fastattn.softmax_attention(q, k, v, causal=causal, scale=2.0, backend="numba")
-    assert np.isfinite(out).all()
-    ref = reference64(fastattn.softmax_attention, q, k, v, causal=causal, scale=2.0)
-    # A logit's float32 rounding error is ~1e-3 here, so weights near a tie
-    # move by that much: compare with the float32 tolerance widened 10x.
-    assert_close(out, ref, np.float32, scale=10)
-
-
-def test_minilm_shipped_slice_reproduces_context():
-    acts = load_minilm()
-    q, k, v = acts["q"], acts["k"], acts["v"]
-    out = fastattn.softmax_attention(q, k, v, backend="numba")
-    assert_close(out, acts["context"], np.float32)
-    assert_close(out, reference64(fastattn.softmax_attention, q, k, v), np.float32)
-
-
-def test_minilm_full_reproduces_context():
-    path = minilm_dir()
-    if path is None:
-        pytest.skip("full MiniLM activations not found (set FASTATTN_MINILM_DIR)")
-    acts = load_minilm(path / "minilm_l6_qkv_n512.npz")  # (6, 12, 512, 32)
-    out = fastattn.softmax_attention(acts["q"], acts["k"], acts["v"], backend="numba")
-    assert_close(out, acts["context"], np.float32)
+def test_the_shared_matrix_straddles_these_blocks():
+    """``test_edge_cases.py`` places its sizes around these block and chunk sizes."""
+    assert {
+        "block_q": config.SOFTMAX_BLOCK_Q,
+        "block_k": config.SOFTMAX_BLOCK_K,
+        "chunk": config.LINEAR_CHUNK,
+        "segment": config.LINEAR_SEGMENT,
+    } == KERNEL_EDGES["numba"]
 
 
 def test_results_do_not_depend_on_thread_count():

@@ -1,16 +1,16 @@
 """The NumPy reference against independent formulations of the same maths.
 
-Each oracle here is written from the definition (explicit loops, SciPy's
-softmax, the recurrent form of causal linear attention), never by calling the
-reference another way.
+Each oracle is written from the definition, never by calling the reference
+another way: softmax row by row with SciPy's softmax (:mod:`oracles`), and
+here causal linear attention in its recurrent form, one key at a time.
 """
 
 import numpy as np
 import pytest
-from scipy.special import softmax as scipy_softmax
 
 import fastattn
-from conftest import assert_close, make_qkv
+from conftest import assert_close, make_qkv, shape_id
+from oracles import phi, softmax_oracle
 
 SHAPES = [
     # (lead, n_q, n_k, d_k, d_v)
@@ -21,32 +21,6 @@ SHAPES = [
     ((2,), 6, 6, 3, 2),
     ((2, 3), 8, 11, 4, 5),
 ]
-
-
-def _ids(shape):
-    lead, n_q, n_k, d_k, d_v = shape
-    return f"B{'x'.join(map(str, lead)) or '-'}-nq{n_q}-nk{n_k}-dk{d_k}-dv{d_v}"
-
-
-def softmax_oracle(q, k, v, causal, scale):
-    """Row by row with scipy.special.softmax over the keys each query sees."""
-    *lead, n_q, _ = q.shape
-    n_k, d_v = v.shape[-2:]
-    out = np.zeros((*lead, n_q, d_v))
-    for idx in np.ndindex(*lead):
-        for i in range(n_q):
-            last = i + n_k - n_q if causal else n_k - 1
-            if last < 0:
-                continue
-            logits = k[idx][: last + 1] @ q[idx][i] * scale
-            out[idx][i] = scipy_softmax(logits) @ v[idx][: last + 1]
-    return out
-
-
-def phi(x, name):
-    if name == "elu":
-        return np.where(x > 0, x + 1.0, np.exp(np.minimum(x, 0.0)))
-    return np.maximum(x, 0.0)
 
 
 def linear_recurrent_oracle(q, k, v, feature_map, causal, eps, S0=None, z0=None):
@@ -77,7 +51,7 @@ def linear_recurrent_oracle(q, k, v, feature_map, causal, eps, S0=None, z0=None)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("shape", SHAPES, ids=_ids)
+@pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
 def test_softmax_reference_matches_scipy_row_by_row(shape, causal):
     lead, n_q, n_k, d_k, d_v = shape
     q, k, v = make_qkv((*lead, n_q, d_k), n_k=n_k, d_v=d_v, seed=1)
@@ -89,7 +63,7 @@ def test_softmax_reference_matches_scipy_row_by_row(shape, causal):
 
 @pytest.mark.parametrize("feature_map", ["elu", "relu"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("shape", SHAPES, ids=_ids)
+@pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
 def test_linear_reference_matches_recurrent_form(shape, causal, feature_map):
     lead, n_q, n_k, d_k, d_v = shape
     q, k, v = make_qkv((*lead, n_q, d_k), n_k=n_k, d_v=d_v, seed=2)
