@@ -171,3 +171,33 @@ def test_split_key_softmax_small_blocks_match_reference(backend, n_q, d_k, d_v, 
                     got = _split_key(backend, *args, causal, d_k ** -0.5, n_splits)
                     assert_close(got.reshape(want.shape), want, dtype,
                                  err_msg=f"n_k={n_k} causal={causal} n_splits={n_splits}")
+
+
+@pytest.mark.parametrize("rule", [False, True], ids=["never", "always"])
+@pytest.mark.parametrize("backend", FAST_BACKENDS)
+def test_one_split_key_rule_for_both_backends_and_the_kv_cache(backend, rule, monkeypatch):
+    """Replacing fastattn._policy.use_split_keys changes softmax_attention and KVCache.attend alike."""
+    monkeypatch.setattr(_policy, "use_split_keys", lambda n_q: rule)
+    routing = importlib.import_module(ROUTING_MODULES[backend])
+    real_split, real_cache = routing.split_key_softmax_forward, _decode(backend).cache_softmax_forward
+    calls = []
+
+    def split_spy(*args, **kwargs):
+        calls.append("softmax")
+        return real_split(*args, **kwargs)
+
+    def cache_spy(*args, **kwargs):
+        calls.append("cache")
+        return real_cache(*args, **kwargs)
+
+    monkeypatch.setattr(routing, "split_key_softmax_forward", split_spy)
+    monkeypatch.setattr(_decode(backend), "cache_softmax_forward", cache_spy)
+    for n_q in (1, 40):
+        q, k, v = make_qkv((2, n_q, 16), n_k=64, dtype=np.float32, seed=n_q)
+        want = reference64(fastattn.softmax_attention, q, k, v, causal=True)
+        assert_close(fastattn.softmax_attention(q, k, v, causal=True, backend=backend), want,
+                     np.float32)
+        cache = fastattn.KVCache((2,), capacity=64, d_k=16)
+        cache.append(k, v)
+        assert_close(cache.attend(q, backend=backend), want, np.float32)
+    assert calls == (["softmax", "cache"] * 2 if rule else [])
