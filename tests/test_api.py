@@ -157,3 +157,14 @@ def test_cli_refuses_absurd_thread_counts(capsys):
             main(command)
         assert info.value.code == 2
         assert "n_threads must be an integer from 1 to" in capsys.readouterr().err
+
+
+def test_available_memory_is_the_systems_without_psutil():
+    """The memory check's figure: Linux's MemAvailable, as psutil reports it (where installed)."""
+    from fastattn.reference import available_memory
+
+    got = available_memory()
+    assert isinstance(got, int) and got > 0
+    psutil = pytest.importorskip("psutil")
+    want = psutil.virtual_memory().available
+    assert abs(got - want) < 0.1 * want
