@@ -1,6 +1,6 @@
 """NumPy reference kernels: the specification every fast backend is held to.
 
-These functions take already validated arrays (see :mod:`fastattn._api`):
+These functions take already validated arrays (see :mod:`fastattn._checks`):
 ``q (B, n_q, d_k)``, ``k (B, n_k, d_k)``, ``v (B, n_k, d_v)`` of one float
 dtype, C-contiguous, with every size at least 1.  They favour being obviously
 right over being fast: softmax attention materialises the ``n_q x n_k`` score

@@ -2,7 +2,7 @@
 
 Built by ``pip install`` from ``fastattn/_cython/*.pyx``; importing this
 package raises ImportError when the extensions were not built, so the
-dispatch in :mod:`fastattn._api` falls back to another backend.
+registry in :mod:`fastattn._backends` falls back to another backend.
 
 The kernels parallelise over heads and blocks with OpenMP and call SciPy's
 BLAS (``scipy.linalg.cython_blas``) from inside the parallel region where their
@@ -20,6 +20,7 @@ import os
 import sys
 
 from .._threads import kernel_threads, single_threaded_blas
+from .._warnings import warn_user
 
 
 @contextlib.contextmanager
@@ -78,8 +79,6 @@ def _read_simd_cap():
     """Make every extension read ``FASTATTN_SIMD`` now, so that all of them hold the
     value this process imported them with; warn about a value that is neither
     of :data:`SIMD_CAPS` (it is ignored)."""
-    from .._warnings import warn_user
-
     cap = os.environ.get("FASTATTN_SIMD")
     if cap is not None and cap.strip() and cap.strip().lower() not in SIMD_CAPS:
         warn_user(f"FASTATTN_SIMD={cap!r} is ignored: expected one of {list(SIMD_CAPS)} "

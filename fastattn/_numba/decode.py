@@ -138,7 +138,7 @@ def split_key_softmax_forward(q, k, v, causal, scale, n_splits=None, n_k=None):
     Parameters
     ----------
     q : ndarray of shape (B, n_q, d_k)
-        float32 or float64, C-contiguous (validated by :mod:`fastattn._api`);
+        float32 or float64, C-contiguous (validated by :mod:`fastattn._checks`);
         meant for few queries (:func:`fastattn._policy.use_split_keys`), correct for any ``n_q``.
     k : ndarray of shape (B, n_k, d_k)
     v : ndarray of shape (B, n_k, d_v)
@@ -229,7 +229,7 @@ def recurrent_linear_step(q, k, v, feature_map, eps, S0=None, z0=None):
     Parameters
     ----------
     q : ndarray of shape (B, 1, d_k)
-        float32 or float64, C-contiguous (validated by :mod:`fastattn._api`).
+        float32 or float64, C-contiguous (validated by :mod:`fastattn._checks`).
     k : ndarray of shape (B, 1, d_k)
     v : ndarray of shape (B, 1, d_v)
     feature_map : {"elu", "relu"}
@@ -249,7 +249,7 @@ def recurrent_linear_step(q, k, v, feature_map, eps, S0=None, z0=None):
     -----
     ``4 · B · d_k · d_v`` flops, serial (too little work to wake the
     threads), one pass over the state.  ``feature_map`` is checked by
-    :mod:`fastattn._api`, not here.
+    :mod:`fastattn.feature_maps`, not here.
     """
     if S0 is None:
         S0 = np.zeros((q.shape[0], q.shape[2], v.shape[2]), dtype=q.dtype)

@@ -141,7 +141,7 @@ def softmax_forward(q, k, v, causal, scale):
     Parameters
     ----------
     q : ndarray of shape (B, n_q, d_k)
-        float32 or float64, C-contiguous (validated by :mod:`fastattn._api`).
+        float32 or float64, C-contiguous (validated by :mod:`fastattn._checks`).
     k : ndarray of shape (B, n_k, d_k)
     v : ndarray of shape (B, n_k, d_v)
     causal : bool
