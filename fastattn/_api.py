@@ -142,7 +142,9 @@ def linear_attention(
         * a callable ``f``: ``f(x)`` for ``x`` of shape ``(..., n, d_k)`` (the
           leading dims of the call, computation dtype) returns finite,
           non-negative float features of shape ``(..., n, D)``; it is
-          applied to ``q`` and to ``k``.
+          applied to ``q`` and to ``k``;
+        * the name of a map added with :func:`fastattn.feature_maps.register`
+          (or the :class:`fastattn.feature_maps.FeatureMap` itself).
     causal : bool, default False
         Bottom-right aligned mask, as in :func:`softmax_attention`.
     eps : float, optional
