@@ -18,14 +18,14 @@ Public names:
   between generated tokens.
 """
 
-from ._api import (
-    attention_weights,
+from ._api import attention_weights, linear_attention, softmax_attention
+from ._backends import (
     available_backends,
-    linear_attention,
-    softmax_attention,
+    get_num_threads,
+    num_threads,
+    set_num_threads,
     unavailable_backends,
 )
-from ._threads import get_num_threads, num_threads, set_num_threads
 from .compare import Comparison, Quality, compare, compare_attention, quality
 from .compare import WeightQuality, row_entropy, row_kl_divergence, weight_quality
 from .feature_maps import FavorFeatures

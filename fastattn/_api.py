@@ -1,276 +1,22 @@
-"""Public attention functions: validation, normalisation and backend dispatch.
+"""The public attention functions: validate, choose the backend, call it.
 
-Everything a user passes is checked here, once; the kernels behind the
-dispatch table receive plain arrays they can trust:
-
-* ``q (B, n_q, d_k)``, ``k (B, n_k, d_k)``, ``v (B, n_k, d_v)``, the leading
-  dims of the call flattened into ``B``;
-* one dtype, float32 or float64 (float16 is computed in float32);
-* C-contiguous, aligned and writeable (copies are made when needed; a kernel
-  must never write into its inputs);
-* ``B, n_q, n_k, d_k, d_v >= 1`` (calls with an empty dimension are answered
-  here without calling a kernel);
-* Python ``bool`` / ``float`` scalars, already checked.
-
-A backend is a module exposing::
-
-    softmax_forward(q, k, v, causal, scale) -> out (B, n_q, d_v)
-    linear_forward(q, k, v, feature_map, causal, eps, S0, z0) -> (out, S, z)
-    favor_key_features(x, w) -> (features, c), favor_query_features(x, w, c),
-    taylor_features(x)
-
-where ``S0 (B, d_k, d_v)`` and ``z0 (B, d_k)`` are None or arrays of the call's
-dtype, and ``S``, ``z`` are the state after the last key.  ``feature_map`` is
-``"elu"``, ``"relu"`` or ``"identity"`` (``q`` and ``k`` are features of
-dimension D, computed first by :mod:`fastattn.feature_maps`).  Importing a
-backend's module raises ImportError when it cannot run here; a module that
-runs but should not be picked by ``backend="auto"`` (Numba without a
-writable disk cache) says why in ``AUTO_UNSUITABLE``.  A backend may expose
-``set_num_threads``/``get_num_threads``; :mod:`fastattn._threads` applies
-the process-wide count when it loads.
+The checks are in :mod:`fastattn._checks` (shared with :mod:`fastattn.generation`),
+the backends and ``backend="auto"`` in :mod:`fastattn._backends`, the feature
+maps of linear attention in :mod:`fastattn.feature_maps`.
 """
 
-import importlib
 import math
-import numbers
 
 import numpy as np
 
-from . import _dispatch, _threads, feature_maps, reference
-
-#: Backend name -> module that implements it.  One lookup dispatches a call.
-BACKEND_MODULES = {
-    "reference": "fastattn.reference",
-    "numba": "fastattn._numba",
-    "cython": "fastattn._cython",
-}
-
-#: Order in which ``backend="auto"`` tries the backends: fastest first, as
-#: measured by ``fastattn bench`` on the development machine.
-AUTO_ORDER = ("cython", "numba", "reference")
-
-_COMPUTE_DTYPES = {
-    np.dtype(np.float16): np.dtype(np.float32),
-    np.dtype(np.float32): np.dtype(np.float32),
-    np.dtype(np.float64): np.dtype(np.float64),
-}
-
-_loaded = {}
-_unavailable = {}
-_not_for_auto = {}   # name -> why ``auto`` passes over a backend that runs (e.g. no disk cache)
-
-
-def _load(name):
-    """The backend module ``name``, or None (with the reason kept) if it cannot run."""
-    if name in _loaded:
-        return _loaded[name]
-    if name in _unavailable:
-        return None
-    try:
-        module = importlib.import_module(BACKEND_MODULES[name])
-    except (ImportError, Warning) as exc:  # a Warning: raised under -W error / filterwarnings
-        _unavailable[name] = f"{type(exc).__name__}: {exc}"
-        return None
-    missing = [fn for fn in ("softmax_forward", "linear_forward") if not hasattr(module, fn)]
-    if missing:
-        _unavailable[name] = f"{BACKEND_MODULES[name]} does not define {missing}"
-        return None
-    _loaded[name] = module
-    _threads.backend_loaded(module)
-    reason = getattr(module, "AUTO_UNSUITABLE", None)
-    if reason:
-        _not_for_auto[name] = reason
-    return module
-
-
-def loaded_backends():
-    """The backend modules imported so far (importing none)."""
-    return list(_loaded.values())
-
-
-def available_backends():
-    """Names of the backends that can run on this machine, fastest first.
-
-    Returns
-    -------
-    tuple of str
-        A subset of ``("cython", "numba", "reference")``; ``"reference"`` is
-        always present.  A compiled backend is missing when its extension was
-        not built; a JIT backend when Numba cannot be imported.  This imports
-        every backend.
-    """
-    return tuple(name for name in AUTO_ORDER if _load(name) is not None)
-
-
-def unavailable_backends():
-    """Backends that cannot run here, mapped to the reason (the ImportError text).
-
-    Returns
-    -------
-    dict of str to str
-    """
-    available_backends()
-    return dict(_unavailable)
-
-
-def get_backend(backend):
-    """The module implementing ``backend`` (``"auto"`` resolves to the fastest).
-
-    ``"auto"`` passes over a backend that runs but says it should not be
-    picked (its ``AUTO_UNSUITABLE``, e.g. Numba without a disk cache, which
-    would compile in every process).
-
-    Raises
-    ------
-    ValueError
-        If ``backend`` is not a known name, or is known but cannot run here
-        (the message lists the available backends and why this one is not).
-    """
-    if not isinstance(backend, str) or (backend != "auto" and backend not in BACKEND_MODULES):
-        got = (f"an array of shape {backend.shape}" if isinstance(backend, np.ndarray)
-               else repr(backend))
-        raise ValueError(
-            f"backend must be 'auto' or one of {sorted(BACKEND_MODULES)}, got {got}; "
-            f"available here: {list(available_backends())}"
-        )
-    if backend == "auto":
-        return _load(next(b for b in available_backends() if b not in _not_for_auto))
-    module = _load(backend)
-    if module is None:
-        raise ValueError(
-            f"backend {backend!r} is not available here ({_unavailable[backend]}); "
-            f"available: {list(available_backends())}"
-        )
-    return module
-
-
-def _native(dtype):
-    """``dtype`` in this machine's byte order (``>f4`` -> ``float32``)."""
-    return dtype if dtype.isnative else dtype.newbyteorder("=")
-
-
-def _check_float_array(x, name, code=None):
-    """``x`` is a plain ndarray of float16, float32 or float64 (any byte order).
-
-    ``code`` is how the argument is written in the advice's code (default ``name``).
-    """
-    code = name if code is None else code
-    if not isinstance(x, np.ndarray):
-        raise TypeError(f"{name} must be a numpy.ndarray, got {type(x).__name__}")
-    if isinstance(x, np.ma.MaskedArray):
-        raise TypeError(
-            f"{name} must be a plain numpy.ndarray, got a numpy.ma.MaskedArray whose "
-            f"mask would be ignored; pass e.g. {code}.filled(0.0)"
-        )
-    if _native(x.dtype) not in _COMPUTE_DTYPES:
-        raise TypeError(
-            f"{name} must have dtype float16, float32 or float64, got {x.dtype} "
-            f"(cast it explicitly, e.g. {code}.astype(np.float32))"
-        )
-
-
-def _check_array(x, name):
-    """``x`` is a float array of rank >= 2, ``(..., n, d)``."""
-    _check_float_array(x, name)
-    if x.ndim < 2:
-        raise ValueError(
-            f"{name} must have at least 2 dimensions (..., n, d), got shape {x.shape}"
-        )
-
-
-def _check_qkv(q, k, v):
-    """Validate q, k, v; return (batch_shape, compute dtype, result dtype)."""
-    for x, name in ((q, "q"), (k, "k"), (v, "v")):
-        _check_array(x, name)
-    if not (q.shape[:-2] == k.shape[:-2] == v.shape[:-2]):
-        raise ValueError(
-            "q, k and v must have the same leading (batch, head) dims; got "
-            f"q {q.shape}, k {k.shape}, v {v.shape}"
-        )
-    if q.shape[-1] != k.shape[-1]:
-        raise ValueError(
-            f"q and k must have the same last dim d_k; got q {q.shape} (d_k={q.shape[-1]}) "
-            f"and k {k.shape} (d_k={k.shape[-1]})"
-        )
-    if k.shape[-2] != v.shape[-2]:
-        raise ValueError(
-            f"k and v must have the same sequence length n_k; got k {k.shape} "
-            f"(n_k={k.shape[-2]}) and v {v.shape} (n_k={v.shape[-2]})"
-        )
-    if q.shape[-1] == 0:
-        raise ValueError(f"d_k must be at least 1; got q {q.shape} and k {k.shape}")
-    if q.dtype == k.dtype == v.dtype:
-        result = _native(q.dtype)
-    else:
-        result = np.result_type(_native(q.dtype), _native(k.dtype), _native(v.dtype))
-    return q.shape[:-2], _COMPUTE_DTYPES[result], result
-
-
-def _as_kernel_input(x, dtype):
-    """``x`` as a C-contiguous, aligned, writeable array of ``dtype`` with one batch dim."""
-    x = np.asarray(x)  # a subclass (np.matrix, np.memmap) computes as the plain array
-    if x.ndim != 3:
-        x = x.reshape((math.prod(x.shape[:-2]),) + x.shape[-2:])
-    flags = x.flags
-    if x.dtype == dtype and flags.c_contiguous and flags.aligned and flags.writeable:
-        return x
-    return np.require(x, dtype=dtype, requirements=["C", "A", "W"])
-
-
-def _shape_text(*dims):
-    """A shape with named dims, as a reader writes it: ``(2, 8, D)``, not ``(2, 8, 'D')``."""
-    return "(" + ", ".join(map(str, dims)) + ")"
-
-
-def _check_positive_scalar(value, name, allow_zero):
-    if isinstance(value, np.ndarray) and value.ndim == 0 and value.dtype.kind in "iuf":
-        value = value[()]   # a 0-d array (np.array(0.125), a scalar tensor's .numpy()) is its value
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
-        got = (f"an array of shape {value.shape} and dtype {value.dtype}"
-               if isinstance(value, np.ndarray) else type(value).__name__)
-        raise TypeError(f"{name} must be a real number, got {got}")
-    value = float(value)
-    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
-        bound = ">= 0" if allow_zero else "> 0"
-        raise ValueError(f"{name} must be a finite number {bound}, got {value!r}")
-    return value
-
-
-def _check_eps(eps, spec, dtype):
-    """``eps`` as a float >= 0, finite in the computation ``dtype``; None gives the feature
-    map's default (``spec.default_eps()``)."""
-    if eps is None:
-        return spec.default_eps()
-    return _finite_in(_check_positive_scalar(eps, "eps", allow_zero=True), "eps", dtype)
-
-
-#: The largest finite value of each computation dtype.
-_LARGEST = {dt: float(np.finfo(dt).max) for dt in (np.dtype(np.float32), np.dtype(np.float64))}
-
-
-def _check_scale(scale, d_k, dtype):
-    """``scale`` as a float (default ``1 / sqrt(d_k)``), finite and > 0 in the computation ``dtype``."""
-    if scale is None:
-        return reference.default_scale(d_k)
-    return _finite_in(_check_positive_scalar(scale, "scale", allow_zero=False), "scale", dtype)
-
-
-def _finite_in(value, name, dtype):
-    """``value`` (a float >= 0), if it is finite in the computation ``dtype``; else ValueError."""
-    if value > _LARGEST[dtype]:
-        raise ValueError(
-            f"{name} must be finite in the computation dtype {dtype} (at most "
-            f"{_LARGEST[dtype]:.8g}), got {value!r}, which is inf in {dtype}"
-        )
-    return value
-
-
-def _check_bool(value, name):
-    if isinstance(value, np.ndarray) and value.ndim == 0 and value.dtype == bool:
-        value = value[()]   # a 0-d boolean array is its value, as for the scalars
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name} must be True or False, got {value!r}")
-    return bool(value)
+from . import _backends, _checks, feature_maps, reference
+from ._backends import (  # noqa: F401  (the registry's names, as callers know them here)
+    AUTO_ORDER,
+    BACKEND_MODULES,
+    available_backends,
+    get_backend,
+    unavailable_backends,
+)
 
 
 def softmax_attention(q, k, v, *, causal=False, scale=None, backend="auto"):
@@ -336,53 +82,18 @@ def softmax_attention(q, k, v, *, causal=False, scale=None, backend="auto"):
     >>> fastattn.softmax_attention(q, k, v, causal=True).shape
     (2, 128, 64)
     """
-    batch_shape, dtype, result = _check_qkv(q, k, v)
-    causal = _check_bool(causal, "causal")
-    scale = _check_scale(scale, q.shape[-1], dtype)
-    module = _dispatch.backend_for_call(backend, "softmax", q, k, v, causal, dtype)
-    n_q, d_v = q.shape[-2], v.shape[-1]
-    out_shape = batch_shape + (n_q, d_v)
+    batch_shape, dtype, result = _checks.check_qkv(q, k, v)
+    causal = _checks.check_bool(causal, "causal")
+    scale = _checks.check_scale(scale, q.shape[-1], dtype)
+    module = _backends.kernel_module(backend, "softmax", q.shape[-2], k.shape[-2])
+    out_shape = batch_shape + (q.shape[-2], v.shape[-1])
     if 0 in out_shape or k.shape[-2] == 0:
         return np.zeros(out_shape, dtype=result)
     out = module.softmax_forward(
-        _as_kernel_input(q, dtype), _as_kernel_input(k, dtype), _as_kernel_input(v, dtype),
-        causal, scale,
+        _checks.as_kernel_input(q, dtype), _checks.as_kernel_input(k, dtype),
+        _checks.as_kernel_input(v, dtype), causal, scale,
     )
     return out.reshape(out_shape).astype(result, copy=False)
-
-
-def _check_state(initial_state, batch_shape, d_k, d_v, dtype, dim_name="d_k", spec=None):
-    """``initial_state`` as kernel arrays; ``d_k`` is the feature dimension, named ``dim_name``.
-
-    For a map whose features are non-negative (all but Taylor) ``z``, a sum
-    of features, must be >= 0: a negative one would only come from a state
-    of another map or of no call at all, and give wrong rows silently.
-    """
-    if initial_state is None:
-        return None, None
-    if not isinstance(initial_state, (tuple, list)) or len(initial_state) != 2:
-        raise TypeError(
-            "initial_state must be a pair (S, z) with S of shape "
-            f"{batch_shape + (d_k, d_v)} and z of shape {batch_shape + (d_k,)}, "
-            f"got {type(initial_state).__name__}"
-        )
-    S, z = initial_state
-    for x, name, code, shape, dims in (
-        (S, "initial_state[0] (S)", "S", batch_shape + (d_k, d_v), f"(..., {dim_name}, d_v)"),
-        (z, "initial_state[1] (z)", "z", batch_shape + (d_k,), f"(..., {dim_name})"),
-    ):
-        _check_float_array(x, name, code)
-        if x.shape != shape:
-            raise ValueError(f"{name} must have shape {shape} {dims}, got {x.shape}")
-    if spec is not None and spec.name != "taylor" and np.any(np.asarray(z) < 0):
-        raise ValueError(
-            f"initial_state[1] (z) must be >= 0 with the {spec.name!r} feature map: it is a sum "
-            f"of non-negative features; got min {float(np.min(z)):.6g}"
-        )
-    B = math.prod(batch_shape)
-    S = np.require(np.asarray(S).reshape(B, d_k, d_v), dtype=dtype, requirements=["C", "A", "W"])
-    z = np.require(np.asarray(z).reshape(B, d_k), dtype=dtype, requirements=["C", "A", "W"])
-    return S, z
 
 
 def linear_attention(
@@ -431,7 +142,9 @@ def linear_attention(
         * a callable ``f``: ``f(x)`` for ``x`` of shape ``(..., n, d_k)`` (the
           leading dims of the call, computation dtype) returns finite,
           non-negative float features of shape ``(..., n, D)``; it is
-          applied to ``q`` and to ``k``.
+          applied to ``q`` and to ``k``;
+        * the name of a map added with :func:`fastattn.feature_maps.register`
+          (or the :class:`fastattn.feature_maps.FeatureMap` itself).
     causal : bool, default False
         Bottom-right aligned mask, as in :func:`softmax_attention`.
     eps : float, optional
@@ -530,65 +243,38 @@ def linear_attention(
     >>> out.shape, S.shape, z.shape
     ((64, 32), (32, 32), (32,))
     """
-    batch_shape, dtype, result = _check_qkv(q, k, v)
-    causal = _check_bool(causal, "causal")
-    return_state = _check_bool(return_state, "return_state")
+    batch_shape, dtype, result = _checks.check_qkv(q, k, v)
+    causal = _checks.check_bool(causal, "causal")
+    return_state = _checks.check_bool(return_state, "return_state")
     d_k, d_v, n_q, n_k = q.shape[-1], v.shape[-1], q.shape[-2], k.shape[-2]
-    spec = feature_maps.resolve(feature_map, d_k)
-    eps = _check_eps(eps, spec, dtype)
-    D = spec.num_features(d_k)
+    fmap = feature_maps.resolve(feature_map, d_k)
+    eps = _checks.check_eps(eps, fmap, dtype)
+    D = fmap.feature_dim(d_k)
     S0 = z0 = None
-    if D is not None:
-        S0, z0 = _check_state(initial_state, batch_shape, D, d_v, dtype, _dim_name(spec), spec)
-        _check_state_fits(batch_shape, D, d_v, n_q, n_k, dtype, spec)
-    module = _dispatch.backend_for_call(backend, "linear", q, k, v, causal, dtype, feature_map)
-    out_shape = batch_shape + (n_q, d_v)
-    empty = 0 in batch_shape or 0 in (n_q, n_k, d_v)
+    if D is not None:   # a callable's D is known once it has run, below
+        S0, z0 = _checks.check_state(initial_state, batch_shape, D, d_v, dtype,
+                                     _checks.dim_name(fmap), fmap)
+        _checks.check_state_fits(batch_shape, D, d_v, n_q, n_k, dtype, fmap)
+    module = _backends.kernel_module(backend, "linear", n_q, n_k, fmap.elementwise)
     # With an empty dimension the non-causal reference is exact (with no keys,
     # no queries or no values causal and non-causal agree) and costs
     # O(size of the inputs): no n_q x n_k array, whatever backend was asked.
-    kernel = reference if empty else module
-    qq, kk = _as_kernel_input(q, dtype), _as_kernel_input(k, dtype)
-    feats = feature_maps.features(kernel, spec, qq, kk, batch_shape, z0)
-    if D is None:  # a user's map: D is known once it has run
+    empty = 0 in batch_shape or 0 in (n_q, n_k, d_v)
+    if empty:
+        module, causal = reference, False
+    qq, kk = _checks.as_kernel_input(q, dtype), _checks.as_kernel_input(k, dtype)
+    feats = fmap.features(module, qq, kk, batch_shape, z0)
+    if D is None:
         D = feats.num_features
-        S0, z0 = _check_state(initial_state, batch_shape, D, d_v, dtype, _dim_name(spec), spec)
-        _check_state_fits(batch_shape, D, d_v, 0, 0, dtype, spec)
-    out, S, z = feature_maps.linear_forward(
-        kernel, spec, feats, qq, kk, _as_kernel_input(v, dtype), causal and not empty, eps, S0, z0
-    )
-    out = out.reshape(out_shape).astype(result, copy=False)
+        S0, z0 = _checks.check_state(initial_state, batch_shape, D, d_v, dtype,
+                                     _checks.dim_name(fmap), fmap)
+        _checks.check_state_fits(batch_shape, D, d_v, 0, 0, dtype, fmap)
+    out, S, z = fmap.forward(module, feats, qq, kk, _checks.as_kernel_input(v, dtype), causal,
+                             eps, S0, z0)
+    out = out.reshape(batch_shape + (n_q, d_v)).astype(result, copy=False)
     if not return_state:
         return out
     return out, (S.reshape(batch_shape + (D, d_v)), z.reshape(batch_shape + (D,)))
-
-
-#: Copies of the ``(D, d_v)`` state a fast call holds at its peak: the
-#: kernel's working states, the initial state and the one returned (measured:
-#: Cython 2x, Numba 3x the state at d_k = d_v = 16384).
-STATE_COPIES = 3
-
-
-def _check_state_fits(batch_shape, D, d_v, n_q, n_k, dtype, spec):
-    """MemoryError, before any work, when the ``(D, d_v)`` states (and the
-    features of a map computed up front) cannot fit in available memory."""
-    B = math.prod(batch_shape)
-    itemsize = np.dtype(dtype).itemsize
-    nbytes = STATE_COPIES * B * D * d_v * itemsize
-    if spec.name not in feature_maps.ELEMENTWISE:
-        nbytes += B * (n_q + n_k) * D * itemsize
-    reference.check_fits_in_memory(
-        nbytes,
-        f"linear attention with D={D:,} features and d_v={d_v:,}, for its "
-        f"{batch_shape + (D, d_v)} states{'' if spec.name in feature_maps.ELEMENTWISE else ' and features'},",
-        advice="the state grows as D x d_v (D = d_k for elu and relu, "
-               "1 + d_k + d_k (d_k + 1) / 2 for taylor): give smaller head dims or fewer features",
-    )
-
-
-def _dim_name(spec):
-    """How the state's feature dimension is named in messages: ``d_k`` or ``D``."""
-    return "d_k" if spec.name in feature_maps.ELEMENTWISE else "D"
 
 
 def attention_weights(
@@ -638,19 +324,19 @@ def attention_weights(
     if kind not in ("softmax", "linear"):
         raise ValueError(f"kind must be 'softmax' or 'linear', got {kind!r}")
     for x, name in ((q, "q"), (k, "k")):
-        _check_array(x, name)
+        _checks.check_array(x, name)
     # Reuse the full check with a placeholder v of the right shape (no data).
     v = np.broadcast_to(np.zeros((), q.dtype), k.shape[:-1] + (1,))
-    batch_shape, dtype, _ = _check_qkv(q, k, v)
-    causal = _check_bool(causal, "causal")
+    batch_shape, dtype, _ = _checks.check_qkv(q, k, v)
+    causal = _checks.check_bool(causal, "causal")
     if kind == "linear" and scale is not None:
         raise ValueError(
             f"scale applies to kind='softmax' only (linear attention has no scale), got {scale!r}"
         )
     # Every option is checked whatever the kind: a bad one is never ignored.
-    scale = _check_scale(scale, q.shape[-1], dtype)
-    spec = feature_maps.resolve(feature_map, q.shape[-1])
-    eps = _check_eps(eps, spec, dtype)
+    scale = _checks.check_scale(scale, q.shape[-1], dtype)
+    fmap = feature_maps.resolve(feature_map, q.shape[-1])
+    eps = _checks.check_eps(eps, fmap, dtype)
     n_q, n_k = q.shape[-2], k.shape[-2]
     out_shape = batch_shape + (n_q, n_k)
     if 0 in out_shape:
@@ -665,15 +351,15 @@ def attention_weights(
                "or compute the attention itself with softmax_attention or linear_attention, "
                "which need O(n d) memory",
     )
-    qq, kk = _as_kernel_input(q, dtype), _as_kernel_input(k, dtype)
+    qq, kk = _checks.as_kernel_input(q, dtype), _checks.as_kernel_input(k, dtype)
     if kind == "softmax":
         weights, _ = reference.softmax_weights(qq, kk, causal, scale)
     else:
-        feats = feature_maps.features(reference, spec, qq, kk, batch_shape)
+        feats = fmap.features(reference, qq, kk, batch_shape)
         if feats is None:
-            weights = reference.linear_weights(qq, kk, spec.name, causal, eps)
+            weights = reference.linear_weights(qq, kk, fmap.elementwise, causal, eps)
         else:
             weights = reference.linear_weights(feats.q, feats.k, "identity", causal, eps)
             if causal and feats.key_shift is not None:
-                feature_maps.exact_causal_weights(spec, feats, qq, kk, eps, weights)
+                feature_maps.exact_causal_weights(fmap, feats, qq, kk, eps, weights)
     return weights.reshape(out_shape)

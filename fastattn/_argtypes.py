@@ -2,6 +2,8 @@
 
 import argparse
 
+from ._threads import check_num_threads
+
 
 def _int_at_least(text, low, what):
     try:
@@ -25,8 +27,6 @@ def nonnegative_int(text):
 
 def thread_count(text):
     """argparse type: a thread count that :func:`fastattn.set_num_threads` accepts here."""
-    from ._threads import check_num_threads
-
     try:
         return check_num_threads(positive_int(text))
     except ValueError as exc:

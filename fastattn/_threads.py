@@ -1,10 +1,12 @@
 """One place that fixes the thread counts of every backend and of BLAS.
 
-The count is process-wide.  :func:`set_num_threads` records it and applies it
-to the backends already loaded and to the BLAS libraries (OpenBLAS/MKL of
-NumPy and SciPy, through threadpoolctl); a backend loaded later gets it when
-it loads (:func:`backend_loaded`, called by the dispatch), so setting a count
-never imports a backend.  A backend module may expose ``set_num_threads(n)``
+The count is process-wide.  :func:`apply` (behind
+:func:`fastattn.set_num_threads`) records it and applies it to the backends
+already loaded and to the BLAS libraries (OpenBLAS/MKL of NumPy and SciPy,
+through threadpoolctl); a backend loaded later gets it when it loads
+(:func:`backend_loaded`, called by :mod:`fastattn._backends`), so setting a
+count never imports a backend.  This module imports nothing of fastattn: the
+kernels import it.  A backend module may expose ``set_num_threads(n)``
 and ``get_num_threads()``; the count it reports when it loads is its default.
 
 Per call, a fast backend asks :func:`kernel_threads` how many threads its
@@ -22,7 +24,6 @@ kernel serially: correct, on one thread.  Use the ``spawn`` or
 ``forkserver`` start method for children that should use every core.
 """
 
-import contextlib
 import numbers
 import os
 import sys
@@ -116,7 +117,7 @@ _blas_lock = threading.Lock()
 _blas_libs = None        # [[LibController, count]], None until scanned
 _blas_original = {}      # filepath -> count when first seen (restored by num_threads)
 _blas_calls = 0          # kernel calls inside single_threaded_blas right now
-_backend_defaults = {}   # backend module -> its thread count when it loaded
+_backend_defaults = {}   # backend module loaded -> its thread count when it loaded
 
 
 def _scan_blas():
@@ -215,8 +216,7 @@ def backend_loaded(module):
     """
     global _blas_libs
     getter = getattr(module, "get_num_threads", None)
-    if getter is not None:
-        _backend_defaults[module] = getter()
+    _backend_defaults[module] = getter() if getter is not None else None
     if _requested is not None:
         setter = getattr(module, "set_num_threads", None)
         if setter is not None:
@@ -229,7 +229,9 @@ def backend_loaded(module):
 
 
 # ---------------------------------------------------------------------------
-# The public thread API.
+# The count: recorded here, applied to what is loaded.  The public functions
+# (fastattn.set_num_threads, get_num_threads, num_threads) are in
+# fastattn._backends, which owns the backends.
 # ---------------------------------------------------------------------------
 
 def check_num_threads(n_threads):
@@ -251,63 +253,21 @@ def check_num_threads(n_threads):
     return int(n_threads)
 
 
-def _apply(n_threads):
-    """Record ``n_threads`` (None: each component's default) and apply it everywhere loaded."""
-    global _requested
-    from . import _api
+def requested():
+    """The count recorded by :func:`apply` (None: each component's default)."""
+    return _requested
 
+
+def apply(n_threads):
+    """Record ``n_threads`` (None: each component's default) and apply it to every backend
+    loaded so far (those :func:`backend_loaded` was told of) and to BLAS."""
+    global _requested
     _requested = n_threads
-    for module in _api.loaded_backends():
+    for module, default in _backend_defaults.items():
         setter = getattr(module, "set_num_threads", None)
         if setter is not None:
-            setter(_backend_defaults[module] if n_threads is None else n_threads)
+            setter(default if n_threads is None else n_threads)
     _apply_blas(n_threads)
-
-
-def set_num_threads(n_threads):
-    """Use ``n_threads`` threads in every backend and in BLAS, from every Python thread.
-
-    The count is process-wide and recorded: a backend that loads later uses
-    it too, so this imports no backend.
-
-    Parameters
-    ----------
-    n_threads : int
-        From 1 to 4 per usable core.  Numba cannot use more threads than it
-        started with (``NUMBA_NUM_THREADS``, default the core count); larger
-        values are clipped there.  In a process forked after a fast kernel
-        ran in parallel the kernels run on one thread whatever the count
-        (see the README, "Processes and fork").
-
-    Raises
-    ------
-    ValueError
-        If ``n_threads`` is not an integer in that range.
-    """
-    _apply(check_num_threads(n_threads))
-
-
-def get_num_threads():
-    """Thread counts in force, by component.
-
-    Returns
-    -------
-    dict of str to int
-        ``{"requested": ..., "blas": ..., "<backend>": ...}`` for every
-        available backend (this loads them); ``requested`` is None until
-        :func:`set_num_threads` is called.  In a child forked after an OpenMP
-        pool started (:func:`forked_from_running_pool`) the fast backends
-        report 1: they run serially there, whatever was requested.
-    """
-    from . import _api
-
-    counts = {"requested": _requested}
-    for name in _api.available_backends():
-        getter = getattr(_api.get_backend(name), "get_num_threads", None)
-        if getter is not None:
-            counts[name] = 1 if _forked_pool else getter()
-    counts["blas"] = blas_threads()
-    return counts
 
 
 def blas_threads():
@@ -317,29 +277,6 @@ def blas_threads():
             _scan_blas()
         counts = [count for _, count in _blas_libraries()]
     return max(counts) if counts else None
-
-
-class num_threads(contextlib.ContextDecorator):
-    """Context manager: :func:`set_num_threads` inside, the previous setting restored after.
-
-    Parameters
-    ----------
-    n_threads : int
-        As for :func:`set_num_threads`.
-    """
-
-    def __init__(self, n_threads):
-        self._n_threads = check_num_threads(n_threads)
-        self._before = []
-
-    def __enter__(self):
-        self._before.append(_requested)
-        _apply(self._n_threads)
-        return self
-
-    def __exit__(self, *exc):
-        _apply(self._before.pop())
-        return False
 
 
 def default_num_threads():

@@ -1,9 +1,9 @@
-"""Feature maps of linear attention: the names, FAVOR+, the Taylor map, a user's own map.
+"""Feature maps of linear attention: one object per map, in one registry.
 
 Linear attention (Katharopoulos et al. 2020) replaces ``exp(qᵀk / √d_k)`` by
 ``φ(q)ᵀφ(k)`` for a feature map ``φ`` of ``d_k`` to ``D`` features.  fastattn
-has these maps (``feature_map=`` of :func:`fastattn.linear_attention` and
-:func:`fastattn.attention_weights`):
+has these maps (``feature_map=`` of :func:`fastattn.linear_attention`,
+:func:`fastattn.attention_weights` and :class:`fastattn.LinearAttentionState`):
 
 ========== ===================================================== =====================
 name       φ                                                     D
@@ -15,15 +15,26 @@ name       φ                                                     D
 callable   the user's own non-negative features                  whatever it returns
 ========== ===================================================== =====================
 
-``"elu"`` and ``"relu"`` are applied inside the kernels, chunk by chunk.  The
-others are computed first, ``φ(q) (B, n_q, D)`` and ``φ(k) (B, n_k, D)`` (by
-the backend's own feature kernels for FAVOR+ and Taylor), and the linear
-kernels then run on the features: ``O(n · (D + d_v))`` memory,
-``O(n · D · (d_k + d_v))`` time for FAVOR+ (``O(n · D · d_v)`` for the
-attention itself), and a state ``(S, z)`` of shapes ``(..., D, d_v)``, ``(..., D)``.
+Each map is one :class:`FeatureMap` object in :data:`REGISTRY`, which
+declares its name, its feature dimension ``D`` for a given ``d_k``
+(:meth:`FeatureMap.feature_dim`, cheap: no random draw), its NumPy form
+(:meth:`FeatureMap.numpy_features`) and, where it has them, its fused forms
+in the compiled backends:
 
-This module resolves ``feature_map=`` (one place validates it) and runs the
-feature step; the kernels are in the backends.
+* ``"elu"`` and ``"relu"`` are applied elementwise inside every backend's
+  linear kernels, chunk by chunk (:attr:`FeatureMap.elementwise`);
+* the other maps' features are formed first, ``φ(q) (B, n_q, D)`` and
+  ``φ(k) (B, n_k, D)``, by the backend's own feature kernel where it has one
+  (:attr:`FeatureMap.kernel`: ``taylor_features``; FAVOR+'s
+  ``favor_key_features`` / ``favor_query_features``), else by the NumPy form,
+  and the backend's linear kernels then run on the features (``"identity"``):
+  ``O(n · (D + d_v))`` memory, a state ``(S, z)`` of shapes ``(..., D, d_v)``,
+  ``(..., D)``.
+
+Adding a map is one :class:`FeatureMap` subclass passed to :func:`register`:
+it runs on every backend through the generic path above, and
+:data:`NAMES`, :func:`feature_dim`, the API and the generation classes read
+the registry.
 """
 
 import functools
@@ -33,13 +44,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import reference
+from . import _checks, reference
 
-#: The feature maps fastattn knows by name.
-NAMES = ("elu", "relu", "favor", "taylor")
-
-#: Maps applied elementwise inside the linear kernels (``D = d_k``).
-ELEMENTWISE = ("elu", "relu")
+#: ``eps`` of ``eps=None`` for elu, relu, taylor and callables.
+DEFAULT_EPS = 1e-6
+#: ``eps`` of ``eps=None`` for FAVOR+: none, as in the Performer papers and code.  Its
+#: features are positive, so the denominator is > 0 unless it underflows (the row is 0);
+#: the kernels would apply any eps in the shifted frame (see :class:`FavorFeatures`).
+FAVOR_EPS = 0.0
 
 
 def default_num_features(d_k):
@@ -57,17 +69,132 @@ def taylor_num_features(d_k):
     return 1 + d_k + d_k * (d_k + 1) // 2
 
 
-def feature_dim(name, d_k, num_features=None):
-    """``D``, the feature dimension of the map ``name`` at head dimension ``d_k``, drawn from
-    nothing (no random features are made): ``d_k`` for elu and relu, ``num_features`` (or
-    :func:`default_num_features`) for favor, :func:`taylor_num_features` for taylor."""
-    if name in ELEMENTWISE:
+@dataclass
+class Features:
+    """``φ(q) (B, n_q, D)``, ``φ(k) (B, n_k, D)`` and FAVOR+'s frame of each feature ``(B, D)``."""
+
+    q: np.ndarray
+    k: np.ndarray
+    key_shift: np.ndarray = None
+
+    @property
+    def num_features(self):
+        return self.q.shape[-1]
+
+
+class FeatureMap:
+    """A feature map ``φ`` of linear attention, of ``d_k`` to ``D`` features.
+
+    A subclass sets :attr:`name` and implements :meth:`feature_dim` and
+    :meth:`numpy_features`; registered (:func:`register`), it is known by
+    its name everywhere and runs on every backend: its features are formed
+    once by :meth:`numpy_features` (or by a backend's fused kernel named by
+    :attr:`kernel`), then the backend's linear kernels of ``D`` features run.
+
+    Attributes
+    ----------
+    name : str
+        The ``feature_map=`` name.
+    elementwise : str or None
+        The name the linear kernels of every backend apply elementwise inside
+        (``"elu"``, ``"relu"``; ``D = d_k``), or None: features formed first.
+    kernel : str or None
+        The name of a backend function ``kernel(x (B, n, d_k)) -> (B, n, D)``
+        that forms the features (a fused form); a backend without it uses
+        :meth:`numpy_features`.
+    nonnegative : bool
+        Whether every feature is >= 0 (so a state's ``z`` is too); Taylor's
+        are not.
+    default_eps : float
+        The ``eps`` of ``eps=None``.
+    """
+
+    name = None
+    elementwise = None
+    kernel = None
+    nonnegative = True
+    default_eps = DEFAULT_EPS
+
+    def feature_dim(self, d_k, num_features=None):
+        """``D`` for inputs of key dimension ``d_k``, or None when known only once the map has
+        run (a callable); no random features are drawn.  ``num_features`` is FAVOR+'s ``m``."""
+        raise NotImplementedError
+
+    def numpy_features(self, x):
+        """The NumPy form: ``φ(x) (B, n, D)`` of ``x (B, n, d_k)``, in ``x``'s dtype."""
+        raise NotImplementedError
+
+    def bind(self, d_k, d_k_of="q and k have"):
+        """The map to apply to inputs of key dimension ``d_k`` (``d_k_of`` says whose, in an
+        error); ValueError if it cannot be.  Most maps are the same for every ``d_k``."""
+        return self
+
+    def features(self, module, q, k, batch_shape, z0=None):
+        """``Features`` of ``q (B, n_q, d_k)`` and ``k (B, n_k, d_k)`` (kernel inputs of one
+        dtype) formed by ``module``'s fused kernel or the NumPy form; None for an
+        elementwise map (the kernels apply it)."""
+        if self.elementwise is not None:
+            return None
+        form = getattr(module, self.kernel, None) if self.kernel else None
+        if form is None:
+            form = self.numpy_features
+        return Features(*(np.require(form(x), dtype=x.dtype, requirements=["C", "A"])
+                          for x in (q, k)))
+
+    def forward(self, module, feats, q, k, v, causal, eps, S0, z0):
+        """``module.linear_forward`` on the inputs (an elementwise map) or on ``feats``."""
+        if feats is None:
+            return module.linear_forward(q, k, v, self.elementwise, causal, eps, S0, z0)
+        return module.linear_forward(feats.q, feats.k, v, "identity", causal, eps, S0, z0)
+
+    def __repr__(self):
+        return f"{type(self).__name__}()"
+
+
+class Elu(FeatureMap):
+    """``φ(x) = elu(x) + 1`` elementwise (Katharopoulos et al. 2020), always > 0; ``D = d_k``."""
+
+    name = "elu"
+    elementwise = "elu"
+
+    def feature_dim(self, d_k, num_features=None):
         return int(d_k)
-    if name == "favor":
-        return int(num_features) if num_features else default_num_features(d_k)
-    if name == "taylor":
+
+    def numpy_features(self, x):
+        return reference.feature_map(x, "elu")
+
+
+class Relu(FeatureMap):
+    """``φ(x) = max(x, 0)`` elementwise, ``D = d_k``; a row may have a zero denominator."""
+
+    name = "relu"
+    elementwise = "relu"
+
+    def feature_dim(self, d_k, num_features=None):
+        return int(d_k)
+
+    def numpy_features(self, x):
+        return reference.feature_map(x, "relu")
+
+
+class Taylor(FeatureMap):
+    """The second-order Taylor map of ``exp(qᵀk / √d_k)`` (Based, Arora et al. 2024).
+
+    ``φ(x) = [1, x / d_k^¼, sym(x xᵀ) / (√2 √d_k)]``, whose kernel is
+    ``1 + s + s²/2 >= 1/2`` with ``s = qᵀk / √d_k``;
+    ``D = 1 + d_k + d_k (d_k + 1) / 2`` (see :func:`fastattn.reference.taylor_features`).
+    Its features may be negative.
+    """
+
+    name = "taylor"
+    kernel = "taylor_features"
+    nonnegative = False
+
+    def feature_dim(self, d_k, num_features=None):
         return taylor_num_features(d_k)
-    raise ValueError(f"feature_map: expected one of {', '.join(NAMES)}, got {name!r}")
+
+    def numpy_features(self, x):
+        return reference.taylor_features(x)
 
 
 def _positive_int(value, name):
@@ -97,7 +224,24 @@ def orthogonal_gaussian_features(d_k, num_features, rng):
     return directions * norms[:, None]
 
 
-class FavorFeatures:
+class Favor(FeatureMap):
+    """``feature_map="favor"``: FAVOR+ with the default ``m`` and seed of :class:`FavorFeatures`.
+
+    ``D = m`` (default :func:`default_num_features`).  Bound to a ``d_k`` it is
+    ``FavorFeatures(d_k)`` (made once per ``d_k``).
+    """
+
+    name = "favor"
+    default_eps = FAVOR_EPS
+
+    def feature_dim(self, d_k, num_features=None):
+        return int(num_features) if num_features else default_num_features(d_k)
+
+    def bind(self, d_k, d_k_of="q and k have"):
+        return _default_favor(d_k)
+
+
+class FavorFeatures(Favor):
     """FAVOR+ positive orthogonal random features (Performer; Choromanski et al. 2021).
 
     ``φ(x) = exp(ω x' − ‖x'‖² / 2) / √m`` with ``x' = x / d_k^¼``, so that
@@ -271,6 +415,53 @@ class FavorFeatures:
             return np.exp(xs @ self.omega.T - 0.5 * np.sum(xs * xs, axis=-1, keepdims=True)) \
                 / math.sqrt(self.num_features)
 
+    def feature_dim(self, d_k=None, num_features=None):
+        """``D = m``, this object's ``num_features``."""
+        return self.num_features
+
+    def bind(self, d_k, d_k_of="q and k have"):
+        if self.d_k != d_k:
+            raise ValueError(f"feature_map is {self!r}, built for d_k={self.d_k}, but "
+                             f"{d_k_of} d_k={d_k}")
+        return self
+
+    def numpy_features(self, x):
+        """Key features in the keys' own frame (see Notes), the NumPy form."""
+        return reference.favor_key_features(x, self.projection(x.dtype))[0]
+
+    def features(self, module, q, k, batch_shape, z0=None):
+        """φ(q), φ(k) and the frame of each feature, by ``module``'s FAVOR+ kernels (the
+        NumPy forms of :mod:`fastattn.reference` for a backend without them).
+
+        For ``z0 (B, m)`` (the initial state's key sums, or None) the frame of each
+        feature is set together with the keys (see Notes), and the query features
+        are taken in that frame.
+        """
+        key_features = getattr(module, "favor_key_features", reference.favor_key_features)
+        query_features = getattr(module, "favor_query_features", reference.favor_query_features)
+        w = self.projection(q.dtype)
+        phi_k, shift = key_features(k, w)
+        if z0 is not None:
+            phi_k, shift = _state_frame(phi_k, shift, self.state_shift, z0)
+        return Features(query_features(q, w, shift), phi_k, shift)
+
+    def forward(self, module, feats, q, k, v, causal, eps, S0, z0):
+        """Linear attention from the features in the call's frame (a shift ``c_r`` per feature
+        and head); the state is converted from and to the fixed frame :attr:`state_shift`.
+        A float32 call that comes out non-finite from finite inputs is computed in float64."""
+        result = _favor_forward(self, module, feats, q, k, v, causal, eps, S0, z0)
+        if q.dtype == np.float32 and not np.isfinite(result[0]).all() and all(
+                x is None or np.isfinite(x).all() for x in (q, k, v, S0, z0)):
+            # A float32 sum can overflow where the float64 one does not (values near the
+            # float32 limit): such a call is computed in float64, then rounded to float32.
+            q, k, v, S0, z0 = (None if x is None else x.astype(np.float64)
+                               for x in (q, k, v, S0, z0))
+            wide = self.features(module, q, k, None, z0)
+            result = tuple(x.astype(np.float32) for x in
+                           _favor_forward(self, module, wide, q, k, v, causal, eps, S0, z0))
+        return result
+
+
     def __repr__(self):
         return (f"FavorFeatures(d_k={self.d_k}, num_features={self.num_features}, "
                 f"random_state={self.random_state!r})")
@@ -281,41 +472,104 @@ def _default_favor(d_k):
     return FavorFeatures(d_k)
 
 
-@dataclass(frozen=True)
-class Spec:
-    """A validated ``feature_map=``: ``name`` in :data:`NAMES` or ``"callable"``."""
+class UserMap(FeatureMap):
+    """A callable ``feature_map=``: ``fn(x)`` for ``x (..., n, d_k)`` gives finite,
+    non-negative float features ``(..., n, D)``, checked at every call."""
 
-    name: str
-    favor: FavorFeatures = None
-    fn: object = None
+    name = "callable"
 
-    def num_features(self, d_k):
-        """``D``, or None for a callable (known once it has run)."""
-        if self.name in ELEMENTWISE:
-            return d_k
-        if self.name == "favor":
-            return self.favor.num_features
-        if self.name == "taylor":
-            return taylor_num_features(d_k)
-        return None
+    def __init__(self, fn):
+        self.fn = fn
 
-    def default_eps(self):
-        """The ``eps`` of ``eps=None``: :data:`FAVOR_EPS` for FAVOR+, else :data:`DEFAULT_EPS`."""
-        return FAVOR_EPS if self.name == "favor" else DEFAULT_EPS
+    def feature_dim(self, d_k, num_features=None):
+        return None   # known once it has run
+
+    def features(self, module, q, k, batch_shape, z0=None):
+        phi_q = _user_features(self.fn, q, batch_shape, q.dtype, "q")
+        phi_k = _user_features(self.fn, k, batch_shape, q.dtype, "k")
+        if phi_q.shape[-1] != phi_k.shape[-1]:
+            raise ValueError(f"feature_map returned D={phi_q.shape[-1]} features for q but "
+                             f"D={phi_k.shape[-1]} for k")
+        return Features(phi_q, phi_k)
+
+    def __repr__(self):
+        return f"UserMap({self.fn!r})"
 
 
-#: ``eps`` of ``eps=None`` for elu, relu, taylor and callables.
-DEFAULT_EPS = 1e-6
-#: ``eps`` of ``eps=None`` for FAVOR+: none, as in the Performer papers and code.  Its
-#: features are positive, so the denominator is > 0 unless it underflows (the row is 0);
-#: the kernels would apply any eps in the shifted frame (see :class:`FavorFeatures`).
-FAVOR_EPS = 0.0
+# ---------------------------------------------------------------------------
+# The registry.
+# ---------------------------------------------------------------------------
+
+#: Name -> :class:`FeatureMap`: the maps fastattn knows by name.
+REGISTRY = {}
+
+#: The names of :data:`REGISTRY` (kept in step by :func:`register`).
+NAMES = ()
+
+#: The names of the maps the kernels apply elementwise (``D = d_k``).
+ELEMENTWISE = ()
+
+
+def _names_changed():
+    global NAMES, ELEMENTWISE
+    NAMES = tuple(REGISTRY)
+    ELEMENTWISE = tuple(name for name, fmap in REGISTRY.items() if fmap.elementwise)
+
+
+def register(fmap):
+    """Make the :class:`FeatureMap` ``fmap`` known by its ``name``; returns it.
+
+    Raises
+    ------
+    TypeError
+        If ``fmap`` is not a FeatureMap.
+    ValueError
+        If it has no name, or the name is taken.
+    """
+    if not isinstance(fmap, FeatureMap):
+        raise TypeError(f"register takes a FeatureMap, got {type(fmap).__name__}")
+    if not isinstance(fmap.name, str) or not fmap.name or fmap.name == UserMap.name:
+        raise ValueError(f"a registered feature map needs a name of its own, got {fmap.name!r}")
+    if fmap.name in REGISTRY:
+        raise ValueError(f"a feature map named {fmap.name!r} is registered already")
+    REGISTRY[fmap.name] = fmap
+    _names_changed()
+    return fmap
+
+
+def unregister(name):
+    """Forget the map ``name`` (KeyError if none is registered)."""
+    del REGISTRY[name]
+    _names_changed()
+
+
+for _fmap in (Elu(), Relu(), Favor(), Taylor()):
+    register(_fmap)
+del _fmap
+
+
+def feature_dim(name, d_k, num_features=None):
+    """``D``, the feature dimension of the map ``name`` at head dimension ``d_k``, drawn from
+    nothing (no random features are made): ``d_k`` for elu and relu, ``num_features`` (or
+    :func:`default_num_features`) for favor, :func:`taylor_num_features` for taylor.
+
+    Raises
+    ------
+    ValueError
+        If ``name`` is not in :data:`REGISTRY`.
+    """
+    fmap = REGISTRY.get(name) if isinstance(name, str) else None
+    if fmap is None:
+        raise ValueError(f"feature_map: expected one of {', '.join(NAMES)}, got {name!r}")
+    return fmap.feature_dim(d_k, num_features)
 
 
 def resolve(feature_map, d_k, d_k_of="q and k have"):
-    """Validate ``feature_map=`` for inputs of key dimension ``d_k``; return its :class:`Spec`.
+    """Validate ``feature_map=`` for inputs of key dimension ``d_k``; return its FeatureMap.
 
-    ``d_k_of`` says whose ``d_k`` it is, in the error for a FavorFeatures of another.
+    A name of :data:`REGISTRY`, a :class:`FeatureMap` (e.g. a :class:`FavorFeatures`)
+    or a callable.  ``d_k_of`` says whose ``d_k`` it is, in the error for a
+    FavorFeatures of another.
 
     Raises
     ------
@@ -324,36 +578,16 @@ def resolve(feature_map, d_k, d_k_of="q and k have"):
         built for another ``d_k``.
     """
     if isinstance(feature_map, str):
-        if feature_map in ELEMENTWISE or feature_map == "taylor":
-            return Spec(feature_map)
-        if feature_map == "favor":
-            return Spec("favor", favor=_default_favor(d_k))
-    elif isinstance(feature_map, FavorFeatures):
-        if feature_map.d_k != d_k:
-            raise ValueError(
-                f"feature_map is {feature_map!r}, built for d_k={feature_map.d_k}, but "
-                f"{d_k_of} d_k={d_k}"
-            )
-        return Spec("favor", favor=feature_map)
+        if feature_map in REGISTRY:
+            return REGISTRY[feature_map].bind(d_k, d_k_of)
+    elif isinstance(feature_map, FeatureMap):
+        return feature_map.bind(d_k, d_k_of)
     elif callable(feature_map):
-        return Spec("callable", fn=feature_map)
+        return UserMap(feature_map)
     raise ValueError(
         f"feature_map must be one of {list(NAMES)}, a fastattn.FavorFeatures, or a callable "
         f"mapping (..., n, d_k) to non-negative (..., n, D) features; got {feature_map!r}"
     )
-
-
-@dataclass
-class Features:
-    """``φ(q) (B, n_q, D)``, ``φ(k) (B, n_k, D)`` and FAVOR+'s frame of each feature ``(B, D)``."""
-
-    q: np.ndarray
-    k: np.ndarray
-    key_shift: np.ndarray = None
-
-    @property
-    def num_features(self):
-        return self.q.shape[-1]
 
 
 def _user_features(fn, x, batch_shape, dtype, which):
@@ -366,10 +600,8 @@ def _user_features(fn, x, batch_shape, dtype, which):
     if phi.dtype.kind != "f":
         raise TypeError(f"{what} must return float features, got dtype {phi.dtype}")
     if phi.ndim != shown.ndim or phi.shape[:-1] != shown.shape[:-1] or phi.shape[-1] < 1:
-        from ._api import _shape_text   # _api imports this module
-
         raise ValueError(
-            f"{what} must return features of shape {_shape_text(*shown.shape[:-1], 'D')} "
+            f"{what} must return features of shape {_checks.shape_text(*shown.shape[:-1], 'D')} "
             f"with D >= 1 for "
             f"{which} of shape {shown.shape}, got {phi.shape}"
         )
@@ -383,56 +615,6 @@ def _user_features(fn, x, batch_shape, dtype, which):
         raise ValueError(f"{what} returned {np.count_nonzero(phi < 0)} negative values "
                          f"(min {float(phi.min()):.6g}); features must be >= 0")
     return phi
-
-
-def features(module, spec, q, k, batch_shape, z0=None):
-    """φ(q), φ(k) by ``module``'s feature kernels (or the user's function); None for elu/relu.
-
-    ``q (B, n_q, d_k)``, ``k (B, n_k, d_k)`` are kernel inputs of one dtype.
-    For FAVOR+, ``z0 (B, m)`` (the initial state's key sums, or None) sets
-    the frame of each feature together with the keys (see
-    :class:`FavorFeatures`), and the query features are taken in that frame.
-    """
-    if spec.name in ELEMENTWISE:
-        return None
-    if spec.name == "favor":
-        w = spec.favor.projection(q.dtype)
-        phi_k, shift = module.favor_key_features(k, w)
-        if z0 is not None:
-            phi_k, shift = _state_frame(phi_k, shift, spec.favor.state_shift, z0)
-        return Features(module.favor_query_features(q, w, shift), phi_k, shift)
-    if spec.name == "taylor":
-        return Features(module.taylor_features(q), module.taylor_features(k))
-    phi_q = _user_features(spec.fn, q, batch_shape, q.dtype, "q")
-    phi_k = _user_features(spec.fn, k, batch_shape, q.dtype, "k")
-    if phi_q.shape[-1] != phi_k.shape[-1]:
-        raise ValueError(f"feature_map returned D={phi_q.shape[-1]} features for q but "
-                         f"D={phi_k.shape[-1]} for k")
-    return Features(phi_q, phi_k)
-
-
-def linear_forward(module, spec, feats, q, k, v, causal, eps, S0, z0):
-    """``module.linear_forward`` on the inputs (elu, relu) or on their features.
-
-    For FAVOR+ the features are in the call's frame (a shift ``c_r`` per
-    feature and head); the state is converted from and to the fixed frame
-    ``spec.favor.state_shift`` (see :class:`FavorFeatures`).  A float32 FAVOR+
-    call that comes out non-finite from finite inputs is computed in float64.
-    """
-    if feats is None:
-        return module.linear_forward(q, k, v, spec.name, causal, eps, S0, z0)
-    if feats.key_shift is None:
-        return module.linear_forward(feats.q, feats.k, v, "identity", causal, eps, S0, z0)
-    result = _favor_forward(module, spec, feats, q, k, v, causal, eps, S0, z0)
-    if q.dtype == np.float32 and not np.isfinite(result[0]).all() and all(
-            x is None or np.isfinite(x).all() for x in (q, k, v, S0, z0)):
-        # A float32 sum can overflow where the float64 one does not (values near the
-        # float32 limit): such a call is computed in float64, then rounded to float32.
-        q, k, v, S0, z0 = (None if x is None else x.astype(np.float64) for x in (q, k, v, S0, z0))
-        wide = features(module, spec, q, k, None, z0)
-        result = tuple(x.astype(np.float32) for x in
-                       _favor_forward(module, spec, wide, q, k, v, causal, eps, S0, z0))
-    return result
 
 
 def _state_frame(phi_k, shift, fixed, z0):
@@ -451,13 +633,13 @@ def _state_frame(phi_k, shift, fixed, z0):
     return phi_k, frame
 
 
-def _favor_forward(module, spec, feats, q, k, v, causal, eps, S0, z0):
+def _favor_forward(favor, module, feats, q, k, v, causal, eps, S0, z0):
     """FAVOR+ from its features, the state converted from and to the fixed frame.
 
     Causal rows whose denominator may have underflowed are recomputed by
     :func:`_exact_causal_rows`.
     """
-    fixed = spec.favor.state_shift
+    fixed = favor.state_shift
     frame = feats.key_shift
     S0_in, z0_in = S0, z0
     if S0 is not None:
@@ -469,7 +651,7 @@ def _favor_forward(module, spec, feats, q, k, v, causal, eps, S0, z0):
             z0 = np.where(z0 == 0, 0, z0 * into).astype(z0.dtype)
     out, S, z = module.linear_forward(feats.q, feats.k, v, "identity", causal, eps, S0, z0)
     if causal:
-        _exact_causal_rows(spec, feats, q, k, v, eps, S0_in, z0_in, z0, out)
+        _exact_causal_rows(favor, feats, q, k, v, eps, S0_in, z0_in, z0, out)
     back = np.exp(frame - fixed).astype(S.dtype)
     with np.errstate(invalid="ignore", over="ignore"):  # an inf in the state given stays
         return out, S * back[:, :, None], z * back
@@ -552,7 +734,7 @@ def _eps_in_frame(eps, m, row_frame, top):
         return eps * m * np.exp(row_frame - top)
 
 
-def _exact_blocks(spec, q, k, rows, offset, frame, eps):
+def _exact_blocks(favor, q, k, rows, offset, frame, eps):
     """Causal FAVOR+ weights of one head's ``rows`` from the exponents, in float64.
 
     With ``a_ir = (ω q'_i)_r`` and ``e_jr = (ω k'_j)_r − ‖k'_j‖²/2``, the
@@ -565,7 +747,6 @@ def _exact_blocks(spec, q, k, rows, offset, frame, eps):
     """
     from scipy.special import logsumexp   # deferred: 0.1 s of import fastattn
 
-    favor = spec.favor
     m = favor.num_features
     w = favor.projection(np.float64)
     e = _key_exponents(favor, k)
@@ -586,18 +767,18 @@ def _exact_blocks(spec, q, k, rows, offset, frame, eps):
 _STABLE_CHUNK = 64
 
 
-def _exact_causal_rows(spec, feats, q, k, v, eps, S0, z0, z0_frame, out):
+def _exact_causal_rows(favor, feats, q, k, v, eps, S0, z0, z0_frame, out):
     """Recompute in ``out`` the causal rows of :func:`_underflowed_rows`, by
     :func:`_stable_causal_head` on each head that has any."""
     offset = feats.k.shape[1] - feats.q.shape[1]
     for b, rows in _underflowed_rows(feats, out.dtype, z0, z0_frame):
         state = None if S0 is None else (S0[b], z0[b])
-        exact = _stable_causal_head(spec, q[b], k[b], v[b], eps, state, offset,
+        exact = _stable_causal_head(favor, q[b], k[b], v[b], eps, state, offset,
                                     feats.key_shift[b])
         out[b, rows] = exact[rows]
 
 
-def _stable_causal_head(spec, q, k, v, eps, state, offset, frame):
+def _stable_causal_head(favor, q, k, v, eps, state, offset, frame):
     """Causal FAVOR+ of one head in float64 with a frame that follows the keys, chunk by chunk.
 
     The running state ``(S, z)`` is kept in the frame ``c_r`` of the largest key exponent
@@ -614,7 +795,6 @@ def _stable_causal_head(spec, q, k, v, eps, state, offset, frame):
     """
     from scipy.special import logsumexp   # deferred: 0.1 s of import fastattn
 
-    favor = spec.favor
     m = favor.num_features
     v64 = v.astype(np.float64)
     a = q.astype(np.float64) @ favor.projection(np.float64)                   # (n_q, m)
@@ -681,13 +861,13 @@ def _stable_causal_head(spec, q, k, v, eps, state, offset, frame):
     return out.astype(v.dtype)
 
 
-def exact_causal_weights(spec, feats, q, k, eps, weights):
+def exact_causal_weights(favor, feats, q, k, eps, weights):
     """Recompute in ``weights (B, n_q, n_k)`` the causal FAVOR+ rows of :func:`_underflowed_rows`
     by :func:`_exact_blocks` (``O(n_k · m · d_k)`` a row, as the ``n_q x n_k`` weights cost
     ``O(n_k · m)`` a row anyway)."""
     offset = feats.k.shape[1] - feats.q.shape[1]
     for b, rows in _underflowed_rows(feats, weights.dtype):
-        for part, w, scaled_eps in _exact_blocks(spec, q[b], k[b], rows, offset,
+        for part, w, scaled_eps in _exact_blocks(favor, q[b], k[b], rows, offset,
                                                  feats.key_shift[b], eps):
             weights[b, part] = 0
             weights[b, part, :w.shape[1]] = w / (w.sum(axis=1) + scaled_eps)[:, None]

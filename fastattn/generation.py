@@ -11,21 +11,16 @@
   per token.
 
 Both validate what they are given as :func:`fastattn.softmax_attention` and
-:func:`fastattn.linear_attention` do (the same checks, in :mod:`fastattn._api`).
+:func:`fastattn.linear_attention` do (the same checks, in :mod:`fastattn._checks`).
 """
 
 import contextlib
-import importlib
 import math
 import numbers
 
 import numpy as np
 
-from . import _api, _dispatch, feature_maps, reference
-
-#: Backend -> module whose ``cache_softmax_forward(q, k, v, causal, scale, n_k)``
-#: attends over the first ``n_k`` keys of a preallocated buffer.
-_CACHE_MODULES = _dispatch.RECURRENT_STEP_MODULES
+from . import _api, _backends, _checks, _policy, feature_maps, reference
 
 _STORAGE_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
@@ -208,12 +203,12 @@ class KVCache:
             beyond 3.4e38 in a float32 cache).  The cache is unchanged.
         """
         for x, name, d in ((k, "k", self.d_k), (v, "v", self.d_v)):
-            _api._check_array(x, name)
+            _checks.check_array(x, name)
             want = self.batch_shape + (x.shape[-2], d)
             if x.shape != want:
                 raise ValueError(
                     f"{name} must have shape batch_shape + (t, {d}) = "
-                    f"{_api._shape_text(*self.batch_shape, 't', d)}, got {x.shape}"
+                    f"{_checks.shape_text(*self.batch_shape, 't', d)}, got {x.shape}"
                 )
         if k.shape[-2] != v.shape[-2]:
             raise ValueError(f"k and v must hold the same number of tokens; got k {k.shape}, v {v.shape}")
@@ -233,9 +228,10 @@ class KVCache:
         """Softmax attention of ``q`` over the cached keys and values.
 
         Equals ``softmax_attention(q, cache.keys, cache.values, causal=causal,
-        scale=scale, backend=backend)``.  When the queries are few (at most
-        ``fastattn._dispatch.SPLIT_KEYS_MAX_N_Q``), computed in the cache's
-        dtype, on the Numba or Cython backend, the split-key kernel reads the
+        scale=scale, backend=backend)``.  When the queries are few enough for
+        the split-key kernel (:func:`fastattn._policy.use_split_keys`, the rule
+        of the backends' own ``softmax_forward``), computed in the cache's
+        dtype, on the Numba or Cython backend, that kernel reads the
         buffers in place; otherwise the filled part is passed to
         :func:`fastattn.softmax_attention` (which copies it when
         ``batch_shape`` has more than one element).
@@ -262,17 +258,18 @@ class KVCache:
             As :func:`fastattn.softmax_attention` (shapes named in the message).
         """
         keys, values = self.keys, self.values
-        batch_shape, dtype, result = _api._check_qkv(q, keys, values)
-        causal = _api._check_bool(causal, "causal")
+        batch_shape, dtype, result = _checks.check_qkv(q, keys, values)
+        causal = _checks.check_bool(causal, "causal")
         n_q = q.shape[-2]
-        name = _dispatch.backend_name_for_call(backend, "softmax", q, keys, values, causal, dtype)
-        if (name not in _CACHE_MODULES or dtype != self.dtype or n_q > _dispatch.SPLIT_KEYS_MAX_N_Q
+        name = _backends.backend_name(backend)
+        decode = _backends.decode_module(name)
+        if (decode is None or dtype != self.dtype or not _policy.use_split_keys(n_q)
                 or 0 in q.shape or self.length == 0):
             return _api.softmax_attention(q, keys, values, causal=causal, scale=scale, backend=name)
-        scale = _api._check_scale(scale, self.d_k, dtype)
+        scale = _checks.check_scale(scale, self.d_k, dtype)
         B = math.prod(batch_shape)
-        out = importlib.import_module(_CACHE_MODULES[name]).cache_softmax_forward(
-            _api._as_kernel_input(q, dtype),
+        out = decode.cache_softmax_forward(
+            _checks.as_kernel_input(q, dtype),
             self._k.reshape(B, self.capacity, self.d_k),
             self._v.reshape(B, self.capacity, self.d_v),
             causal, scale, self.length,
@@ -356,11 +353,11 @@ class LinearAttentionState:
         self._d_v = self._d_k if d_v is None else _check_dim(d_v, "d_v", 1)
         self._dtype = _check_storage_dtype(dtype)
         # eps is checked against the state's dtype now, not only at the first step.
-        self._eps = None if eps is None else _api._finite_in(
-            _api._check_positive_scalar(eps, "eps", allow_zero=True), "eps", self._dtype)
+        self._eps = None if eps is None else _checks.finite_in(
+            _checks.check_positive_scalar(eps, "eps", allow_zero=True), "eps", self._dtype)
         self._feature_map = feature_map
         self._num_features = feature_maps.resolve(
-            feature_map, self._d_k, d_k_of="this LinearAttentionState has").num_features(self._d_k)
+            feature_map, self._d_k, d_k_of="this LinearAttentionState has").feature_dim(self._d_k)
         self.reset()
 
     # Read-only: the state's shape and its token count follow from the steps
@@ -385,7 +382,7 @@ class LinearAttentionState:
         D = self.num_features
         if D is not None:
             need = math.prod(self.batch_shape) * D * (self.d_v + 1) * self.dtype.itemsize
-            shape = _api._shape_text(*self.batch_shape, D, self.d_v)
+            shape = _checks.shape_text(*self.batch_shape, D, self.d_v)
             reference.check_fits_in_memory(
                 need, f"LinearAttentionState: the state S {shape} and z, of D={D} features,",
                 advice="give a smaller batch_shape, d_k or d_v")
@@ -420,12 +417,12 @@ class LinearAttentionState:
             The state is unchanged after an error.
         """
         for x, name, dim in ((q, "q", "d_k"), (k, "k", "d_k"), (v, "v", "d_v")):
-            _api._check_array(x, name)
+            _checks.check_array(x, name)
             d = getattr(self, dim)
             if x.shape != self.batch_shape + (x.shape[-2], d):
                 raise ValueError(
                     f"{name} must have shape batch_shape + (t, {dim}) = "
-                    f"{_api._shape_text(*self.batch_shape, 't', d)}, this state's, got {x.shape}"
+                    f"{_checks.shape_text(*self.batch_shape, 't', d)}, this state's, got {x.shape}"
                 )
         if not q.shape[-2] == k.shape[-2] == v.shape[-2]:
             raise ValueError(f"q, k and v must hold the same number of tokens; got q {q.shape}, "

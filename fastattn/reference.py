@@ -1,6 +1,6 @@
 """NumPy reference kernels: the specification every fast backend is held to.
 
-These functions take already validated arrays (see :mod:`fastattn._api`):
+These functions take already validated arrays (see :mod:`fastattn._checks`):
 ``q (B, n_q, d_k)``, ``k (B, n_k, d_k)``, ``v (B, n_k, d_v)`` of one float
 dtype, C-contiguous, with every size at least 1.  They favour being obviously
 right over being fast: softmax attention materialises the ``n_q x n_k`` score
@@ -13,9 +13,9 @@ that see it.
 """
 
 import math
+import os
 
 import numpy as np
-import psutil
 
 #: Elementwise feature maps of linear attention, by name.  ``elu`` is
 #: ``elu(x) + 1`` (Katharopoulos et al. 2020), which is positive for every
@@ -123,8 +123,38 @@ def quadratic_bytes(batch, n_q, n_k, itemsize, arrays=1):
 
 
 #: Bytes below which no memory check is made: any machine has them, and
-#: asking the system (psutil) costs more than a small call itself.
+#: asking the system costs more than a small call itself.
 MEMORY_CHECK_FLOOR = 1 << 20
+
+
+def available_memory():
+    """Bytes of memory that new allocations can take without swapping, or None if unknown.
+
+    Linux's ``MemAvailable`` (``/proc/meminfo``, what ``psutil`` reports as
+    available there); elsewhere the free physical pages (``os.sysconf``), or
+    psutil when it is installed; None when none of these answers (no check is
+    then made).
+
+    Returns
+    -------
+    int or None
+    """
+    try:
+        with open("/proc/meminfo", "rb") as meminfo:
+            for line in meminfo:
+                if line.startswith(b"MemAvailable:"):
+                    return int(line.split()[1]) * 1024   # the file counts kB
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        pass
+    try:
+        import psutil   # not a dependency: used where it is installed and the above fail
+    except ImportError:
+        return None
+    return psutil.virtual_memory().available
 
 
 def check_fits_in_memory(nbytes, what, advice=None):
@@ -135,8 +165,8 @@ def check_fits_in_memory(nbytes, what, advice=None):
     """
     if nbytes < MEMORY_CHECK_FLOOR:
         return
-    available = psutil.virtual_memory().available
-    if nbytes > available:
+    available = available_memory()
+    if available is not None and nbytes > available:
         if advice is None:
             advice = (f"use a tiled backend ({', '.join(repr(b) for b in TILED_BACKENDS)}), "
                       "which needs O(n d) memory")

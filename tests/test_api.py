@@ -50,11 +50,11 @@ def test_unknown_backend_lists_the_available_ones():
 
 
 def test_unavailable_backend_says_why(monkeypatch):
-    from fastattn import _api
+    from fastattn import _backends
 
-    monkeypatch.setitem(_api.BACKEND_MODULES, "numba", "fastattn._no_such_module")
-    monkeypatch.setattr(_api, "_loaded", {})
-    monkeypatch.setattr(_api, "_unavailable", {})
+    monkeypatch.setitem(_backends.BACKEND_MODULES, "numba", "fastattn._no_such_module")
+    monkeypatch.setattr(_backends, "_loaded", {})
+    monkeypatch.setattr(_backends, "_unavailable", {})
     q, k, v = make_qkv((3, 2))
     with pytest.raises(ValueError, match="'numba' is not available here"):
         fastattn.linear_attention(q, k, v, backend="numba")
@@ -68,14 +68,14 @@ def test_a_backend_whose_import_warns_under_warnings_as_errors_is_unavailable(
     cache warns) marks it unavailable with the reason; listing the backends never raises."""
     import warnings
 
-    from fastattn import _api
+    from fastattn import _backends
 
     (tmp_path / "_warns_on_import.py").write_text(
         "import warnings\nwarnings.warn('no disk cache here', RuntimeWarning)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setitem(_api.BACKEND_MODULES, "numba", "_warns_on_import")
-    monkeypatch.setattr(_api, "_loaded", {})
-    monkeypatch.setattr(_api, "_unavailable", {})
+    monkeypatch.setitem(_backends.BACKEND_MODULES, "numba", "_warns_on_import")
+    monkeypatch.setattr(_backends, "_loaded", {})
+    monkeypatch.setattr(_backends, "_unavailable", {})
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert "numba" not in fastattn.available_backends()
@@ -85,7 +85,7 @@ def test_a_backend_whose_import_warns_under_warnings_as_errors_is_unavailable(
 def test_auto_picks_the_first_available_in_order():
     from fastattn import _api
 
-    assert fastattn.available_backends()[0] in _api.AUTO_ORDER
+    assert fastattn.available_backends()[0] in ("cython", "numba", "reference")
     assert _api.get_backend("auto") is _api.get_backend(fastattn.available_backends()[0])
     assert fastattn.available_backends()[-1] == "reference"
 
@@ -157,3 +157,14 @@ def test_cli_refuses_absurd_thread_counts(capsys):
             main(command)
         assert info.value.code == 2
         assert "n_threads must be an integer from 1 to" in capsys.readouterr().err
+
+
+def test_available_memory_is_the_systems_without_psutil():
+    """The memory check's figure: Linux's MemAvailable, as psutil reports it (where installed)."""
+    from fastattn.reference import available_memory
+
+    got = available_memory()
+    assert isinstance(got, int) and got > 0
+    psutil = pytest.importorskip("psutil")
+    want = psutil.virtual_memory().available
+    assert abs(got - want) < 0.1 * want

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import fastattn
-from fastattn import _dispatch
+from fastattn import _policy
 
 from conftest import FAST_BACKENDS, assert_close, make_qkv, reference64
 
@@ -43,7 +43,7 @@ def _split_key(backend, q, k, v, causal, scale, n_splits):
 def _key_counts(backend, n_q):
     """n_k one below, at and one above each split and block size, and below n_q."""
     block = _block_k(backend)
-    split = _dispatch.SPLIT_KEYS_MIN_KEYS
+    split = _policy.SPLIT_KEYS_MIN_KEYS
     sizes = {1, max(1, n_q - 1)}
     for size in (split, block, 2 * block):
         sizes |= {size - 1, size, size + 1}
@@ -124,38 +124,30 @@ ROUTING_MODULES = {"numba": "fastattn._numba.softmax", "cython": "fastattn._cyth
 
 @pytest.mark.parametrize("backend", FAST_BACKENDS)
 def test_softmax_forward_routes_decode_calls_to_split_keys(backend, monkeypatch):
-    """softmax_attention sends few queries over many keys to the split-key kernel, not prefill.
-
-    Cython sends every call of at most SPLIT_KEYS_MAX_N_Q queries there, at any n_k
-    (its tiled kernel is slower with so few rows); Numba from 2 * SPLIT_KEYS_MIN_KEYS keys.
-    """
+    """softmax_attention sends every call of at most 16 queries to the split-key kernel, at any
+    n_k (1, 17, 1024 keys), and a call of 17 queries to the tiled kernel; both backends alike."""
     module = importlib.import_module(ROUTING_MODULES[backend])
     real = module.split_key_softmax_forward
     calls = []
 
     def spy(*args, **kwargs):
-        calls.append(args[0].shape)
+        calls.append(args[0].shape[1:2] + args[1].shape[1:2])
         return real(*args, **kwargs)
 
     monkeypatch.setattr(module, "split_key_softmax_forward", spy)
-    n_k = 2 * _dispatch.SPLIT_KEYS_MIN_KEYS
-    for n_q in (1, _dispatch.SPLIT_KEYS_MAX_N_Q, _dispatch.SPLIT_KEYS_MAX_N_Q + 1):
-        q, k, v = make_qkv((3, n_q, 16), n_k=n_k, dtype=np.float32, seed=n_q)
+    for n_q, n_k in ((1, 1), (1, 17), (16, 17), (1, 1024), (16, 1024), (17, 1024), (17, 17)):
+        q, k, v = make_qkv((3, n_q, 16), n_k=n_k, dtype=np.float32, seed=n_q + n_k)
         got = fastattn.softmax_attention(q, k, v, causal=True, backend=backend)
         assert_close(got, reference64(fastattn.softmax_attention, q, k, v, causal=True),
                      np.float32)
-    q, k, v = make_qkv((3, 1, 16), n_k=n_k - 1, dtype=np.float32)
-    got = fastattn.softmax_attention(q, k, v, backend=backend)
-    assert_close(got, reference64(fastattn.softmax_attention, q, k, v), np.float32)
-    decode_calls = [(3, 1, 16), (3, _dispatch.SPLIT_KEYS_MAX_N_Q, 16)]
-    assert calls == decode_calls + ([(3, 1, 16)] if backend == "cython" else [])
+    assert calls == [(1, 1), (1, 17), (16, 17), (1, 1024), (16, 1024)]
 
 
 @pytest.mark.parametrize("batch, n_k, threads, want", [
     (1, 32768, 2, 4), (8, 32768, 2, 1), (1, 1024, 2, 2), (3, 8192, 4, 3), (1, 600, 2, 1),
 ], ids=["B1-nk32768-T2", "B8-nk32768-T2", "B1-nk1024-T2", "B3-nk8192-T4", "B1-nk600-T2"])
 def test_split_count_gives_two_items_per_thread(batch, n_k, threads, want):
-    assert _dispatch.split_count(batch, n_k, threads) == want
+    assert _policy.split_count(batch, n_k, threads) == want
 
 
 @pytest.mark.parametrize("d_k, d_v", [(64, 64), (33, 17)], ids=["dk64-dv64", "dk33-dv17"])
@@ -179,3 +171,33 @@ def test_split_key_softmax_small_blocks_match_reference(backend, n_q, d_k, d_v, 
                     got = _split_key(backend, *args, causal, d_k ** -0.5, n_splits)
                     assert_close(got.reshape(want.shape), want, dtype,
                                  err_msg=f"n_k={n_k} causal={causal} n_splits={n_splits}")
+
+
+@pytest.mark.parametrize("rule", [False, True], ids=["never", "always"])
+@pytest.mark.parametrize("backend", FAST_BACKENDS)
+def test_one_split_key_rule_for_both_backends_and_the_kv_cache(backend, rule, monkeypatch):
+    """Replacing fastattn._policy.use_split_keys changes softmax_attention and KVCache.attend alike."""
+    monkeypatch.setattr(_policy, "use_split_keys", lambda n_q: rule)
+    routing = importlib.import_module(ROUTING_MODULES[backend])
+    real_split, real_cache = routing.split_key_softmax_forward, _decode(backend).cache_softmax_forward
+    calls = []
+
+    def split_spy(*args, **kwargs):
+        calls.append("softmax")
+        return real_split(*args, **kwargs)
+
+    def cache_spy(*args, **kwargs):
+        calls.append("cache")
+        return real_cache(*args, **kwargs)
+
+    monkeypatch.setattr(routing, "split_key_softmax_forward", split_spy)
+    monkeypatch.setattr(_decode(backend), "cache_softmax_forward", cache_spy)
+    for n_q in (1, 40):
+        q, k, v = make_qkv((2, n_q, 16), n_k=64, dtype=np.float32, seed=n_q)
+        want = reference64(fastattn.softmax_attention, q, k, v, causal=True)
+        assert_close(fastattn.softmax_attention(q, k, v, causal=True, backend=backend), want,
+                     np.float32)
+        cache = fastattn.KVCache((2,), capacity=64, d_k=16)
+        cache.append(k, v)
+        assert_close(cache.attend(q, backend=backend), want, np.float32)
+    assert calls == (["softmax", "cache"] * 2 if rule else [])

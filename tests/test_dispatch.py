@@ -1,7 +1,8 @@
-"""backend="auto" resolves by the call's shape to the backend its written rule names.
+"""backend="auto" and the choice of kernel module for a call.
 
-The expected names are written here from the rule in fastattn/_dispatch.py's
-comments (the measurements), not read from the table under test.
+``auto`` takes the first of cython, numba, reference that runs here and is
+suitable (Numba without a disk cache is not).  The expected names are written
+here, not read from fastattn._backends.
 """
 
 import importlib
@@ -10,75 +11,71 @@ import numpy as np
 import pytest
 
 import fastattn
-from fastattn import _api, _dispatch
+from fastattn import _backends, feature_maps
 
 from conftest import BACKENDS, assert_close, make_qkv, reference64
 
-ALL = ("cython", "numba", "reference")
+#: The order auto follows, written out: the fastest backend first.
+EXPECTED_ORDER = ("cython", "numba", "reference")
 
-# (kind, n_q, n_k, causal) -> (shape class, backend with all three available)
-RULE = [
-    (("linear", 1, 1, True), "step", "cython"),
-    (("linear", 1, 1, False), "step", "cython"),
-    (("softmax", 1, 1, False), "step", "cython"),
-    (("softmax", 64, 64, True), "tiny", "cython"),
-    (("softmax", 16, 256, False), "tiny", "cython"),
-    (("linear", 8, 8, True), "tiny", "cython"),
-    (("linear", 64, 64, False), "tiny", "cython"),
-    (("softmax", 1, 32768, False), "decode", "cython"),
-    (("softmax", 1, 8192, True), "decode", "cython"),
-    (("softmax", 16, 1024, True), "decode", "cython"),
-    (("linear", 1, 8192, False), "decode", "cython"),
-    (("linear", 16, 4096, True), "decode", "cython"),
-    (("softmax", 128, 128, True), "short", "cython"),
-    (("softmax", 512, 512, True), "short", "cython"),
-    (("softmax", 256, 256, False), "short", "cython"),
-    (("linear", 128, 128, True), "short", "cython"),
-    (("linear", 512, 512, False), "short", "cython"),
-    (("softmax", 513, 513, True), "long", "cython"),
-    (("softmax", 8192, 8192, False), "long", "cython"),
-    (("linear", 1024, 1024, True), "long", "cython"),
-    (("linear", 4096, 4096, False), "long", "cython"),
-]
-IDS = [f"{k}-nq{nq}-nk{nk}-{'causal' if c else 'full'}" for (k, nq, nk, c), _, _ in RULE]
+MODULES = {"reference": "fastattn.reference", "numba": "fastattn._numba",
+           "cython": "fastattn._cython"}
+DECODE_MODULES = {"numba": "fastattn._numba.decode", "cython": "fastattn._cython.decode"}
 
 
-@pytest.mark.parametrize("call, regime, want", RULE, ids=IDS)
-def test_auto_follows_the_written_rule(call, regime, want):
-    kind, n_q, n_k, causal = call
-    assert _dispatch.shape_class(kind, n_q, n_k, causal) == (kind, regime, causal)
-    for dtype in (np.float32, np.float64):
-        assert _dispatch.auto_backend(kind, 8, n_q, n_k, 64, 64, causal, np.dtype(dtype), ALL) == want
-    # Falls through to what is available, the reference last.
-    other = "numba" if want == "cython" else "cython"
-    assert _dispatch.auto_backend(kind, 1, n_q, n_k, 64, 64, causal, np.float32,
-                                  (other, "reference")) == other
-    assert _dispatch.auto_backend(kind, 1, n_q, n_k, 64, 64, causal, np.float32,
-                                  ("reference",)) == "reference"
+@pytest.fixture
+def pretend(monkeypatch):
+    """``pretend(unavailable=..., unsuitable=...)``: the registry sees those backends so."""
+    def setup(unavailable=(), unsuitable=()):
+        loaded = {name: object() for name in EXPECTED_ORDER if name not in unavailable}
+        monkeypatch.setattr(_backends, "_loaded", loaded)
+        monkeypatch.setattr(_backends, "_unavailable", {name: "ImportError: pretend"
+                                                        for name in unavailable})
+        monkeypatch.setattr(_backends, "_not_for_auto", {name: "pretend" for name in unsuitable})
+    return setup
 
 
-def test_every_shape_class_has_a_rule_ending_in_the_reference():
-    classes = {(k, r, c) for k in ("softmax", "linear") for c in (False, True)
-               for r in ("step", "tiny", "decode", "short", "long")}
-    assert set(_dispatch.AUTO_RULE) == classes
-    assert all(rule[-1] == "reference" for rule in _dispatch.AUTO_RULE.values())
+@pytest.mark.parametrize("unavailable, unsuitable, want", [
+    ((), (), "cython"),
+    (("cython",), (), "numba"),
+    (("cython", "numba"), (), "reference"),
+    ((), ("cython",), "numba"),
+    (("cython",), ("numba",), "reference"),
+    (("numba",), (), "cython"),
+], ids=["all", "no-cython", "reference-only", "cython-unsuitable", "numba-unsuitable",
+        "no-numba"])
+def test_auto_takes_the_first_available_suitable_backend(pretend, unavailable, unsuitable, want):
+    pretend(unavailable, unsuitable)
+    assert _backends.auto_backend() == want
+    assert _backends.backend_name("auto") == want
+    assert fastattn.available_backends() == tuple(b for b in EXPECTED_ORDER
+                                                  if b not in unavailable)
 
 
-@pytest.mark.parametrize("call, regime, want", [r for r in RULE if r[0][1] * r[0][2] <= 256 * 256],
-                         ids=[i for i, r in zip(IDS, RULE) if r[0][1] * r[0][2] <= 256 * 256])
-def test_auto_calls_run_the_rule_backend(call, regime, want, monkeypatch):
-    """softmax_attention / linear_attention(backend="auto") run the backend the rule names."""
-    kind, n_q, n_k, causal = call
-    available = fastattn.available_backends()
-    expected = next(b for b in _dispatch.AUTO_RULE[(kind, regime, causal)] if b in available)
-    q, k, v = make_qkv((2, n_q, 8), n_k=n_k, dtype=np.float32, seed=n_q)
-    resolved = _dispatch.backend_name_for_call("auto", kind, q, k, v, causal, np.float32)
-    assert resolved == expected
-    module = _dispatch.backend_for_call("auto", kind, q, k, v, causal, np.float32, "elu")
-    if regime == "step" and kind == "linear" and expected != "reference":
-        assert module is importlib.import_module(_dispatch.RECURRENT_STEP_MODULES[expected])
+def test_auto_is_the_same_for_every_shape_and_dtype(pretend):
+    """One auto: no shape classes, the first suitable backend for a step and for n = 8192."""
+    pretend(unavailable=("cython",))
+    for kind in ("softmax", "linear"):
+        for n_q, n_k in ((1, 1), (1, 32768), (16, 1024), (8192, 8192)):
+            assert _backends.kernel_module("auto", kind, n_q, n_k) is _backends._loaded["numba"]
+
+
+@pytest.mark.parametrize("kind, n_q, n_k, causal", [
+    ("linear", 1, 1, True), ("softmax", 1, 1, False), ("softmax", 64, 64, True),
+    ("softmax", 1, 4096, False), ("linear", 16, 2048, True), ("softmax", 300, 300, True),
+    ("linear", 512, 512, False),
+], ids=lambda x: str(x))
+def test_auto_calls_run_the_first_backend_here(kind, n_q, n_k, causal):
+    """softmax_attention / linear_attention(backend="auto") run the first backend of the order."""
+    want = next(b for b in EXPECTED_ORDER if b in fastattn.available_backends()
+                and b not in _backends._not_for_auto)
+    assert _backends.backend_name("auto") == want
+    module = _backends.kernel_module("auto", kind, n_q, n_k, "elu")
+    if kind == "linear" and n_q == n_k == 1 and want != "reference":
+        assert module is importlib.import_module(DECODE_MODULES[want])
     else:
-        assert module is _api.get_backend(expected)
+        assert module is importlib.import_module(MODULES[want])
+    q, k, v = make_qkv((2, n_q, 8), n_k=n_k, dtype=np.float32, seed=n_q)
     fn = fastattn.softmax_attention if kind == "softmax" else fastattn.linear_attention
     assert_close(fn(q, k, v, causal=causal), reference64(fn, q, k, v, causal=causal), np.float32)
 
@@ -86,20 +83,35 @@ def test_auto_calls_run_the_rule_backend(call, regime, want, monkeypatch):
 def test_explicit_backends_are_not_overridden():
     q, k, v = make_qkv((2, 128, 8), dtype=np.float32)
     for name in BACKENDS:
-        for kind in ("softmax", "linear"):
-            assert _dispatch.backend_name_for_call(name, kind, q, k, v, True, np.float32) == name
+        assert _backends.backend_name(name) == name
+        module = _backends.kernel_module(name, "softmax", 128, 128)
+        assert module is importlib.import_module(MODULES[name])
     with pytest.raises(ValueError, match="backend must be"):
         fastattn.softmax_attention(q, k, v, backend="fortran")
     with pytest.raises(ValueError, match="backend must be"):
         fastattn.linear_attention(q[:, :1], k[:, :1], v[:, :1], backend=["cython"])
 
 
-def test_recurrent_step_only_for_one_token_and_its_feature_maps():
-    assert _dispatch.use_recurrent_step("cython", "linear", 1, 1, "elu")
-    assert _dispatch.use_recurrent_step("numba", "linear", 1, 1, "relu")
-    assert not _dispatch.use_recurrent_step("reference", "linear", 1, 1, "elu")
-    assert not _dispatch.use_recurrent_step("cython", "linear", 1, 2, "elu")
-    assert not _dispatch.use_recurrent_step("cython", "linear", 2, 2, "elu")
-    assert not _dispatch.use_recurrent_step("cython", "softmax", 1, 1, None)
-    assert not _dispatch.use_recurrent_step("cython", "linear", 1, 1, "favor")
-    assert not _dispatch.use_recurrent_step("cython", "linear", 1, 1, lambda x: x)
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "reference"])
+def test_recurrent_step_only_for_one_token_and_elementwise_maps(backend):
+    step = importlib.import_module(DECODE_MODULES[backend])
+    whole = importlib.import_module(MODULES[backend])
+    for name in ("elu", "relu"):
+        assert _backends.kernel_module(backend, "linear", 1, 1, name) is step
+    for n_q, n_k in ((1, 2), (2, 2), (2, 1)):
+        assert _backends.kernel_module(backend, "linear", n_q, n_k, "elu") is whole
+    assert _backends.kernel_module(backend, "softmax", 1, 1) is whole
+    assert _backends.kernel_module(backend, "linear", 1, 1, None) is whole
+
+
+def test_only_elu_and_relu_are_applied_inside_the_kernels():
+    """What the step rule above is given: a map's ``elementwise`` name."""
+    assert feature_maps.resolve("elu", 4).elementwise == "elu"
+    assert feature_maps.resolve("relu", 4).elementwise == "relu"
+    for fmap in ("favor", "taylor", lambda x: x):
+        assert feature_maps.resolve(fmap, 4).elementwise is None
+
+
+def test_reference_has_no_decode_module():
+    assert _backends.decode_module("reference") is None
+    assert _backends.kernel_module("reference", "linear", 1, 1, "elu") is fastattn.reference

@@ -741,3 +741,121 @@ def test_favor_float32_subnormal_denominators_give_finite_rows_on_every_backend(
                                         backend=backend)
         assert got.dtype == np.float32 and np.isfinite(got).all(), backend
         assert_close(got, want.astype(np.float32), "float32")
+
+
+# ---------------------------------------------------------------------------
+# A map added in one class: registered, it runs on every backend.
+# ---------------------------------------------------------------------------
+
+class SquaredRelu(fastattn.feature_maps.FeatureMap):
+    """``φ(x) = [relu(x)², relu(−x)²]``, ``D = 2 d_k``: defined only in this test."""
+
+    name = "squared_relu_for_the_test"
+
+    def __init__(self):
+        self.calls = 0
+
+    def feature_dim(self, d_k, num_features=None):
+        return 2 * d_k
+
+    def numpy_features(self, x):
+        self.calls += 1
+        return np.concatenate([np.maximum(x, 0) ** 2, np.maximum(-x, 0) ** 2], axis=-1)
+
+
+def squared_relu_oracle(q, k, v, causal, eps):
+    """Linear attention with ``[relu(x)², relu(−x)²]`` in float64, from the n_q x n_k weights."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    phi_q = np.concatenate([np.maximum(q, 0) ** 2, np.maximum(-q, 0) ** 2], axis=-1)
+    phi_k = np.concatenate([np.maximum(k, 0) ** 2, np.maximum(-k, 0) ** 2], axis=-1)
+    a = phi_q @ np.swapaxes(phi_k, -1, -2)
+    if causal:
+        n_q, n_k = a.shape[-2:]
+        a = np.where(np.arange(n_k)[None, :] <= np.arange(n_q)[:, None] + n_k - n_q, a, 0.0)
+    return (a @ v) / (a.sum(axis=-1, keepdims=True) + eps)
+
+
+@pytest.fixture
+def squared_relu():
+    fmap = fastattn.feature_maps.register(SquaredRelu())
+    yield fmap
+    fastattn.feature_maps.unregister(fmap.name)
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=["f32", "f64"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("backend", fastattn.available_backends())
+def test_a_registered_map_runs_on_every_backend(squared_relu, backend, causal, dtype):
+    """B2-H3-n37-dk5-dv4: one pass against the oracle; pieces 11, 1, 25 with the state = one pass."""
+    name = squared_relu.name
+    assert name in fastattn.feature_maps.NAMES
+    assert fastattn.feature_maps.feature_dim(name, 5) == 10
+    q, k, v = make_qkv((2, 3, 37, 5), d_v=4, dtype=dtype, seed=11)
+    out, (S, z) = fastattn.linear_attention(q, k, v, feature_map=name, causal=causal,
+                                            return_state=True, backend=backend)
+    assert squared_relu.calls == 2, "features formed once for q and once for k"
+    assert out.dtype == dtype and S.shape == (2, 3, 10, 4) and z.shape == (2, 3, 10)
+    assert_close(out, squared_relu_oracle(q, k, v, causal, 1e-6), dtype)
+    state, outs = None, []
+    for i0, i1 in ((0, 11), (11, 12), (12, 37)):
+        piece, state = fastattn.linear_attention(
+            q[..., i0:i1, :], k[..., i0:i1, :], v[..., i0:i1, :], feature_map=name,
+            causal=causal, initial_state=state, return_state=True, backend=backend)
+        outs.append(piece)
+    assert_close(state[0], S, dtype, scale=10)
+    assert_close(state[1], z, dtype, scale=10)
+    if causal:
+        assert_close(np.concatenate(outs, axis=-2), out, dtype, scale=10)
+
+
+@pytest.mark.parametrize("backend", fastattn.available_backends())
+def test_a_registered_map_steps_in_linear_attention_state(squared_relu, backend):
+    """LinearAttentionState takes the map by name: token by token equals one causal pass."""
+    q, k, v = make_qkv((2, 9, 5), d_v=3, dtype=np.float64, seed=4)
+    state = fastattn.LinearAttentionState((2,), d_k=5, d_v=3, feature_map=squared_relu.name,
+                                          dtype=np.float64)
+    assert state.num_features == 10
+    outs = [state.step(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], backend=backend)
+            for t in range(9)]
+    assert_close(np.concatenate(outs, axis=1), squared_relu_oracle(q, k, v, True, 1e-6),
+                 np.float64)
+
+
+def test_registry_refuses_a_taken_name_and_forgets_an_unregistered_map():
+    with pytest.raises(ValueError, match="registered already"):
+        fastattn.feature_maps.register(fastattn.feature_maps.Elu())
+    with pytest.raises(TypeError):
+        fastattn.feature_maps.register(lambda x: x)
+    fmap = fastattn.feature_maps.register(SquaredRelu())
+    fastattn.feature_maps.unregister(fmap.name)
+    assert fmap.name not in fastattn.feature_maps.NAMES
+    with pytest.raises(ValueError, match="feature_map must be one of"):
+        fastattn.linear_attention(*make_qkv((4, 2)), feature_map=fmap.name)
+
+
+def test_names_and_feature_dims_of_the_built_in_maps():
+    """Written here: the four names, and D at d_k = 64 without drawing FAVOR+ features."""
+    assert fastattn.feature_maps.NAMES == ("elu", "relu", "favor", "taylor")
+    dims = {name: fastattn.feature_maps.feature_dim(name, 64) for name in ("elu", "relu",
+                                                                           "favor", "taylor")}
+    assert dims == {"elu": 64, "relu": 64, "favor": 266, "taylor": 1 + 64 + 64 * 65 // 2}
+    assert fastattn.feature_maps.feature_dim("favor", 64, num_features=100) == 100
+    with pytest.raises(ValueError, match="expected one of elu, relu, favor, taylor"):
+        fastattn.feature_maps.feature_dim("softmax", 64)
+
+
+@pytest.mark.parametrize("name", ["favor", "taylor"])
+def test_a_backend_without_a_maps_fused_kernel_takes_its_numpy_form(name, monkeypatch):
+    """A stand-in backend with only the linear kernels: the generic path forms the features."""
+    import types
+
+    bare = types.SimpleNamespace(linear_forward=fastattn.reference.linear_forward)
+    q, k, v = make_qkv((2, 19, 6), d_v=3, dtype=np.float64, seed=2)
+    fmap = fastattn.feature_maps.resolve(name, 6)
+    for causal in (False, True):
+        feats = fmap.features(bare, q, k, (2,))
+        got = fmap.forward(bare, feats, q, k, v, causal, 1e-6, None, None)
+        want = fastattn.linear_attention(q, k, v, feature_map=name, causal=causal, eps=1e-6,
+                                         return_state=True, backend="reference")
+        assert_close(got[0], want[0], np.float64)
+        assert_close(got[1], want[1][0], np.float64)

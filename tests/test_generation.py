@@ -10,11 +10,14 @@ import psutil
 import pytest
 
 import fastattn
-from fastattn import _dispatch
+from fastattn import _policy
 
 from conftest import BACKENDS, FAST_BACKENDS, assert_close, make_qkv, reference64
 
 DTYPES = [pytest.param(np.float32, id="f32"), pytest.param(np.float64, id="f64")]
+
+#: Each fast backend's decode module: the recurrent step and the KV cache's split-key kernel.
+DECODE_MODULES = {"numba": "fastattn._numba.decode", "cython": "fastattn._cython.decode"}
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -47,7 +50,7 @@ def test_1000_one_token_linear_steps_equal_one_causal_pass(backend, dtype):
 @pytest.mark.parametrize("backend", FAST_BACKENDS)
 def test_recurrent_step_kernel_matches_reference(backend, dtype, feature_map):
     """B5-dk7-dv4, with and without a state; eps=0 with relu gives a zero row where φ(q)=0."""
-    module = importlib.import_module(_dispatch.RECURRENT_STEP_MODULES[backend])
+    module = importlib.import_module(DECODE_MODULES[backend])
     rng = np.random.default_rng(5)
     q, k, v = make_qkv((5, 1, 7), d_v=4, dtype=dtype, seed=2)
     q[0] = -1.0  # relu: φ(q) = 0, denominator 0 with eps = 0
@@ -69,7 +72,7 @@ def test_recurrent_step_kernel_matches_reference(backend, dtype, feature_map):
 
 @pytest.mark.parametrize("backend", FAST_BACKENDS)
 def test_linear_step_runs_the_recurrent_step_kernel(backend, monkeypatch):
-    module = importlib.import_module(_dispatch.RECURRENT_STEP_MODULES[backend])
+    module = importlib.import_module(DECODE_MODULES[backend])
     calls = []
     real = module.recurrent_linear_step
 
@@ -94,7 +97,7 @@ def test_linear_step_runs_the_recurrent_step_kernel(backend, monkeypatch):
 @pytest.mark.parametrize("batch_shape", [(), (2, 3)], ids=["B0", "B2-H3"])
 def test_kv_cache_decode_loop_equals_plain_calls(batch_shape, backend, dtype):
     """A prompt of 5 tokens, 1-token steps to 20 keys, then across 1,024 keys (split keys), d_k=8, d_v=6."""
-    n = 2 * _dispatch.SPLIT_KEYS_MIN_KEYS + 3
+    n = 2 * _policy.SPLIT_KEYS_MIN_KEYS + 3
     q, k, v = make_qkv(batch_shape + (n, 8), d_v=6, dtype=dtype, seed=7)
     cache = fastattn.KVCache(batch_shape, capacity=n, d_k=8, d_v=6, dtype=dtype)
     cache.append(k[..., :5, :], v[..., :5, :])
@@ -119,7 +122,7 @@ def test_kv_cache_decode_loop_equals_plain_calls(batch_shape, backend, dtype):
 @pytest.mark.parametrize("backend", FAST_BACKENDS)
 def test_kv_cache_attends_in_place(backend, monkeypatch):
     """The split-key kernel gets the cache's own buffers, not a copy of the filled part."""
-    module = importlib.import_module(_dispatch.RECURRENT_STEP_MODULES[backend])
+    module = importlib.import_module(DECODE_MODULES[backend])
     seen = []
     real = module.cache_softmax_forward
 

@@ -131,10 +131,7 @@ def test_attention_weights_reproduce_the_outputs():
 def test_reference_refuses_an_n_by_n_array_that_cannot_fit(monkeypatch):
     import fastattn.reference as ref
 
-    class Tiny:
-        available = 1 << 20
-
-    monkeypatch.setattr(ref.psutil, "virtual_memory", lambda: Tiny)
+    monkeypatch.setattr(ref, "available_memory", lambda: 1 << 20)
     q, k, v = make_qkv((1, 1024, 2), dtype=np.float32)
     with pytest.raises(MemoryError) as info:
         fastattn.softmax_attention(q, k, v, backend="reference")

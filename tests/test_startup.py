@@ -94,3 +94,42 @@ def test_a_cython_call_imports_neither_scipy_linalg_nor_scipy_special():
     assert seen["cython call"] == [], "a Cython call imported scipy.linalg or scipy.special"
     assert seen["max error"] < 1e-5
     assert seen["complete"], "import scipy.linalg.cython_blas after a Cython call is incomplete"
+
+
+WITHOUT_EXTRAS_CHILD = textwrap.dedent(
+    """
+    import sys
+
+    BLOCKED = ("psutil", "matplotlib", "jinja2", "tqdm", "rich", "pandas", "tabulate")
+
+    class Block:
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] in BLOCKED:
+                raise ImportError(f"{name} is blocked in this test")
+            return None
+
+    sys.meta_path.insert(0, Block())
+    import numpy as np
+    import fastattn
+
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((2, 300, 16)).astype(np.float32) for _ in range(3))
+    for backend in fastattn.available_backends():
+        fastattn.softmax_attention(q, k, v, causal=True, backend=backend)
+        for fmap in ("elu", "favor", "taylor"):
+            fastattn.linear_attention(q, k, v, feature_map=fmap, causal=True, backend=backend)
+    cache = fastattn.KVCache((2,), capacity=8, d_k=16)
+    cache.append(k[:, :4], v[:, :4])
+    cache.attend(q[:, :1])
+    fastattn.attention_weights(q, k, kind="linear", causal=True)
+    print(sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED))
+    """
+)
+
+
+def test_import_and_calls_need_none_of_the_report_and_bench_extras():
+    """psutil, matplotlib, jinja2 and the table libraries blocked: fastattn imports and runs."""
+    proc = subprocess.run([sys.executable, "-c", WITHOUT_EXTRAS_CHILD], capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "[]"

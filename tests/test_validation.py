@@ -316,11 +316,7 @@ AVAILABLE = 1 << 18     # what the monkeypatched machine has left: 256 KiB
 def little_memory(monkeypatch):
     import fastattn.reference as ref
 
-    class Memory:
-        available = AVAILABLE
-        total = 4 * AVAILABLE
-
-    monkeypatch.setattr(ref.psutil, "virtual_memory", lambda: Memory)
+    monkeypatch.setattr(ref, "available_memory", lambda: AVAILABLE)
     return AVAILABLE
 
 

@@ -2,7 +2,7 @@
 
 Built by ``pip install`` from ``fastattn/_cython/*.pyx``; importing this
 package raises ImportError when the extensions were not built, so the
-dispatch in :mod:`fastattn._api` falls back to another backend.
+registry in :mod:`fastattn._backends` falls back to another backend.
 
 The kernels parallelise over heads and blocks with OpenMP and call SciPy's
 BLAS (``scipy.linalg.cython_blas``) from inside the parallel region where their
@@ -20,6 +20,7 @@ import os
 import sys
 
 from .._threads import kernel_threads, single_threaded_blas
+from .._warnings import warn_user
 
 
 @contextlib.contextmanager
@@ -78,8 +79,6 @@ def _read_simd_cap():
     """Make every extension read ``FASTATTN_SIMD`` now, so that all of them hold the
     value this process imported them with; warn about a value that is neither
     of :data:`SIMD_CAPS` (it is ignored)."""
-    from .._warnings import warn_user
-
     cap = os.environ.get("FASTATTN_SIMD")
     if cap is not None and cap.strip() and cap.strip().lower() not in SIMD_CAPS:
         warn_user(f"FASTATTN_SIMD={cap!r} is ignored: expected one of {list(SIMD_CAPS)} "
@@ -93,7 +92,7 @@ from . import linear as _linear
 from .linear import CHUNK, linear_attention_forward
 from .softmax import BLOCK_K, BLOCK_Q, _build_features, online_softmax_forward
 from .decode import split_key_softmax_forward
-from .._dispatch import SPLIT_KEYS_MAX_N_Q
+from .. import _policy
 
 
 def _blas_guard(n_threads, dtype, *widths):
@@ -139,9 +138,8 @@ def vector_exp_enabled():
 def softmax_forward(q, k, v, causal, scale):
     """Softmax attention by the tiled online softmax (see ``online_softmax_forward``).
 
-    Calls of at most :data:`fastattn._dispatch.SPLIT_KEYS_MAX_N_Q` queries run
-    the split-key decode kernel (:mod:`fastattn._cython.decode`) instead, at
-    any ``n_k``.
+    Calls that :func:`fastattn._policy.use_split_keys` names decode steps run
+    the split-key kernel (:mod:`fastattn._cython.decode`) instead.
 
     Parameters
     ----------
@@ -157,10 +155,7 @@ def softmax_forward(q, k, v, causal, scale):
     """
     n_batch, n_q, d_k = q.shape
     n_k, d_v = k.shape[1], v.shape[2]
-    if n_q <= SPLIT_KEYS_MAX_N_Q:
-        # A decode step (or a call of a few rows): the split-key kernel at
-        # every n_k (the tiled kernel's few-row GEMMs and key packing cost
-        # 1.5-8x more below 1024 keys, H=8, side by side, loaded machine).
+    if _policy.use_split_keys(n_q):
         return split_key_softmax_forward(q, k, v, causal, scale)
     n_threads = kernel_threads(get_num_threads(), n_batch * -(-n_q // BLOCK_Q),
                                n_batch * n_q * n_k * (d_k + d_v))

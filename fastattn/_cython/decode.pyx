@@ -48,7 +48,7 @@ from fastattn._cython._online cimport online_softmax_row
 from fastattn._cython._vmath cimport feature_map, fexp
 
 from fastattn._cython._openmp import get_num_threads
-from fastattn._dispatch import split_count
+from fastattn._policy import split_count
 from fastattn._threads import kernel_threads, single_threaded_blas
 
 #: Keys per block inside a split (one pass of scores, one of ``p v``).
@@ -365,7 +365,7 @@ def split_key_softmax_forward(q, k, v, bint causal, double scale, n_threads=None
     Parameters
     ----------
     q : ndarray of shape (B, n_q, d_k), float32 or float64, C-contiguous
-        Meant for few queries (see :func:`fastattn._dispatch.use_split_keys`);
+        Meant for few queries (see :func:`fastattn._policy.use_split_keys`);
         correct for any ``n_q``.
     k : ndarray of shape (B, n_k, d_k), same dtype
     v : ndarray of shape (B, n_k, d_v), same dtype
@@ -381,7 +381,7 @@ def split_key_softmax_forward(q, k, v, bint causal, double scale, n_threads=None
         while several run) only with more than :data:`FUSED_MAX_N_Q` queries.
     n_splits : int, optional
         Key ranges per head, from 1 to ``n_k``; default
-        :func:`fastattn._dispatch.split_count` for ``n_threads``.
+        :func:`fastattn._policy.split_count` for ``n_threads``.
     n_k : int, optional
         Attend over the first ``n_k`` keys and values only (from 1 to
         ``k.shape[1]``, default all): a preallocated KV cache passes its whole

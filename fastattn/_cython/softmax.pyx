@@ -45,8 +45,6 @@ from fastattn._cython._vmath cimport (
 )
 from fastattn._cython._online cimport online_softmax_row
 
-from fastattn._cython.decode import split_key_softmax_forward
-from fastattn._dispatch import use_split_keys
 
 #: Query rows per block (one work item).
 BLOCK_Q = 256
@@ -346,9 +344,6 @@ def online_softmax_forward(q, k, v, bint causal, double scale, int n_threads=1):
     """
     n_threads = max(1, n_threads)
     n_batch, n_q, _ = q.shape
-    if use_split_keys(n_q, k.shape[1]):
-        # Its own thread count: the caller's was fitted to query blocks, of which a decode step has one.
-        return split_key_softmax_forward(q, k, v, causal, scale)
     block_q = min(BLOCK_Q, n_q)
     block_k = min(BLOCK_K, k.shape[1])
     # The scores' rows and the output's on cache lines (see fastattn._cython._aligned).

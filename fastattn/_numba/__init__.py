@@ -1,6 +1,6 @@
 """Numba backend: tiled online-softmax and chunked linear attention kernels.
 
-Implements the backend interface of :mod:`fastattn._api`::
+Implements the backend interface of :mod:`fastattn._backends`::
 
     softmax_forward(q, k, v, causal, scale) -> out (B, n_q, d_v)
     linear_forward(q, k, v, feature_map, causal, eps, S0, z0) -> (out, S, z)

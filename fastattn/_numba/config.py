@@ -80,6 +80,6 @@ LINEAR_SEGMENT = 1024
 LINEAR_STEP = 256
 
 #: Split-key softmax (decoding, :mod:`.decode`; when it is used and how many
-#: splits: :mod:`fastattn._dispatch`): keys per block inside a split (one scores product and
+#: splits: :mod:`fastattn._policy`): keys per block inside a split (one scores product and
 #: one ``p v`` product each).  Each key and value is read from memory once.
 SPLIT_KEYS_BLOCK_K = 1024

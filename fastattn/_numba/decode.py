@@ -1,6 +1,6 @@
 """Decode kernels in Numba: split-key softmax (Flash-Decoding) and the recurrent linear step.
 
-When a call has few queries (a generated token, see :func:`fastattn._dispatch.use_split_keys`)
+When a call has few queries (a generated token, see :func:`fastattn._policy.use_split_keys`)
 and many keys (a KV cache), the tiled kernel of :mod:`.softmax` has one work
 item per head and leaves cores idle when there are fewer heads than threads.
 Here the keys of each head are cut in ``n_splits`` contiguous ranges; one
@@ -28,7 +28,7 @@ and reads it, with no BLAS call and no thread pool woken.
 import numpy as np
 from numba import njit, prange
 
-from .._dispatch import split_count
+from .._policy import split_count
 from .config import JIT_PARALLEL, JIT_SERIAL, SPLIT_KEYS_BLOCK_K
 from ._exp import fast_exp_nonpositive
 from ._online import online_softmax_row
@@ -138,8 +138,8 @@ def split_key_softmax_forward(q, k, v, causal, scale, n_splits=None, n_k=None):
     Parameters
     ----------
     q : ndarray of shape (B, n_q, d_k)
-        float32 or float64, C-contiguous (validated by :mod:`fastattn._api`);
-        meant for few queries (:func:`fastattn._dispatch.use_split_keys`), correct for any ``n_q``.
+        float32 or float64, C-contiguous (validated by :mod:`fastattn._checks`);
+        meant for few queries (:func:`fastattn._policy.use_split_keys`), correct for any ``n_q``.
     k : ndarray of shape (B, n_k, d_k)
     v : ndarray of shape (B, n_k, d_v)
     causal : bool
@@ -149,7 +149,7 @@ def split_key_softmax_forward(q, k, v, causal, scale, n_splits=None, n_k=None):
         Multiplies the logits.
     n_splits : int, optional
         Key ranges per head, from 1 to ``n_k``; default
-        :func:`fastattn._dispatch.split_count` for the threads in use.
+        :func:`fastattn._policy.split_count` for the threads in use.
     n_k : int, optional
         Keys in use, ``1 <= n_k <= k.shape[1]`` (default all): the filled
         length of a KV cache whose whole buffer is passed, uncopied.
@@ -229,7 +229,7 @@ def recurrent_linear_step(q, k, v, feature_map, eps, S0=None, z0=None):
     Parameters
     ----------
     q : ndarray of shape (B, 1, d_k)
-        float32 or float64, C-contiguous (validated by :mod:`fastattn._api`).
+        float32 or float64, C-contiguous (validated by :mod:`fastattn._checks`).
     k : ndarray of shape (B, 1, d_k)
     v : ndarray of shape (B, 1, d_v)
     feature_map : {"elu", "relu"}
@@ -249,7 +249,7 @@ def recurrent_linear_step(q, k, v, feature_map, eps, S0=None, z0=None):
     -----
     ``4 · B · d_k · d_v`` flops, serial (too little work to wake the
     threads), one pass over the state.  ``feature_map`` is checked by
-    :mod:`fastattn._api`, not here.
+    :mod:`fastattn.feature_maps`, not here.
     """
     if S0 is None:
         S0 = np.zeros((q.shape[0], q.shape[2], v.shape[2]), dtype=q.dtype)

@@ -353,7 +353,7 @@ def linear_forward(q, k, v, feature_map, causal, eps, S0=None, z0=None):
     Parameters
     ----------
     q : ndarray of shape (B, n_q, d_k)
-        float32 or float64, C-contiguous (validated by :mod:`fastattn._api`).
+        float32 or float64, C-contiguous (validated by :mod:`fastattn._checks`).
     k : ndarray of shape (B, n_k, d_k)
     v : ndarray of shape (B, n_k, d_v)
     feature_map : {"elu", "relu", "identity"}

@@ -30,7 +30,7 @@ from numba import njit, prange
 
 from .config import JIT_PARALLEL, JIT_SERIAL, SOFTMAX_BLOCK_K, SOFTMAX_BLOCK_Q, SOFTMAX_MIN_BLOCK_Q
 from ._online import online_softmax_row
-from .._dispatch import use_split_keys
+from .. import _policy
 from .decode import split_key_softmax_forward
 from ._threads import get_num_threads, launch
 
@@ -141,7 +141,7 @@ def softmax_forward(q, k, v, causal, scale):
     Parameters
     ----------
     q : ndarray of shape (B, n_q, d_k)
-        float32 or float64, C-contiguous (validated by :mod:`fastattn._api`).
+        float32 or float64, C-contiguous (validated by :mod:`fastattn._checks`).
     k : ndarray of shape (B, n_k, d_k)
     v : ndarray of shape (B, n_k, d_v)
     causal : bool
@@ -160,7 +160,7 @@ def softmax_forward(q, k, v, causal, scale):
     half when causal), extra memory ``O(threads · BLOCK_Q · BLOCK_K)`` besides
     the output.  Milakov & Gimelshein (2018); Dao et al., FlashAttention (2022).
     """
-    if use_split_keys(q.shape[1], k.shape[1]):
+    if _policy.use_split_keys(q.shape[1]):
         return split_key_softmax_forward(q, k, v, causal, scale)
     consts = np.array([scale, -np.inf, 0.0], dtype=q.dtype)
     batch, n_q, n_k = q.shape[0], q.shape[1], k.shape[1]

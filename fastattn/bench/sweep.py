@@ -219,7 +219,8 @@ def _serve(task, state):
                                       payload["max_repeats"])
         except Exception as exc:
             return {"failure": engine.failure(exc)}
-        from .._threads import blas_threads, get_num_threads
+        from .._backends import get_num_threads
+        from .._threads import blas_threads
 
         # the counts in force right after the call
         timing["thread_counts"] = {**({"blas": blas_threads()} if state["peers_only"]
@@ -238,7 +239,7 @@ def _setup(threads, peers_only):
 
         threadpool_limits(threads)
     else:
-        from .._threads import set_num_threads
+        from .._backends import set_num_threads
 
         set_num_threads(threads)
     peers.set_peer_threads(threads)
