@@ -391,15 +391,17 @@ def test_warm_up_makes_one_call_at_least():
 def test_a_first_call_that_stalls_does_not_use_up_the_warm_up():
     # Right after an idle turn the first call may stall longer than the whole
     # warm-up: the warm-up's clock starts after it, so fast calls still follow.
-    made = []
+    # (Checked on when calls end, not on how many fit: a loaded machine may run few.)
+    made, ended = [], []
 
     def call():
         made.append(time.perf_counter())
         if len(made) == 1:
             time.sleep(2 * engine.TURN_WARMUP_S)
+        ended.append(time.perf_counter())
 
     assert engine.warm_up(call) == len(made) > 1
-    assert made[-1] - made[1] >= 0.5 * engine.TURN_WARMUP_S
+    assert ended[-1] - ended[0] >= engine.TURN_WARMUP_S
 
 
 def test_bench_says_which_options_its_points_ignore(tmp_path, capsys):
