@@ -1,0 +1,42 @@
+"""``report`` and ``bench`` need the report extra, and say so; the kernels need none of it
+(their import without it: tests/test_startup.py).
+
+Each check runs in a fresh interpreter in which the extra's modules cannot be imported
+(``sys.modules[name] = None`` makes ``import name`` fail as if it were not installed).
+"""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fastattn.cli import REPORT_EXTRA
+
+ROOT = Path(__file__).resolve().parent.parent
+
+BLOCK = "import sys\nfor _m in {mods!r}: sys.modules[_m] = None\n"
+
+
+def _run(code, mods=REPORT_EXTRA):
+    return subprocess.run([sys.executable, "-c", BLOCK.format(mods=tuple(mods)) + code],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+
+
+@pytest.mark.parametrize("command", [["report", "--quick"], ["bench", "--n", "64"]])
+def test_report_and_bench_without_the_extra_say_what_to_install(command):
+    done = _run(f"from fastattn.cli import main\nsys.exit(main({command!r}))")
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert 'pip install -e ".[report]"' in done.stderr
+    assert "matplotlib" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_core_dependencies_leave_out_the_report_extra():
+    tomllib = pytest.importorskip("tomllib")   # Python 3.11+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    core = " ".join(project["dependencies"])
+    for name in REPORT_EXTRA:
+        assert name not in core
+        assert any(dep.startswith(name) for dep in project["optional-dependencies"]["report"])
+    assert "fastattn[report]" in project["optional-dependencies"]["test"]
