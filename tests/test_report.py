@@ -25,7 +25,7 @@ from fastattn.cli import main
 from fastattn.report import analysis
 from fastattn.report.build import REPORT_MARKER, build_report
 from fastattn.map_quality import compute_quality
-from fastattn.report.environment import LABELS
+from fastattn.report.environment import LABELS, environment_rows
 
 A_SOFTMAX = 1e-9      # seconds per n² (non-causal); causal is half
 B_LINEAR = 2e-6       # seconds per n
@@ -640,22 +640,34 @@ def test_many_repeat_counts_are_given_as_their_range():
     assert "timed over 3 to 22 repeats" in " ".join(text.split())
 
 
-def test_environment_shows_every_field_of_the_record_in_its_order():
+def test_environment_shows_every_field_of_the_record():
     env = [dict(r, versions={"numpy": "2.0.1", "cython": None}, backends=["reference", "cython"],
                 blas=[{"internal_api": "openblas", "version": "0.3.27", "num_threads": 2}],
-                memory_total_bytes=2 * 2**30, zz_new_field={"a": 1, "b": True})
+                zz_new_field={"a": 1, "b": True})
            for r in synthetic_records() if r["record"] == "environment"]
     html = build_report(env + synthetic_records()[1:], quality=None).html
-    env_part = html.split('id="environment"', 1)[1].split("</table>", 1)[0]
+    env_part = html.split('id="environment"', 1)[1].split('id="method"', 1)[0]
     rows = re.findall(r'<tr><th class="l">([^<]+)</th><td class="l">([^<]*)</td></tr>', env_part)
-    assert ("versions.numpy", "2.0.1") in rows and ("versions.cython", "not installed") in rows
-    assert ("backends", "reference, cython") in rows
-    assert ("blas", "openblas 0.3.27, 2 threads") in rows
-    assert ("memory_total_bytes", "2 GiB") in rows
-    assert ("zz_new_field", "a: 1, b: yes") in rows      # a field the report never heard of
-    assert [label for label, _ in rows].index("backends") < \
-        [label for label, _ in rows].index("zz_new_field")
+    texts = dict(rows)
+    assert texts[LABELS.get("versions.numpy", "versions.numpy")] == "2.0.1"
+    assert texts[LABELS.get("backends", "backends")] == "reference, cython"
+    assert texts[LABELS.get("blas", "blas")] == "openblas 0.3.27, 2 threads"
+    assert texts["zz_new_field.a"] == "1" and texts["zz_new_field.b"] == "yes"  # never heard of
     assert not any(label in ("schema", "record") for label, _ in rows)
+
+
+def test_labelled_environment_fields_come_first_and_the_rest_by_path():
+    env = {"schema": "x", "record": "environment", "zeta": 1, "cpu_model": "Z80",
+           "memory_total_bytes": 2 * 2**30, "memory_available_bytes": 2**30,
+           "versions": {"numpy": "2.0", "torch": None, "jax": None}, "empty": {}}
+    labels = {"versions.torch": "PyTorch", "cpu_model": "CPU", "memory_total_bytes": "Memory",
+              "absent": "Never shown"}
+    rows, rest = environment_rows(env, labels)
+    assert rows == [("PyTorch", "not installed"), ("CPU", "Z80"),
+                    ("Memory", "2 GiB total, 1 GiB available at the start")]
+    assert rest == [("zeta", "1"), ("versions.numpy", "2.0"), ("versions.jax", "–")]
+    # Without a labelled field, every field is a row.
+    assert environment_rows({"zeta": 1}, {"cpu_model": "CPU"}) == ([("zeta", "1")], [])
 
 
 def test_busy_machine_fits_use_the_fastest_repeat():
@@ -881,13 +893,3 @@ def test_the_page_header_and_the_repeat_counts_read_as_sentences(report_html):
     header = " ".join(meta.split("</div>")[0].split())
     assert "Measured on <b>this machine</b>." in header   # not "this machine</b> ."
     assert "the number of timed repeats" in report_html   # what "(99×)" means
-
-
-def test_labelled_environment_fields_come_first_in_the_labels_order():
-    from fastattn.report.environment import environment_rows
-
-    env = {"schema": "x", "record": "environment", "zeta": 1, "cpu_model": "Z80",
-           "versions": {"numpy": "2.0", "torch": None}}
-    labels = {"versions.torch": "PyTorch", "cpu_model": "CPU", "absent": "Never shown"}
-    assert environment_rows(env, labels) == [("PyTorch", "not installed"), ("CPU", "Z80"),
-                                             ("zeta", "1"), ("versions.numpy", "2.0")]

@@ -1,6 +1,6 @@
 """The Environment section of one machine: every field of its environment record
 (:func:`fastattn.bench.environment.collect`, or the asv adapter's), each value in words:
-first the fields the schema labels, in its order, then every other one by its key."""
+the fields the schema labels, in its order, then every other one by its key."""
 
 from ..bench import schema
 from ..bench.table import format_bytes
@@ -29,36 +29,65 @@ def blas_text(value):
     return "; ".join(parts) or "–"
 
 
-def value_text(value, key=""):
-    """A recorded value in words: yes/no, bytes, lists and mappings joined, "–" for None."""
+def value_text(value):
+    """A recorded value in words: yes/no, lists and mappings joined, "–" for None."""
     if isinstance(value, bool):
         return "yes" if value else "no"
     if isinstance(value, dict):
         return ", ".join(f"{k}: {value_text(v)}" for k, v in value.items()) or "none"
     if isinstance(value, (list, tuple)):
         return ", ".join(value_text(v) for v in value) or "none"
-    if key.endswith("_bytes") and value is not None:
-        return format_bytes(value)
     return "–" if value is None else str(value)
 
 
+def _lookup(record, path):
+    for part in path.split("."):
+        if not isinstance(record, dict) or part not in record:
+            return None, False
+        record = record[part]
+    return record, True
+
+
+def _field_text(env, path, value):
+    if path == "blas":
+        return blas_text(value)
+    if path == "memory_total_bytes":
+        return f"{format_bytes(value)} total" + (
+            f", {format_bytes(env['memory_available_bytes'])} available at the start"
+            if env.get("memory_available_bytes") else "")
+    if value is None and path.startswith("versions."):
+        return "not installed"
+    return value_text(value)
+
+
 def environment_rows(env, labels=None):
-    """``(label, text)`` per field of ``env``: those of ``labels`` (``{dotted path: label}``,
-    default :data:`LABELS`) first in its order, then the others by their dotted path in the
-    record's order; each library of ``versions`` a row of its own (None: "not installed"),
-    ``blas`` by :func:`blas_text`, the rest by :func:`value_text`."""
+    """``rows, rest`` of the environment record ``env``.
+
+    ``rows``: ``(label, text)`` of each field of ``labels`` (``{dotted path:
+    label}``, default :data:`LABELS`) that ``env`` holds, in the labels' order (an
+    absent library "not installed"); ``rest``: ``(dotted path, text)`` of every
+    other field, a mapping's items one by one (but ``blas``).  Without any labelled
+    field, ``rest`` is given as ``rows``.
+    """
     labels = LABELS if labels is None else labels
-    fields = {}
+    rows, used = [], {"memory_available_bytes", *_RECORD_FIELDS}
+    for path, label in labels.items():
+        value, present = _lookup(env, path)
+        if present:
+            used.add(path)
+            rows.append((label, _field_text(env, path, value)))
+    rest = []
     for key, value in env.items():
-        if key == "versions" and isinstance(value, dict):
-            fields.update((f"versions.{lib}", "not installed" if v is None else str(v))
-                          for lib, v in value.items())
-        elif key not in _RECORD_FIELDS:
-            fields[key] = blas_text(value) if key == "blas" else value_text(value, key)
-    order = [path for path in labels if path in fields] + [p for p in fields if p not in labels]
-    return [(labels.get(path, path), fields[path]) for path in order]
+        items = value.items() if isinstance(value, dict) and key != "blas" else [(None, value)]
+        for sub, item in items:
+            path = key if sub is None else f"{key}.{sub}"
+            if path not in used and key not in used:
+                rest.append((path, _field_text(env, path, item) if sub is None
+                             else value_text(item)))
+    return (rows, rest) if rows else (rest, [])
 
 
 def section(m):
     """The Environment block of machine ``m`` (:class:`~.analysis.Machine`)."""
-    return {"rows": environment_rows(m.env)}
+    rows, rest = environment_rows(m.env)
+    return {"rows": rows, "rest": rest}

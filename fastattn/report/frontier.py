@@ -11,7 +11,7 @@ attention.  A map without a measured point says so; nothing is estimated in its 
 """
 
 import math
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -114,9 +114,7 @@ class Frontier:
     Attributes
     ----------
     rows : list of FrontierRow
-        In the order of :data:`MAPS`.
-    convergence : list of FrontierRow
-        The FAVOR+ rows, by ``m``.
+        In the order of :data:`MAPS`; :attr:`convergence` the FAVOR+ ones, by ``m``.
     softmax_times : list of TimeAt
         Softmax attention in the same setting, at :data:`COST_NS`.
     setting : Setting
@@ -131,13 +129,14 @@ class Frontier:
     """
 
     rows: list
-    convergence: list
     softmax_times: list
     setting: Setting
     quality: object
     missing: list
     unmatched: list
     headline: list
+
+    convergence = property(lambda self: [r for r in self.rows if r.spec.factor])
 
 
 def _times(curve_list):
@@ -152,18 +151,20 @@ def _setting(curve_list):
     pool = linear or [c for c in curve_list if not c.causal and not c.peer]
     if not pool:
         return Setting()
-    keys = [(c.machine, str(c.key.get("dtype")), c.key.get("threads"), c.key.get("d_k"),
-             c.key.get("d_v")) for c in pool]
-    best = max(set(keys), key=lambda k: (keys.count(k), k[1] == "float32", str(k)))
-    return Setting(*best)
+    keys = [_setting_of(c) for c in pool]
+    return Setting(*max(set(keys), key=lambda k: (keys.count(k), k[1] == "float32", str(k))))
+
+
+def _setting_of(c):
+    return (c.machine, str(c.key.get("dtype")), c.key.get("threads"), c.key.get("d_k"),
+            c.key.get("d_v"))
 
 
 def _in_setting(c, setting):
-    return (not c.causal and not c.peer and c.machine == setting.machine
-            and str(c.key.get("dtype")) == setting.dtype
-            and c.key.get("threads") == setting.threads and c.key.get("d_k") == setting.d_k
-            and c.key.get("d_v") == setting.d_v and c.key.get("batch", 1) == 1
-            and c.key.get("heads", 1) == 1 and c.key.get("regime") in (None, "prefill"))
+    """Whether ``c`` is a non-causal single-head prefill curve of fastattn's in ``setting``."""
+    return (not c.causal and not c.peer and _setting_of(c) == astuple(setting)
+            and c.key.get("batch", 1) == 1 and c.key.get("heads", 1) == 1
+            and c.key.get("regime") in (None, "prefill"))
 
 
 def frontier(fq, curve_list):
@@ -200,9 +201,8 @@ def frontier(fq, curve_list):
                                 mean_quality(layers), layers, _times(measured),
                                 (D * setting.d_v + D) * itemsize, cross, bool(measured)))
     unmatched = sorted({c.label for c in linear if not any(s.measured_by(c.key) for s in MAPS)})
-    convergence = [r for r in rows if r.spec.factor]
     softmax_times = _times(softmax)
-    result = Frontier(rows, convergence, softmax_times, setting, fq,
+    result = Frontier(rows, softmax_times, setting, fq,
                       [r.label for r in rows if not r.measured], unmatched, [])
     result.headline = _headline(result)
     return result

@@ -18,7 +18,8 @@ def history_figure(history, title):
     dates = sorted({row.get("date") or "" for row in history})
     position = {d: i for i, d in enumerate(dates)}
     cmap, markers = plt.get_cmap("tab20"), "os^Dv<>ph*"
-    for i, ((machine, params), rows) in enumerate(sorted(series.items(), key=lambda kv: str(kv[0]))):
+    for i, ((machine, params), rows) in enumerate(sorted(series.items(),
+                                                         key=lambda kv: str(kv[0]))):
         rows = sorted(rows, key=lambda r: r.get("date") or "")
         ax.plot([position[r.get("date") or ""] for r in rows],
                 [np.nan if r.get("value") is None else r["value"] for r in rows], "-",
