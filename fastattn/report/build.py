@@ -1,6 +1,8 @@
 """The HTML report: read the records, call each section in the page's order, fill the
-template.  A section is one module (its finished object, its figures) and one partial
-``templates/_<name>.html.j2``; nothing here computes or draws."""
+template.  A section is one module (``section(...)``: its finished object and figures,
+or None; ``NAV``: its link) and one partial ``templates/_<name>.html.j2``; adding one is
+that module, its partial and its name in :data:`MACHINE_SECTIONS` or
+:data:`PAGE_SECTIONS` and :data:`ORDER`.  Nothing here computes or draws."""
 
 import datetime as _dt
 from dataclasses import dataclass
@@ -10,17 +12,31 @@ import jinja2
 from .. import __version__
 from ..bench.engine import MAX_PROBE_N, PEAK_PROBE_N
 from ..bench.table import format_number, mask_name
-from . import analysis, environment, figures, frontier, generation, memory, roof, scaling
-from . import history as history_
-from . import quality as quality_
+from . import (analysis, environment, figures, frontier, generation, history, memory, quality,
+               roof, scaling)
 
 #: Marker written into every report; an existing file at the output path is
 #: only replaced when it carries it.
 REPORT_MARKER = '<meta name="generator" content="fastattn report">'
 
-#: The sections of each machine, in the page's order: ``s.<name>`` in the templates.
+#: Sections of each machine (``section(machine)``: ``s.<name>`` in the templates).
 MACHINE_SECTIONS = {"scaling": scaling, "memory": memory, "roof": roof,
                     "generation": generation, "environment": environment}
+#: Sections of the page (``section(page)``: ``<name>`` in the templates).
+PAGE_SECTIONS = {"quality": quality, "frontier": frontier, "history": history}
+#: The page's order of the top-level sections (memory and roof sit inside scaling).
+ORDER = ("scaling", "generation", "quality", "frontier", "environment", "history")
+
+
+@dataclass
+class Page:
+    """What a section of the page reads: the records' :class:`~.analysis.Curve` s of every
+    machine, the quality results and the asv history."""
+
+    curves: list
+    quality: object = None
+    history: list = None
+    history_benchmark: str = None
 
 
 @dataclass
@@ -86,23 +102,24 @@ def build_report(records, *, source="", quality=None, history=None, history_benc
     sections = [{"name": m.name or "this machine",
                  **{key: module.section(m) for key, module in MACHINE_SECTIONS.items()}}
                 for m in machines]
+    page = Page(all_curves, quality, history, history_benchmark)
+    parts = {key: module.section(page) for key, module in PAGE_SECTIONS.items()}
     comparison_png = None
     if len(names) > 1:
         comparison_png = figures.data_uri(figures.scaling_figure(
             [(f"{s['name']}: {mask_name(causal)}",
               [c for c in s["scaling"]["curves"] if c.causal == causal])
              for causal in (False, True) for s in sections], "time", ncols=min(len(names), 3)))
-    first = sections[0]
-    q = quality_.section(quality)
-    summary = first["scaling"]["summary"] + (first["generation"] or {}).get("summary", []) \
-        + (q["summary"] if q else [])
-    page = _template().render(
+    nav = [(key, module.NAV) for key in ORDER
+           for module in [MACHINE_SECTIONS.get(key) or PAGE_SECTIONS[key]]
+           if parts.get(key) or any(s.get(key) for s in sections)]
+    summary = [line for key in ORDER for line in (
+        (sections[0].get(key) or parts.get(key) or {}).get("summary", []))]
+    html = _template().render(
         marker=REPORT_MARKER, version=__version__, source=source, sections=sections,
         generated=(generated or _dt.datetime.now(_dt.timezone.utc)).strftime("%Y-%m-%d %H:%M UTC"),
-        comparison_png=comparison_png, summary=summary, quality=q,
-        frontier=frontier.section(quality.frontier if quality else None, all_curves),
-        history=history_.section(history, history_benchmark), fit_min_n=analysis.FIT_MIN_N,
-        max_probe_n=MAX_PROBE_N, peak_probe_n=PEAK_PROBE_N,
+        comparison_png=comparison_png, summary=summary, order=ORDER, nav=nav, **parts,
+        fit_min_n=analysis.FIT_MIN_N, max_probe_n=MAX_PROBE_N, peak_probe_n=PEAK_PROBE_N,
         from_asv=any(p.get("source") == "asv" for p in points), n_records=len(records),
         input_shapes=_input_shapes(points))
-    return Report(page, first["scaling"]["readme_png"])
+    return Report(html, sections[0]["scaling"]["readme_png"])

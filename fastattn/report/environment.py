@@ -11,6 +11,9 @@ LABELS = dict((path, label) for label, path in getattr(schema, "ENVIRONMENT_FIEL
 #: Fields of the record that say what it is rather than where it was measured.
 _RECORD_FIELDS = ("schema", "record")
 
+#: The page's link to this section.
+NAV = "Environment"
+
 
 def blas_text(value):
     """threadpoolctl BLAS entries to ``"openblas 0.3.27, Haswell kernel, 2 threads (lib.so)"``."""

@@ -26,6 +26,9 @@ from .figures import data_uri, to_png, weights_figure
 #: Sequence lengths whose measured time per call the frontier shows.
 COST_NS = FEATURE_MAP_NS
 
+#: The page's link to this section.
+NAV = "Feature maps"
+
 
 def kl_text(kl):
     """A row KL divergence for the page: 3 decimals, ``"∞"`` when infinite."""
@@ -338,17 +341,19 @@ def convergence_figure(fr):
 
 
 # --------------------------------------------------------------------- page
-def section(fq, curve_list):
-    """The frontier part of the page: the :class:`Frontier` and its figures as data URIs.
+def section(page):
+    """The frontier part of the page: the :class:`Frontier` of ``page.quality.frontier``
+    and ``page.curves``, and its figures as data URIs.
 
     Returns
     -------
     dict or None
         None when no frontier quality was computed.
     """
+    fq = page.quality and page.quality.frontier
     if fq is None:
         return None
-    fr = frontier(fq, curve_list)
+    fr = frontier(fq, page.curves)
     return {"f": fr, "cost_ns": COST_NS,
             "chart": data_uri(frontier_figure(fr)),
             "convergence": data_uri(convergence_figure(fr)),

@@ -20,6 +20,9 @@ EXPECTED_DECODE_EXPONENT = analysis.EXPECTED_DECODE_EXPONENT  # O(n) and O(1) pe
 PROMPTS = (1024, 8192)
 GENERATED = (128, 1024, 8192)
 
+#: The page's link to this section.
+NAV = "Generation"
+
 
 @dataclass(frozen=True)
 class EndToEnd:

@@ -7,6 +7,9 @@ from ..bench.table import format_bytes, format_number, format_seconds
 from . import figures
 from .environment import value_text
 
+#: The page's link to this section.
+NAV = "asv history"
+
 
 def history_figure(history, title):
     """PNG of ``load_asv_history`` rows across commits, a line per machine and parameters."""
@@ -38,8 +41,10 @@ def history_figure(history, title):
     return figures.to_png(fig)
 
 
-def section(history, benchmark):
-    """The history block of ``load_asv_history`` rows of ``benchmark`` (None: no block)."""
+def section(page):
+    """The history block of ``page.history``, the ``load_asv_history`` rows of
+    ``page.history_benchmark`` (None: no block)."""
+    history, benchmark = page.history, page.history_benchmark
     if history is None:
         return None
     title = benchmark or "asv benchmark history"

@@ -7,6 +7,9 @@ import numpy as np
 from ..map_quality import compute_quality  # noqa: F401  (``fastattn report``'s step, as before)
 from . import figures
 
+#: The page's link to this section.
+NAV = "Quality"
+
 
 def quality_figure(gaussian, minilm):
     """PNG of linear against softmax cosine similarity: Gaussian rows, MiniLM per layer."""
@@ -35,9 +38,10 @@ def quality_figure(gaussian, minilm):
     return figures.to_png(fig)
 
 
-def section(quality):
-    """The Quality block of ``quality`` (a :class:`~fastattn.map_quality.QualityResults`, or
-    None: no block), and the sentence it adds to the page's summary."""
+def section(page):
+    """The Quality block of ``page.quality`` (a :class:`~fastattn.map_quality.QualityResults`,
+    or None: no block), and the sentence it adds to the page's summary."""
+    quality = page.quality
     if quality is None:
         return None
     g = [r.cosine_similarity for r in quality.gaussian]

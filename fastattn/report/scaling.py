@@ -13,6 +13,9 @@ PEER_HELP = ("No peer ran the prefill points: these results hold none (no peer w
 #: The peers the note above names when the results record no install hints of their own.
 PREFILL_PEERS = ("torch", "onnxruntime", "jax")
 
+#: The page's link to this section.
+NAV = "Scaling"
+
 
 def _exponent_rows(curve_list):
     """One row per kernel: time and memory exponents, non-causal and causal."""
