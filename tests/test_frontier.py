@@ -84,6 +84,18 @@ def _curves(records):
     return analysis.curves(analysis.split_records(records)[2])
 
 
+def test_the_maps_are_every_feature_map_name_favor_at_each_multiple_first():
+    from fastattn.feature_maps import NAMES
+
+    assert [m.key for m in MAPS] == ["favor-1", "favor-4", "favor-16", "favor-64", "taylor",
+                                     "elu", "relu"]
+    assert {m.feature_map for m in MAPS} == set(NAMES)
+    assert [m.num_features(32) for m in MAPS] == [32, 128, 512, 2048, 1 + 32 + 32 * 33 // 2,
+                                                  32, 32]
+    assert [m.label for m in MAPS][3:] == ["FAVOR+ m = 64·d_k", "Taylor (2nd order)", "elu+1",
+                                           "relu"]
+
+
 # ------------------------------------------------------------------- costs
 def test_every_map_costs_from_its_measured_points(tmp_path, fq):
     fr = frontier.frontier(fq, _curves(write_records(tmp_path / "r.jsonl", ALL_MAPS)))

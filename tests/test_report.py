@@ -893,3 +893,18 @@ def test_the_page_header_and_the_repeat_counts_read_as_sentences(report_html):
     header = " ".join(meta.split("</div>")[0].split())
     assert "Measured on <b>this machine</b>." in header   # not "this machine</b> ."
     assert "the number of timed repeats" in report_html   # what "(99×)" means
+
+
+def test_the_real_heatmap_is_the_head_of_lowest_softmax_row_entropy(quality):
+    from scipy import stats
+
+    from fastattn.data import load_minilm
+
+    data = load_minilm(None)          # what the quality fixture computed on
+    q, k = data["q"].astype(np.float64), data["k"].astype(np.float64)
+    scores = q @ k.swapaxes(-1, -2) / np.sqrt(q.shape[-1])
+    weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    entropy = stats.entropy(weights, axis=-1).mean(axis=-1)      # (layers, heads), nats
+    layer, head = np.unravel_index(np.argmin(entropy), entropy.shape)
+    assert quality.heatmaps[1].title.startswith(f"all-MiniLM-L6-v2 layer {layer}, head {head} ")
+    assert f"mean row entropy {entropy.min():.2f} nats" in quality.heatmaps[1].note
