@@ -12,8 +12,7 @@ import jinja2
 from .. import __version__
 from ..bench.engine import MAX_PROBE_N, PEAK_PROBE_N
 from ..bench.table import format_number, mask_name
-from . import (analysis, environment, figures, frontier, generation, history, memory, quality,
-               roof, scaling)
+from . import analysis, environment, frontier, generation, history, memory, quality, roof, scaling
 
 #: Marker written into every report; an existing file at the output path is
 #: only replaced when it carries it.
@@ -104,12 +103,6 @@ def build_report(records, *, source="", quality=None, history=None, history_benc
                 for m in machines]
     page = Page(all_curves, quality, history, history_benchmark)
     parts = {key: module.section(page) for key, module in PAGE_SECTIONS.items()}
-    comparison_png = None
-    if len(names) > 1:
-        comparison_png = figures.data_uri(figures.scaling_figure(
-            [(f"{s['name']}: {mask_name(causal)}",
-              [c for c in s["scaling"]["curves"] if c.causal == causal])
-             for causal in (False, True) for s in sections], "time", ncols=min(len(names), 3)))
     nav = [(key, module.NAV) for key in ORDER
            for module in [MACHINE_SECTIONS.get(key) or PAGE_SECTIONS[key]]
            if parts.get(key) or any(s.get(key) for s in sections)]
@@ -118,7 +111,7 @@ def build_report(records, *, source="", quality=None, history=None, history_benc
     html = _template().render(
         marker=REPORT_MARKER, version=__version__, source=source, sections=sections,
         generated=(generated or _dt.datetime.now(_dt.timezone.utc)).strftime("%Y-%m-%d %H:%M UTC"),
-        comparison_png=comparison_png, summary=summary, order=ORDER, nav=nav, **parts,
+        comparison_png=scaling.side_by_side(sections), summary=summary, order=ORDER, nav=nav, **parts,
         fit_min_n=analysis.FIT_MIN_N, max_probe_n=MAX_PROBE_N, peak_probe_n=PEAK_PROBE_N,
         from_asv=any(p.get("source") == "asv" for p in points), n_records=len(records),
         input_shapes=_input_shapes(points))

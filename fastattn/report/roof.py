@@ -4,7 +4,6 @@ the same run, the roof statements, the probes and the points above their roof.""
 import numpy as np
 from matplotlib.ticker import FuncFormatter
 
-from ..bench.engine import MAX_PROBE_N, PEAK_PROBE_N
 from ..bench.table import ABOVE_ROOF_WHY, mask_name, roof_statements
 from . import analysis, figures
 
@@ -73,5 +72,4 @@ def section(m):
             "lines": [label for label, _, _ in lines], "statements": roof_statements(roofs),
             "above": [f"{c.label}, {mask_name(c.causal)}, at n = {n}" for c in curve_list
                       for n, flag in zip(c.n.tolist(), c.above_roof.tolist()) if flag],
-            "above_why": ABOVE_ROOF_WHY, "probes": roofs, "max_probe_n": MAX_PROBE_N,
-            "peak_probe_n": PEAK_PROBE_N}
+            "above_why": ABOVE_ROOF_WHY, "probes": roofs}

@@ -169,3 +169,14 @@ def section(m):
                             env.get("cores_logical"), threads, env.get("threads_reason"),
                             fastest),
     }
+
+
+def side_by_side(sections):
+    """The time figure of every machine's scaling curves, a column per machine (a data
+    URI), or None for the page of one machine."""
+    if len(sections) < 2:
+        return None
+    return figures.data_uri(figures.scaling_figure(
+        [(f"{s['name']}: {mask_name(causal)}",
+          [c for c in s["scaling"]["curves"] if c.causal == causal])
+         for causal in (False, True) for s in sections], "time", ncols=min(len(sections), 3)))
