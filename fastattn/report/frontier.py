@@ -13,7 +13,6 @@ attention.  A map without a measured point says so; nothing is estimated in its 
 import math
 from dataclasses import astuple, dataclass
 
-import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.ticker import FuncFormatter
 
@@ -21,7 +20,7 @@ from ..bench.schema import FEATURE_MAP_NS
 from ..bench.table import format_bytes, format_seconds
 from ..map_quality import MAPS, MapQuality, mean_quality
 from .analysis import crossover, envelope, fastest_at
-from .figures import data_uri, to_png, weights_figure
+from .figures import data_uri, plt, to_png, weights_figure  # figures selects Agg first
 
 #: Sequence lengths whose measured time per call the frontier shows.
 COST_NS = FEATURE_MAP_NS

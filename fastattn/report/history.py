@@ -1,10 +1,10 @@
 """The asv history section: one benchmark's values across commits (``--asv --history``)."""
 
-import matplotlib.pyplot as plt
 import numpy as np
 
 from ..bench.table import format_bytes, format_number, format_seconds
 from . import figures
+from .figures import plt  # pyplot once figures has selected Agg
 from .environment import value_text
 
 #: The page's link to this section.

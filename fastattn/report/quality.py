@@ -1,11 +1,11 @@
 """The Quality section: how far linear attention's output lands from softmax's, drawn and
 laid out from :class:`fastattn.map_quality.QualityResults` (computed there, never here)."""
 
-import matplotlib.pyplot as plt
 import numpy as np
 
 from ..map_quality import compute_quality  # noqa: F401  (``fastattn report``'s step, as before)
 from . import figures
+from .figures import plt  # pyplot once figures has selected Agg
 
 #: The page's link to this section.
 NAV = "Quality"
