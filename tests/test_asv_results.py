@@ -344,7 +344,7 @@ def test_decode_and_feature_map_benchmarks_are_read_as_points(decode_and_feature
     favor = by["linear", "prefill", "favor", 4096, 4096]
     assert favor["median_s"] == 3e-2 and favor["flops"] == 4 * 4096 * 4096 * 64
     # The feature-map frontier takes its costs from these points: FAVOR+ m = 64 d_k, Taylor.
-    from fastattn.report.frontier import MAPS
+    from fastattn.map_quality import MAPS
 
     assert [s.key for s in MAPS if s.measured_by(favor)] == ["favor-64"]
     assert [s.key for s in MAPS if s.measured_by(taylor)] == ["taylor"]

@@ -21,7 +21,9 @@ from fastattn.compare import seed_inputs
 from fastattn.data import load_minilm
 from fastattn.report import analysis, frontier
 from fastattn.report.build import build_report
-from fastattn.report.frontier import MAPS, ROW_SAMPLE, compute_frontier_quality
+from fastattn.bench.schema import FAVOR_MULTIPLES
+from fastattn.map_quality import (FAVOR_SEED, MAPS, ROW_SAMPLE, compute_frontier_quality,
+                                  mean_quality)
 
 A = 1e-9          # softmax seconds per n²
 B = 2e-8          # linear seconds per n per feature (D + 64)
@@ -63,7 +65,7 @@ def write_records(path, maps, softmax_ns=(1024, 2048, 4096, 8192, 16384), map_ns
     return read_records(path)
 
 
-ALL_MAPS = [("favor", f * D_K) for f in frontier.FAVOR_FACTORS] + [
+ALL_MAPS = [("favor", f * D_K) for f in FAVOR_MULTIPLES] + [
     ("taylor", 1 + D_K + D_K * (D_K + 1) // 2), ("elu", None), ("relu", None)]
 
 
@@ -80,6 +82,18 @@ def fq(slice_data):
 
 def _curves(records):
     return analysis.curves(analysis.split_records(records)[2])
+
+
+def test_the_maps_are_every_feature_map_name_favor_at_each_multiple_first():
+    from fastattn.feature_maps import NAMES
+
+    assert [m.key for m in MAPS] == ["favor-1", "favor-4", "favor-16", "favor-64", "taylor",
+                                     "elu", "relu"]
+    assert {m.feature_map for m in MAPS} == set(NAMES)
+    assert [m.num_features(32) for m in MAPS] == [32, 128, 512, 2048, 1 + 32 + 32 * 33 // 2,
+                                                  32, 32]
+    assert [m.label for m in MAPS][3:] == ["FAVOR+ m = 64·d_k", "Taylor (2nd order)", "elu+1",
+                                           "relu"]
 
 
 # ------------------------------------------------------------------- costs
@@ -169,7 +183,7 @@ def test_minilm_metrics_match_formulas_written_here(slice_data, fq, key):
         if key == "elu":
             phi_q, phi_k = _elu1(q[h]), _elu1(k[h])
         else:
-            omega = FavorFeatures(32, num_features=16 * 32, random_state=frontier.FAVOR_SEED).omega
+            omega = FavorFeatures(32, num_features=16 * 32, random_state=FAVOR_SEED).omega
             # FAVOR+'s default eps is 0 (any other would be measured in the shifted frame).
             phi_q, phi_k = _favor64(q[h], omega, "row"), _favor64(k[h], omega, "all")
         P, Q = _softmax64(q[h], k[h]), _linear64(phi_q, phi_k, 1e-6 if key == "elu" else 0.0)
@@ -184,34 +198,36 @@ def test_minilm_metrics_match_formulas_written_here(slice_data, fq, key):
         ent_ref += list(-(P * np.log(P)).sum(-1))
     got = fq.minilm[key][layer]
     tol = dict(rel=F32["rtol"] * 10, abs=F32["atol"])
-    assert got.cosine_similarity == pytest.approx(np.mean(cos), **tol)
-    assert got.mse == pytest.approx(np.mean(np.concatenate(sq)), rel=1e-3)
-    assert got.magnitude_ratio == pytest.approx(np.sqrt(num / den), **tol)
-    assert got.kl_divergence == pytest.approx(np.mean(kl), rel=1e-3)
-    assert got.entropy == pytest.approx(np.mean(ent), **tol)
-    assert got.softmax_entropy == pytest.approx(np.mean(ent_ref), **tol)
+    assert got.output.cosine_similarity == pytest.approx(np.mean(cos), **tol)
+    assert got.output.mse == pytest.approx(np.mean(np.concatenate(sq)), rel=1e-3)
+    assert got.output.magnitude_ratio == pytest.approx(np.sqrt(num / den), **tol)
+    assert got.rows.kl_divergence == pytest.approx(np.mean(kl), rel=1e-3)
+    assert got.rows.entropy == pytest.approx(np.mean(ent), **tol)
+    assert got.rows.reference_entropy == pytest.approx(np.mean(ent_ref), **tol)
     # The frontier row of the map is the mean over the layers.
     row = next(r for r in frontier.frontier(fq, []).rows if r.spec.key == key)
-    assert row.minilm.cosine_similarity == pytest.approx(
-        np.mean([m.cosine_similarity for m in fq.minilm[key]]), rel=1e-12)
+    assert row.minilm.output.cosine_similarity == pytest.approx(
+        np.mean([m.output.cosine_similarity for m in fq.minilm[key]]), rel=1e-12)
+    assert row.minilm.rows.kl_divergence == pytest.approx(
+        np.mean([m.rows.kl_divergence for m in fq.minilm[key]]), rel=1e-12)
 
 
 def test_relu_rows_that_miss_a_key_have_infinite_kl(fq):
-    assert np.isinf(fq.minilm["relu"][0].kl_divergence)
-    assert frontier.Metrics.mean(fq.minilm["relu"]).kl_text == "∞"
-    assert np.isfinite(fq.minilm["elu"][0].kl_divergence)
+    assert np.isinf(fq.minilm["relu"][0].rows.kl_divergence)
+    assert frontier.kl_text(mean_quality(fq.minilm["relu"]).rows.kl_divergence) == "∞"
+    assert frontier.kl_text(0.12345) == "0.123"
+    assert np.isfinite(fq.minilm["elu"][0].rows.kl_divergence)
 
 
 def test_favor_quality_improves_with_m_on_minilm(fq):
     # One fixed seed on the real activations: more features, closer to softmax.
-    cos = [frontier.Metrics.mean(fq.minilm[f"favor-{f}"]).cosine_similarity
-           for f in frontier.FAVOR_FACTORS]
-    kl = [frontier.Metrics.mean(fq.minilm[f"favor-{f}"]).kl_divergence
-          for f in frontier.FAVOR_FACTORS]
+    cos = [mean_quality(fq.minilm[f"favor-{f}"]).output.cosine_similarity
+           for f in FAVOR_MULTIPLES]
+    kl = [mean_quality(fq.minilm[f"favor-{f}"]).rows.kl_divergence for f in FAVOR_MULTIPLES]
     assert all(a < b for a, b in zip(cos, cos[1:])), cos
     assert all(a > b for a, b in zip(kl, kl[1:])), kl
     # ... and at m = 64·d_k FAVOR+ beats elu+1 on the output.
-    assert cos[-1] > frontier.Metrics.mean(fq.minilm["elu"]).cosine_similarity
+    assert cos[-1] > mean_quality(fq.minilm["elu"]).output.cosine_similarity
 
 
 def test_heatmaps_hold_softmax_and_every_map(slice_data, fq):
@@ -225,7 +241,7 @@ def test_heatmaps_hold_softmax_and_every_map(slice_data, fq):
 
 # -------------------------------------------------------------------- page
 def test_page_has_the_frontier_section_chart_and_numbers(tmp_path, fq):
-    from fastattn.report.quality import compute_quality
+    from fastattn.map_quality import compute_quality
 
     quality = compute_quality(None)
     records = write_records(tmp_path / "r.jsonl", [m for m in ALL_MAPS if m[0] != "taylor"])
@@ -238,10 +254,10 @@ def test_page_has_the_frontier_section_chart_and_numbers(tmp_path, fq):
     assert 'alt="attention weights of one MiniLM head, softmax and every feature map"' in html
     fr = frontier.frontier(quality.frontier, _curves(records))
     for r in fr.rows:    # each map's MiniLM cosine similarity as the page prints it
-        assert f"{r.minilm.cosine_similarity:.3f}" in html
+        assert f"{r.minilm.output.cosine_similarity:.3f}" in html
     assert "No measured point for <b>Taylor (2nd order)</b>" in html
     assert "not measured at n = 4096" in html
-    assert f"random_state={frontier.FAVOR_SEED}" in html
+    assert f"random_state={FAVOR_SEED}" in html
 
 
 def test_page_without_quality_has_no_frontier(tmp_path):
@@ -250,7 +266,7 @@ def test_page_without_quality_has_no_frontier(tmp_path):
 
 
 def test_every_section_of_the_page_has_a_navigation_link(tmp_path):
-    from fastattn.report.quality import compute_quality
+    from fastattn.map_quality import compute_quality
 
     records = write_records(tmp_path / "r.jsonl", ALL_MAPS)
     records += [dict(r, regime="decode", n_q=1) for r in records  # a Generation section too
@@ -278,5 +294,5 @@ def test_the_default_report_grid_times_softmax_where_the_frontier_needs_it():
         maps = {(p.feature_map, p.num_features) for p in points if p.attention == "linear"
                 and p.n == n and not p.causal}
         assert {("elu", None), ("relu", None), ("taylor", None)} <= maps
-        assert {("favor", f * 64) for f in frontier.FAVOR_FACTORS} <= maps
+        assert {("favor", f * 64) for f in FAVOR_MULTIPLES} <= maps
     assert not any(p.n > max(frontier.COST_NS) for p in points if p.regime == "prefill")

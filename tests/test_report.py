@@ -24,7 +24,8 @@ from fastattn.bench.results import SCHEMA, read_records
 from fastattn.cli import main
 from fastattn.report import analysis
 from fastattn.report.build import REPORT_MARKER, build_report
-from fastattn.report.quality import compute_quality
+from fastattn.map_quality import compute_quality
+from fastattn.report.environment import LABELS, environment_rows
 
 A_SOFTMAX = 1e-9      # seconds per n² (non-causal); causal is half
 B_LINEAR = 2e-6       # seconds per n
@@ -306,7 +307,7 @@ def _quality_once(request, monkeypatch):
     """Command tests reuse the module's quality numbers (they test the command, not the maths)."""
     if request.node.name.startswith("test_cli"):
         value = request.getfixturevalue("quality")
-        monkeypatch.setattr("fastattn.report.quality.compute_quality", lambda *a, **k: value)
+        monkeypatch.setattr("fastattn.map_quality.compute_quality", lambda *a, **k: value)
 
 
 def _sha(path):
@@ -639,13 +640,34 @@ def test_many_repeat_counts_are_given_as_their_range():
     assert "timed over 3 to 22 repeats" in " ".join(text.split())
 
 
-def test_environment_does_not_contradict_the_backends():
-    html = build_report(synthetic_records(), quality=None).html
-    env = [dict(r, versions={**r["versions"], "cython": None}, backends=["reference", "cython"])
+def test_environment_shows_every_field_of_the_record():
+    env = [dict(r, versions={"numpy": "2.0.1", "cython": None}, backends=["reference", "cython"],
+                blas=[{"internal_api": "openblas", "version": "0.3.27", "num_threads": 2}],
+                zz_new_field={"a": 1, "b": True})
            for r in synthetic_records() if r["record"] == "environment"]
     html = build_report(env + synthetic_records()[1:], quality=None).html
-    assert "<th class=\"l\">Cython</th><td class=\"l\">not installed" not in html
-    assert "Cython (compiler, needed only to build)" in html
+    env_part = html.split('id="environment"', 1)[1].split('id="method"', 1)[0]
+    rows = re.findall(r'<tr><th class="l">([^<]+)</th><td class="l">([^<]*)</td></tr>', env_part)
+    texts = dict(rows)
+    assert texts[LABELS.get("versions.numpy", "versions.numpy")] == "2.0.1"
+    assert texts[LABELS.get("backends", "backends")] == "reference, cython"
+    assert texts[LABELS.get("blas", "blas")] == "openblas 0.3.27, 2 threads"
+    assert texts["zz_new_field.a"] == "1" and texts["zz_new_field.b"] == "yes"  # never heard of
+    assert not any(label in ("schema", "record") for label, _ in rows)
+
+
+def test_labelled_environment_fields_come_first_and_the_rest_by_path():
+    env = {"schema": "x", "record": "environment", "zeta": 1, "cpu_model": "Z80",
+           "memory_total_bytes": 2 * 2**30, "memory_available_bytes": 2**30,
+           "versions": {"numpy": "2.0", "torch": None, "jax": None}, "empty": {}}
+    labels = {"versions.torch": "PyTorch", "cpu_model": "CPU", "memory_total_bytes": "Memory",
+              "absent": "Never shown"}
+    rows, rest = environment_rows(env, labels)
+    assert rows == [("PyTorch", "not installed"), ("CPU", "Z80"),
+                    ("Memory", "2 GiB total, 1 GiB available at the start")]
+    assert rest == [("zeta", "1"), ("versions.numpy", "2.0"), ("versions.jax", "–")]
+    # Without a labelled field, every field is a row.
+    assert environment_rows({"zeta": 1}, {"cpu_model": "CPU"}) == ([("zeta", "1")], [])
 
 
 def test_busy_machine_fits_use_the_fastest_repeat():
@@ -751,7 +773,8 @@ def test_the_thread_count_and_its_reason_reach_the_header_and_the_page(tmp_path)
     env = [r for r in read_records(results) if r["record"] == "environment"]
     assert env[0]["threads"] == 1 and env[0]["threads_reason"] == "because a test said so"
     html = build_report(read_records(results), source="t").html
-    assert "Why this thread count</th><td class=\"l\">because a test said so" in html
+    label = LABELS.get("threads_reason", "threads_reason")   # the schema's label, if it has one
+    assert f"{label}</th><td class=\"l\">because a test said so" in html
     assert "Measured on 1 thread(s): because a test said so." in html
 
 
@@ -846,11 +869,11 @@ def test_a_panel_of_many_or_long_labels_keeps_its_axes(count, label):
 
     from fastattn.report import figures
 
-    fig, axes = figures._panel_grid([("a", []), ("b", [])], 2)
+    fig, axes = figures.panel_grid([("a", []), ("b", [])], 2)
     for ax in axes:
         for i in range(count):
             ax.plot([1, 2], [i + 1, i + 2], label=f"{label} {i}")
-        figures._finish(ax, "panel")
+        figures.finish(ax, "panel")
     if count > figures.LEGEND_MAX:
         assert axes[0].get_legend() is None
         assert any(f"{count} curves" in t.get_text() for t in axes[0].texts)
@@ -870,3 +893,18 @@ def test_the_page_header_and_the_repeat_counts_read_as_sentences(report_html):
     header = " ".join(meta.split("</div>")[0].split())
     assert "Measured on <b>this machine</b>." in header   # not "this machine</b> ."
     assert "the number of timed repeats" in report_html   # what "(99×)" means
+
+
+def test_the_real_heatmap_is_the_head_of_lowest_softmax_row_entropy(quality):
+    from scipy import stats
+
+    from fastattn.data import load_minilm
+
+    data = load_minilm(None)          # what the quality fixture computed on
+    q, k = data["q"].astype(np.float64), data["k"].astype(np.float64)
+    scores = q @ k.swapaxes(-1, -2) / np.sqrt(q.shape[-1])
+    weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    entropy = stats.entropy(weights, axis=-1).mean(axis=-1)      # (layers, heads), nats
+    layer, head = np.unravel_index(np.argmin(entropy), entropy.shape)
+    assert quality.heatmaps[1].title.startswith(f"all-MiniLM-L6-v2 layer {layer}, head {head} ")
+    assert f"mean row entropy {entropy.min():.2f} nats" in quality.heatmaps[1].note

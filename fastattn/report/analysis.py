@@ -3,15 +3,15 @@ GFLOP/s against ``n`` (``n_k``), exponent fits, crossovers and roofs.  What it r
 is final and labelled: figures draw it and the page shows it, neither changes it."""
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 from scipy import stats
 
 from ..bench.engine import gemm_probes, roof_for
-
 from ..bench.results import DEFAULT_REGIME, POINT_KEYS, point_key
-from ..bench.table import above_roof as _above_roof
+from ..bench.table import above_roof as _above_roof, mask_name
 
 #: The keys that identify one curve: a point's identity without ``n_q``/``n_k``,
 #: plus the machine (set for asv results, absent for a sweep on this machine).
@@ -108,44 +108,51 @@ def fit_exponent(n, y, min_n=FIT_MIN_N):
                int(round(math.exp(x.max()))))
 
 
+def _column(name):
+    """A :class:`Curve` attribute: the records' ``name`` per n, NaN where not recorded."""
+    return cached_property(lambda self: np.array(
+        [float("nan") if p.get(name) is None else float(p[name]) for p in self.points]))
+
+
 @dataclass
 class Curve:
     """One backend's points of one configuration (``key``: the :data:`CURVE_KEYS`), by ``n``.
 
-    ``label``: ``"<backend> <attention>"``, `` (peer)`` and in brackets what tells it from
-    its machine's other curves.  Arrays are per ``n`` (NaN: not recorded); ``fit_s`` (the
-    ``statistic``: ``"min"``, or ``"median"`` where asv kept no samples) is what fits and
-    crossovers use; ``check_failed``: the ``n`` whose output disagreed with the reference;
-    ``above_roof``: per n, True where the kernel ran faster than its roof (``roof_fraction``
-    above 1, :func:`above_roof`)."""
+    ``points`` are the point records as measured, sorted by ``n_k``; the arrays
+    (``n``, ``median_s``, ``peak_bytes``, ...) are their fields per n (NaN: not
+    recorded).  ``label``: ``"<backend> <attention>"``, `` (peer)`` and in brackets
+    what tells it from its machine's other curves.  ``fit_s`` (the ``statistic``:
+    ``"min"``, or ``"median"`` where asv kept no samples) is what fits and crossovers
+    use; ``check_failed``: the ``n`` whose output disagreed with the reference;
+    ``above_roof``: per n, True where the kernel ran faster than its roof
+    (``roof_fraction`` above 1, :func:`fastattn.bench.table.above_roof`)."""
 
     key: dict
-    peer: bool
+    points: list
     label: str
-    n: np.ndarray
-    median_s: np.ndarray
-    min_s: np.ndarray
-    max_s: np.ndarray
-    fit_s: np.ndarray
-    statistic: str
-    repeats: np.ndarray
-    gflops: np.ndarray
     roof_fraction: np.ndarray
-    peak_bytes: np.ndarray
-    max_abs_err: np.ndarray
-    load_avg: np.ndarray
-    memory_method: set = field(default_factory=set)
-    check_failed: list = field(default_factory=list)
-    time_fit: Fit = None
-    memory_fit: Fit = None
-    held_bytes: np.ndarray = None
-    held_fit: Fit = None
-    above_roof: np.ndarray = None
 
     attention = property(lambda self: self.key["attention"])
     backend = property(lambda self: self.key["backend"])
     causal = property(lambda self: bool(self.key["causal"]))
     machine = property(lambda self: self.key.get("machine"))
+    peer = property(lambda self: any(bool(p.get("peer")) for p in self.points))
+    n = cached_property(lambda self: np.array([p["n_k"] for p in self.points], dtype=np.int64))
+    median_s, min_s, max_s = _column("median_s"), _column("min_s"), _column("max_s")
+    gflops, peak_bytes, held_bytes = _column("gflops"), _column("peak_bytes"), _column("held_bytes")
+    max_abs_err, load_avg = _column("max_abs_err"), _column("load_avg_1m")
+    statistic = property(lambda self: FIT_STATISTIC if np.isfinite(self.min_s).all() else "median")
+    fit_s = property(lambda self: self.min_s if self.statistic == "min" else self.median_s)
+    repeats = property(lambda self: np.array([len(p.get("times_s") or ()) for p in self.points]))
+    memory_method = property(lambda self: {p["memory_method"] for p in self.points
+                                           if p.get("memory_method")})
+    check_failed = property(lambda self: [p["n_k"] for p in self.points
+                                          if p.get("check_ok") is False])
+    above_roof = property(lambda self: np.array(
+        [_above_roof(f) for f in self.roof_fraction.tolist()], dtype=bool))
+    time_fit = cached_property(lambda self: fit_exponent(self.n, self.fit_s))
+    memory_fit = cached_property(lambda self: fit_exponent(self.n, self.peak_bytes))
+    held_fit = cached_property(lambda self: fit_exponent(self.n, self.held_bytes))
 
     @property
     def expected(self):
@@ -160,26 +167,21 @@ class Curve:
                     and abs(self.time_fit.slope - expected) > EXPONENT_SLACK)
 
 
-def _column(points, name):
-    return np.array([float("nan") if p.get(name) is None else float(p[name]) for p in points])
-
-
 def _label(key, peer, keys):
     """Backend and attention, plus what tells the curve from the others of its type in ``keys``
     (``regime`` is left to the page's sections)."""
     same = [k for k in keys if k["attention"] == key["attention"]]
-    varying = [name for name in ("dtype", "threads", "d_k", "d_v", "batch", "heads",
-                                 "feature_map", "num_features", "regime")
-               if len({k.get(name) for k in same}) > 1 and key.get(name) is not None]
+    varying = [name for name in CURVE_KEYS[1:] if name not in ("attention", "backend", "causal")
+               and len({k.get(name) for k in same}) > 1 and key.get(name) is not None]
     extra = ", ".join(f"{name}={key[name]}" for name in varying)
     return (f"{key['backend']} {key['attention']}" + (" (peer)" if peer else "")
             + (f" [{extra}]" if extra else ""))
 
 
 def curves(points, roofs=()):
-    """The ok ``points`` as labelled :class:`Curve` s with their fits, sorted by machine,
-    attention, causal, then backend (peers last); a point without ``roof_fraction`` is
-    matched to ``roofs`` by :func:`fastattn.bench.engine.roof_for`."""
+    """The ok ``points`` as labelled :class:`Curve` s, sorted by machine, attention, causal,
+    then backend (peers last); a point without ``roof_fraction`` is matched to ``roofs`` by
+    :func:`fastattn.bench.engine.roof_for`."""
     groups = {}
     for p in points:
         if p.get("status") == "ok" and p.get("median_s") is not None:
@@ -188,33 +190,15 @@ def curves(points, roofs=()):
     keys = [dict(zip(CURVE_KEYS, key)) for key in groups]
     result = []
     for key, pts in zip(keys, groups.values()):
-        peer = any(bool(p.get("peer")) for p in pts)
         pts.sort(key=lambda p: p["n_k"])
         roof = roof_for(roofs, key.get("dtype"), key.get("d_k") or 1, key.get("threads"),
                         key.get("machine"))
         fraction = [p.get("roof_fraction") or (p["gflops"] / roof if roof and p.get("gflops")
                                                else None) for p in pts]
-        min_s = _column(pts, "min_s")
-        statistic = FIT_STATISTIC if np.isfinite(min_s).all() else "median"
-        curve = Curve(
-            key=key, peer=peer, label=_label(key, peer, [  # beside its machine's, same regime
-                k for k in keys if (k["machine"], k["regime"]) == (key["machine"], key["regime"])]),
-            n=np.array([p["n_k"] for p in pts], dtype=np.int64),
-            median_s=_column(pts, "median_s"), min_s=min_s, max_s=_column(pts, "max_s"),
-            fit_s=min_s if statistic == "min" else _column(pts, "median_s"),
-            statistic=statistic,
-            repeats=np.array([len(p.get("times_s") or ()) for p in pts], dtype=np.int64),
-            gflops=_column(pts, "gflops"), roof_fraction=np.array(fraction, dtype=float),
-            peak_bytes=_column(pts, "peak_bytes"), max_abs_err=_column(pts, "max_abs_err"),
-            load_avg=_column(pts, "load_avg_1m"),
-            memory_method={p["memory_method"] for p in pts if p.get("memory_method")},
-            check_failed=[p["n_k"] for p in pts if p.get("check_ok") is False])
-        curve.time_fit = fit_exponent(curve.n, curve.fit_s)
-        curve.memory_fit = fit_exponent(curve.n, curve.peak_bytes)
-        curve.above_roof = above_roof(curve)
-        curve.held_bytes = _column(pts, "held_bytes")
-        curve.held_fit = fit_exponent(curve.n, curve.held_bytes)
-        result.append(curve)
+        peer = any(bool(p.get("peer")) for p in pts)
+        result.append(Curve(key, pts, _label(key, peer, [  # beside its machine's, same regime
+            k for k in keys if (k["machine"], k["regime"]) == (key["machine"], key["regime"])]),
+            np.array(fraction, dtype=float)))
     result.sort(key=lambda c: (str(c.machine), c.attention != "softmax", c.causal, c.peer,
                                str(c.backend), str(c.key.get("dtype"))))
     return result
@@ -297,6 +281,14 @@ def rows_by_n(curve_list, cell):
     return rows
 
 
+def fastest_at(curve_list, n):
+    """``(seconds, curve)``: the smallest finite ``fit_s`` any curve measured at ``n`` and
+    its curve, or ``(None, None)``."""
+    return min(((float(c.fit_s[c.n == n][0]), c) for c in curve_list if (c.n == n).any()
+                and math.isfinite(c.fit_s[c.n == n][0])), key=lambda tc: tc[0],
+               default=(None, None))
+
+
 def envelope(curve_list):
     """``n, seconds``: every ``n`` any curve measured and the smallest ``fit_s`` there."""
     best = {}
@@ -349,14 +341,6 @@ def exponent_range(attention, fits, expected):
             + (", each fitted to 2 points only: too few to judge" if few else ""))
 
 
-def above_roof(curve):
-    """Per n of ``curve``: True where its GFLOP/s exceed its roof (``roof_fraction`` > 1), by
-    the bench's rule for its ``!`` (:func:`fastattn.bench.table.above_roof`).  Above the GEMM
-    probed at its own n but below the roof is not above it: from a few thousand n on that
-    GEMM is bound by its n x n output."""
-    return np.array([_above_roof(f) for f in curve.roof_fraction.tolist()], dtype=bool)
-
-
 @dataclass(frozen=True)
 class CrossoverRow:
     """A crossover of ``kind`` ``"backend"`` (one backend's two curves), ``"fastattn"``
@@ -400,3 +384,36 @@ def crossover_rows(curve_list):
             rows.append(CrossoverRow(causal, kind, label + suffix,
                                      crossover(*envelope(s_list), *envelope(l_list))))
     return rows
+
+
+@dataclass
+class Machine:
+    """What a section of one machine reads: its environment record (``{}`` if none), the
+    roof records of every machine (each section picks its own), its point records and its
+    :class:`Curve` s."""
+
+    name: str | None
+    env: dict
+    roofs: list
+    points: list
+    curves: list
+
+    @cached_property
+    def prefill(self):
+        """The prefill curves (the feature-map points at two n among them)."""
+        return [c for c in self.curves if c.key.get("regime") != "decode"]
+
+    @cached_property
+    def decode(self):
+        """The decode curves (time per generated token)."""
+        return [c for c in self.curves if c.key.get("regime") == "decode"]
+
+    scaling_curves = cached_property(lambda self: [c for c in self.prefill if len(c.n) >= 3])
+    short_curves = cached_property(lambda self: [c for c in self.prefill if len(c.n) < 3])
+
+    @cached_property
+    def panels(self):
+        """``(title, curves)`` per mask of the scaling curves, for the scaling figures."""
+        panels = [(mask_name(causal), [c for c in self.scaling_curves if c.causal == causal])
+                  for causal in (False, True)]
+        return [p for p in panels if p[1]] or [("no measured points", [])]

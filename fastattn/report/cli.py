@@ -396,7 +396,7 @@ def _run(args):
 
     from ..bench.results import atomic_write
     from .build import build_report
-    from .quality import compute_quality
+    from ..map_quality import compute_quality
 
     with _noting_interrupts() as interrupted:
         try:

@@ -31,7 +31,7 @@ def colour(backend):
     return _colours.setdefault(backend, extra)
 
 
-def _style(curve):
+def style(curve):
     """Colour by backend, line by attention; float64 hollow and fainter than float32."""
     return {"color": colour(curve.backend), "markersize": 4, "linewidth": 1.6,
             **STYLES.get(curve.attention, {"linestyle": ":", "marker": "^"}),
@@ -53,9 +53,9 @@ def _legend_columns(labels):
     return 1 if max(map(len, labels)) > LEGEND_WIDE_LABEL else 2
 
 
-def _finish(ax, title, xlabel=None):
+def finish(ax, title, xlabel=None):
     """The n axis, the panel title and the legend below the panel (the curves stay visible)."""
-    _n_axis(ax, xlabel)
+    n_axis(ax, xlabel)
     ax.set_title(title, fontsize=11)
     labels = ax.get_legend_handles_labels()[1]
     if len(labels) > LEGEND_MAX:
@@ -92,7 +92,7 @@ def data_uri(png):
     return "data:image/png;base64," + base64.b64encode(png).decode("ascii")
 
 
-def _n_axis(ax, xlabel=None):
+def n_axis(ax, xlabel=None):
     ax.set_xscale("log", base=2)
     ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{int(x)}" if x >= 1 else ""))
     ax.xaxis.set_minor_formatter(NullFormatter())
@@ -100,7 +100,7 @@ def _n_axis(ax, xlabel=None):
     ax.grid(True, which="major", alpha=0.3)
 
 
-def _panel_grid(panels, ncols, height=5.4, width=5.6):
+def panel_grid(panels, ncols, height=5.4, width=5.6):
     nrows = max(1, -(-len(panels) // ncols))
     fig, axes = plt.subplots(nrows, ncols, figsize=(width * ncols, height * nrows),
                              squeeze=False, sharey=True, layout="constrained")
@@ -121,7 +121,7 @@ def scaling_figure(panels, metric="time", ncols=2, title=None, xlabel=None):
     :data:`METRICS` key) against n, a panel per ``(title, curves)`` of ``panels``, each
     curve's fitted exponent in the legend and drawn dotted."""
     values, fit_name, ylabel = METRICS[metric]
-    fig, axes = _panel_grid(panels, ncols)
+    fig, axes = panel_grid(panels, ncols)
     drawn = False
     for ax, (panel_title, curve_list) in zip(axes, panels):
         for c in curve_list:
@@ -132,7 +132,7 @@ def scaling_figure(panels, metric="time", ncols=2, title=None, xlabel=None):
             drawn = True
             fit = getattr(c, fit_name)
             ax.plot(c.n[use], y[use], label=c.label + (f"  n^{fit.format()}" if fit else ""),
-                    **_style(c))
+                    **style(c))
             if metric == "time":
                 ax.fill_between(c.n[use], c.min_s[use], c.max_s[use], color=colour(c.backend),
                                 alpha=0.12, linewidth=0)
@@ -148,7 +148,7 @@ def scaling_figure(panels, metric="time", ncols=2, title=None, xlabel=None):
             ax.yaxis.set_major_locator(LogLocator(base=2, numticks=8))
             ax.yaxis.set_minor_locator(LogLocator(base=2, subs=(), numticks=8))
             ax.yaxis.set_major_formatter(FuncFormatter(lambda x, _: format_bytes(x)))
-        _finish(ax, panel_title, xlabel)
+        finish(ax, panel_title, xlabel)
         ax.axvspan(FIT_MIN_N, ax.get_xlim()[1], color="#f3f3f3", zorder=0)
     axes[0].set_ylabel(ylabel)
     if title:
@@ -158,109 +158,25 @@ def scaling_figure(panels, metric="time", ncols=2, title=None, xlabel=None):
     return to_png(fig)
 
 
-def roofline_figure(panels, roofs, ncols=2):
-    """PNG of GFLOP/s against n per panel, with each ``(label, n, gflops)`` of ``roofs`` as a
-    line (horizontal when probed at one n); a point above its roof (``Curve.above_roof``) is
-    ringed in red."""
-    fig, axes = _panel_grid(panels, ncols)
-    for ax, (panel_title, curve_list) in zip(axes, panels):
-        for c in curve_list:
-            use = np.isfinite(c.gflops) & (c.gflops > 0)
-            if not use.any():
-                continue
-            ax.plot(c.n[use], c.gflops[use], label=c.label, **_style(c))
-            over = use & c.above_roof if c.above_roof is not None else np.zeros_like(use)
-            if over.any():  # flagged: the page says why a kernel can pass its roof
-                ringed = "above its roof (see the note)" in ax.get_legend_handles_labels()[1]
-                ax.plot(c.n[over], c.gflops[over], linestyle="none", marker="o", markersize=11,
-                        markerfacecolor="none", markeredgecolor="#d00000", markeredgewidth=1.6,
-                        label=None if ringed else "above its roof (see the note)")
-        for i, (label, ns, values) in enumerate(roofs):
-            style = {"color": "black", "linewidth": 2.2 - 0.6 * i,
-                     "linestyle": ["-", "-.", ":"][i % 3]}
-            if len(ns) == 1:
-                ax.axhline(values[0], label=label, **style)
-            else:
-                ax.plot(ns, values, label=label, **style)
-        ax.set_yscale("log")
-        ax.yaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))
-        _finish(ax, panel_title)
-    axes[0].set_ylabel("achieved GFLOP/s (at the median time)")
-    return to_png(fig)
-
-
-def heatmap_figure(heatmap):
-    """PNG of one head's softmax and linear weights on one log colour scale, from a hundredth
-    of a uniform weight to the largest, so peaked and nearly uniform rows both read."""
-    n_k = heatmap.softmax.shape[-1]
-    vmax = float(max(heatmap.softmax.max(), heatmap.linear.max()))
+def weights_figure(title, panels, ncols=4):
+    """PNG of attention weights ``(label, (n_q, n_k) array)`` per panel, rows queries and
+    columns keys, on one log colour scale from a hundredth of a uniform weight to the largest,
+    so peaked and nearly uniform rows both read."""
+    n_k = panels[0][1].shape[-1]
+    vmax = float(max(w.max() for _, w in panels))
     norm = LogNorm(vmin=min(0.01 / n_k, vmax / 10), vmax=vmax, clip=True)
-    fig, axes = plt.subplots(1, 2, figsize=(10.5, 4.6), layout="constrained")
-    for ax, weights, name in ((axes[0], heatmap.softmax, "softmax"),
-                              (axes[1], heatmap.linear, "linear (elu+1)")):
-        image = ax.imshow(weights, cmap="magma", norm=norm, interpolation="nearest")
-        ax.set_title(f"{name} attention weights", fontsize=10)
-        ax.set_xlabel("key j")
-        ax.set_ylabel("query i")
-    fig.colorbar(image, ax=axes, shrink=0.9, label="weight (log colour scale)")
-    fig.suptitle(heatmap.title, fontsize=11)
-    return to_png(fig)
-
-
-def quality_figure(gaussian, minilm):
-    """PNG of linear against softmax cosine similarity: Gaussian rows, MiniLM per layer."""
-    fig, axes = plt.subplots(1, 2, figsize=(11, 3.6), gridspec_kw={"width_ratios": [1, 1.4]},
-                             layout="constrained")
-    ax = axes[0]
-    ax.plot([r.n for r in gaussian], [r.cosine_similarity for r in gaussian], "o-",
-            color="#1f77b4")
-    _n_axis(ax)
-    ax.set_ylim(0, 1.02)
-    ax.set_ylabel("mean cosine similarity")
-    ax.set_title("Gaussian inputs (seed-experiment generator)", fontsize=10)
-    ax = axes[1]
-    layers = np.arange(len(minilm))
-    cos = np.array([r.cosine_similarity for r in minilm])
-    lo = np.array([r.cos_min for r in minilm])
-    hi = np.array([r.cos_max for r in minilm])
-    ax.bar(layers, cos, color="#ff7f0e", alpha=0.8, label="all heads")
-    ax.errorbar(layers, cos, yerr=[cos - lo, hi - cos], fmt="none", ecolor="black", capsize=4,
-                label="range over heads")
-    ax.set_xticks(layers)
-    ax.set_xlabel("layer")
-    ax.set_ylim(0, 1.02)
-    ax.set_title("all-MiniLM-L6-v2 activations, per layer", fontsize=10)
-    ax.legend(fontsize=8, loc="lower right")
-    ax.grid(True, axis="y", alpha=0.3)
-    return to_png(fig)
-
-
-def history_figure(history, title):
-    """PNG of ``load_asv_history`` rows across commits, a line per machine and parameters."""
-    series = {}
-    for row in history:
-        params = ", ".join(f"{k}={v}" for k, v in sorted((row.get("params") or {}).items()))
-        series.setdefault((row.get("machine"), params), []).append(row)
-    fig, ax = plt.subplots(figsize=(11, 4.5), layout="constrained")
-    dates = sorted({row.get("date") or "" for row in history})
-    position = {d: i for i, d in enumerate(dates)}
-    cmap = plt.get_cmap("tab20")
-    markers = "os^Dv<>ph*"
-    for i, ((machine, params), rows) in enumerate(sorted(series.items(), key=lambda kv: str(kv[0]))):
-        rows = sorted(rows, key=lambda r: r.get("date") or "")
-        xs = [position[r.get("date") or ""] for r in rows]
-        ys = [np.nan if r.get("value") is None else r["value"] for r in rows]
-        ax.plot(xs, ys, "-", marker=markers[(i // 20) % len(markers)], color=cmap(i % 20),
-                markersize=5, label=f"{machine}: {params}")
-    commits = {row.get("date") or "": str(row.get("commit") or "")[:8] for row in history[::-1]}
-    ax.set_xticks(range(len(dates)))
-    ax.set_xticklabels([f"{commits[d]}\n{d[:10]}" for d in dates], fontsize=7, rotation=0)
-    ax.set_yscale("log")
-    unit = next((r.get("unit") for r in history if r.get("unit")), "")
-    ax.set_ylabel(unit or "value")
-    ax.set_title(title, fontsize=11)
-    ax.grid(True, alpha=0.3)
-    if len(series) <= 40:
-        ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5),
-                  ncol=1 if len(series) <= 20 else 2)
+    nrows = -(-len(panels) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(12, 3.1 * nrows + 0.6) if ncols > 2
+                             else (10.5, 4.6),
+                             layout="constrained", squeeze=False)
+    for ax in axes.ravel()[len(panels):]:
+        ax.set_visible(False)
+    for ax, (label, weights) in zip(axes.ravel(), panels):
+        image = ax.imshow(np.clip(weights, 0, None), cmap="magma", norm=norm,
+                          interpolation="nearest")
+        ax.set_title(label, fontsize=10)
+        ax.set_xticks([])
+        ax.set_yticks([])
+    fig.colorbar(image, ax=axes, shrink=0.8, label="weight (log colour scale)")
+    fig.suptitle(title + " — rows: queries, columns: keys", fontsize=11)
     return to_png(fig)

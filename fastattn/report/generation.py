@@ -20,6 +20,9 @@ EXPECTED_DECODE_EXPONENT = analysis.EXPECTED_DECODE_EXPONENT  # O(n) and O(1) pe
 PROMPTS = (1024, 8192)
 GENERATED = (128, 1024, 8192)
 
+#: The page's link to this section.
+NAV = "Generation"
+
 
 @dataclass(frozen=True)
 class EndToEnd:
@@ -50,11 +53,6 @@ def per_token_seconds(curve, contexts):
     return np.exp(np.interp(np.log(contexts), np.log(n), np.log(t)))
 
 
-def _fastest(pairs):
-    pairs = [(t, c) for t, c in pairs if t is not None and np.isfinite(t)]
-    return min(pairs, key=lambda tc: tc[0]) if pairs else (None, None)
-
-
 def end_to_end(prefill, decode, prompts=PROMPTS, generated=GENERATED):
     """:class:`EndToEnd` rows for softmax and linear attention at each P and T: the fastest
     fastattn causal prefill measured at n = P, plus the sum over the T tokens (contexts
@@ -64,21 +62,22 @@ def end_to_end(prefill, decode, prompts=PROMPTS, generated=GENERATED):
         pre = [c for c in prefill if c.attention == attention and c.causal and not c.peer]
         dec = [c for c in decode if c.attention == attention and not c.peer]
         for p in prompts:
-            t_pre, c_pre = _fastest((float(c.fit_s[c.n == p][0]), c) for c in pre
-                                    if (c.n == p).any())
+            t_pre, c_pre = analysis.fastest_at(pre, p)
             for t in generated if c_pre is not None else ():
                 steps = [(per_token_seconds(c, np.arange(p + 1, p + t + 1)), c) for c in dec]
-                t_dec, c_dec = _fastest((None if s is None else float(s.sum()), c)
-                                        for s, c in steps)
+                t_dec, c_dec = min(((float(s.sum()), c) for s, c in steps if s is not None),
+                                   key=lambda tc: tc[0], default=(None, None))
                 if c_dec is not None:
                     rows.append(EndToEnd(attention, p, t, t_pre, t_dec, c_pre.label,
                                          c_dec.label))
     return rows
 
 
-def section(decode, prefill):
-    """The page's Generation block of one machine (None without decode curves): figures,
-    fits, crossovers, the per-n table, the end-to-end rows and summary sentences."""
+def section(m):
+    """The Generation block of machine ``m`` (:class:`~.analysis.Machine`; None without
+    decode curves): figures, fits, crossovers, the per-n table, the end-to-end rows and
+    summary sentences."""
+    decode, prefill = m.decode, m.prefill
     if not decode:
         return None
     panels = [("time per generated token", decode)]

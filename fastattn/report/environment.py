@@ -1,0 +1,96 @@
+"""The Environment section of one machine: every field of its environment record
+(:func:`fastattn.bench.environment.collect`, or the asv adapter's), each value in words:
+the fields the schema labels, in its order, then every other one by its key."""
+
+from ..bench import schema
+from ..bench.table import format_bytes
+
+#: ``{dotted path: label}`` of the schema's environment fields (none before it has them).
+LABELS = dict((path, label) for label, path in getattr(schema, "ENVIRONMENT_FIELDS", ()))
+
+#: Fields of the record that say what it is rather than where it was measured.
+_RECORD_FIELDS = ("schema", "record")
+
+#: The page's link to this section.
+NAV = "Environment"
+
+
+def blas_text(value):
+    """threadpoolctl BLAS entries to ``"openblas 0.3.27, Haswell kernel, 2 threads (lib.so)"``."""
+    parts = []
+    for info in value if isinstance(value, list) else [value]:
+        if not isinstance(info, dict):
+            parts.append(str(info))
+            continue
+        text = f"{info.get('internal_api') or 'BLAS'} {info.get('version') or ''}".strip()
+        if info.get("architecture"):
+            text += f", {info['architecture']} kernel"
+        if info.get("num_threads") is not None:
+            text += f", {info['num_threads']} threads"
+        owner = info.get("prefix") or info.get("filepath")
+        parts.append(text + (f" ({str(owner).rsplit('/', 1)[-1]})" if owner else ""))
+    return "; ".join(parts) or "–"
+
+
+def value_text(value):
+    """A recorded value in words: yes/no, lists and mappings joined, "–" for None."""
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, dict):
+        return ", ".join(f"{k}: {value_text(v)}" for k, v in value.items()) or "none"
+    if isinstance(value, (list, tuple)):
+        return ", ".join(value_text(v) for v in value) or "none"
+    return "–" if value is None else str(value)
+
+
+def _lookup(record, path):
+    for part in path.split("."):
+        if not isinstance(record, dict) or part not in record:
+            return None, False
+        record = record[part]
+    return record, True
+
+
+def _field_text(env, path, value):
+    if path == "blas":
+        return blas_text(value)
+    if path == "memory_total_bytes":
+        return f"{format_bytes(value)} total" + (
+            f", {format_bytes(env['memory_available_bytes'])} available at the start"
+            if env.get("memory_available_bytes") else "")
+    if value is None and path.startswith("versions."):
+        return "not installed"
+    return value_text(value)
+
+
+def environment_rows(env, labels=None):
+    """``rows, rest`` of the environment record ``env``.
+
+    ``rows``: ``(label, text)`` of each field of ``labels`` (``{dotted path:
+    label}``, default :data:`LABELS`) that ``env`` holds, in the labels' order (an
+    absent library "not installed"); ``rest``: ``(dotted path, text)`` of every
+    other field, a mapping's items one by one (but ``blas``).  Without any labelled
+    field, ``rest`` is given as ``rows``.
+    """
+    labels = LABELS if labels is None else labels
+    rows, used = [], {"memory_available_bytes", *_RECORD_FIELDS}
+    for path, label in labels.items():
+        value, present = _lookup(env, path)
+        if present:
+            used.add(path)
+            rows.append((label, _field_text(env, path, value)))
+    rest = []
+    for key, value in env.items():
+        items = value.items() if isinstance(value, dict) and key != "blas" else [(None, value)]
+        for sub, item in items:
+            path = key if sub is None else f"{key}.{sub}"
+            if path not in used and key not in used:
+                rest.append((path, _field_text(env, path, item) if sub is None
+                             else value_text(item)))
+    return (rows, rest) if rows else (rest, [])
+
+
+def section(m):
+    """The Environment block of machine ``m`` (:class:`~.analysis.Machine`)."""
+    rows, rest = environment_rows(m.env)
+    return {"rows": rows, "rest": rest}

@@ -1,0 +1,182 @@
+"""The Scaling section of one machine: time against n with fitted exponents, crossovers,
+the fastest kernels, every measured point, the points not measured and the peers."""
+
+import numpy as np
+
+from ..bench.peers import INSTALL_HINT
+from ..bench.table import format_bytes, format_number, format_percent, format_seconds, mask_name
+from . import analysis, figures
+
+PEER_HELP = ("No peer ran the prefill points: these results hold none (no peer was installed "
+             "where they were measured). To put PyTorch's SDPA, onnxruntime's and JAX's "
+             "attention beside fastattn's kernels, install them and run fastattn report again:")
+#: The peers the note above names when the results record no install hints of their own.
+PREFILL_PEERS = ("torch", "onnxruntime", "jax")
+
+#: The page's link to this section.
+NAV = "Scaling"
+
+
+def _exponent_rows(curve_list):
+    """One row per kernel: time and memory exponents, non-causal and causal."""
+    rows = {}
+    for c in curve_list:
+        row = rows.setdefault(c.label, {"label": c.label, "cells": {}, "by_mask": {}})
+        row["by_mask"][mask_name(c.causal)] = c.expected
+        row["cells"][mask_name(c.causal)] = {
+            "time": c.time_fit.format() if c.time_fit else "–",
+            "memory": c.memory_fit.format() if c.memory_fit else "–", "off": c.off,
+            "points": (f"{c.time_fit.points} points, n {c.time_fit.n_min}–{c.time_fit.n_max}"
+                       if c.time_fit else f"fewer than 2 points with n ≥ {analysis.FIT_MIN_N}")}
+    for row in rows.values():
+        # "1", or "non-causal 1, causal 2" where the masks differ (the reference's causal linear)
+        found = {mask: e for mask, e in row.pop("by_mask").items() if e is not None}
+        row["expected"] = (next(iter(found.values())) if len(set(found.values())) == 1 else
+                           ", ".join(f"{mask} {e}" for mask, e in found.items()) or None)
+    return list(rows.values())
+
+
+def point_cell(c, i):
+    """The table cell of curve ``c``'s ``i``-th point: time, throughput, memory, error."""
+    return {"median": format_seconds(c.median_s[i]),
+            "range": f"{format_seconds(c.min_s[i])}–{format_seconds(c.max_s[i])}",
+            "repeats": int(c.repeats[i]), "gflops": format_number(c.gflops[i]),
+            "roof_pct": format_percent(c.roof_fraction[i]), "above_roof": bool(c.above_roof[i]),
+            "check_failed": int(c.n[i]) in c.check_failed,
+            "memory": format_bytes(c.peak_bytes[i]), "err": format_number(c.max_abs_err[i], 2)}
+
+
+def _point_tables(curve_list):
+    """One wide table per (attention, causal): rows n, a column group per curve."""
+    groups = [(f"{a} attention, {mask_name(causal)}",
+               [c for c in curve_list if c.attention == a and c.causal == causal])
+              for a in ("softmax", "linear") for causal in (False, True)]
+    return [{"title": title, "columns": [c.label for c in group],
+             "rows": analysis.rows_by_n(group, point_cell)} for title, group in groups if group]
+
+
+def _fastest_lines(curve_list):
+    """For each mask: the fastest kernel of each type at the largest n measured."""
+    lines = []
+    for causal in (False, True):
+        group = [c for c in curve_list if c.causal == causal]
+        if not group:
+            continue
+        n = max(int(c.n[-1]) for c in group)
+        best = [(a, *analysis.fastest_at([c for c in group if c.attention == a], n))
+                for a in ("softmax", "linear")]
+        parts = [f"{a}: {c.backend}{' (peer)' if c.peer else ''} {format_seconds(t)}"
+                 for a, t, c in best if c is not None]
+        if parts:
+            lines.append(f"Fastest at n = {n} ({mask_name(causal)}): " + "; ".join(parts)
+                         + f" ({statistic_text(group)}).")
+    return lines
+
+
+def statistic_text(curve_list):
+    """Which statistic the fits of ``curve_list`` used, in words."""
+    stats_ = {c.statistic for c in curve_list}
+    if stats_ <= {"min"}:   # no curve: nothing fitted, and nothing to explain
+        return "fastest repeat"
+    return "median" if stats_ == {"median"} else (
+        "fastest repeat; median where a point recorded none (asv keeps none without samples)")
+
+
+def joined(values):
+    """The distinct values joined by commas, sorted; None if none."""
+    return ", ".join(str(v) for v in sorted({v for v in values if v is not None})) or None
+
+
+def _span(values):
+    """A few distinct counts joined ("3, 5"), many as their range ("3 to 100"); None if none."""
+    distinct = sorted({v for v in values if v is not None})
+    if len(distinct) > 3:
+        return f"{distinct[0]} to {distinct[-1]}"
+    return ", ".join(str(v) for v in distinct) or None
+
+
+def _summary(curve_list, crossovers, statistic, load, busy, cores, threads, why, fastest):
+    """The sentences this section adds to the page's "In short"."""
+    out, parts = [], []
+    for attention, expected in analysis.EXPECTED_TIME_EXPONENT.items():
+        parts.append(analysis.exponent_range(attention, [
+            c.time_fit for c in curve_list if c.attention == attention and c.expected == expected
+        ], expected))
+    parts.append(analysis.exponent_range(
+        "causal linear by the masked n×n form (reference)",
+        [c.time_fit for c in curve_list if c.attention == "linear" and c.expected == 2], 2))
+    if any(parts):
+        out.append(f"Fitted time exponents (n ≥ {analysis.FIT_MIN_N}, causal and not, on the "
+                   f"{statistic}): " + "; ".join(p for p in parts if p) + ".")
+    headline = [r for r in crossovers if r.kind == "fastattn"] or \
+        [r for r in crossovers if r.kind == "backend" and not r.peer]
+    for causal in (False, True):
+        mine = [r for r in headline if r.causal == causal]
+        if mine:
+            out.append(f"Crossover ({mask_name(causal)}), where linear attention becomes "
+                       "faster: " + "; ".join(f"{r.label}: {r.crossover.describe()}"
+                                              for r in mine) + ".")
+    if busy:
+        out.append(f"The machine was busy while measuring (1-minute load average {load} on "
+                   f"{cores} cores): times are inflated and noisy; compare the kernels side by "
+                   "side rather than with other runs.")
+    if why and threads:
+        out.append(f"Measured on {threads} thread(s): {why}.")
+    return out + fastest
+
+
+def section(m):
+    """The Scaling block of machine ``m`` (:class:`~.analysis.Machine`): the prefill curves of
+    at least three n (shorter ones are listed as single points), figures, fits, crossovers,
+    tables and the sentences of the page's summary."""
+    env, curve_list, short = m.env, m.scaling_curves, m.short_curves
+    loads = np.concatenate([c.load_avg for c in curve_list] or [np.array([])])
+    loads = loads[np.isfinite(loads)]
+    load = f"{loads.min():.1f} to {loads.max():.1f}" if len(loads) else None
+    busy = bool(len(loads) and env.get("cores_logical") and loads.max() > env["cores_logical"])
+    threads = joined(c.key.get("threads") for c in m.curves)
+    dtypes = joined(c.key.get("dtype") for c in m.curves)
+    crossovers = analysis.crossover_rows(curve_list)
+    statistic, fastest = statistic_text(curve_list), _fastest_lines(curve_list)
+    title = (f"fastattn: time per call against n (d = 64, {dtypes or 'float32'}, "
+             f"{threads or '?'} threads" + (f", {env['cpu_model']}" if env.get("cpu_model")
+                                            else "") + ")")
+    return {
+        "threads": threads, "threads_reason": env.get("threads_reason"), "dtypes": dtypes,
+        "repeats": _span(int(r) for c in curve_list for r in c.repeats if r),
+        "statistic": statistic, "load": load, "busy": busy, "cores": env.get("cores_logical"),
+        "time_png": figures.data_uri(figures.scaling_figure(m.panels, "time")),
+        "readme_png": figures.scaling_figure(m.panels, "time", title=title),
+        "exponents": _exponent_rows(curve_list), "crossovers": crossovers,
+        "tables": _point_tables(curve_list),
+        "other_points": [{"label": c.label, "attention": c.attention, "mask": mask_name(c.causal),
+                          "n": int(n), **point_cell(c, i)}
+                         for c in short for i, n in enumerate(c.n.tolist())],
+        "not_ok": [p for p in m.points if p.get("status") != "ok"],
+        "backends": sorted({c.backend for c in curve_list if not c.peer}),
+        "peers": sorted({c.backend for c in curve_list if c.peer}),
+        "all_peers": sorted({c.backend for c in m.curves if c.peer}),
+        "peer_hints": env.get("absent_peers") or {k: INSTALL_HINT[k] for k in PREFILL_PEERS},
+        "peer_help": PEER_HELP,
+        "n_points": sum(len(c.n) for c in curve_list),
+        # Prefill points measured at fewer than three n: no curve, and said so (not "no point").
+        "short": {"points": sum(len(c.n) for c in short),
+                  "ns": joined(int(n) for c in short for n in c.n)},
+        "check_failures": [f"{c.label} at n = {n}" for c in curve_list for n in c.check_failed],
+        "unavailable": env.get("unavailable_backends") or {},
+        "curves": curve_list,
+        "summary": _summary(curve_list, crossovers, statistic, load, busy,
+                            env.get("cores_logical"), threads, env.get("threads_reason"),
+                            fastest),
+    }
+
+
+def side_by_side(sections):
+    """The time figure of every machine's scaling curves, a column per machine (a data
+    URI), or None for the page of one machine."""
+    if len(sections) < 2:
+        return None
+    return figures.data_uri(figures.scaling_figure(
+        [(f"{s['name']}: {mask_name(causal)}",
+          [c for c in s["scaling"]["curves"] if c.causal == causal])
+         for causal in (False, True) for s in sections], "time", ncols=min(len(sections), 3)))
