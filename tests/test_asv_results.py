@@ -186,15 +186,6 @@ def test_not_an_asv_directory(tmp_path):
         load_asv_points(tmp_path)
 
 
-def test_suite_constants_agree_with_benchmarks():
-    sys.path.insert(0, str(ROOT))
-    try:
-        from benchmarks import common
-    finally:
-        sys.path.remove(str(ROOT))
-    assert (common.D, common.BATCH) == (asv_results.SUITE_D, asv_results.SUITE_BATCH)
-
-
 def _suite_params(quick):
     import os
     import subprocess

@@ -99,7 +99,7 @@ def test_load_minilm_refuses_arrays_that_are_not_finite_floats(tmp_path):
 
 
 def test_report_quality_takes_minilm_of_any_head_dim(tmp_path):
-    from fastattn.report.quality import compute_quality
+    from fastattn.map_quality import compute_quality
 
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((2, 2, 16, 64), dtype=np.float32) for _ in range(3))

@@ -166,7 +166,8 @@ def test_the_report_states_which_gemm_was_probed():
     assert "2 thread(s)" in said and "probed 2026-12-01 09:00:00 UTC" in said
     _, roofs, _ = analysis.split_records(records)
     assert analysis.roof_libraries(roofs, "float32", 2, 64) == [
-        ("MKL 2024.2 through torch 2.13.0", True), ("OpenBLAS 0.3.27 through NumPy 2.4.6", False)]
+        ("MKL 2024.2 through torch 2.13.0", True, ("MKL", "torch")),
+        ("OpenBLAS 0.3.27 through NumPy 2.4.6", False, ("OpenBLAS", "NumPy"))]
 
 
 # ------------------------------------------------------------ best fastattn / peer

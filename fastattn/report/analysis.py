@@ -10,12 +10,12 @@ import numpy as np
 from scipy import stats
 
 from ..bench.engine import gemm_probes, roof_for
-from ..bench.results import DEFAULT_REGIME, POINT_KEYS, point_key
+from ..bench.results import DEFAULT_REGIME, point_key
+from ..bench.schema import CURVE_KEYS, roof_library
 from ..bench.table import above_roof as _above_roof, mask_name
 
 #: The keys that identify one curve: a point's identity without ``n_q``/``n_k``,
 #: plus the machine (set for asv results, absent for a sweep on this machine).
-CURVE_KEYS = ("machine",) + tuple(k for k in POINT_KEYS if k not in ("n_q", "n_k"))
 
 #: Scaling exponents are fitted on the points with ``n >= FIT_MIN_N``.
 FIT_MIN_N = 1024
@@ -316,13 +316,16 @@ def _blas(probe):
 
 
 def roof_libraries(roofs, dtype, threads, d, machine=None):
-    """``[(blas, is_roof)]``: the libraries probed at this setting, the fastest marked."""
+    """``[(blas, is_roof, (library, via))]``: the libraries probed at this setting, the
+    fastest marked, each with its names as :func:`~fastattn.bench.schema.roof_library` reads
+    them from its records."""
     found = [r for r in gemm_probes(roofs, dtype, threads, machine) if r["shape"][1] == d]
-    best = {}
+    best, names = {}, {}
     for r in found:
         best[_blas(r)] = max(best.get(_blas(r), 0.0), float(r["gflops"]))
+        names.setdefault(_blas(r), roof_library(r))
     top = max(best, key=best.get) if best else None
-    return [(name, name == top) for name in sorted(best, key=lambda b: -best[b])]
+    return [(name, name == top, names[name]) for name in sorted(best, key=lambda b: -best[b])]
 
 
 def exponent_range(attention, fits, expected):

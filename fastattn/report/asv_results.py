@@ -15,16 +15,11 @@ import subprocess
 from pathlib import Path
 
 from ..bench.results import SCHEMA, is_number
+from ..bench.schema import (ASV_BATCH as SUITE_BATCH, ASV_D as SUITE_D,
+                            ASV_DECODE_HEADS as SUITE_DECODE_HEADS, ASV_HEADS as SUITE_HEADS)
 
-
-#: Constants of the suite (benchmarks/common.py: D, BATCH); asv results do
-#: not carry them.  tests/test_asv_results.py checks that they agree.
-SUITE_D = 64
-SUITE_BATCH = 1
-SUITE_HEADS = 1
+#: The suite's feature map of each attention (asv results do not carry it).
 SUITE_FEATURE_MAP = {"softmax": None, "linear": "elu"}
-#: Heads of the decode benchmarks (benchmarks/common.py: DECODE_HEADS).
-SUITE_DECODE_HEADS = 8
 
 #: asv benchmark name ``<module>.<Class>.<method>`` -> the point field it fills.
 _METHOD_FIELDS = {"time_forward": "median_s", "time_token": "median_s",

@@ -5,8 +5,8 @@ the fields the schema labels, in its order, then every other one by its key."""
 from ..bench import schema
 from ..bench.table import format_bytes
 
-#: ``{dotted path: label}`` of the schema's environment fields (none before it has them).
-LABELS = dict((path, label) for label, path in getattr(schema, "ENVIRONMENT_FIELDS", ()))
+#: ``{dotted path: label}`` of the schema's environment fields.
+LABELS = dict((path, label) for label, path in schema.ENVIRONMENT_FIELDS)
 
 #: Fields of the record that say what it is rather than where it was measured.
 _RECORD_FIELDS = ("schema", "record")

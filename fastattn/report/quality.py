@@ -3,7 +3,6 @@ laid out from :class:`fastattn.map_quality.QualityResults` (computed there, neve
 
 import numpy as np
 
-from ..map_quality import compute_quality  # noqa: F401  (``fastattn report``'s step, as before)
 from . import figures
 from .figures import plt  # pyplot once figures has selected Agg
 

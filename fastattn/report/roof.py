@@ -15,12 +15,11 @@ def roof_lines(roofs, curve_list, machine):
     lines = []
     for dtype, threads, d in sorted({(str(c.key.get("dtype")), c.key.get("threads"),
                                       c.key.get("d_k")) for c in curve_list}, key=str):
-        for blas, is_roof in analysis.roof_libraries(roofs, dtype, threads, d, machine):
+        for blas, is_roof, (library, via) in analysis.roof_libraries(roofs, dtype, threads, d,
+                                                                      machine):
             ns, values = analysis.roof_curve(roofs, dtype, threads, d, machine, blas)
             shape = f"n×{d} @ {d}×n" if len(ns) > 1 else f"{ns[0]}×{d} @ {d}×{ns[0]}"
             # The library's name only (versions are in the roof statements): the legend fits.
-            library = blas.split(" (")[0].split(" through ")[0].split()[0]
-            via = blas.split(" through ")[1].split()[0] if " through " in blas else ""
             series = library + (f" via {via}" if via else "") + f", {dtype}"
             if is_roof:
                 best = int(np.argmax(values))
