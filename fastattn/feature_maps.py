@@ -200,8 +200,9 @@ class Taylor(FeatureMap):
 def _positive_int(value, name):
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be a positive int, got {value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if not 1 <= value <= _checks.LARGEST_DIM:
+        raise ValueError(f"{name} must be a positive int (at most {_checks.LARGEST_DIM:,}, an "
+                         f"array dimension), got {_checks.number_text(value)}")
     return int(value)
 
 
@@ -282,7 +283,8 @@ class FavorFeatures(Favor):
         If ``d_k`` or ``num_features`` is not an int, or ``random_state`` is
         neither an int nor a ``numpy.random.Generator``.
     ValueError
-        If ``d_k`` or ``num_features`` is < 1, or ``random_state`` < 0.
+        If ``d_k`` or ``num_features`` is < 1 or beyond an array dimension
+        (``2**63 - 1``), or ``random_state`` < 0.
 
     Notes
     -----

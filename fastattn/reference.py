@@ -157,6 +157,20 @@ def available_memory():
     return psutil.virtual_memory().available
 
 
+def _size_text(size):
+    """Digits a reader can take in: ``1,234,567``; an absurd size in e-notation (``1.2e+19``,
+    not 20 digits), also one beyond the float range (``1e+400``, from a huge int)."""
+    if isinstance(size, int) and size < 10**15:
+        return f"{size:,}"
+    if size < 10**300:
+        return f"{float(size):.3g}"
+    exponent = int(math.log10(size))
+    mantissa = size / 10**(exponent - 2) / 100   # int / int: exact enough, never inf
+    if mantissa >= 10:
+        mantissa, exponent = mantissa / 10, exponent + 1
+    return f"{mantissa:.3g}e+{exponent}"
+
+
 def check_fits_in_memory(nbytes, what, advice=None):
     """Raise MemoryError, before allocating, when ``nbytes`` exceed available RAM.
 
@@ -170,10 +184,8 @@ def check_fits_in_memory(nbytes, what, advice=None):
         if advice is None:
             advice = (f"use a tiled backend ({', '.join(repr(b) for b in TILED_BACKENDS)}), "
                       "which needs O(n d) memory")
-        # Digits a reader can take in: an absurd size in e-notation, not 40 digits.
-        need = f"{nbytes:,}" if nbytes < 1e15 else f"{float(nbytes):.3g}"
         raise MemoryError(
-            f"{what} needs {need} bytes ({nbytes / 2**30:.3g} GiB) "
+            f"{what} needs {_size_text(nbytes)} bytes ({_size_text(nbytes / 2**30 if nbytes < 10**300 else nbytes // 2**30)} GiB) "
             f"but only {available:,} bytes are available; {advice}"
         )
 

@@ -1,0 +1,102 @@
+"""Hostile inputs (issue 33): every promise holds on every path and every backend.
+
+Each test here failed before its fix; the issue's item is named in the test.
+"""
+
+import fractions
+import math
+
+import numpy as np
+import pytest
+
+import fastattn
+from conftest import make_qkv
+
+Q, K, V = make_qkv((2, 4, 3), n_k=5, d_v=6, dtype=np.float32)
+
+
+# ---------------------------------------------------------------------------
+# 15. A huge Python int as a scalar is a ValueError naming it, never an OverflowError.
+# ---------------------------------------------------------------------------
+
+def _cache_attend(backend, **kwargs):
+    cache = fastattn.KVCache((2,), capacity=8, d_k=3, d_v=6)
+    cache.append(K, V)
+    return cache.attend(Q[:, :1], backend=backend, **kwargs)
+
+
+SCALAR_CALLS = {
+    # id: (argument, call taking the value and the backend)
+    "softmax_attention-scale": ("scale", lambda x, b: fastattn.softmax_attention(
+        Q, K, V, scale=x, backend=b)),
+    "linear_attention-eps": ("eps", lambda x, b: fastattn.linear_attention(
+        Q, K, V, eps=x, backend=b)),
+    "linear_attention-favor-eps": ("eps", lambda x, b: fastattn.linear_attention(
+        Q, K, V, feature_map="favor", eps=x, backend=b)),
+    "attention_weights-scale": ("scale", lambda x, b: fastattn.attention_weights(Q, K, scale=x)),
+    "attention_weights-eps": ("eps", lambda x, b: fastattn.attention_weights(
+        Q, K, kind="linear", eps=x)),
+    "attention_weights-softmax-eps": ("eps", lambda x, b: fastattn.attention_weights(Q, K, eps=x)),
+    "KVCache.attend-scale": ("scale", lambda x, b: _cache_attend(b, scale=x)),
+    "LinearAttentionState-eps": ("eps", lambda x, b: fastattn.LinearAttentionState(
+        (2,), 3, 6, eps=x)),
+}
+
+HUGE = {"10**400": 10**400, "-10**400": -10**400, "10**5000": 10**5000,
+        "Fraction(10**400)": fractions.Fraction(10**400, 3)}
+
+
+@pytest.mark.parametrize("value", HUGE.values(), ids=HUGE)
+@pytest.mark.parametrize("call", SCALAR_CALLS)
+def test_a_huge_int_scalar_is_a_value_error_naming_it(backend, call, value):
+    name, fn = SCALAR_CALLS[call]
+    with pytest.raises(ValueError, match=rf"^{name} must be a finite number") as info:
+        fn(value, backend)
+    message = str(info.value)
+    assert len(message) < 200, message       # not 401 digits
+    if isinstance(value, int):
+        assert f"an int of about {'-' if value < 0 else ''}10**" in message
+
+
+def test_a_large_int_that_is_a_float_is_still_a_scale(backend):
+    """10**300 is a finite float64 (and refused as inf in float32, naming float32)."""
+    q, k, v = (x.astype(np.float64) for x in (Q, K, V))
+    out = fastattn.softmax_attention(q * 1e-300, k, v, scale=10**300, backend=backend)
+    np.testing.assert_allclose(out, fastattn.softmax_attention(q, k, v, scale=1.0,
+                                                               backend=backend), rtol=1e-9)
+    with pytest.raises(ValueError, match="scale must be finite in the computation dtype float32"):
+        fastattn.softmax_attention(Q, K, V, scale=10**300, backend=backend)
+
+
+DIM_CALLS = {
+    "KVCache-capacity": ("capacity", lambda x: fastattn.KVCache((2,), capacity=x, d_k=3)),
+    "KVCache-d_k": ("d_k", lambda x: fastattn.KVCache((2,), capacity=4, d_k=x)),
+    "KVCache-d_v": ("d_v", lambda x: fastattn.KVCache((2,), capacity=4, d_k=3, d_v=x)),
+    "KVCache-batch_shape": ("every entry of batch_shape",
+                            lambda x: fastattn.KVCache((2, x), capacity=4, d_k=3)),
+    "LinearAttentionState-d_k": ("d_k", lambda x: fastattn.LinearAttentionState((2,), x)),
+    "LinearAttentionState-d_v": ("d_v", lambda x: fastattn.LinearAttentionState((2,), 3, x)),
+    "LinearAttentionState-batch_shape": ("every entry of batch_shape",
+                                         lambda x: fastattn.LinearAttentionState((x,), 3)),
+    "FavorFeatures-d_k": ("d_k", lambda x: fastattn.FavorFeatures(x)),
+    "FavorFeatures-num_features": ("num_features",
+                                   lambda x: fastattn.FavorFeatures(3, num_features=x)),
+}
+
+
+@pytest.mark.parametrize("value", [10**400, 10**5000, 2**63], ids=["10**400", "10**5000", "2**63"])
+@pytest.mark.parametrize("call", DIM_CALLS)
+def test_a_huge_int_size_is_a_value_error_naming_it(call, value):
+    """A size beyond any array dimension: a ValueError naming it (it was an OverflowError
+    from the memory check's message, or from the default number of FAVOR+ features)."""
+    name, fn = DIM_CALLS[call]
+    with pytest.raises(ValueError, match=rf"^{name} must be a") as info:
+        fn(value)
+    assert len(str(info.value)) < 200, str(info.value)
+
+
+def test_a_size_beyond_the_float_range_is_a_memory_error_with_its_bytes():
+    """Dims each an array dimension whose product is beyond float64: the memory check says
+    so in e-notation (its message used to raise OverflowError)."""
+    with pytest.raises(MemoryError, match=r"needs \d\.\d+e\+3\d\d bytes \(\d\.\d+e\+3\d\d GiB\)"):
+        fastattn.KVCache((2**62,) * 17, capacity=4, d_k=3)
