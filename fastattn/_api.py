@@ -141,8 +141,11 @@ def linear_attention(
           al. 2024), ``D = 1 + d_k + d_k (d_k + 1) / 2``;
         * a callable ``f``: ``f(x)`` for ``x`` of shape ``(..., n, d_k)`` (the
           leading dims of the call, computation dtype) returns finite,
-          non-negative float features of shape ``(..., n, D)``; it is
-          applied to ``q`` and to ``k``;
+          non-negative float features of shape ``(..., n, D)``, a plain
+          ndarray (a ``numpy.ma.MaskedArray`` is refused); it is applied to
+          ``q`` and to ``k``, each a read-only view (possibly of the
+          caller's array, which a map cannot change: one that writes into
+          its input is refused, whatever the layout);
         * the name of a map added with :func:`fastattn.feature_maps.register`
           (or the :class:`fastattn.feature_maps.FeatureMap` itself).
     causal : bool, default False
@@ -191,13 +194,14 @@ def linear_attention(
     ------
     TypeError
         Non-array or non-float inputs, a malformed ``initial_state``,
-        non-bool flags, or a callable ``feature_map`` that returns no array
-        or no float array.
+        non-bool flags, or a callable ``feature_map`` that returns no array,
+        a masked array or no float array.
     ValueError
         Shapes that disagree (named in the message), an unknown
         ``feature_map`` or ``backend``, a ``FavorFeatures`` of another
         ``d_k``, a callable ``feature_map`` whose features have the wrong
-        shape or are negative or not finite, a negative or non-finite
+        shape or are negative or not finite (or that writes into its
+        read-only input), a negative or non-finite
         ``eps`` (or one that is inf in the computation dtype), or a state of the wrong shape or (for every map but
         ``"taylor"``, whose features may be negative) with a negative ``z``.
     MemoryError

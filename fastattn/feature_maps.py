@@ -594,9 +594,26 @@ def resolve(feature_map, d_k, d_k_of="q and k have"):
 
 def _user_features(fn, x, batch_shape, dtype, which):
     """``fn(x)`` for ``x (B, n, d_k)`` shown to ``fn`` as ``batch_shape + (n, d_k)``, validated."""
-    shown = x.reshape(batch_shape + x.shape[1:])
+    # A read-only view: x may be the caller's own q or k (a C-contiguous array of the
+    # computation dtype is passed on as it is), which a map must never change.  Read-only
+    # whatever the caller's layout, so a map that writes into its input fails alike for all.
+    # Through a read-only buffer: the map cannot set the view writeable again either.
+    # O(1), no copy (x is C-contiguous).
+    shown = np.asarray(memoryview(x).toreadonly()).reshape(batch_shape + x.shape[1:])
     what = f"feature_map({which})"
-    phi = fn(shown)
+    try:
+        phi = fn(shown)
+    except ValueError as exc:
+        if "read-only" not in str(exc):
+            raise
+        raise ValueError(
+            f"{what} wrote into its input, which is read-only (it may be the caller's "
+            f"{which}): return new features, e.g. np.maximum(x, 0), not np.maximum(x, 0, out=x) "
+            f"({exc})") from exc
+    if isinstance(phi, np.ma.MaskedArray):
+        raise TypeError(
+            f"{what} must return a plain numpy.ndarray, got a numpy.ma.MaskedArray whose mask "
+            f"would be ignored; return e.g. features.filled(0.0)")
     if not isinstance(phi, np.ndarray):
         raise TypeError(f"{what} must return a numpy.ndarray, got {type(phi).__name__}")
     if phi.dtype.kind != "f":

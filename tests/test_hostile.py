@@ -100,3 +100,77 @@ def test_a_size_beyond_the_float_range_is_a_memory_error_with_its_bytes():
     so in e-notation (its message used to raise OverflowError)."""
     with pytest.raises(MemoryError, match=r"needs \d\.\d+e\+3\d\d bytes \(\d\.\d+e\+3\d\d GiB\)"):
         fastattn.KVCache((2**62,) * 17, capacity=4, d_k=3)
+
+
+# ---------------------------------------------------------------------------
+# 16. A callable feature map: a masked result is refused alike on every backend, and the
+#     map never changes the caller's q or k.
+# ---------------------------------------------------------------------------
+
+def _masked_features(x):
+    return np.ma.masked_array(np.abs(x), mask=x > 1)
+
+
+def _linear_call(kind, backend, feature_map, q=Q, k=K, v=V):
+    if kind == "linear":
+        return fastattn.linear_attention(q, k, v, feature_map=feature_map, backend=backend)
+    if kind == "causal":
+        return fastattn.linear_attention(q, k, v, feature_map=feature_map, causal=True,
+                                         backend=backend)
+    if kind == "weights":
+        return fastattn.attention_weights(q, k, kind="linear", feature_map=feature_map)
+    state = fastattn.LinearAttentionState(q.shape[:-2], q.shape[-1], v.shape[-1],
+                                          feature_map=feature_map)
+    return state.step(q[..., :1, :], k[..., :1, :], v[..., :1, :], backend=backend)
+
+
+LINEAR_KINDS = ["linear", "causal", "weights", "state-step"]
+
+
+@pytest.mark.parametrize("kind", LINEAR_KINDS)
+def test_a_callable_returning_a_masked_array_is_refused_naming_feature_map(backend, kind):
+    """It computed on Cython (the mask ignored), raised NumbaTypeError on Numba and a
+    broadcasting ValueError on the reference."""
+    with pytest.raises(TypeError, match=r"^feature_map\(q\) must return a plain numpy.ndarray, "
+                                        r"got a numpy.ma.MaskedArray"):
+        _linear_call(kind, backend, _masked_features)
+
+
+def _in_place_relu(x):
+    np.maximum(x, 0, out=x)
+    return x
+
+
+def _sneaky_in_place(x):
+    x.flags.writeable = True    # a view of a writeable array could be made writeable again
+    x[...] = np.abs(x)
+    return x
+
+
+@pytest.mark.parametrize("fn", [_in_place_relu, _sneaky_in_place], ids=["out=x", "writeable"])
+@pytest.mark.parametrize("order", ["C", "F"])
+@pytest.mark.parametrize("kind", LINEAR_KINDS)
+def test_a_callable_cannot_change_the_callers_q_and_k(backend, kind, order, fn):
+    """The map received a writeable view of a C-contiguous q (so an in-place map changed
+    the user's array) but a copy of a Fortran-ordered one: it now gets a read-only view
+    whatever the layout, and writing into it is refused alike."""
+    q, k = np.array(Q, order=order), np.array(K, order=order)
+    q0, k0 = q.copy(), k.copy()
+    with pytest.raises(ValueError, match=r"read-only|WRITEABLE"):
+        _linear_call(kind, backend, fn, q, k)
+    np.testing.assert_array_equal(q, q0)
+    np.testing.assert_array_equal(k, k0)
+
+
+def test_a_map_that_writes_into_its_input_is_told_so():
+    with pytest.raises(ValueError, match=r"^feature_map\(q\) wrote into its input, which is "
+                                        r"read-only .* return new features"):
+        fastattn.linear_attention(Q, K, V, feature_map=_in_place_relu)
+
+
+def test_a_callable_may_return_its_input_or_a_view_of_it(backend):
+    """Returning the (read-only) input itself is fine: the features are copied."""
+    q, k = np.abs(Q), np.abs(K)
+    out = fastattn.linear_attention(q, k, V, feature_map=lambda x: x, backend=backend)
+    want = fastattn.linear_attention(q, k, V, feature_map="relu", backend=backend)
+    np.testing.assert_allclose(out, want, rtol=1e-5)
