@@ -207,8 +207,9 @@ def linear_attention(
     MemoryError
         Before any work, when the ``(D, d_v)`` states (about three of them at
         the peak, ``B · D · d_v`` values each), or with ``backend="reference"``
-        and ``causal=True`` the ``n_q x n_k`` intermediates, exceed the
-        available memory.
+        and ``causal=True`` the ``n_q x n_k`` intermediates (one array of the
+        computation dtype and a 2-byte mask per entry) with the features,
+        exceed the available memory: before the features are formed.
 
     Notes
     -----
@@ -266,6 +267,11 @@ def linear_attention(
     empty = 0 in batch_shape or 0 in (n_q, n_k, d_v)
     if empty:
         module, causal = reference, False
+    if causal and module is reference:
+        # Before the features: a Taylor map's are gigabytes where the n_q x n_k arrays
+        # cannot fit, and took 23 s to form before this refusal.
+        reference.check_causal_linear_fits(math.prod(batch_shape), n_q, n_k, d_v,
+                                           np.dtype(dtype).itemsize, D or 0, fmap.elementwise)
     qq, kk = _checks.as_kernel_input(q, dtype), _checks.as_kernel_input(k, dtype)
     feats = fmap.features(module, qq, kk, batch_shape, z0)
     if D is None:
@@ -319,7 +325,9 @@ def attention_weights(
         option is checked, whatever the kind), for an unknown ``kind``, and
         for a ``scale`` given with ``kind="linear"``.
     MemoryError
-        When the ``n_q x n_k`` matrix does not fit in available memory.
+        Before any work, when the ``n_q x n_k`` matrix (one array, normalised
+        in place, and a 2-byte mask per entry when causal) with the features
+        does not fit in available memory.
 
     Notes
     -----
@@ -345,11 +353,14 @@ def attention_weights(
     out_shape = batch_shape + (n_q, n_k)
     if 0 in out_shape:
         return np.zeros(out_shape, dtype)
-    # The reference holds two n_q x n_k arrays at most (and the causal mask);
-    # refused here with advice for this function, which has no tiled backend.
+    # The reference holds one n_q x n_k array (normalised in place), the causal mask and,
+    # for linear attention, the features (a callable's D is known once it has run: 0);
+    # refused here, before the features, with advice for this function, which has no
+    # tiled backend.
+    D = (fmap.feature_dim(q.shape[-1]) or 0) if kind == "linear" else 0
     reference.check_fits_in_memory(
-        reference.quadratic_bytes(math.prod(batch_shape), n_q, n_k, np.dtype(dtype).itemsize,
-                                  arrays=2) + (2 * n_q * n_k if causal else 0),
+        reference.weights_bytes(math.prod(batch_shape), n_q, n_k, np.dtype(dtype).itemsize,
+                                causal, D),
         f"attention_weights, for its {out_shape} weights and their intermediates,",
         advice="the weights are n_q x n_k: pass fewer queries or keys (a slice of q or k), "
                "or compute the attention itself with softmax_attention or linear_attention, "

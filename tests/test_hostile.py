@@ -174,3 +174,83 @@ def test_a_callable_may_return_its_input_or_a_view_of_it(backend):
     out = fastattn.linear_attention(q, k, V, feature_map=lambda x: x, backend=backend)
     want = fastattn.linear_attention(q, k, V, feature_map="relu", backend=backend)
     np.testing.assert_allclose(out, want, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------
+# 10. The reference's memory checks cover what it allocates, and come before the work.
+# ---------------------------------------------------------------------------
+
+import tracemalloc  # noqa: E402
+
+from fastattn import reference  # noqa: E402
+
+
+def _checked_and_peak(monkeypatch, prefix, fn):
+    """``(bytes the first check whose message starts with prefix asked for, tracemalloc peak)``."""
+    asked = []
+    check = reference.check_fits_in_memory
+
+    def spy(nbytes, what, advice=None):
+        if what.startswith(prefix):
+            asked.append(nbytes)
+        return check(nbytes, what, advice)
+
+    monkeypatch.setattr(reference, "check_fits_in_memory", spy)
+    fn()   # warm: FAVOR+'s projections, scipy's import
+    asked.clear()
+    tracemalloc.start()
+    try:
+        fn()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert asked, f"no memory check named {prefix!r}"
+    return asked[0], peak
+
+
+WEIGHT_CASES = ["softmax", "elu", "relu", "favor", "taylor"]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["non-causal", "causal"])
+@pytest.mark.parametrize("fmap", WEIGHT_CASES)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["float32", "float64"])
+def test_attention_weights_estimate_covers_its_measured_peak(monkeypatch, fmap, causal, dtype):
+    """linear, FAVOR+, causal peaked at 17.7 bytes per n² element against an estimate of
+    10: the weights were normalised through three more n x n arrays."""
+    q, k, _ = make_qkv((2, 384, 16), n_k=320, dtype=dtype, seed=1)
+    kwargs = {} if fmap == "softmax" else {"kind": "linear", "feature_map": fmap}
+    asked, peak = _checked_and_peak(monkeypatch, "attention_weights", lambda: (
+        fastattn.attention_weights(q, k, causal=causal, **kwargs)))
+    assert peak <= asked, f"peak {peak:,} bytes, estimate {asked:,}"
+    assert asked <= 1.5 * peak, f"estimate {asked:,} bytes, far above the peak {peak:,}"
+
+
+@pytest.mark.parametrize("fmap", ["elu", "relu", "favor", "taylor"])
+def test_causal_linear_reference_estimate_covers_its_measured_peak(monkeypatch, fmap):
+    """Its features (Taylor's are D = 2,145 a row at d_k = 64) count too."""
+    q, k, v = make_qkv((1, 256, 32), dtype=np.float32, seed=2)
+    asked, peak = _checked_and_peak(monkeypatch, "the reference causal linear", lambda: (
+        fastattn.linear_attention(q, k, v, feature_map=fmap, causal=True, backend="reference")))
+    assert peak <= asked, f"peak {peak:,} bytes, estimate {asked:,}"
+    assert asked <= 2.5 * peak, f"estimate {asked:,} bytes, far above the peak {peak:,}"
+
+
+@pytest.mark.parametrize("fmap", ["taylor", "favor"])
+def test_causal_linear_reference_refuses_before_forming_the_features(monkeypatch, fmap):
+    """q (100000, 64) with Taylor formed 3.2 GiB of features in 23 s before its
+    MemoryError (elu refused at once): here the features fit and the n x n arrays do not."""
+    q, k, v = make_qkv((2048, 8), dtype=np.float32, seed=3)
+    D = fastattn.feature_maps.feature_dim(fmap, 8)
+    features = 2 * 2048 * D * 4
+    available = 4 * features
+    assert 2048 * 2048 * 4 > 2 * available          # one n x n array does not fit
+    monkeypatch.setattr(reference, "available_memory", lambda: available)
+    tracemalloc.start()
+    try:
+        with pytest.raises(MemoryError, match=r"the reference causal linear attention, for its "
+                                              r"n_q x n_k intermediates and its features"):
+            fastattn.linear_attention(q, k, v, feature_map=fmap, causal=True, backend="reference")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < features / 4, f"allocated {peak:,} bytes (features {features:,}) before refusing"
