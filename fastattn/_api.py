@@ -224,13 +224,19 @@ def linear_attention(
     at most the size of ``q``, ``k``, ``v`` and the output together (larger
     states, e.g. ``D = d_v`` above 255, run a head a thread instead).
 
-    With ``"elu"`` and ``"relu"`` the features grow like the inputs, and a
-    row whose denominator ``φ(q) · z`` overflows the dtype is wrong, in
-    every backend alike: NaN where its numerator ``φ(q) · S`` overflows
-    too (``inf / inf``), else 0.  With ``d_k = 64`` that takes ``|q|`` and
-    ``|k|`` of about ``1e18`` in float32 (less the more keys there are) and
-    ``1e153`` in float64; rescale such inputs first (relu attention does
-    not change when ``q`` is scaled).
+    A float32 call whose output comes out non-finite (its numerator
+    ``φ(q) · S`` or its state overflows: ``q`` of 1e15 against ``v`` of
+    1e30) is computed again in float64 and rounded, on every backend and
+    for every map: the answer is float64's (inf only beyond 3.4e38).  The
+    ordinary call pays one ``isfinite`` pass over its output, ``O(n · d_v)``.
+    With ``"elu"`` and ``"relu"`` the features grow like the inputs, and in
+    float64 a row whose denominator ``φ(q) · z`` overflows is wrong: NaN
+    where its numerator overflows too (``inf / inf``), else 0 (about
+    ``1e153`` at ``d_k = 64``); in float32 a row whose denominator alone
+    overflows (``|q|``, ``|k|`` of about ``1e18``) is 0.  Rescale such
+    inputs first (relu attention does not change when ``q`` is scaled).
+    Products ``φ(k)ᵀ v`` below the dtype's smallest numbers (keys and values
+    both near 1e-30 in float32) are lost from the state.
 
     An inf in ``v`` makes every row that sees its key non-finite, but
     which of inf and NaN it gets is not specified: a feature or weight of

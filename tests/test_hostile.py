@@ -254,3 +254,65 @@ def test_causal_linear_reference_refuses_before_forming_the_features(monkeypatch
     finally:
         tracemalloc.stop()
     assert peak < features / 4, f"allocated {peak:,} bytes (features {features:,}) before refusing"
+
+
+# ---------------------------------------------------------------------------
+# 8. A float32 linear attention whose numerator overflows is computed in float64 and
+#    rounded: every backend gives the float64 answer, never inf or NaN for a finite one.
+# ---------------------------------------------------------------------------
+
+from conftest import assert_close  # noqa: E402
+
+
+def _issue8_inputs(case):
+    if case == "random":
+        rng = np.random.default_rng(8)
+        q = 1e15 * rng.standard_normal((2, 50, 16))
+        k = rng.standard_normal((2, 53, 16))
+        v = 1e30 * rng.standard_normal((2, 53, 16))
+    else:
+        q, k, v = np.full((1, 5, 4), 1e15), np.ones((1, 5, 4)), np.full((1, 5, 4), 1e30)
+    return tuple(x.astype(np.float32) for x in (q, k, v))
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["non-causal", "causal"])
+@pytest.mark.parametrize("feature_map", ["elu", "relu", "taylor", "callable"])
+@pytest.mark.parametrize("case", ["random", "ones"])
+def test_a_float32_numerator_that_overflows_gives_the_float64_answer(backend, case,
+                                                                      feature_map, causal):
+    """Reference and Cython gave inf, Numba NaN and inf; float64 gives finite values up
+    to 1.37e30 (1e30 for the ones)."""
+    q, k, v = _issue8_inputs(case)
+    fmap = (lambda x: np.abs(x) + 1) if feature_map == "callable" else feature_map
+    out, (S, z) = fastattn.linear_attention(q, k, v, feature_map=fmap, causal=causal,
+                                            return_state=True, backend=backend)
+    want, (S64, z64) = fastattn.linear_attention(
+        *(x.astype(np.float64) for x in (q, k, v)), feature_map=fmap, causal=causal,
+        return_state=True, backend="reference")
+    assert np.isfinite(want).all() and out.dtype == np.float32
+    top = float(np.abs(want).max())
+    assert_close(out / np.float32(top), want / top, dtype=np.float32)   # relative to the largest
+    if case == "ones" and feature_map != "taylor":
+        np.testing.assert_allclose(out, 1e30, rtol=1e-5)
+    with np.errstate(over="ignore"):
+        np.testing.assert_allclose(S, S64.astype(np.float32), rtol=1e-4)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")   # the reference forms 0 · inf
+def test_the_float64_recomputation_keeps_a_given_nan_or_inf(backend):
+    """Non-finite inputs are taken as given (no float64 call): the rows that see them."""
+    q, k, v = _issue8_inputs("ones")
+    v[0, 2, 1] = np.inf
+    out = fastattn.linear_attention(q, k, v, causal=True, backend=backend)
+    assert np.isfinite(out[0, :2]).all() and not np.isfinite(out[0, 2:, 1]).any()
+
+
+def test_the_chained_float32_state_after_an_overflow_equals_one_pass(backend):
+    q, k, v = _issue8_inputs("random")
+    whole = fastattn.linear_attention(q, k, v, causal=True, backend=backend)
+    first, state = fastattn.linear_attention(q[:, :20], k[:, :23], v[:, :23], causal=True,
+                                             return_state=True, backend=backend)
+    rest = fastattn.linear_attention(q[:, 20:], k[:, 23:], v[:, 23:], causal=True,
+                                     initial_state=state, backend=backend)
+    top = np.float32(np.abs(whole).max())
+    assert_close(np.concatenate([first, rest], axis=1) / top, whole / top, dtype=np.float32)
