@@ -141,8 +141,11 @@ def linear_attention(
           al. 2024), ``D = 1 + d_k + d_k (d_k + 1) / 2``;
         * a callable ``f``: ``f(x)`` for ``x`` of shape ``(..., n, d_k)`` (the
           leading dims of the call, computation dtype) returns finite,
-          non-negative float features of shape ``(..., n, D)``; it is
-          applied to ``q`` and to ``k``;
+          non-negative float features of shape ``(..., n, D)``, a plain
+          ndarray (a ``numpy.ma.MaskedArray`` is refused); it is applied to
+          ``q`` and to ``k``, each a read-only view (possibly of the
+          caller's array, which a map cannot change: one that writes into
+          its input is refused, whatever the layout);
         * the name of a map added with :func:`fastattn.feature_maps.register`
           (or the :class:`fastattn.feature_maps.FeatureMap` itself).
     causal : bool, default False
@@ -191,20 +194,22 @@ def linear_attention(
     ------
     TypeError
         Non-array or non-float inputs, a malformed ``initial_state``,
-        non-bool flags, or a callable ``feature_map`` that returns no array
-        or no float array.
+        non-bool flags, or a callable ``feature_map`` that returns no array,
+        a masked array or no float array.
     ValueError
         Shapes that disagree (named in the message), an unknown
         ``feature_map`` or ``backend``, a ``FavorFeatures`` of another
         ``d_k``, a callable ``feature_map`` whose features have the wrong
-        shape or are negative or not finite, a negative or non-finite
+        shape or are negative or not finite (or that writes into its
+        read-only input), a negative or non-finite
         ``eps`` (or one that is inf in the computation dtype), or a state of the wrong shape or (for every map but
         ``"taylor"``, whose features may be negative) with a negative ``z``.
     MemoryError
         Before any work, when the ``(D, d_v)`` states (about three of them at
         the peak, ``B · D · d_v`` values each), or with ``backend="reference"``
-        and ``causal=True`` the ``n_q x n_k`` intermediates, exceed the
-        available memory.
+        and ``causal=True`` the ``n_q x n_k`` intermediates (one array of the
+        computation dtype and a 2-byte mask per entry) with the features,
+        exceed the available memory: before the features are formed.
 
     Notes
     -----
@@ -219,13 +224,19 @@ def linear_attention(
     at most the size of ``q``, ``k``, ``v`` and the output together (larger
     states, e.g. ``D = d_v`` above 255, run a head a thread instead).
 
-    With ``"elu"`` and ``"relu"`` the features grow like the inputs, and a
-    row whose denominator ``φ(q) · z`` overflows the dtype is wrong, in
-    every backend alike: NaN where its numerator ``φ(q) · S`` overflows
-    too (``inf / inf``), else 0.  With ``d_k = 64`` that takes ``|q|`` and
-    ``|k|`` of about ``1e18`` in float32 (less the more keys there are) and
-    ``1e153`` in float64; rescale such inputs first (relu attention does
-    not change when ``q`` is scaled).
+    A float32 call whose output comes out non-finite (its numerator
+    ``φ(q) · S`` or its state overflows: ``q`` of 1e15 against ``v`` of
+    1e30) is computed again in float64 and rounded, on every backend and
+    for every map: the answer is float64's (inf only beyond 3.4e38).  The
+    ordinary call pays one ``isfinite`` pass over its output, ``O(n · d_v)``.
+    With ``"elu"`` and ``"relu"`` the features grow like the inputs, and in
+    float64 a row whose denominator ``φ(q) · z`` overflows is wrong: NaN
+    where its numerator overflows too (``inf / inf``), else 0 (about
+    ``1e153`` at ``d_k = 64``); in float32 a row whose denominator alone
+    overflows (``|q|``, ``|k|`` of about ``1e18``) is 0.  Rescale such
+    inputs first (relu attention does not change when ``q`` is scaled).
+    Products ``φ(k)ᵀ v`` below the dtype's smallest numbers (keys and values
+    both near 1e-30 in float32) are lost from the state.
 
     An inf in ``v`` makes every row that sees its key non-finite, but
     which of inf and NaN it gets is not specified: a feature or weight of
@@ -262,6 +273,11 @@ def linear_attention(
     empty = 0 in batch_shape or 0 in (n_q, n_k, d_v)
     if empty:
         module, causal = reference, False
+    if causal and module is reference:
+        # Before the features: a Taylor map's are gigabytes where the n_q x n_k arrays
+        # cannot fit, and took 23 s to form before this refusal.
+        reference.check_causal_linear_fits(math.prod(batch_shape), n_q, n_k, d_v,
+                                           np.dtype(dtype).itemsize, D or 0, fmap.elementwise)
     qq, kk = _checks.as_kernel_input(q, dtype), _checks.as_kernel_input(k, dtype)
     feats = fmap.features(module, qq, kk, batch_shape, z0)
     if D is None:
@@ -315,7 +331,9 @@ def attention_weights(
         option is checked, whatever the kind), for an unknown ``kind``, and
         for a ``scale`` given with ``kind="linear"``.
     MemoryError
-        When the ``n_q x n_k`` matrix does not fit in available memory.
+        Before any work, when the ``n_q x n_k`` matrix (one array, normalised
+        in place, and a 2-byte mask per entry when causal) with the features
+        does not fit in available memory.
 
     Notes
     -----
@@ -341,11 +359,14 @@ def attention_weights(
     out_shape = batch_shape + (n_q, n_k)
     if 0 in out_shape:
         return np.zeros(out_shape, dtype)
-    # The reference holds two n_q x n_k arrays at most (and the causal mask);
-    # refused here with advice for this function, which has no tiled backend.
+    # The reference holds one n_q x n_k array (normalised in place), the causal mask and,
+    # for linear attention, the features (a callable's D is known once it has run: 0);
+    # refused here, before the features, with advice for this function, which has no
+    # tiled backend.
+    D = (fmap.feature_dim(q.shape[-1]) or 0) if kind == "linear" else 0
     reference.check_fits_in_memory(
-        reference.quadratic_bytes(math.prod(batch_shape), n_q, n_k, np.dtype(dtype).itemsize,
-                                  arrays=2) + (2 * n_q * n_k if causal else 0),
+        reference.weights_bytes(math.prod(batch_shape), n_q, n_k, np.dtype(dtype).itemsize,
+                                causal, D),
         f"attention_weights, for its {out_shape} weights and their intermediates,",
         advice="the weights are n_q x n_k: pass fewer queries or keys (a slice of q or k), "
                "or compute the attention itself with softmax_attention or linear_attention, "

@@ -113,11 +113,36 @@ def check_positive_scalar(value, name, allow_zero):
         got = (f"an array of shape {value.shape} and dtype {value.dtype}"
                if isinstance(value, np.ndarray) else type(value).__name__)
         raise TypeError(f"{name} must be a real number, got {got}")
-    value = float(value)
+    bound = ">= 0" if allow_zero else "> 0"
+    try:
+        value = float(value)
+    except OverflowError:   # an int (or Fraction) beyond float64: 10**400
+        raise ValueError(f"{name} must be a finite number {bound}, got {beyond_float(value)}, "
+                         "which is inf as a float") from None
     if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
-        bound = ">= 0" if allow_zero else "> 0"
         raise ValueError(f"{name} must be a finite number {bound}, got {value!r}")
     return value
+
+
+def beyond_float(value):
+    """How a message writes a real number too large for a float: ``an int of about 10**400``
+    (its 401 digits would be unreadable, and past 4,300 digits ``repr`` itself raises)."""
+    if isinstance(value, numbers.Integral):
+        return number_text(value)
+    return f"a {type(value).__name__} beyond the float range"
+
+
+def number_text(value):
+    """``repr(value)``, but ``an int of about 10**400`` for an int of more than 30 digits."""
+    if isinstance(value, numbers.Integral) and not -10**30 < value < 10**30:
+        sign = "-" if value < 0 else ""
+        return f"an int of about {sign}10**{int(math.log10(abs(int(value))))}"
+    return repr(value)
+
+
+#: The largest size of an array dimension: a larger one is refused as a ValueError naming it
+#: (as a size that cannot be allocated would be a MemoryError), never an OverflowError.
+LARGEST_DIM = int(np.iinfo(np.intp).max)
 
 
 def check_eps(eps, fmap, dtype):

@@ -37,6 +37,7 @@ it runs on every backend through the generic path above, and
 the registry.
 """
 
+import contextlib
 import functools
 import math
 import numbers
@@ -142,10 +143,45 @@ class FeatureMap:
                           for x in (q, k)))
 
     def forward(self, module, feats, q, k, v, causal, eps, S0, z0):
-        """``module.linear_forward`` on the inputs (an elementwise map) or on ``feats``."""
+        """``(out, S, z)``: :meth:`forward_in_dtype`, and a float32 call whose output comes
+        out non-finite computed again in float64, then rounded.
+
+        A float32 numerator ``φ(q)·S`` (or ``S`` itself) overflows where the float64 one
+        does not (``q`` of 1e15 against ``v`` of 1e30: the answer is 1e30), and the
+        backends then differ (inf, NaN: the order of their sums).  Overflow is always
+        visible in the output (an inf in ``S`` or in the numerator makes the row inf or
+        NaN), so the ordinary call pays one ``isfinite`` pass over its output,
+        ``O(n · d_v)`` beside the kernel's ``O(n · D · d_v)``; only the rare call that
+        comes out non-finite is computed again.  Float64 holds every product of float32
+        numbers (up to 1e77 for two factors), so the float64 answer, rounded, is the
+        float32 answer (inf only where it is beyond 3.4e38).  A NaN or inf given reaches
+        the same rows in float64 (those that see it); the others get their answer.
+        """
+        if q.dtype != np.float32:
+            return self.forward_in_dtype(module, feats, q, k, v, causal, eps, S0, z0)
+        # The reference warns of the overflow the float64 call below repairs (the compiled
+        # backends never warn): quiet, as they are.
+        with np.errstate(over="ignore", invalid="ignore") if module is reference \
+                else contextlib.nullcontext():
+            result = self.forward_in_dtype(module, feats, q, k, v, causal, eps, S0, z0)
+        if np.isfinite(result[0]).all():
+            return result
+        q, k, v, S0, z0 = (None if x is None else x.astype(np.float64) for x in (q, k, v, S0, z0))
+        wide = self._wide_features(module, feats, q, k, z0)
+        with np.errstate(over="ignore"):   # beyond float32's range: inf, as the dtype says
+            return tuple(x.astype(np.float32) for x in
+                         self.forward_in_dtype(module, wide, q, k, v, causal, eps, S0, z0))
+
+    def forward_in_dtype(self, module, feats, q, k, v, causal, eps, S0, z0):
+        """``module.linear_forward`` on the inputs (an elementwise map) or on ``feats``, in
+        their dtype."""
         if feats is None:
             return module.linear_forward(q, k, v, self.elementwise, causal, eps, S0, z0)
         return module.linear_forward(feats.q, feats.k, v, "identity", causal, eps, S0, z0)
+
+    def _wide_features(self, module, feats, q, k, z0):
+        """The features of the float64 ``q``, ``k`` (None for an elementwise map)."""
+        return None if feats is None else self.features(module, q, k, None, z0)
 
     def __repr__(self):
         return f"{type(self).__name__}()"
@@ -200,8 +236,9 @@ class Taylor(FeatureMap):
 def _positive_int(value, name):
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be a positive int, got {value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if not 1 <= value <= _checks.LARGEST_DIM:
+        raise ValueError(f"{name} must be a positive int (at most {_checks.LARGEST_DIM:,}, an "
+                         f"array dimension), got {_checks.number_text(value)}")
     return int(value)
 
 
@@ -282,7 +319,8 @@ class FavorFeatures(Favor):
         If ``d_k`` or ``num_features`` is not an int, or ``random_state`` is
         neither an int nor a ``numpy.random.Generator``.
     ValueError
-        If ``d_k`` or ``num_features`` is < 1, or ``random_state`` < 0.
+        If ``d_k`` or ``num_features`` is < 1 or beyond an array dimension
+        (``2**63 - 1``), or ``random_state`` < 0.
 
     Notes
     -----
@@ -445,22 +483,12 @@ class FavorFeatures(Favor):
             phi_k, shift = _state_frame(phi_k, shift, self.state_shift, z0)
         return Features(query_features(q, w, shift), phi_k, shift)
 
-    def forward(self, module, feats, q, k, v, causal, eps, S0, z0):
+    def forward_in_dtype(self, module, feats, q, k, v, causal, eps, S0, z0):
         """Linear attention from the features in the call's frame (a shift ``c_r`` per feature
         and head); the state is converted from and to the fixed frame :attr:`state_shift`.
-        A float32 call that comes out non-finite from finite inputs is computed in float64."""
-        result = _favor_forward(self, module, feats, q, k, v, causal, eps, S0, z0)
-        if q.dtype == np.float32 and not np.isfinite(result[0]).all() and all(
-                x is None or np.isfinite(x).all() for x in (q, k, v, S0, z0)):
-            # A float32 sum can overflow where the float64 one does not (values near the
-            # float32 limit): such a call is computed in float64, then rounded to float32.
-            q, k, v, S0, z0 = (None if x is None else x.astype(np.float64)
-                               for x in (q, k, v, S0, z0))
-            wide = self.features(module, q, k, None, z0)
-            result = tuple(x.astype(np.float32) for x in
-                           _favor_forward(self, module, wide, q, k, v, causal, eps, S0, z0))
-        return result
-
+        A float32 call that comes out non-finite from finite inputs is computed in float64
+        (:meth:`FeatureMap.forward`): its ratio can overflow at the float32 limit."""
+        return _favor_forward(self, module, feats, q, k, v, causal, eps, S0, z0)
 
     def __repr__(self):
         return (f"FavorFeatures(d_k={self.d_k}, num_features={self.num_features}, "
@@ -483,6 +511,10 @@ class UserMap(FeatureMap):
 
     def feature_dim(self, d_k, num_features=None):
         return None   # known once it has run
+
+    def _wide_features(self, module, feats, q, k, z0):
+        # The features as the callable gave them (checked finite): it is not called again.
+        return Features(feats.q.astype(np.float64), feats.k.astype(np.float64))
 
     def features(self, module, q, k, batch_shape, z0=None):
         phi_q = _user_features(self.fn, q, batch_shape, q.dtype, "q")
@@ -592,9 +624,26 @@ def resolve(feature_map, d_k, d_k_of="q and k have"):
 
 def _user_features(fn, x, batch_shape, dtype, which):
     """``fn(x)`` for ``x (B, n, d_k)`` shown to ``fn`` as ``batch_shape + (n, d_k)``, validated."""
-    shown = x.reshape(batch_shape + x.shape[1:])
+    # A read-only view: x may be the caller's own q or k (a C-contiguous array of the
+    # computation dtype is passed on as it is), which a map must never change.  Read-only
+    # whatever the caller's layout, so a map that writes into its input fails alike for all.
+    # Through a read-only buffer: the map cannot set the view writeable again either.
+    # O(1), no copy (x is C-contiguous).
+    shown = np.asarray(memoryview(x).toreadonly()).reshape(batch_shape + x.shape[1:])
     what = f"feature_map({which})"
-    phi = fn(shown)
+    try:
+        phi = fn(shown)
+    except ValueError as exc:
+        if "read-only" not in str(exc):
+            raise
+        raise ValueError(
+            f"{what} wrote into its input, which is read-only (it may be the caller's "
+            f"{which}): return new features, e.g. np.maximum(x, 0), not np.maximum(x, 0, out=x) "
+            f"({exc})") from exc
+    if isinstance(phi, np.ma.MaskedArray):
+        raise TypeError(
+            f"{what} must return a plain numpy.ndarray, got a numpy.ma.MaskedArray whose mask "
+            f"would be ignored; return e.g. features.filled(0.0)")
     if not isinstance(phi, np.ndarray):
         raise TypeError(f"{what} must return a numpy.ndarray, got {type(phi).__name__}")
     if phi.dtype.kind != "f":

@@ -43,8 +43,9 @@ def _refusing_overflow(what, whose, dtype, advice):
 
 def _check_dim(value, name, minimum):
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral) \
-            or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+            or not minimum <= value <= _checks.LARGEST_DIM:
+        raise ValueError(f"{name} must be an integer from {minimum} to {_checks.LARGEST_DIM:,}, "
+                         f"got {_checks.number_text(value)}")
     return int(value)
 
 
@@ -105,7 +106,8 @@ class KVCache:
         float32 or float64.
     ValueError
         If ``capacity``, ``d_k`` or ``d_v`` is not a positive integer, or an
-        entry of ``batch_shape`` is not an integer >= 0.
+        entry of ``batch_shape`` is not an integer >= 0 (any of them beyond an
+        array dimension, ``2**63 - 1``, too).
     MemoryError
         If the buffers for ``capacity`` keys and values cannot be allocated.
 
@@ -327,7 +329,8 @@ class LinearAttentionState:
         float32 or float64, or ``eps`` is not a real number.
     ValueError
         If ``d_k`` or ``d_v`` is not a positive integer, an entry of
-        ``batch_shape`` is not an integer >= 0, ``eps`` is
+        ``batch_shape`` is not an integer >= 0 (any of them beyond an array
+        dimension, ``2**63 - 1``, too), ``eps`` is
         negative or not finite, or ``feature_map`` is not a feature map for
         ``d_k``.
 

@@ -157,6 +157,20 @@ def available_memory():
     return psutil.virtual_memory().available
 
 
+def _size_text(size):
+    """Digits a reader can take in: ``1,234,567``; an absurd size in e-notation (``1.2e+19``,
+    not 20 digits), also one beyond the float range (``1e+400``, from a huge int)."""
+    if isinstance(size, int) and size < 10**15:
+        return f"{size:,}"
+    if size < 10**300:
+        return f"{float(size):.3g}"
+    exponent = int(math.log10(size))
+    mantissa = size / 10**(exponent - 2) / 100   # int / int: exact enough, never inf
+    if mantissa >= 10:
+        mantissa, exponent = mantissa / 10, exponent + 1
+    return f"{mantissa:.3g}e+{exponent}"
+
+
 def check_fits_in_memory(nbytes, what, advice=None):
     """Raise MemoryError, before allocating, when ``nbytes`` exceed available RAM.
 
@@ -170,10 +184,8 @@ def check_fits_in_memory(nbytes, what, advice=None):
         if advice is None:
             advice = (f"use a tiled backend ({', '.join(repr(b) for b in TILED_BACKENDS)}), "
                       "which needs O(n d) memory")
-        # Digits a reader can take in: an absurd size in e-notation, not 40 digits.
-        need = f"{nbytes:,}" if nbytes < 1e15 else f"{float(nbytes):.3g}"
         raise MemoryError(
-            f"{what} needs {need} bytes ({nbytes / 2**30:.3g} GiB) "
+            f"{what} needs {_size_text(nbytes)} bytes ({_size_text(nbytes / 2**30 if nbytes < 10**300 else nbytes // 2**30)} GiB) "
             f"but only {available:,} bytes are available; {advice}"
         )
 
@@ -240,6 +252,53 @@ def softmax_forward(q, k, v, causal, scale):
     return _masked_matmul(weights, v, visible)
 
 
+#: Bytes of scratch a reference call holds beyond its arrays (NumPy's ufunc buffers of
+#: 8,192 elements, the row maxima and sums): measured at most 84 kB with tracemalloc.
+SCRATCH_BYTES = 1 << 17
+
+
+def weights_bytes(batch, n_q, n_k, itemsize, causal, D=0):
+    """Peak bytes of the reference's ``n_q x n_k`` weights (:func:`softmax_weights`,
+    :func:`linear_weights`, as :func:`fastattn.attention_weights` runs them), measured
+    with tracemalloc: the weights themselves (normalised in place), the causal mask
+    and its negation (``2 · n_q · n_k`` bytes, for all heads), and for linear attention
+    the features ``φ(q) (B, n_q, D)``, ``φ(k) (B, n_k, D)`` (``D = d_k`` for elu and
+    relu; 0 when unknown), which are held while the weights are formed, and while
+    they are formed take up to twice their size more (Taylor's products).
+    """
+    quadratic = quadratic_bytes(batch, n_q, n_k, itemsize) + (2 * n_q * n_k if causal else 0)
+    rows = 4 * int(batch) * int(n_q) * int(itemsize)
+    if not D:
+        return quadratic + rows + SCRATCH_BYTES
+    held = int(batch) * (int(n_q) + int(n_k)) * int(D) * int(itemsize)
+    forming = held + 2 * int(batch) * max(int(n_q), int(n_k)) * int(D) * int(itemsize)
+    return max(forming, held + quadratic) + rows + SCRATCH_BYTES
+
+
+def causal_linear_bytes(batch, n_q, n_k, d_v, itemsize, D, elementwise):
+    """Peak bytes of :func:`linear_forward` causal (the masked ``n_q x n_k`` form), features
+    included, measured with tracemalloc: the kernel matrix and its mask, the features
+    (``D`` of them; an elementwise map forms ``φ(q)`` and ``φ(k)`` twice, features formed
+    beforehand are taken as they are), and the ``O(n · d_v + D · d_v)`` rest."""
+    B, n_q, n_k, d_v, itemsize, D = (int(x) for x in (batch, n_q, n_k, d_v, itemsize, D))
+    features = (2 if elementwise else 1) * B * (n_q + n_k) * D * itemsize
+    rest = B * (4 * n_q * d_v + n_k * d_v + 3 * D * d_v + 4 * n_q) * itemsize
+    return (weights_bytes(B, n_q, n_k, itemsize, causal=True) + features
+            + (2 * B * max(n_q, n_k) * D * itemsize if not elementwise else 0) + rest)
+
+
+def check_causal_linear_fits(batch, n_q, n_k, d_v, itemsize, D, elementwise=None):
+    """MemoryError unless causal linear attention on the reference fits (see
+    :func:`causal_linear_bytes`): made before any features are formed, so a call that
+    cannot fit is refused at once (a Taylor call used to form gigabytes of features
+    first).  ``D`` is 0 when not known yet (a callable's)."""
+    check_fits_in_memory(
+        causal_linear_bytes(batch, n_q, n_k, d_v, itemsize, D, elementwise),
+        "the reference causal linear attention, for its n_q x n_k intermediates"
+        + (" and its features," if D else ","),
+    )
+
+
 def _check_kernel_matrix_fits(q, k):
     """MemoryError unless the ``n_q x n_k`` kernel matrix (and its mask) fit."""
     check_fits_in_memory(
@@ -261,9 +320,15 @@ def linear_kernel_matrix(q, k, feature_map_name, causal):
 
 
 def _normalise(numerator, denominator):
-    """``numerator / denominator``, 0 where the denominator is exactly 0."""
+    """``numerator / denominator``, ``numerator · 0`` where the denominator is exactly 0 (0,
+    or NaN for an inf), in place: ``numerator`` is a temporary of the caller's, and an
+    ``n_q x n_k`` one for the weights, which no second array of that size may join."""
+    zero = denominator == 0
     with np.errstate(invalid="ignore", divide="ignore"):
-        return np.where(denominator != 0, numerator / denominator, numerator * 0)
+        np.divide(numerator, denominator, out=numerator, where=~zero)
+        if zero.any():
+            np.multiply(numerator, 0, out=numerator, where=zero)
+    return numerator
 
 
 def linear_forward(q, k, v, feature_map_name, causal, eps, S0=None, z0=None):

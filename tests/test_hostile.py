@@ -1,0 +1,318 @@
+"""Hostile inputs (issue 33): every promise holds on every path and every backend.
+
+Each test here failed before its fix; the issue's item is named in the test.
+"""
+
+import fractions
+import math
+
+import numpy as np
+import pytest
+
+import fastattn
+from conftest import make_qkv
+
+Q, K, V = make_qkv((2, 4, 3), n_k=5, d_v=6, dtype=np.float32)
+
+
+# ---------------------------------------------------------------------------
+# 15. A huge Python int as a scalar is a ValueError naming it, never an OverflowError.
+# ---------------------------------------------------------------------------
+
+def _cache_attend(backend, **kwargs):
+    cache = fastattn.KVCache((2,), capacity=8, d_k=3, d_v=6)
+    cache.append(K, V)
+    return cache.attend(Q[:, :1], backend=backend, **kwargs)
+
+
+SCALAR_CALLS = {
+    # id: (argument, call taking the value and the backend)
+    "softmax_attention-scale": ("scale", lambda x, b: fastattn.softmax_attention(
+        Q, K, V, scale=x, backend=b)),
+    "linear_attention-eps": ("eps", lambda x, b: fastattn.linear_attention(
+        Q, K, V, eps=x, backend=b)),
+    "linear_attention-favor-eps": ("eps", lambda x, b: fastattn.linear_attention(
+        Q, K, V, feature_map="favor", eps=x, backend=b)),
+    "attention_weights-scale": ("scale", lambda x, b: fastattn.attention_weights(Q, K, scale=x)),
+    "attention_weights-eps": ("eps", lambda x, b: fastattn.attention_weights(
+        Q, K, kind="linear", eps=x)),
+    "attention_weights-softmax-eps": ("eps", lambda x, b: fastattn.attention_weights(Q, K, eps=x)),
+    "KVCache.attend-scale": ("scale", lambda x, b: _cache_attend(b, scale=x)),
+    "LinearAttentionState-eps": ("eps", lambda x, b: fastattn.LinearAttentionState(
+        (2,), 3, 6, eps=x)),
+}
+
+HUGE = {"10**400": 10**400, "-10**400": -10**400, "10**5000": 10**5000,
+        "Fraction(10**400)": fractions.Fraction(10**400, 3)}
+
+
+@pytest.mark.parametrize("value", HUGE.values(), ids=HUGE)
+@pytest.mark.parametrize("call", SCALAR_CALLS)
+def test_a_huge_int_scalar_is_a_value_error_naming_it(backend, call, value):
+    name, fn = SCALAR_CALLS[call]
+    with pytest.raises(ValueError, match=rf"^{name} must be a finite number") as info:
+        fn(value, backend)
+    message = str(info.value)
+    assert len(message) < 200, message       # not 401 digits
+    if isinstance(value, int):
+        assert f"an int of about {'-' if value < 0 else ''}10**" in message
+
+
+def test_a_large_int_that_is_a_float_is_still_a_scale(backend):
+    """10**300 is a finite float64 (and refused as inf in float32, naming float32)."""
+    q, k, v = (x.astype(np.float64) for x in (Q, K, V))
+    out = fastattn.softmax_attention(q * 1e-300, k, v, scale=10**300, backend=backend)
+    np.testing.assert_allclose(out, fastattn.softmax_attention(q, k, v, scale=1.0,
+                                                               backend=backend), rtol=1e-9)
+    with pytest.raises(ValueError, match="scale must be finite in the computation dtype float32"):
+        fastattn.softmax_attention(Q, K, V, scale=10**300, backend=backend)
+
+
+DIM_CALLS = {
+    "KVCache-capacity": ("capacity", lambda x: fastattn.KVCache((2,), capacity=x, d_k=3)),
+    "KVCache-d_k": ("d_k", lambda x: fastattn.KVCache((2,), capacity=4, d_k=x)),
+    "KVCache-d_v": ("d_v", lambda x: fastattn.KVCache((2,), capacity=4, d_k=3, d_v=x)),
+    "KVCache-batch_shape": ("every entry of batch_shape",
+                            lambda x: fastattn.KVCache((2, x), capacity=4, d_k=3)),
+    "LinearAttentionState-d_k": ("d_k", lambda x: fastattn.LinearAttentionState((2,), x)),
+    "LinearAttentionState-d_v": ("d_v", lambda x: fastattn.LinearAttentionState((2,), 3, x)),
+    "LinearAttentionState-batch_shape": ("every entry of batch_shape",
+                                         lambda x: fastattn.LinearAttentionState((x,), 3)),
+    "FavorFeatures-d_k": ("d_k", lambda x: fastattn.FavorFeatures(x)),
+    "FavorFeatures-num_features": ("num_features",
+                                   lambda x: fastattn.FavorFeatures(3, num_features=x)),
+}
+
+
+@pytest.mark.parametrize("value", [10**400, 10**5000, 2**63], ids=["10**400", "10**5000", "2**63"])
+@pytest.mark.parametrize("call", DIM_CALLS)
+def test_a_huge_int_size_is_a_value_error_naming_it(call, value):
+    """A size beyond any array dimension: a ValueError naming it (it was an OverflowError
+    from the memory check's message, or from the default number of FAVOR+ features)."""
+    name, fn = DIM_CALLS[call]
+    with pytest.raises(ValueError, match=rf"^{name} must be a") as info:
+        fn(value)
+    assert len(str(info.value)) < 200, str(info.value)
+
+
+def test_a_size_beyond_the_float_range_is_a_memory_error_with_its_bytes():
+    """Dims each an array dimension whose product is beyond float64: the memory check says
+    so in e-notation (its message used to raise OverflowError)."""
+    with pytest.raises(MemoryError, match=r"needs \d\.\d+e\+3\d\d bytes \(\d\.\d+e\+3\d\d GiB\)"):
+        fastattn.KVCache((2**62,) * 17, capacity=4, d_k=3)
+
+
+# ---------------------------------------------------------------------------
+# 16. A callable feature map: a masked result is refused alike on every backend, and the
+#     map never changes the caller's q or k.
+# ---------------------------------------------------------------------------
+
+def _masked_features(x):
+    return np.ma.masked_array(np.abs(x), mask=x > 1)
+
+
+def _linear_call(kind, backend, feature_map, q=Q, k=K, v=V):
+    if kind == "linear":
+        return fastattn.linear_attention(q, k, v, feature_map=feature_map, backend=backend)
+    if kind == "causal":
+        return fastattn.linear_attention(q, k, v, feature_map=feature_map, causal=True,
+                                         backend=backend)
+    if kind == "weights":
+        return fastattn.attention_weights(q, k, kind="linear", feature_map=feature_map)
+    state = fastattn.LinearAttentionState(q.shape[:-2], q.shape[-1], v.shape[-1],
+                                          feature_map=feature_map)
+    return state.step(q[..., :1, :], k[..., :1, :], v[..., :1, :], backend=backend)
+
+
+LINEAR_KINDS = ["linear", "causal", "weights", "state-step"]
+
+
+@pytest.mark.parametrize("kind", LINEAR_KINDS)
+def test_a_callable_returning_a_masked_array_is_refused_naming_feature_map(backend, kind):
+    """It computed on Cython (the mask ignored), raised NumbaTypeError on Numba and a
+    broadcasting ValueError on the reference."""
+    with pytest.raises(TypeError, match=r"^feature_map\(q\) must return a plain numpy.ndarray, "
+                                        r"got a numpy.ma.MaskedArray"):
+        _linear_call(kind, backend, _masked_features)
+
+
+def _in_place_relu(x):
+    np.maximum(x, 0, out=x)
+    return x
+
+
+def _sneaky_in_place(x):
+    x.flags.writeable = True    # a view of a writeable array could be made writeable again
+    x[...] = np.abs(x)
+    return x
+
+
+@pytest.mark.parametrize("fn", [_in_place_relu, _sneaky_in_place], ids=["out=x", "writeable"])
+@pytest.mark.parametrize("order", ["C", "F"])
+@pytest.mark.parametrize("kind", LINEAR_KINDS)
+def test_a_callable_cannot_change_the_callers_q_and_k(backend, kind, order, fn):
+    """The map received a writeable view of a C-contiguous q (so an in-place map changed
+    the user's array) but a copy of a Fortran-ordered one: it now gets a read-only view
+    whatever the layout, and writing into it is refused alike."""
+    q, k = np.array(Q, order=order), np.array(K, order=order)
+    q0, k0 = q.copy(), k.copy()
+    with pytest.raises(ValueError, match=r"read-only|WRITEABLE"):
+        _linear_call(kind, backend, fn, q, k)
+    np.testing.assert_array_equal(q, q0)
+    np.testing.assert_array_equal(k, k0)
+
+
+def test_a_map_that_writes_into_its_input_is_told_so():
+    with pytest.raises(ValueError, match=r"^feature_map\(q\) wrote into its input, which is "
+                                        r"read-only .* return new features"):
+        fastattn.linear_attention(Q, K, V, feature_map=_in_place_relu)
+
+
+def test_a_callable_may_return_its_input_or_a_view_of_it(backend):
+    """Returning the (read-only) input itself is fine: the features are copied."""
+    q, k = np.abs(Q), np.abs(K)
+    out = fastattn.linear_attention(q, k, V, feature_map=lambda x: x, backend=backend)
+    want = fastattn.linear_attention(q, k, V, feature_map="relu", backend=backend)
+    np.testing.assert_allclose(out, want, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------
+# 10. The reference's memory checks cover what it allocates, and come before the work.
+# ---------------------------------------------------------------------------
+
+import tracemalloc  # noqa: E402
+
+from fastattn import reference  # noqa: E402
+
+
+def _checked_and_peak(monkeypatch, prefix, fn):
+    """``(bytes the first check whose message starts with prefix asked for, tracemalloc peak)``."""
+    asked = []
+    check = reference.check_fits_in_memory
+
+    def spy(nbytes, what, advice=None):
+        if what.startswith(prefix):
+            asked.append(nbytes)
+        return check(nbytes, what, advice)
+
+    monkeypatch.setattr(reference, "check_fits_in_memory", spy)
+    fn()   # warm: FAVOR+'s projections, scipy's import
+    asked.clear()
+    tracemalloc.start()
+    try:
+        fn()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert asked, f"no memory check named {prefix!r}"
+    return asked[0], peak
+
+
+WEIGHT_CASES = ["softmax", "elu", "relu", "favor", "taylor"]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["non-causal", "causal"])
+@pytest.mark.parametrize("fmap", WEIGHT_CASES)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["float32", "float64"])
+def test_attention_weights_estimate_covers_its_measured_peak(monkeypatch, fmap, causal, dtype):
+    """linear, FAVOR+, causal peaked at 17.7 bytes per n² element against an estimate of
+    10: the weights were normalised through three more n x n arrays."""
+    q, k, _ = make_qkv((2, 384, 16), n_k=320, dtype=dtype, seed=1)
+    kwargs = {} if fmap == "softmax" else {"kind": "linear", "feature_map": fmap}
+    asked, peak = _checked_and_peak(monkeypatch, "attention_weights", lambda: (
+        fastattn.attention_weights(q, k, causal=causal, **kwargs)))
+    assert peak <= asked, f"peak {peak:,} bytes, estimate {asked:,}"
+    assert asked <= 1.5 * peak, f"estimate {asked:,} bytes, far above the peak {peak:,}"
+
+
+@pytest.mark.parametrize("fmap", ["elu", "relu", "favor", "taylor"])
+def test_causal_linear_reference_estimate_covers_its_measured_peak(monkeypatch, fmap):
+    """Its features (Taylor's are D = 2,145 a row at d_k = 64) count too."""
+    q, k, v = make_qkv((1, 256, 32), dtype=np.float32, seed=2)
+    asked, peak = _checked_and_peak(monkeypatch, "the reference causal linear", lambda: (
+        fastattn.linear_attention(q, k, v, feature_map=fmap, causal=True, backend="reference")))
+    assert peak <= asked, f"peak {peak:,} bytes, estimate {asked:,}"
+    assert asked <= 2.5 * peak, f"estimate {asked:,} bytes, far above the peak {peak:,}"
+
+
+@pytest.mark.parametrize("fmap", ["taylor", "favor"])
+def test_causal_linear_reference_refuses_before_forming_the_features(monkeypatch, fmap):
+    """q (100000, 64) with Taylor formed 3.2 GiB of features in 23 s before its
+    MemoryError (elu refused at once): here the features fit and the n x n arrays do not."""
+    q, k, v = make_qkv((2048, 8), dtype=np.float32, seed=3)
+    D = fastattn.feature_maps.feature_dim(fmap, 8)
+    features = 2 * 2048 * D * 4
+    available = 4 * features
+    assert 2048 * 2048 * 4 > 2 * available          # one n x n array does not fit
+    monkeypatch.setattr(reference, "available_memory", lambda: available)
+    tracemalloc.start()
+    try:
+        with pytest.raises(MemoryError, match=r"the reference causal linear attention, for its "
+                                              r"n_q x n_k intermediates and its features"):
+            fastattn.linear_attention(q, k, v, feature_map=fmap, causal=True, backend="reference")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < features / 4, f"allocated {peak:,} bytes (features {features:,}) before refusing"
+
+
+# ---------------------------------------------------------------------------
+# 8. A float32 linear attention whose numerator overflows is computed in float64 and
+#    rounded: every backend gives the float64 answer, never inf or NaN for a finite one.
+# ---------------------------------------------------------------------------
+
+from conftest import assert_close  # noqa: E402
+
+
+def _issue8_inputs(case):
+    if case == "random":
+        rng = np.random.default_rng(8)
+        q = 1e15 * rng.standard_normal((2, 50, 16))
+        k = rng.standard_normal((2, 53, 16))
+        v = 1e30 * rng.standard_normal((2, 53, 16))
+    else:
+        q, k, v = np.full((1, 5, 4), 1e15), np.ones((1, 5, 4)), np.full((1, 5, 4), 1e30)
+    return tuple(x.astype(np.float32) for x in (q, k, v))
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["non-causal", "causal"])
+@pytest.mark.parametrize("feature_map", ["elu", "relu", "taylor", "callable"])
+@pytest.mark.parametrize("case", ["random", "ones"])
+def test_a_float32_numerator_that_overflows_gives_the_float64_answer(backend, case,
+                                                                      feature_map, causal):
+    """Reference and Cython gave inf, Numba NaN and inf; float64 gives finite values up
+    to 1.37e30 (1e30 for the ones)."""
+    q, k, v = _issue8_inputs(case)
+    fmap = (lambda x: np.abs(x) + 1) if feature_map == "callable" else feature_map
+    out, (S, z) = fastattn.linear_attention(q, k, v, feature_map=fmap, causal=causal,
+                                            return_state=True, backend=backend)
+    want, (S64, z64) = fastattn.linear_attention(
+        *(x.astype(np.float64) for x in (q, k, v)), feature_map=fmap, causal=causal,
+        return_state=True, backend="reference")
+    assert np.isfinite(want).all() and out.dtype == np.float32
+    top = float(np.abs(want).max())
+    assert_close(out / np.float32(top), want / top, dtype=np.float32)   # relative to the largest
+    if case == "ones" and feature_map != "taylor":
+        np.testing.assert_allclose(out, 1e30, rtol=1e-5)
+    with np.errstate(over="ignore"):
+        np.testing.assert_allclose(S, S64.astype(np.float32), rtol=1e-4)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")   # the reference forms 0 · inf
+def test_the_float64_recomputation_keeps_a_given_nan_or_inf(backend):
+    """Non-finite inputs are taken as given (no float64 call): the rows that see them."""
+    q, k, v = _issue8_inputs("ones")
+    v[0, 2, 1] = np.inf
+    out = fastattn.linear_attention(q, k, v, causal=True, backend=backend)
+    assert np.isfinite(out[0, :2]).all() and not np.isfinite(out[0, 2:, 1]).any()
+
+
+def test_the_chained_float32_state_after_an_overflow_equals_one_pass(backend):
+    q, k, v = _issue8_inputs("random")
+    whole = fastattn.linear_attention(q, k, v, causal=True, backend=backend)
+    first, state = fastattn.linear_attention(q[:, :20], k[:, :23], v[:, :23], causal=True,
+                                             return_state=True, backend=backend)
+    rest = fastattn.linear_attention(q[:, 20:], k[:, 23:], v[:, 23:], causal=True,
+                                     initial_state=state, backend=backend)
+    top = np.float32(np.abs(whole).max())
+    assert_close(np.concatenate([first, rest], axis=1) / top, whole / top, dtype=np.float32)
