@@ -810,15 +810,15 @@ def test_roof_probe_table_gives_the_exp_rate_one_thread(report_html):
     assert "<td>2</td>" in gemm_row
 
 
-def test_report_help_and_readme_name_the_largest_prefill_n_measured(capsys):
+def test_report_help_and_docs_name_the_largest_prefill_n_measured(capsys):
     from fastattn.report.cli import sweep_points
 
     largest = max(p.n for p in sweep_points(None) if p.regime == "prefill")
     with pytest.raises(SystemExit):
         main(["report", "--help"])
     assert f"also at {largest}" in " ".join(capsys.readouterr().out.split())
-    readme = " ".join((Path(__file__).resolve().parents[1] / "README.md").read_text().split())
-    assert f"curves of the fast backends reach {largest}" in readme
+    docs = Path(__file__).resolve().parents[1] / "docs" / "commands.md"
+    assert f"curves of the fast backends reach {largest}" in " ".join(docs.read_text().split())
 
 
 def test_a_resumed_report_keeps_the_reason_for_its_thread_count(tmp_path, monkeypatch):
