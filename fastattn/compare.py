@@ -312,7 +312,20 @@ def compare_attention(q, k, v, *, causal=False, scale=None, feature_map="elu", e
     )
 
 
-def _check_seed_experiment(n, d, seed, n_by_n_arrays):
+#: Peak bytes of :func:`compare` per score (``n x n`` element), measured with tracemalloc:
+#: the two float32 weight matrices it returns (8) and :func:`weight_quality`'s float64
+#: rows, ``np.where`` and ``rel_entr`` temporaries (about 32); 40.2-42.8 for n >= 256.
+COMPARE_BYTES_PER_SCORE = 41
+
+
+def seed_experiment_bytes(n, d, per_score):
+    """Bytes the seed experiment needs at ``n``, ``d``: one input's float64 draws, the three
+    float32 inputs and the outputs (about ``28 n d``), and ``per_score`` bytes per element of
+    its ``n x n`` arrays (0: none are formed)."""
+    return n * d * 28 + per_score * n * n + (2**17 if per_score else 0)
+
+
+def _check_seed_experiment(n, d, seed, per_score):
     """Validate the seed experiment's arguments; MemoryError if it cannot fit."""
     for value, name in ((n, "n"), (d, "d")):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
@@ -321,12 +334,9 @@ def _check_seed_experiment(n, d, seed, n_by_n_arrays):
             or not 0 <= seed < 2**32:
         raise ValueError(f"seed must be an int from 0 to 2**32 - 1, got {seed!r}")
     n, d = int(n), int(d)
-    # One input's float64 draws, the three float32 inputs, the n x n float32 arrays and,
-    # with them, linear attention's d x d state (and its product).
     reference.check_fits_in_memory(
-        n * d * (8 + 3 * 4) + n_by_n_arrays * (n * n + 2 * d * d) * 4,
-        f"the seed experiment with n={n}, d={d}",
-        advice="choose a smaller n" + (" (it holds n x n weight matrices)" if n_by_n_arrays else "")
+        seed_experiment_bytes(n, d, per_score), f"the seed experiment with n={n}, d={d}",
+        advice="choose a smaller n" + (" (it holds n x n weight matrices)" if per_score else "")
         + " or d",
     )
 
@@ -377,7 +387,7 @@ def seed_inputs(n, d, seed=42):
     MemoryError
         Before drawing, when the inputs cannot fit, as :func:`compare` does.
     """
-    _check_seed_experiment(n, d, seed, n_by_n_arrays=0)
+    _check_seed_experiment(n, d, seed, per_score=0)
     return gaussian_qkv((n, d), dtype=np.float32, seed=seed, scale=0.5)
 
 
@@ -408,11 +418,10 @@ def compare(n=64, d=32, seed=42):
         If ``n`` or ``d`` is not a positive int, or ``seed`` not an int from
         0 to ``2**32 - 1``.
     MemoryError
-        Before any work, when the inputs and the ``n x n`` weight matrices
-        (about ``16 n²`` bytes) cannot fit in the available memory; the
+        Before any work, when the inputs, the ``n x n`` weight matrices and
+        the metrics' temporaries (about ``41 n²`` bytes) cannot fit in the available memory; the
         message names ``n`` and ``d`` and the bytes needed.
     """
-    # The softmax scores and the two weight matrices kept in the result.
-    _check_seed_experiment(n, d, seed, n_by_n_arrays=3)
+    _check_seed_experiment(n, d, seed, per_score=COMPARE_BYTES_PER_SCORE)
     q, k, v = seed_inputs(n, d, seed)
     return compare_attention(q, k, v, backend="reference")

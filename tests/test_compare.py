@@ -95,3 +95,22 @@ def test_an_interrupted_compare_claims_no_results_file(monkeypatch, capsys):
     assert main(["compare", "--n", "8", "--d", "4"]) == 130
     err = capsys.readouterr().err
     assert err.strip() == "fastattn compare: interrupted"   # compare keeps no results file
+
+
+def test_compare_memory_estimate_covers_its_measured_peak():
+    # The check before compare() must count what it then allocates: it estimated 12
+    # bytes per score and peaked at 41, so a call that passed the check failed in NumPy.
+    import tracemalloc
+
+    from fastattn.compare import COMPARE_BYTES_PER_SCORE, seed_experiment_bytes
+
+    n, d = 1024, 32
+    fastattn.compare(8, d)   # imports and first-call allocations out of the measurement
+    tracemalloc.start()
+    try:
+        fastattn.compare(n, d)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    estimate = seed_experiment_bytes(n, d, COMPARE_BYTES_PER_SCORE)
+    assert peak <= estimate <= 1.5 * peak, (peak, estimate)
