@@ -24,8 +24,9 @@ import numpy as np
 
 import fastattn
 
-from .common import (BACKENDS, BATCH, D, DECODE_HEADS, DECODE_N, DTYPES, QUICK, REGIME_DECODE,
-                     engine, fix_threads, peak_bytes, skip_if_no_memory, skip_unless_built)
+from .common import (BACKENDS, BATCH, D, DECODE_HEADS, DECODE_N, DTYPES, REGIME_DECODE, engine,
+                     fix_threads, peak_bytes, skip_if_no_memory, skip_if_quick,
+                     skip_unless_built)
 
 ATTENTIONS = ("softmax", "linear")
 
@@ -65,8 +66,7 @@ class Decode:
     timeout = 300
 
     def setup(self, regime, attention, backend, n, dtype):
-        if QUICK and (int(n) != int(DECODE_N[0]) or dtype != "float32"):
-            raise NotImplementedError("FASTATTN_ASV_QUICK: only the smallest n, float32")
+        skip_if_quick(n, DECODE_N[0], dtype)
         skip_unless_built(backend)
         if attention == "linear" and not {"initial_state", "return_state"} <= set(
                 inspect.signature(fastattn.linear_attention).parameters):

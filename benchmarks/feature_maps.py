@@ -22,8 +22,8 @@ import functools
 import fastattn
 
 from .common import (BACKENDS, CAUSAL, D, DTYPES, FAVOR_M, FAVOR_N, FEATURE_MAPS, FEATURE_N,
-                     FEATURE_REFERENCE_MAX_WORK, QUICK, REFERENCE_MAX_N, fix_threads,
-                     peak_bytes, qkv, skip_if_no_memory, skip_unless_built, spec)
+                     FEATURE_REFERENCE_MAX_WORK, REFERENCE_MAX_N, fix_threads, peak_bytes, qkv,
+                     skip_if_no_memory, skip_if_quick, skip_unless_built, spec)
 
 
 def feature_dim(feature_map):
@@ -56,10 +56,9 @@ class _FeatureMapSuite:
     warmup_time = 0
     timeout = 300
 
-    def prepare(self, feature_map, backend, n, causal, dtype, quick_ok=True):
-        """The setup of one combination: ``feature_map`` is the argument of the call."""
-        if QUICK and (int(n) != int(FEATURE_N[0]) or not quick_ok):
-            raise NotImplementedError("FASTATTN_ASV_QUICK: only the smallest n (and m)")
+    def prepare(self, feature_map, backend, n, causal, dtype):
+        """The setup of one combination: ``feature_map`` is the argument of the call (the
+        quick run's skip comes first, in ``setup``)."""
         skip_unless_built(backend)
         work = int(n) ** 2 * feature_dim(feature_map)
         if backend == "reference" and causal and (int(n) > REFERENCE_MAX_N or
@@ -83,6 +82,7 @@ class FeatureMaps(_FeatureMapSuite):
     param_names = ("feature_map", "backend", "n", "causal", "dtype")
 
     def setup(self, feature_map, backend, n, causal, dtype):
+        skip_if_quick(n, FEATURE_N[0], dtype)
         known = getattr(getattr(fastattn, "feature_maps", None), "NAMES", ("elu", "relu"))
         if feature_map not in known:
             raise NotImplementedError(f"this commit has no feature map {feature_map!r}")
@@ -104,7 +104,8 @@ class Favor(_FeatureMapSuite):
     param_names = ("m", "backend", "n", "causal", "dtype")
 
     def setup(self, m, backend, n, causal, dtype):
-        self.prepare(favor_features(m), backend, n, causal, dtype, quick_ok=m == FAVOR_M[0])
+        skip_if_quick(n, FAVOR_N[0], dtype, also=int(m) == int(FAVOR_M[0]))
+        self.prepare(favor_features(m), backend, n, causal, dtype)
 
     def time_forward(self, m, backend, n, causal, dtype):
         self.call(*self.inputs)

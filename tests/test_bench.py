@@ -4,6 +4,8 @@ No test here asserts a timing: speed lives in the benchmarks and reports.
 """
 
 import json
+import os
+import re
 import signal
 import subprocess
 import sys
@@ -877,3 +879,76 @@ def test_ctrl_c_while_the_worker_starts_leaves_nothing_to_join(monkeypatch):
         worker.request("environment", {"threads": 1})
     assert worker.process is None
     worker.close()   # no AssertionError
+
+
+# --- issue 33 item 12: SIGTERM while measuring ------------------------------------------
+def _terminate_while_measuring(tmp_path, argv, results_glob, group=False):
+    """Run ``fastattn argv`` in a subprocess, SIGTERM it (or its process group) once its
+    results file holds a point; returns (exit code, stderr, the file's records)."""
+    code = f"import sys; from fastattn.cli import main; sys.exit(main({argv!r}))"
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=group)
+    deadline = time.time() + 180
+    while time.time() < deadline:
+        found = sorted(tmp_path.glob(results_glob))
+        if found and found[0].read_text().count('"record": "point"') >= 1:
+            break
+        if proc.poll() is not None:
+            pytest.fail(f"ended before it was signalled:\n{proc.communicate()[1]}")
+        time.sleep(0.05)
+    else:
+        proc.kill()
+        pytest.fail("no point within 180 s")
+    if group:
+        os.killpg(proc.pid, signal.SIGTERM)   # as a service manager or `timeout` does
+    else:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        _, err = proc.communicate(timeout=120)   # also waits for a worker holding stderr
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    return proc.returncode, err, read_records(found[0])
+
+
+BENCH_ARGV = ["bench", "--n", *map(str, range(8, 8 * 80, 8)), "--backends", "reference",
+              "--repeats", "3", "--no-progress", "--threads", "1", "--out", "t.jsonl"]
+
+
+@pytest.mark.parametrize("group", [False, True], ids=["process", "process-group"])
+def test_sigterm_to_bench_stops_quietly_keeps_the_points_and_says_how_to_resume(tmp_path, group):
+    code, err, records = _terminate_while_measuring(tmp_path, BENCH_ARGV, "t.jsonl", group)
+    assert code == 143, err   # 128 + SIGTERM, not killed by it (-15)
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
+    assert "terminated (SIGTERM): the points measured so far are in t.jsonl; to measure the " \
+           "rest, run the same command with --out t.jsonl" in err
+    done = [r for r in records if r["record"] == "point"]
+    assert 1 <= len(done) < 79 and all(r["status"] == "ok" for r in done)
+
+
+def test_sigterm_to_report_while_measuring_prints_the_resume_command(tmp_path):
+    argv = ["report", "--quick", "--threads", "1", "--out", "r.html"]
+    code, err, records = _terminate_while_measuring(tmp_path, argv, "reports/*.jsonl")
+    assert code not in (0, -signal.SIGTERM), err
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
+    assert "interrupted: the points measured so far are in reports/" in err
+    assert re.search(r"continue with\n  .* report --resume reports/\S+\.jsonl --quick", err), err
+    assert any(r["record"] == "point" for r in records)
+    assert not (tmp_path / "r.html").exists()
+
+
+def test_sigterm_handler_is_only_in_place_while_measuring(tmp_path):
+    before = signal.getsignal(signal.SIGTERM)
+    run_sweep(_points(ns=(8,)), tmp_path / "s.jsonl", Options(repeats=1, roof=False),
+              threads=1, progress=None, isolate=False)
+    assert signal.getsignal(signal.SIGTERM) is before
+
+    def mine(signum, frame):
+        pass
+
+    signal.signal(signal.SIGTERM, mine)   # a caller's own handler is left be
+    try:
+        with sweep._terminate_as_interrupt():
+            assert signal.getsignal(signal.SIGTERM) is mine
+    finally:
+        signal.signal(signal.SIGTERM, before)

@@ -342,6 +342,54 @@ def test_every_record_is_checked_on_reading(tmp_path, record, message):
         read_records(path)
 
 
+# Issue 33 item 14: n_q = n_k = 10**30 passed the check and crashed the report (OverflowError
+# in its int64 arrays of n); ints beyond a float or beyond Python's 4300 digits crashed the check.
+@pytest.mark.parametrize("field, value, message", [
+    ("n_q", 10**30, r"n_q = 1000000000000000000000000000000; expected a positive int <= 2\*\*53"),
+    ("n_k", 2**53 + 1, r"n_k = 9007199254740993; expected a positive int <= 2\*\*53"),
+    ("heads", 10**400, r"heads = 10\*\*400 or so; expected a positive int <= 2\*\*53"),
+    ("peak_bytes", 10**400, r"peak_bytes = 10\*\*400 or so; expected a finite number >= 0"),
+    ("median_s", -10**400, r"median_s = -10\*\*400 or so; expected a finite number >= 0"),
+    ("roof_shape", [1, 10**30], r"roof_shape = .*; expected a list of positive ints <= 2\*\*53"),
+], ids=["n_q-1e30", "n_k-2**53+1", "heads-1e400", "peak-1e400", "median-minus-1e400",
+        "roof-shape-1e30"])
+def test_huge_ints_are_refused_by_the_check(tmp_path, field, value, message):
+    path = tmp_path / "r.jsonl"
+    record = {"schema": SCHEMA, "record": "point", **_point(4), field: value}
+    if field == "n_q":
+        record["n_k"] = value
+    path.write_text(_line("environment", cpu="x") + json.dumps(record) + "\n")
+    with pytest.raises(ResultsFileError, match=f"r.jsonl:2 has {message}"):
+        read_records(path)
+
+
+def test_the_largest_count_is_read(tmp_path):
+    path = tmp_path / "r.jsonl"
+    path.write_text(_line("point", **dict(_point(4), n_q=2**53, n_k=2**53)))
+    assert read_records(path)[0]["n_q"] == 2**53
+
+
+def test_an_int_of_thousands_of_digits_is_refused_not_a_traceback(tmp_path):
+    path = tmp_path / "r.jsonl"
+    path.write_text(_line("environment", cpu="x") + _line("point", **_point(4)).replace(
+        '"n_q": 4', '"n_q": 1' + "0" * 5000))
+    with pytest.raises(ResultsFileError, match="r.jsonl:2 holds an integer of thousands of digits"):
+        read_records(path)
+
+
+def test_report_from_a_record_with_n_of_10_to_the_30_is_refused_clearly(tmp_path, capsys):
+    from fastattn.cli import main
+    path = tmp_path / "r.jsonl"
+    path.write_text(_line("environment", cpu="x") + "".join(
+        _line("point", **_point(n)) for n in (128, 256)) +
+        _line("point", **dict(_point(512), n_q=10**30, n_k=10**30)))
+    code = main(["report", "--from", str(path), "--out", str(tmp_path / "x.html")])
+    err = capsys.readouterr().err
+    assert code != 0 and "Traceback" not in err and "OverflowError" not in err
+    assert "r.jsonl:4 has n_q = 1000000000000000000000000000000; expected a positive int" in err
+    assert not (tmp_path / "x.html").exists()
+
+
 # Found by a fresh-user trial: these went out as tracebacks (some after measuring).
 @pytest.mark.parametrize("argv, message", [
     (["compare", "--n", "8", "--d", "4", "--seed", "-1"], "--seed: expected an integer >= 0"),

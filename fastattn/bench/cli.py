@@ -2,6 +2,7 @@
 
 import argparse
 import shlex
+import signal
 import sys
 import time
 from pathlib import Path
@@ -284,7 +285,7 @@ def _why_idle(name, kinds, regimes, feature_maps):
 def _run(args):
     from .._threads import default_num_threads
     from .results import point_key, read_records
-    from .sweep import Options, new_run_id, run_sweep
+    from .sweep import Options, Terminated, new_run_id, run_sweep
     from .table import (FAR_ABOVE_ROOF, far_above_roof, format_tables, format_versus,
                         roof_statements, versus_rows, write_csv, write_summary,
                         write_versus_markdown)
@@ -312,17 +313,18 @@ def _run(args):
                                  progress=None if args.no_progress else "fastattn bench",
                                  run_id=run_id, announce=announce)
             resume = True  # the next thread count adds to this run's file
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:   # Ctrl-C, or SIGTERM while measuring (Terminated)
         try:
             kept = out.exists() and any(r["record"] == "point" for r in read_records(out))
         except (OSError, ResultsFileError):
             kept = True   # say where they would be, as before
         where = (f"the points measured so far are in {out}" if kept
                  else "no point was measured yet")
-        print(f"\ninterrupted: {where}; to measure the rest, run the same command with "
+        how = "terminated (SIGTERM)" if isinstance(exc, Terminated) else "interrupted"
+        print(f"\n{how}: {where}; to measure the rest, run the same command with "
               f"--out {shlex.quote(str(out))}" + (" and without --fresh" if args.fresh else ""),
               file=sys.stderr)
-        return 130
+        return 128 + signal.SIGTERM if isinstance(exc, Terminated) else 130
     print()
     print(format_tables(records, baseline=baseline, backend_order=backends))
     runs = {r.get("run_id") for r in records}

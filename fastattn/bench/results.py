@@ -12,8 +12,8 @@ from pathlib import Path
 
 # The schema's names, read here by the report and older callers too.
 from .schema import (AMOUNT, AMOUNTS, COUNT, COUNTS, DEFAULT_REGIME,  # noqa: F401
-                     FIELD_TYPES, FLAG, NAME, POINT_KEYS, RECORD_TYPES, REQUIRED, REQUIRED_OK,
-                     SCHEMA, STATUS, STATUSES, point_key)
+                     FIELD_TYPES, FLAG, MAX_COUNT, NAME, POINT_KEYS, RECORD_TYPES, REQUIRED,
+                     REQUIRED_OK, SCHEMA, STATUS, STATUSES, point_key)
 
 
 class ResultsFileError(ValueError):
@@ -25,12 +25,16 @@ def is_number(value):
 
 
 def _is_count(value):
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+    """A size or count: an int from 1 to :data:`~.schema.MAX_COUNT` (2**53)."""
+    return isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_COUNT
 
 
 def _is_amount(value):
     """A time, size, rate or count of a measurement: finite and >= 0 (NaN is stored as null)."""
-    return is_number(value) and math.isfinite(value) and value >= 0
+    try:
+        return is_number(value) and math.isfinite(value) and value >= 0
+    except OverflowError:  # an int beyond any float (10**400): no amount a machine measures
+        return False
 
 
 _HOLDS = {COUNT: _is_count, AMOUNT: _is_amount, FLAG: lambda v: isinstance(v, bool),
@@ -56,13 +60,21 @@ def check_record(record):
     for name, kind_of in FIELD_TYPES.items():
         value = record.get(name)
         if value is not None and not _HOLDS[kind_of](value):
-            return f"has {name} = {value!r}; expected {kind_of}"
+            return f"has {name} = {_shown(value)}; expected {kind_of}"
     given = [(name, record[name]) for name in ("min_s", "median_s", "max_s")
              if record.get(name) is not None]
     for (low, a), (high, b) in zip(given, given[1:]):
         if a > b:
             return f"has {low} = {a!r} above {high} = {b!r}; expected min_s <= median_s <= max_s"
     return None
+
+
+def _shown(value):
+    """``repr`` of a value in a message; a huge int as a power of ten (10**400 has 401 digits)."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value).bit_length() > 128:
+        return f"{'-' if value < 0 else ''}10**{math.log10(abs(value)):.0f} or so"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def read_records(path):
@@ -90,6 +102,9 @@ def read_records(path):
                     "is corrupt: a line of this fastattn results file was cut short or "
                     "overwritten")
             raise ResultsFileError(f"{path}:{number} {what} (not JSON: {exc.msg})") from None
+        except ValueError:  # JSON, but an int of more digits than Python converts (4300)
+            raise ResultsFileError(f"{path}:{number} holds an integer of thousands of digits; "
+                                   "no measurement is that large") from None
         problem = check_record(record)
         if problem:
             raise ResultsFileError(f"{path}:{number} {problem}")

@@ -16,10 +16,15 @@ ATTENTIONS = ("softmax", "linear")
 DTYPES = ("float32", "float64")
 REGIMES = ("prefill", "decode")
 
-COUNT, AMOUNT = "a positive int", "a finite number >= 0"
+#: The largest count (n, d, batch, heads, repeats, ...) a record may hold: 2**53, the
+#: largest integer below which a float64 holds every integer exactly, and far beyond any
+#: array a machine holds.  A larger one (``n_q = 10**30``) is refused on reading, so
+#: nothing that reads records (the report's int64 arrays of n) overflows on it.
+MAX_COUNT = 2**53
+COUNT, AMOUNT = "a positive int <= 2**53", "a finite number >= 0"
 NAME, FLAG = "a name", "true or false"
 STATUS = "one of " + ", ".join(STATUSES)
-AMOUNTS, COUNTS = "a list of numbers >= 0", "a list of positive ints"
+AMOUNTS, COUNTS = "a list of numbers >= 0", "a list of positive ints <= 2**53"
 
 #: Every field of a point record: ``(name, type, roles)``, in the order of the CSV's columns.
 #: ``type`` is what a results file must hold there (None: not checked; every field may be

@@ -247,20 +247,55 @@ def _setup(threads, peers_only):
 
 
 def _worker_main(conn, threads, peers_only):
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C
+    # The parent handles Ctrl-C and SIGTERM (a signal to the process group reaches this
+    # process too): it stops this one (_Worker.close) and says how to resume.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     state = _setup(threads, peers_only)
-    conn.send(("ready", None))
-    while True:
-        try:
-            task = conn.recv()
-        except (EOFError, OSError):
+    with contextlib.suppress(OSError):   # the parent already gone: end quietly
+        conn.send(("ready", None))
+        while True:
+            try:
+                task = conn.recv()
+            except (EOFError, OSError):
+                return
+            if task is None:
+                return
+            try:
+                answer = ("ok", _serve(task, state))
+            except Exception as exc:  # never let the worker die on one request
+                answer = ("error", f"{type(exc).__name__}: {exc}")
+            conn.send(answer)   # BrokenPipeError (an OSError) if the parent has ended
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM while measuring, raised in the parent as Ctrl-C is, so a command stops the
+    same way (finished points kept, the resume hint printed); ``signum`` is the signal."""
+
+    signum = signal.SIGTERM
+
+
+@contextlib.contextmanager
+def _terminate_as_interrupt():
+    """Within: SIGTERM raises :class:`Terminated` in the main thread (once; a second SIGTERM
+    ends the process at once).  A handler set by the caller, or no main thread, is left be."""
+    try:
+        if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+            yield
             return
-        if task is None:
-            return
-        try:
-            conn.send(("ok", _serve(task, state)))
-        except Exception as exc:  # never let the worker die on one request
-            conn.send(("error", f"{type(exc).__name__}: {exc}"))
+
+        def terminated(signum, frame):
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            raise Terminated()
+
+        signal.signal(signal.SIGTERM, terminated)
+    except ValueError:   # not the main thread: no handler can be set
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 class WorkerDied(RuntimeError):
@@ -329,7 +364,10 @@ class _Worker:
             with contextlib.suppress(OSError):
                 self.conn.send(None)
             self.process.join(timeout=2)
-            self.process.terminate()  # a no-op once it has ended
+            # Still measuring (stopped by Ctrl-C or SIGTERM): SIGKILL, as the worker ignores
+            # SIGINT and SIGTERM, which are its parent's to handle.  A no-op once it has ended.
+            self.process.kill()
+            self.process.join(timeout=5)
             self.process = None
 
 
@@ -520,7 +558,8 @@ def run_sweep(points, results_path, options=Options(), *, threads=None, threads_
     done)`` is called once the file is read; ``run_id`` (default: a new one) tags every
     record written, so the sweeps of one command (one per thread count) share it.  Raises
     ResultsFileError for a foreign or read-only file (left unchanged); on KeyboardInterrupt
-    finished points are in the file.
+    finished points are in the file.  SIGTERM while measuring raises :class:`Terminated` (a
+    KeyboardInterrupt) the same way, the measuring processes stopped quietly.
     """
     points = list(points)
     for point in points:
@@ -546,6 +585,15 @@ def run_sweep(points, results_path, options=Options(), *, threads=None, threads_
 
     bar = tqdm(total=len(todo), unit="point", desc=progress, dynamic_ncols=True,
                disable=not progress or not todo)
+    with _terminate_as_interrupt():
+        _run_groups(writer, worker, peer_worker, todo, threads, why, options, run_id, found,
+                    bar)
+    keys = [point_key(p.record_fields(threads)) for p in points]
+    return [found[key] for key in keys if key in found]
+
+
+def _run_groups(writer, worker, peer_worker, todo, threads, why, options, run_id, found, bar):
+    """The measuring part of :func:`run_sweep`: the header, then each shape's points."""
     try:
         roofs = _write_header(writer, worker, peer_worker, todo, threads, why, options,
                               run_id) if todo else []
@@ -566,9 +614,7 @@ def run_sweep(points, results_path, options=Options(), *, threads=None, threads_
         bar.close()
         worker.close()
         peer_worker.close()
-    keys = [point_key(p.record_fields(threads)) for p in points]
-    return [found[key] for key in keys if key in found]
 
 
-__all__ = ["Options", "Point", "check_count", "default_backends", "default_grid",
+__all__ = ["Options", "Point", "Terminated", "check_count", "default_backends", "default_grid",
            "feature_map_grid", "known_backends", "run_sweep"]
