@@ -88,10 +88,8 @@ def asv_config(tmp_path_factory):
     return path
 
 
-#: Seconds the documented quick run may take here: measured 23-45 s on the 2-core
-#: development machine at load average 4.6-9 (docs/asv.md); asv's default launch method
-#: ("spawn") took about 10 minutes.
-QUICK_RUN_LIMIT_S = 240
+#: A guard against a hung run, not a speed target (its duration is in docs/asv.md).
+QUICK_RUN_TIMEOUT_S = 900
 
 
 def _asv(config, *args, timeout):
@@ -117,12 +115,11 @@ def test_asv_conf_forks_each_benchmark_process_from_one_server():
     assert conf.get("launch_method") == "forkserver"
 
 
-def test_asv_quick_run_has_no_failed_benchmark_and_ends_within_the_limit(asv_config):
-    # The documented command (its launch method from asv.conf.json); a run past the limit
-    # fails here by the timeout.
+def test_asv_quick_run_has_no_failed_benchmark(asv_config):
+    # The documented command, with its launch method from asv.conf.json.
     code, out = _asv(
         asv_config, "run", "--python=same", "--quick", "--show-stderr",
-        "--machine", "ci-smoke", timeout=QUICK_RUN_LIMIT_S,
+        "--machine", "ci-smoke", timeout=QUICK_RUN_TIMEOUT_S,
     )
     assert code == 0, f"asv run exited {code} (2: a benchmark failed)\n{out}"
     assert not re.search(r"\bfailed\b", out), out
