@@ -5,7 +5,7 @@ Runs, in this (installed, development) environment, ``asv check
 --python=same --quick`` (one tiny n, float32 only), with asv.conf.json's own
 launch method (its forkserver: asv's default starts an interpreter for each of
 the suite's 686 combinations, about 10 minutes here), so it takes well under a
-minute; the run must end within :data:`QUICK_RUN_LIMIT_S`.  asv drops
+minute (:data:`QUICK_RUN_TIMEOUT_S` only guards against a hang).  asv drops
 ``PYTHONPATH`` from its benchmark processes; ``ASV_PYTHONPATH`` makes them
 import the fastattn of this checkout.
 asv exits 1 when the suite cannot be imported or a benchmark's signature is
