@@ -17,6 +17,23 @@ named, with the install line, when it is first needed.
 """
 
 from ._extra import MissingExtraError
+from .data import (
+    background_split,
+    lee_documents,
+    lee_similarities,
+    read_texts,
+)
+from .evaluate import Agreement, agreement, human_spearman
 from .minilm import MiniLM
 
-__all__ = ["MiniLM", "MissingExtraError"]
+__all__ = [
+    "MiniLM",
+    "MissingExtraError",
+    "lee_documents",
+    "lee_similarities",
+    "background_split",
+    "read_texts",
+    "human_spearman",
+    "agreement",
+    "Agreement",
+]
