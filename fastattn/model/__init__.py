@@ -9,7 +9,7 @@ the Lee et al. (2005) evaluation files (read from its folder, never imported).
   :func:`read_texts` -- the evaluation sets (:mod:`fastattn.model.data`);
 * :func:`human_spearman`, :func:`agreement` -- the metrics
   (:mod:`fastattn.model.evaluate`);
-* :class:`HedgehogFeatures`, :func:`fit_hedgehog` -- the learned feature map
+* :class:`HedgehogFeatures`, :func:`fit_hedgehog`, :func:`hedgehog_attention` -- the learned feature map
   (:mod:`fastattn.model.hedgehog`).
 
 Importing this package needs only NumPy and SciPy; each missing extra package is
@@ -24,6 +24,7 @@ from .data import (
     read_texts,
 )
 from .evaluate import Agreement, agreement, human_spearman
+from .hedgehog import HedgehogFeatures, fit_hedgehog, hedgehog_attention
 from .minilm import MiniLM
 
 __all__ = [
@@ -36,4 +37,7 @@ __all__ = [
     "human_spearman",
     "agreement",
     "Agreement",
+    "HedgehogFeatures",
+    "fit_hedgehog",
+    "hedgehog_attention",
 ]
