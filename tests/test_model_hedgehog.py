@@ -138,12 +138,19 @@ def test_fit_lowers_the_loss_and_warns_when_cut_short():
 
 
 def test_fit_never_returns_nan():
-    """Inputs so large that the loss overflows at some steps: still finite weights."""
-    qk = [(q * 1e3, k * 1e3) for q, k in _qk()]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        w, b, fit = fit_layer(qk, maxiter=20)
-    assert np.isfinite(w).all() and np.isfinite(b).all() and np.isfinite(fit.loss)
+    """Inputs so large that features underflow: finite weights, a loss that is not NaN, and
+    a fit that says so when it did not converge."""
+    for scale in (30, 1e3):
+        qk = [(q * scale, k * scale) for q, k in _qk()]
+        for dtype in (np.float32, np.float64):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always", RuntimeWarning)
+                w, b, fit = fit_layer(qk, maxiter=20, dtype=dtype)
+            assert np.isfinite(w).all() and np.isfinite(b).all() and not np.isnan(fit.loss)
+            if not fit.converged:
+                assert any("did not converge" in str(c.message) for c in caught)
+            else:
+                assert np.isfinite(fit.loss)
 
 
 def test_tied_maps_are_equal():

@@ -181,7 +181,7 @@ class _Bucket:
     neg_entropy: float       # Σ a log a over the real rows
 
 
-def _buckets(qk, max_queries, rng, texts_per_bucket=8):
+def _buckets(qk, max_queries, rng, texts_per_bucket=8, dtype=np.float64):
     """Group ``[(q (H,n,d), k (H,n,d)), ...]`` by length into padded :class:`_Bucket`s."""
     order = sorted(range(len(qk)), key=lambda i: qk[i][0].shape[1])
     out = []
@@ -208,6 +208,8 @@ def _buckets(qk, max_queries, rng, texts_per_bucket=8):
             target[t, :, :ri, :ni] = _softmax(qi[:, rows] @ np.swapaxes(ki, -1, -2) / np.sqrt(d))
         with np.errstate(divide="ignore", invalid="ignore"):
             neg_entropy = float(np.sum(np.where(target > 0, target * np.log(target), 0.0)))
+        q, k, key_mask, row_mask, target = (a.astype(dtype)
+                                            for a in (q, k, key_mask, row_mask, target))
         out.append(_Bucket(q, k, key_mask, row_mask, target, neg_entropy))
     return out
 
@@ -225,7 +227,10 @@ def _back(g, p, m, x):
     gp, gm = g[..., :d], g[..., d:]
     du = p * (gp - np.sum(gp * p, axis=-1, keepdims=True)) \
         - m * (gm - np.sum(gm * m, axis=-1, keepdims=True))
-    return np.einsum("bhmf,bhmi->hfi", du, x), du.sum(axis=(0, 2))
+    b, h, rows, f = du.shape
+    dw = np.matmul(du.transpose(1, 3, 0, 2).reshape(h, f, b * rows),
+                   x.transpose(1, 0, 2, 3).reshape(h, b * rows, x.shape[-1]))
+    return dw, du.sum(axis=(0, 2))
 
 
 def _unpack(theta, heads, d, tied):
@@ -236,36 +241,42 @@ def _unpack(theta, heads, d, tied):
     return out * 2 if tied else out
 
 
-#: Added to each ``φ(q_i)·φ(k_j)`` inside the log, so that a product that underflows to 0
-#: where the softmax weight is not 0 costs a large finite loss, not inf.
-_TINY = 1e-300
-
-
 def layer_loss(theta, buckets, heads, d, tied=False):
-    """The mean over heads and query rows of ``KL(a_i ‖ â_i)``, and its gradient.
+    """The mean over heads and query rows of ``KL(a_i ‖ â_i)``, and its gradient (float64).
+
+    Computed in the buckets' dtype; the smallest normal number of that dtype is
+    added to each ``φ(q_i)·φ(k_j)`` inside the log, so that a product that
+    underflows to 0 where the softmax weight is not 0 costs a large finite
+    loss, not inf.
 
     ``theta`` holds ``[W_q, b_q, W_k, b_k]`` flattened (``[W, b]`` when
     ``tied``), each ``W (heads, d, d)``, ``b (heads, d)``.
     """
-    (wq, bq), (wk, bk) = _unpack(theta, heads, d, tied)
-    rows = sum(bk_.row_mask.sum() for bk_ in buckets)
+    dtype = buckets[0].q.dtype
+    tiny = np.finfo(dtype).tiny
+    (wq, bq), (wk, bk) = ((w.astype(dtype), b.astype(dtype))
+                          for w, b in _unpack(theta, heads, d, tied))
+    rows = sum(float(bk_.row_mask.sum()) for bk_ in buckets)
     loss = 0.0
-    gwq, gbq, gwk, gbk = (np.zeros_like(a) for a in (wq, bq, wk, bk))
+    gwq, gbq, gwk, gbk = (np.zeros(a.shape) for a in (wq, bq, wk, bk))
     for bu in buckets:
+        key_rows = np.swapaxes(bu.key_mask, -1, -2)           # (B,1,n,1)
         fq, pq, mq = _features_and_back(bu.q, wq, bq)
         fk, pk, mk = _features_and_back(bu.k, wk, bk)
-        fk = fk * np.swapaxes(bu.key_mask, -1, -2)
+        fk *= key_rows
         s = fq @ np.swapaxes(fk, -1, -2)                     # (B,H,r,n)
-        total = s.sum(axis=-1, keepdims=True)
-        s_safe = s + (1 - bu.key_mask) + _TINY                # 1 at padded keys
-        log_s = np.log(s_safe)
-        loss += bu.neg_entropy - float(np.sum(bu.row_mask * (
-            np.sum(bu.target * log_s, axis=-1, keepdims=True) - np.log(total))))
-        g = bu.row_mask * (1 / total - bu.target / s_safe) * bu.key_mask
+        s += tiny                                            # an underflow costs, finitely
+        total = s.sum(axis=-1, keepdims=True) - tiny * (1 - bu.key_mask).sum(-1, keepdims=True)
+        s += 1 - bu.key_mask                                 # 1 at padded keys: log 0
+        # The targets are 0 at padded keys and rows: Σ a log s needs no mask.
+        loss += bu.neg_entropy - float(np.vdot(bu.target, np.log(s))) \
+            + float(np.sum(bu.row_mask * np.log(total), dtype=np.float64))
+        g = (bu.row_mask / total) * bu.key_mask
+        g -= bu.target / s
         a, c = _back(g @ fk, pq, mq, bu.q)
         gwq += a
         gbq += c
-        a, c = _back(np.swapaxes(g, -1, -2) @ fq * np.swapaxes(bu.key_mask, -1, -2), pk, mk, bu.k)
+        a, c = _back(np.swapaxes(g, -1, -2) @ fq * key_rows, pk, mk, bu.k)
         gwk += a
         gbk += c
     grads = [gwq + gwk, gbq + gbk] if tied else [gwq, gbq, gwk, gbk]
@@ -307,7 +318,8 @@ class HedgehogFit:
         return all(f.converged for f in self.layers)
 
 
-def fit_layer(qk, *, separate=True, max_queries=32, maxiter=100, seed=0, layer=0):
+def fit_layer(qk, *, separate=True, max_queries=32, maxiter=100, seed=0, layer=0,
+              dtype=np.float32):
     """Fit one layer's Hedgehog maps to its softmax weights.
 
     Parameters
@@ -321,6 +333,8 @@ def fit_layer(qk, *, separate=True, max_queries=32, maxiter=100, seed=0, layer=0
         normalisation needs them).
     maxiter : int, default 100
         L-BFGS-B iterations.
+    dtype : {numpy.float32, numpy.float64}, default float32
+        The precision of the loss and gradient (the optimiser's state is float64).
 
     Returns
     -------
@@ -334,7 +348,7 @@ def fit_layer(qk, *, separate=True, max_queries=32, maxiter=100, seed=0, layer=0
 
     t0, c0 = time.perf_counter(), time.process_time()
     heads, _, d = qk[0][0].shape
-    buckets = _buckets(qk, max_queries, np.random.default_rng(seed))
+    buckets = _buckets(qk, max_queries, np.random.default_rng(seed), dtype=dtype)
     one = np.concatenate([np.broadcast_to(np.eye(d), (heads, d, d)).ravel(),
                           np.zeros(heads * d)])
     theta0 = one if not separate else np.concatenate([one, one])
@@ -364,7 +378,7 @@ def fit_layer(qk, *, separate=True, max_queries=32, maxiter=100, seed=0, layer=0
 
 
 def fit_hedgehog(model, texts, *, separate=True, sequential=False, max_queries=32,
-                 maxiter=100, seed=0, progress=None):
+                 maxiter=100, seed=0, max_tokens=None, dtype=np.float32, progress=None):
     """Fit Hedgehog maps for every layer and head of ``model`` on calibration ``texts``.
 
     Parameters
@@ -378,8 +392,11 @@ def fit_hedgehog(model, texts, *, separate=True, sequential=False, max_queries=3
         Fit layer ``l`` on the activations of the model whose layers below
         ``l`` already run the fitted maps (else all layers on the original
         model's activations, captured in one forward pass).
-    max_queries, maxiter, seed
+    max_queries, maxiter, seed, dtype
         As :func:`fit_layer`.
+    max_tokens : int, optional
+        Fit on each text's first ``max_tokens`` tokens ([SEP] kept last): the
+        fit's cost grows with the square of the length.
     progress : callable, optional
         Called with each layer's :class:`LayerFit` as it is done.
 
@@ -403,6 +420,10 @@ def fit_hedgehog(model, texts, *, separate=True, sequential=False, max_queries=3
 
     t0, c0 = time.perf_counter(), time.process_time()
     ids = model.tokenize(texts)
+    if max_tokens is not None:
+        if max_tokens < 3:
+            raise ValueError(f"max_tokens must be >= 3, got {max_tokens}")
+        ids = [t if len(t) <= max_tokens else np.append(t[:max_tokens - 1], t[-1]) for t in ids]
     report = HedgehogFit(separate=separate, sequential=sequential, num_texts=len(ids))
     weights, biases = [], []
     captured = None
@@ -422,7 +443,7 @@ def fit_hedgehog(model, texts, *, separate=True, sequential=False, max_queries=3
         else:
             qk = captured[layer]
         w, b, fit = fit_layer(qk, separate=separate, max_queries=max_queries, maxiter=maxiter,
-                              seed=seed + layer, layer=layer)
+                              seed=seed + layer, layer=layer, dtype=dtype)
         weights.append(w)
         biases.append(b)
         report.layers.append(fit)
