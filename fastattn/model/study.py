@@ -96,8 +96,10 @@ def main(argv=None):
     p.add_argument("--maps", help="fitted Hedgehog maps (.npz of HedgehogFeatures.save); "
                    "default: fit them on the calibration texts")
     p.add_argument("--save-maps", help="write the fitted maps here (.npz)")
-    p.add_argument("--calibration", type=int, default=100,
-                   help="calibration texts for the fit (default 100)")
+    p.add_argument("--calibration", type=int, default=64,
+                   help="calibration texts for the fit (default 64)")
+    p.add_argument("--maxiter", type=int, default=50,
+                   help="L-BFGS-B iterations per layer of the fit (default 50)")
     p.add_argument("--quick", action="store_true", help="40 held-out texts, a short fit")
     args = p.parse_args(argv)
     model = MiniLM()
@@ -111,7 +113,8 @@ def main(argv=None):
         if args.maps:
             maps = HedgehogFeatures.load(args.maps, shape=(6, 2, 12, 32, 32))
         else:
-            maps, fit = fit_hedgehog(model, calibration, maxiter=30 if args.quick else 100)
+            maps, fit = fit_hedgehog(model, calibration, maxiter=10 if args.quick else args.maxiter,
+                                     max_tokens=256)
             print(f"hedgehog: fitted 72 heads on {fit.num_texts} texts in {fit.seconds:.0f} s"
                   f"{'' if fit.converged else ' (not all layers converged)'}", file=sys.stderr)
             if args.save_maps:
