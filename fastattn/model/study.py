@@ -47,29 +47,32 @@ def default_configurations(maps=None, favor_multiples=FAVOR_MULTIPLES, d_k=32):
     return configs
 
 
-def run_study(model, configurations, held_out, lee=None, progress=None):
+def run_study(model, configurations, held_out, lee=None, judgements=None, progress=None):
     """Measure each configuration; returns a list of :class:`StudyRow` (softmax first).
 
     ``held_out`` texts are embedded with softmax once (the original model) and
-    with each configuration; ``lee`` defaults to :func:`lee_documents`.
+    with each configuration; ``lee`` and its human ``judgements`` (a square
+    matrix) default to :func:`lee_documents` and
+    :func:`~fastattn.model.data.lee_similarities`.
     """
     lee = lee_documents() if lee is None else lee
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always", UserWarning)
+        model.tokenize(held_out + lee)
+    for w in said:                                           # truncation: said once, here
+        print(f"note: {w.message}", file=sys.stderr)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)         # truncation, said once below
-        n_truncated = sum(len(t) >= model.max_length for t in model.tokenize(held_out + lee))
+        warnings.simplefilter("ignore", UserWarning)
         original = model.encode(held_out, "softmax")
         rows = []
         for name, attention in configurations.items():
             t0 = time.perf_counter()
             held = original if attention == "softmax" else model.encode(held_out, attention)
             lee_emb = model.encode(lee, attention)
-            rows.append(StudyRow(name, human_spearman(lee_emb), agreement(held, original),
+            rows.append(StudyRow(name, human_spearman(lee_emb, judgements), agreement(held, original),
                                  time.perf_counter() - t0))
             if progress:
                 progress(rows[-1])
-    if n_truncated:
-        print(f"note: {n_truncated} texts were truncated to {model.max_length} tokens",
-              file=sys.stderr)
     return rows
 
 
