@@ -1,0 +1,21 @@
+"""The ``model`` extra: its packages, imported when first needed, named when missing."""
+
+import importlib
+
+#: The install line every missing-package error gives.
+INSTALL = 'pip install -e ".[model]"  (or: pip install "fastattn[model]")'
+
+
+class MissingExtraError(ImportError):
+    """A package of the ``model`` extra is not installed; the message names it and the extra."""
+
+
+def require(module, package=None, purpose="the model study"):
+    """Import ``module`` (the PyPI ``package``), or raise :class:`MissingExtraError` naming it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise MissingExtraError(
+            f"{purpose} needs the package {package or module!r} (module {module!r}), which is "
+            f"not installed ({exc}); install fastattn's model extra: {INSTALL}"
+        ) from exc

@@ -1,0 +1,134 @@
+"""The table of issue 32: what a whole model keeps with each attention in all six layers.
+
+For each configuration: Spearman's rho with the human judgements of the Lee set
+(50 documents, 1,225 pairs), and agreement with the original model (softmax)
+on the held-out part of ``lee_background.cor``: mean embedding cosine, top-1
+nearest-neighbour agreement, overlap of the top 10, Spearman of all pairwise
+similarities.  Hedgehog maps are fitted on the calibration part (never the
+held-out texts) unless fitted ones are given.
+"""
+
+import argparse
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+
+from .data import background_split, lee_documents
+from .evaluate import Agreement, agreement, human_spearman
+
+#: FAVOR+ feature counts of the default table, as multiples of d_k = 32.
+FAVOR_MULTIPLES = (4, 64)
+
+
+@dataclass(frozen=True)
+class StudyRow:
+    """One configuration's quality: Lee Spearman and agreement on held-out texts."""
+
+    name: str
+    lee_spearman: float
+    held_out: Agreement
+    seconds: float
+
+
+def default_configurations(maps=None, favor_multiples=FAVOR_MULTIPLES, d_k=32):
+    """``{name: attention=}`` of the table: softmax, elu+1, relu, Taylor, FAVOR+ at each
+    ``m = multiple · d_k``, and Hedgehog when ``maps`` (weight shape (6, 2, 12, d_k, d_k))
+    are given."""
+    from .. import FavorFeatures
+    from .hedgehog import hedgehog_attention
+
+    configs = {"softmax": "softmax", "elu+1": "elu", "relu": "relu", "taylor": "taylor"}
+    for mult in favor_multiples:
+        configs[f"favor m={mult * d_k}"] = FavorFeatures(d_k, num_features=mult * d_k,
+                                                         random_state=0)
+    if maps is not None:
+        configs["hedgehog"] = hedgehog_attention(maps)
+    return configs
+
+
+def run_study(model, configurations, held_out, lee=None, judgements=None, progress=None):
+    """Measure each configuration; returns a list of :class:`StudyRow` (softmax first).
+
+    ``held_out`` texts are embedded with softmax once (the original model) and
+    with each configuration; ``lee`` and its human ``judgements`` (a square
+    matrix) default to :func:`lee_documents` and
+    :func:`~fastattn.model.data.lee_similarities`.
+    """
+    lee = lee_documents() if lee is None else lee
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always", UserWarning)
+        model.tokenize(held_out + lee)
+    for w in said:                                           # truncation: said once, here
+        print(f"note: {w.message}", file=sys.stderr)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        original = model.encode(held_out, "softmax")
+        rows = []
+        for name, attention in configurations.items():
+            t0 = time.perf_counter()
+            held = original if attention == "softmax" else model.encode(held_out, attention)
+            lee_emb = model.encode(lee, attention)
+            rows.append(StudyRow(name, human_spearman(lee_emb, judgements), agreement(held, original),
+                                 time.perf_counter() - t0))
+            if progress:
+                progress(rows[-1])
+    return rows
+
+
+def format_table(rows):
+    """A Markdown table of :func:`run_study`'s rows."""
+    lines = ["| attention in every layer | Lee Spearman | held-out mean cosine | top-1 "
+             "neighbour | top-10 overlap | pairwise Spearman |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        a = r.held_out
+        lines.append(f"| {r.name} | {r.lee_spearman:.3f} | {a.mean_cosine:.3f} | "
+                     f"{a.top1:.0%} | {a.top10_overlap:.2f} | {a.spearman:.3f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    """``fastattn model``: print the table (see :func:`run_study`)."""
+    from .hedgehog import HedgehogFeatures, fit_hedgehog
+    from .minilm import MiniLM
+
+    p = argparse.ArgumentParser(prog="fastattn model", description=__doc__.splitlines()[0])
+    p.add_argument("--feature-map", action="append", default=None,
+                   help="a configuration of the table to run (repeatable; default all)")
+    p.add_argument("--maps", help="fitted Hedgehog maps (.npz of HedgehogFeatures.save); "
+                   "default: fit them on the calibration texts")
+    p.add_argument("--save-maps", help="write the fitted maps here (.npz)")
+    p.add_argument("--calibration", type=int, default=64,
+                   help="calibration texts for the fit (default 64)")
+    p.add_argument("--maxiter", type=int, default=50,
+                   help="L-BFGS-B iterations per layer of the fit (default 50)")
+    p.add_argument("--quick", action="store_true", help="40 held-out texts, a short fit")
+    args = p.parse_args(argv)
+    model = MiniLM()
+    calibration, held_out = background_split(150)
+    calibration = calibration[:args.calibration]
+    if args.quick:
+        held_out, calibration = held_out[:40], calibration[:30]
+    wanted = args.feature_map
+    maps = None
+    if wanted is None or "hedgehog" in wanted:
+        if args.maps:
+            maps = HedgehogFeatures.load(args.maps, shape=(6, 2, 12, 32, 32))
+        else:
+            maps, fit = fit_hedgehog(model, calibration, maxiter=10 if args.quick else args.maxiter,
+                                     max_tokens=256)
+            print(f"hedgehog: fitted 72 heads on {fit.num_texts} texts in {fit.seconds:.0f} s"
+                  f"{'' if fit.converged else ' (not all layers converged)'}", file=sys.stderr)
+            if args.save_maps:
+                maps.save(args.save_maps)
+    configs = default_configurations(maps)
+    if wanted is not None:
+        unknown = [w for w in wanted if w not in configs]
+        if unknown:
+            p.error(f"unknown --feature-map {unknown}; choose from {list(configs)}")
+        configs = {k: v for k, v in configs.items() if k in wanted or k == "softmax"}
+    rows = run_study(model, configs, held_out,
+                     progress=lambda r: print(f"  {r.name}: {r.seconds:.0f} s", file=sys.stderr))
+    print(format_table(rows))
+    return 0

