@@ -11,6 +11,8 @@ Public names:
   how its rows of weights differ from softmax's;
 * :class:`FavorFeatures` -- FAVOR+ random features with a chosen ``m`` and
   seed, for ``feature_map=`` (see :mod:`fastattn.feature_maps`);
+* :class:`HedgehogFeatures` -- feature maps learned from a model's own softmax
+  attention (Hedgehog; fitted by :func:`fastattn.model.fit_hedgehog`);
 * :func:`available_backends`, :func:`set_num_threads`,
   :func:`get_num_threads`, :func:`num_threads` -- what runs here, on how many
   threads.
@@ -30,6 +32,7 @@ from .compare import Comparison, Quality, compare, compare_attention, quality
 from .compare import WeightQuality, row_entropy, row_kl_divergence, weight_quality
 from .feature_maps import FavorFeatures
 from .generation import KVCache, LinearAttentionState
+from .model.hedgehog import HedgehogFeatures
 
 __version__ = "0.1.0"
 
@@ -48,6 +51,7 @@ __all__ = [
     "Comparison",
     "Quality",
     "FavorFeatures",
+    "HedgehogFeatures",
     "weight_quality",
     "WeightQuality",
     "row_kl_divergence",

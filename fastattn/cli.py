@@ -46,13 +46,35 @@ def _run_compare(args):
     return 0
 
 
+def _add_model(subparsers):
+    parser = subparsers.add_parser(
+        "model", add_help=False,
+        help="what a whole model (all-MiniLM-L6-v2) keeps with each attention (model extra)",
+        description="All-MiniLM-L6-v2 in NumPy with each attention in every layer: Spearman "
+                    "with human judgement (Lee et al. 2005) and agreement with the original "
+                    "model on held-out texts. Options: fastattn model --help.")
+    parser.add_argument("args", nargs=argparse.REMAINDER)
+    parser.set_defaults(func=_run_model)
+
+
+def _run_model(args):
+    from .model import MissingExtraError
+    from .model.study import main as study
+
+    try:
+        return study(args.args) or 0
+    except MissingExtraError as exc:
+        print(f"fastattn model: {exc}", file=sys.stderr)
+        return 2
+
+
 def build_parser():
     parser = argparse.ArgumentParser(
         prog="fastattn",
         description="Softmax and linear attention: kernels, benchmarks and scaling reports.",
     )
     parser.add_argument("--version", action="version", version=f"fastattn {__version__}")
-    subparsers = parser.add_subparsers(dest="command", metavar="{report,bench,compare}")
+    subparsers = parser.add_subparsers(dest="command", metavar="{report,bench,compare,model}")
     subparsers.required = True
     from .bench.cli import add_parser as add_bench
     from .report.cli import add_parser as add_report
@@ -60,6 +82,7 @@ def build_parser():
     add_report(subparsers)
     add_bench(subparsers)
     _add_compare(subparsers)
+    _add_model(subparsers)
     return parser
 
 
@@ -81,6 +104,9 @@ def missing_extra(modules=REPORT_EXTRA):
 
 def main(argv=None):
     """Entry point of the ``fastattn`` command; returns the exit code."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["model"]:   # its options are the study's own (argparse's REMAINDER
+        return _run_model(argparse.Namespace(args=argv[1:]))   # drops a leading --help)
     args = build_parser().parse_args(argv)
     missing = missing_extra() if args.command in ("report", "bench") else []
     if missing:

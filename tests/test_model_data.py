@@ -53,7 +53,7 @@ def test_files_from_the_package_folder(fake_gensim):
 
 def test_missing_gensim_names_the_extra(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
-    with pytest.raises(MissingExtraError, match=r"'gensim'.*\.\[model\]"):
+    with pytest.raises(MissingExtraError, match=r"(?s)'gensim'.*\.\[model\]"):
         data.lee_documents()
 
 

@@ -2,8 +2,9 @@
 
 import importlib
 
-#: The install line every missing-package error gives.
-INSTALL = 'pip install -e ".[model]"  (or: pip install "fastattn[model]")'
+#: The install commands every missing-package error ends with, each on a line of its own.
+INSTALL = ('in a checkout of fastattn:\n    pip install -e ".[model]"\n'
+           'or, from PyPI:\n    pip install "fastattn[model]"')
 
 
 class MissingExtraError(ImportError):
@@ -17,5 +18,5 @@ def require(module, package=None, purpose="the model study"):
     except ImportError as exc:
         raise MissingExtraError(
             f"{purpose} needs the package {package or module!r} (module {module!r}), which is "
-            f"not installed ({exc}); install fastattn's model extra: {INSTALL}"
+            f"not installed ({exc}); fastattn's model extra installs it, {INSTALL}"
         ) from exc

@@ -42,7 +42,7 @@ def gensim_test_data():
     if spec is None or not spec.submodule_search_locations:
         raise MissingExtraError(
             "the Lee et al. (2005) evaluation set is read from the files of the package "
-            f"'gensim', which is not installed; install fastattn's model extra: {INSTALL}")
+            f"'gensim', which is not installed; fastattn's model extra installs it, {INSTALL}")
     for root in spec.submodule_search_locations:
         folder = Path(root) / "test" / "test_data"
         if folder.is_dir():

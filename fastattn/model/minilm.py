@@ -19,7 +19,7 @@ import warnings
 
 import numpy as np
 
-from .. import linear_attention, softmax_attention
+from .._api import linear_attention, softmax_attention
 from ._extra import require
 
 #: Heads, head dimension, hidden size, layers of all-MiniLM-L6-v2.

@@ -35,7 +35,7 @@ def default_configurations(maps=None, favor_multiples=FAVOR_MULTIPLES, d_k=32):
     """``{name: attention=}`` of the table: softmax, elu+1, relu, Taylor, FAVOR+ at each
     ``m = multiple · d_k``, and Hedgehog when ``maps`` (weight shape (6, 2, 12, d_k, d_k))
     are given."""
-    from .. import FavorFeatures
+    from ..feature_maps import FavorFeatures
     from .hedgehog import hedgehog_attention
 
     configs = {"softmax": "softmax", "elu+1": "elu", "relu": "relu", "taylor": "taylor"}
