@@ -320,9 +320,10 @@ COMPARE_BYTES_PER_SCORE = 41
 
 def seed_experiment_bytes(n, d, per_score):
     """Bytes the seed experiment needs at ``n``, ``d``: one input's float64 draws, the three
-    float32 inputs and the outputs (about ``28 n d``), and ``per_score`` bytes per element of
-    its ``n x n`` arrays (0: none are formed)."""
-    return n * d * 28 + per_score * n * n + (2**17 if per_score else 0)
+    float32 inputs and the outputs (about ``28 n d``), and, when it compares (``per_score``
+    bytes per element of its ``n x n`` arrays; 0: none are formed), linear attention's
+    ``d x d`` state and its product."""
+    return n * d * 28 + (per_score * n * n + 8 * d * d + 2**17 if per_score else 0)
 
 
 def _check_seed_experiment(n, d, seed, per_score):
