@@ -37,7 +37,7 @@ from typing import Callable
 
 import numpy as np
 
-from .._threads import default_num_threads
+from .._threads import blas_threads, default_num_threads
 
 #: Thread count the peers get (set by :func:`set_peer_threads`; None: each one's default).
 _threads = None
@@ -167,12 +167,6 @@ def _set_blas_threads(n):
     from threadpoolctl import threadpool_limits
 
     threadpool_limits(n, user_api="blas")
-
-
-def _blas_threads():
-    from .._threads import blas_threads
-
-    return blas_threads()
 
 
 def _as_4d(torch, arrays, heads):
@@ -405,7 +399,7 @@ PEERS = {peer.name: peer for peer in (
          # XLA forms the scores, their exp and the weights
          extra_bytes=lambda a, c, b, n, dk, dv, item: 3 * b * n * n * item),
     Peer("numpy", ("numpy",), "pip install numpy",
-         {("linear", "decode"): numpy_linear_decode_call}, _set_blas_threads, _blas_threads),
+         {("linear", "decode"): numpy_linear_decode_call}, _set_blas_threads, blas_threads),
 )}
 
 #: How to add a missing peer, by name: a command to paste, with the pip of the README's
