@@ -214,13 +214,6 @@ def peak_extra_bytes(call, method="auto"):
     alike); ``"tracemalloc"``: Python-tracked allocations only."""
     gc.collect(1)
     _mallopt(_PROBE_MALLOC)
-    try:
-        return _peak_extra_bytes(call, method)
-    finally:
-        _mallopt(_TIMING_MALLOC)
-
-
-def _peak_extra_bytes(call, method):
     if _LIBC is not None:
         _LIBC.malloc_trim(0)
     hwm = method in ("auto", "hwm") and _reset_peak()
@@ -235,10 +228,11 @@ def _peak_extra_bytes(call, method):
         result = call()
         elapsed = time.perf_counter() - start
         peak = _status_bytes("VmHWM") if hwm else tracemalloc.get_traced_memory()[1]
+        del result
     finally:
         if started_here:
             tracemalloc.stop()
-    del result
+        _mallopt(_TIMING_MALLOC)
     return max(0, int(peak - before)), "hwm" if hwm else "tracemalloc", elapsed
 
 
