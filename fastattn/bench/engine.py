@@ -336,17 +336,16 @@ def probe_roof(shapes, dtypes=("float32", "float64"), budget_s=0.1, rounds=3, li
 PAIRED_ROOF_BUDGET_S = 0.02
 
 
-def time_gemm(dtype, n, d, library="numpy", budget_s=PAIRED_ROOF_BUDGET_S, cache=None):
+def time_gemm(dtype, n, d, library, cache):
     """GFLOP/s of the fastest of at least 3 calls of the GEMM ``n x d @ d x n`` through
-    ``library`` within ``budget_s``: the roof probe of one round of a comparison, so the
-    kernel's fraction of the roof can be taken round by round (``paired``).  ``cache``
-    (a dict) keeps the call's arrays between rounds."""
-    cache = {} if cache is None else cache
+    ``library`` within :data:`PAIRED_ROOF_BUDGET_S`: the roof probe of one round of a
+    comparison, so the kernel's fraction of the roof can be taken round by round
+    (``paired``).  ``cache`` (a dict) keeps the call's arrays between rounds."""
     key = (np.dtype(dtype).name, int(n), int(d), library)
     if key not in cache:
         cache[key] = _task("gemm", *key[:3], library=library)
         cache[key][0]()  # first touch
-    rate, _ = _fastest_rate(*cache[key], budget_s, 3, MAX_PROBE_CALLS)
+    rate, _ = _fastest_rate(*cache[key], PAIRED_ROOF_BUDGET_S, 3, MAX_PROBE_CALLS)
     return rate / 1e9
 
 
