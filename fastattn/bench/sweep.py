@@ -496,15 +496,12 @@ def _measure_group(points, workers, options, roofs, threads):
 
     Each point is prepared (warm-up, memory probe, check) in its worker (the kernels' or
     the peers'), then the points take turns: round ``r`` times one repeat of each point
-    still owed one (a share of ``min_time_s`` for a fast call), starting one point further
-    on each round, so a spell of load from elsewhere falls on every point alike and the
-    ratios of their times are measured side by side (a turn of a call shorter than
-    :data:`~.engine.TURN_WARM_S` starts with :data:`~.engine.TURN_WARMUP_S` of untimed
-    calls, so it is not timed in the caches the previous turn left nor on a core waking
-    from idle).  ``options.rounds`` (default: one a
-    repeat) caps the rounds, a turn then timing several repeats.  With more than one
-    thread, each turn starts after :data:`~.engine.TURN_SETTLE_S` idle (the previous
-    turn's pool may still spin)."""
+    still owed one (a share of ``min_time_s`` for a fast call; ``options.rounds`` caps the
+    rounds, a turn then timing several repeats), starting one point further on each round,
+    so a spell of load from elsewhere falls on every point alike and the ratios of their
+    times are measured side by side.  A turn of a fast call starts warm
+    (:data:`~.engine.TURN_WARM_S`); with more than one thread, each turn starts after
+    :data:`~.engine.TURN_SETTLE_S` idle (the previous turn's pool may still spin)."""
     entries = [_Entry(point, workers[point.peer], threads) for point in points]
     for entry in entries:
         entry.fields = entry.prepare(options)
