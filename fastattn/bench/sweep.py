@@ -279,23 +279,21 @@ class Terminated(KeyboardInterrupt):
 def _terminate_as_interrupt():
     """Within: SIGTERM raises :class:`Terminated` in the main thread (once; a second SIGTERM
     ends the process at once).  A handler set by the caller, or no main thread, is left be."""
+    def terminated(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        raise Terminated()
+
     try:
-        if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
-            yield
-            return
-
-        def terminated(signum, frame):
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            raise Terminated()
-
-        signal.signal(signal.SIGTERM, terminated)
+        ours = signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        if ours:
+            signal.signal(signal.SIGTERM, terminated)
     except ValueError:   # not the main thread: no handler can be set
-        yield
-        return
+        ours = False
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if ours:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 class WorkerDied(RuntimeError):
