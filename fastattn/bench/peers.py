@@ -214,8 +214,6 @@ def _heads_first(x, heads):
     """Inverse of :func:`_heads_last`: ``(batch, n, heads * d)`` as ``(batch * heads, n, d)``."""
     batch, n, hd = x.shape
     d = hd // heads
-    if heads == 1:
-        return x.reshape(batch, n, d)
     return np.ascontiguousarray(x.reshape(batch, n, heads, d).transpose(0, 2, 1, 3)).reshape(
         batch * heads, n, d)
 
