@@ -369,7 +369,6 @@ class _Worker:
             self.process = None
 
 
-
 def _write_header(writer, worker, peer_worker, todo, threads, why, options, run_id):
     """The run's environment and roof records; returns the GEMM roof records.  The roof is
     probed at every (n, d_k) of ``todo`` (:func:`~.engine.probe_n`) through each library
