@@ -157,16 +157,11 @@ def _timing(times, number):
 
 
 # ------------------------------------------------------------------- memory
-def _libc():
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c"))
-        libc.mallopt, libc.malloc_trim  # glibc only
-    except (OSError, AttributeError, TypeError):
-        return None
-    return libc
-
-
-_LIBC = _libc()
+try:
+    _LIBC = ctypes.CDLL(ctypes.util.find_library("c"))
+    _LIBC.mallopt, _LIBC.malloc_trim  # glibc only
+except (OSError, AttributeError, TypeError):
+    _LIBC = None
 
 #: glibc's mallopt parameters: M_MMAP_THRESHOLD, M_TRIM_THRESHOLD.
 _M_MMAP_THRESHOLD, _M_TRIM_THRESHOLD = -3, -1
