@@ -569,7 +569,8 @@ def run_sweep(points, results_path, options=Options(), *, threads=None, threads_
               "asks for it, is measured again)", file=sys.stderr)
     found = {point_key(r): r for r in writer.existing
              if r["record"] == "point" and r.get("status") in ("ok", "skipped")}
-    todo = [p for p in points if point_key(p.record_fields(threads)) not in found]
+    keys = [point_key(p.record_fields(threads)) for p in points]
+    todo = [p for p, key in zip(points, keys) if key not in found]
     if announce is not None:
         announce(len(todo), len(points) - len(todo))
     run_id = run_id or new_run_id()
@@ -582,7 +583,6 @@ def run_sweep(points, results_path, options=Options(), *, threads=None, threads_
     with _terminate_as_interrupt():
         _run_groups(writer, worker, peer_worker, todo, threads, why, options, run_id, found,
                     bar)
-    keys = [point_key(p.record_fields(threads)) for p in points]
     return [found[key] for key in keys if key in found]
 
 
