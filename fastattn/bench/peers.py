@@ -6,8 +6,9 @@ builders, the memory it needs, its version and what it supports.  Each is option
 (``pip install -e ".[peers]"`` adds them all, never a dependency of the kernels) and found
 without being imported:
 
-* **torch** (PyTorch on CPU): softmax attention by SDPA (:func:`torch_softmax_call`) and
-  linear attention in its two usual PyTorch forms (:func:`torch_linear_call`);
+* **torch** (PyTorch on CPU): softmax attention by
+  ``torch.nn.functional.scaled_dot_product_attention`` (:func:`torch_softmax_call`), causal
+  and not, and linear attention in its two usual PyTorch forms (:func:`torch_linear_call`);
 * **onnxruntime**: softmax attention by the ``com.microsoft`` MultiHeadAttention contrib
   operator (:func:`onnxruntime_softmax_call`), float32 only;
 * **jax**: softmax attention by ``jax.nn.dot_product_attention`` (:func:`jax_softmax_call`),
