@@ -27,7 +27,7 @@ def add_parser(subparsers):
                     "reference, appended to a JSON-lines file as each point finishes (the "
                     "same --out resumes).")
     add = parser.add_argument
-    add("--kind", choices=KINDS + ("both",), default="both",
+    add("--kind", choices=ATTENTIONS + ("both",), default="both",
         help="attention type (default both)")
     add("--backends", nargs="+", metavar="NAME",
         help="fastattn backends and peers to measure (default: every available backend "
@@ -86,10 +86,6 @@ def add_parser(subparsers):
     return parser
 
 
-#: The attentions a ``--shape`` may be prefixed with.
-KINDS = ATTENTIONS
-
-
 def shape_arg(text):
     """argparse type: ``[KIND:][REGIME:]BxHxNxD`` as ``(batch, heads, n, d_k, regime,
     kind)``: four positive ints, ``"prefill"``, ``"decode"`` or None (every ``--regime``),
@@ -101,10 +97,10 @@ def shape_arg(text):
     except argparse.ArgumentTypeError:
         values = ()
     regimes = [p for p in prefixes if p in REGIMES]
-    kinds = [p for p in prefixes if p in KINDS]
-    unknown = [p for p in prefixes if p not in REGIMES + KINDS]
+    kinds = [p for p in prefixes if p in ATTENTIONS]
+    unknown = [p for p in prefixes if p not in REGIMES + ATTENTIONS]
     why = (f"{unknown[0]!r} is neither a regime ({', '.join(REGIMES)}) nor an attention "
-           f"({', '.join(KINDS)})" if unknown else
+           f"({', '.join(ATTENTIONS)})" if unknown else
            "more than one regime" if len(regimes) > 1 else
            "more than one attention" if len(kinds) > 1 else
            f"{dims!r} is not four positive integers" if len(values) != 4 else None)
@@ -241,7 +237,7 @@ def _plan(args):
     if args.num_features and "favor" not in args.feature_map:
         raise BenchUsageError("--num-features sets FAVOR+'s m: give --feature-map favor too")
     shapes = args.shape or [(args.batch, args.heads, None, args.d_k, None, None)]
-    kinds = KINDS if args.kind == "both" else (args.kind,)
+    kinds = ATTENTIONS if args.kind == "both" else (args.kind,)
     points = list(dict.fromkeys(  # softmax points are the same for every feature map
         p for shape in dict.fromkeys(shapes) for regime in ([shape[4]] if shape[4]
                                                             else args.regime)

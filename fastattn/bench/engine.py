@@ -157,16 +157,11 @@ def _timing(times, number):
 
 
 # ------------------------------------------------------------------- memory
-def _libc():
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c"))
-        libc.mallopt, libc.malloc_trim  # glibc only
-    except (OSError, AttributeError, TypeError):
-        return None
-    return libc
-
-
-_LIBC = _libc()
+try:
+    _LIBC = ctypes.CDLL(ctypes.util.find_library("c"))
+    _LIBC.mallopt, _LIBC.malloc_trim  # glibc only
+except (OSError, AttributeError, TypeError):
+    _LIBC = None
 
 #: glibc's mallopt parameters: M_MMAP_THRESHOLD, M_TRIM_THRESHOLD.
 _M_MMAP_THRESHOLD, _M_TRIM_THRESHOLD = -3, -1
@@ -214,13 +209,6 @@ def peak_extra_bytes(call, method="auto"):
     alike); ``"tracemalloc"``: Python-tracked allocations only."""
     gc.collect(1)
     _mallopt(_PROBE_MALLOC)
-    try:
-        return _peak_extra_bytes(call, method)
-    finally:
-        _mallopt(_TIMING_MALLOC)
-
-
-def _peak_extra_bytes(call, method):
     if _LIBC is not None:
         _LIBC.malloc_trim(0)
     hwm = method in ("auto", "hwm") and _reset_peak()
@@ -235,10 +223,11 @@ def _peak_extra_bytes(call, method):
         result = call()
         elapsed = time.perf_counter() - start
         peak = _status_bytes("VmHWM") if hwm else tracemalloc.get_traced_memory()[1]
+        del result
     finally:
         if started_here:
             tracemalloc.stop()
-    del result
+        _mallopt(_TIMING_MALLOC)
     return max(0, int(peak - before)), "hwm" if hwm else "tracemalloc", elapsed
 
 
@@ -342,17 +331,16 @@ def probe_roof(shapes, dtypes=("float32", "float64"), budget_s=0.1, rounds=3, li
 PAIRED_ROOF_BUDGET_S = 0.02
 
 
-def time_gemm(dtype, n, d, library="numpy", budget_s=PAIRED_ROOF_BUDGET_S, cache=None):
+def time_gemm(dtype, n, d, library, cache):
     """GFLOP/s of the fastest of at least 3 calls of the GEMM ``n x d @ d x n`` through
-    ``library`` within ``budget_s``: the roof probe of one round of a comparison, so the
-    kernel's fraction of the roof can be taken round by round (``paired``).  ``cache``
-    (a dict) keeps the call's arrays between rounds."""
-    cache = {} if cache is None else cache
+    ``library`` within :data:`PAIRED_ROOF_BUDGET_S`: the roof probe of one round of a
+    comparison, so the kernel's fraction of the roof can be taken round by round
+    (``paired``).  ``cache`` (a dict) keeps the call's arrays between rounds."""
     key = (np.dtype(dtype).name, int(n), int(d), library)
     if key not in cache:
         cache[key] = _task("gemm", *key[:3], library=library)
         cache[key][0]()  # first touch
-    rate, _ = _fastest_rate(*cache[key], budget_s, 3, MAX_PROBE_CALLS)
+    rate, _ = _fastest_rate(*cache[key], PAIRED_ROOF_BUDGET_S, 3, MAX_PROBE_CALLS)
     return rate / 1e9
 
 

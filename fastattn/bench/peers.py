@@ -7,16 +7,14 @@ builders, the memory it needs, its version and what it supports.  Each is option
 without being imported:
 
 * **torch** (PyTorch on CPU): softmax attention by
-  ``torch.nn.functional.scaled_dot_product_attention`` (causal and not), and linear
-  attention in its two usual PyTorch forms (Katharopoulos et al. 2020): the non-causal
-  product ``φ(q) (φ(k)ᵀ v) / (φ(q) Σ_j φ(k_j) + eps)`` and the causal cumulative-sum form,
-  which materialises the running state ``cumsum_j φ(k_j)ᵀ v_j`` of shape ``(B, n, d_k, d_v)``;
+  ``torch.nn.functional.scaled_dot_product_attention`` (:func:`torch_softmax_call`), causal
+  and not, and linear attention in its two usual PyTorch forms (:func:`torch_linear_call`);
 * **onnxruntime**: softmax attention by the ``com.microsoft`` MultiHeadAttention contrib
-  operator, as a one-node ONNX graph (``unidirectional=1`` when causal), float32 only;
-* **jax**: softmax attention by ``jax.nn.dot_product_attention`` under ``jax.jit`` (XLA on
-  CPU), float32 only (its softmax is always float32);
-* **numpy**: the plain NumPy recurrent step of linear attention (decode only),
-  ``S += φ(k)ᵀv; z += φ(k); out = φ(q)S / (φ(q)·z + eps)``.
+  operator (:func:`onnxruntime_softmax_call`), float32 only;
+* **jax**: softmax attention by ``jax.nn.dot_product_attention`` (:func:`jax_softmax_call`),
+  float32 only;
+* **numpy**: the plain NumPy recurrent step of linear attention, decode only
+  (:func:`numpy_linear_decode_call`).
 
 A peer is checked against the float64 reference like any backend.  Its builders are its
 :attr:`Peer.calls` by attention and regime; each takes ``(q, k, v, causal, option,
@@ -37,7 +35,7 @@ from typing import Callable
 
 import numpy as np
 
-from .._threads import default_num_threads
+from .._threads import blas_threads, default_num_threads
 
 #: Thread count the peers get (set by :func:`set_peer_threads`; None: each one's default).
 _threads = None
@@ -169,12 +167,6 @@ def _set_blas_threads(n):
     threadpool_limits(n, user_api="blas")
 
 
-def _blas_threads():
-    from .._threads import blas_threads
-
-    return blas_threads()
-
-
 def _as_4d(torch, arrays, heads):
     """Wrap ``(B, n, d)`` arrays without a copy as ``(B / heads, heads, n, d)`` tensors.
 
@@ -223,8 +215,6 @@ def _heads_first(x, heads):
     """Inverse of :func:`_heads_last`: ``(batch, n, heads * d)`` as ``(batch * heads, n, d)``."""
     batch, n, hd = x.shape
     d = hd // heads
-    if heads == 1:
-        return x.reshape(batch, n, d)
     return np.ascontiguousarray(x.reshape(batch, n, heads, d).transpose(0, 2, 1, 3)).reshape(
         batch * heads, n, d)
 
@@ -307,10 +297,11 @@ def jax_softmax_call(q, k, v, causal, scale, heads=1):
 
 
 def torch_linear_call(q, k, v, causal, feature_map="elu", eps=1e-6, heads=1):
-    """Linear attention in plain PyTorch (``feature_map`` elu or relu): non-causal, the
-    product form, ``O(n d_k d_v)`` time and ``O(n d + d_k d_v)`` memory; causal (``n_q ==
-    n_k``), the cumulative-sum form, ``S_i = cumsum_j φ(k_j)ᵀ v_j`` stored for every
-    position, ``O(n d_k d_v)`` time and memory."""
+    """Linear attention in its two usual plain PyTorch forms (Katharopoulos et al. 2020;
+    ``feature_map`` elu or relu): non-causal, the product form ``φ(q) (φ(k)ᵀ v) / (φ(q)
+    Σ_j φ(k_j) + eps)``, ``O(n d_k d_v)`` time and ``O(n d + d_k d_v)`` memory; causal
+    (``n_q == n_k``), the cumulative-sum form, ``S_i = cumsum_j φ(k_j)ᵀ v_j`` stored for
+    every position (``(B, n, d_k, d_v)``), ``O(n d_k d_v)`` time and memory."""
     torch = _torch()
     F = torch.nn.functional
     if causal and q.shape[-2] != k.shape[-2]:
@@ -405,7 +396,7 @@ PEERS = {peer.name: peer for peer in (
          # XLA forms the scores, their exp and the weights
          extra_bytes=lambda a, c, b, n, dk, dv, item: 3 * b * n * n * item),
     Peer("numpy", ("numpy",), "pip install numpy",
-         {("linear", "decode"): numpy_linear_decode_call}, _set_blas_threads, _blas_threads),
+         {("linear", "decode"): numpy_linear_decode_call}, _set_blas_threads, blas_threads),
 )}
 
 #: How to add a missing peer, by name: a command to paste, with the pip of the README's

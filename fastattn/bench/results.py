@@ -2,7 +2,6 @@
 A line holds ``"schema": SCHEMA``, ``run_id`` and a ``"record"`` type; its fields and their
 types are those of :mod:`.schema`, which :func:`read_records` checks."""
 
-
 import json
 import math
 import os
@@ -225,7 +224,6 @@ class ResultsWriter:
     """Append records to a results file, one fsynced line each; an existing one is read first,
     so a foreign, corrupt or read-only file is refused (ResultsFileError) untouched, and a
     partial last line is cut off.  ``resume`` keeps its records (:attr:`existing`)."""
-
 
     def __init__(self, path, resume=True):
         self.path = Path(path)

@@ -279,23 +279,21 @@ class Terminated(KeyboardInterrupt):
 def _terminate_as_interrupt():
     """Within: SIGTERM raises :class:`Terminated` in the main thread (once; a second SIGTERM
     ends the process at once).  A handler set by the caller, or no main thread, is left be."""
+    def terminated(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        raise Terminated()
+
     try:
-        if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
-            yield
-            return
-
-        def terminated(signum, frame):
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            raise Terminated()
-
-        signal.signal(signal.SIGTERM, terminated)
+        ours = signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        if ours:
+            signal.signal(signal.SIGTERM, terminated)
     except ValueError:   # not the main thread: no handler can be set
-        yield
-        return
+        ours = False
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if ours:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 class WorkerDied(RuntimeError):
@@ -369,7 +367,6 @@ class _Worker:
             self.process.kill()
             self.process.join(timeout=5)
             self.process = None
-
 
 
 def _write_header(writer, worker, peer_worker, todo, threads, why, options, run_id):
@@ -496,15 +493,12 @@ def _measure_group(points, workers, options, roofs, threads):
 
     Each point is prepared (warm-up, memory probe, check) in its worker (the kernels' or
     the peers'), then the points take turns: round ``r`` times one repeat of each point
-    still owed one (a share of ``min_time_s`` for a fast call), starting one point further
-    on each round, so a spell of load from elsewhere falls on every point alike and the
-    ratios of their times are measured side by side (a turn of a call shorter than
-    :data:`~.engine.TURN_WARM_S` starts with :data:`~.engine.TURN_WARMUP_S` of untimed
-    calls, so it is not timed in the caches the previous turn left nor on a core waking
-    from idle).  ``options.rounds`` (default: one a
-    repeat) caps the rounds, a turn then timing several repeats.  With more than one
-    thread, each turn starts after :data:`~.engine.TURN_SETTLE_S` idle (the previous
-    turn's pool may still spin)."""
+    still owed one (a share of ``min_time_s`` for a fast call; ``options.rounds`` caps the
+    rounds, a turn then timing several repeats), starting one point further on each round,
+    so a spell of load from elsewhere falls on every point alike and the ratios of their
+    times are measured side by side.  A turn of a fast call starts warm
+    (:data:`~.engine.TURN_WARM_S`); with more than one thread, each turn starts after
+    :data:`~.engine.TURN_SETTLE_S` idle (the previous turn's pool may still spin)."""
     entries = [_Entry(point, workers[point.peer], threads) for point in points]
     for entry in entries:
         entry.fields = entry.prepare(options)
@@ -575,7 +569,8 @@ def run_sweep(points, results_path, options=Options(), *, threads=None, threads_
               "asks for it, is measured again)", file=sys.stderr)
     found = {point_key(r): r for r in writer.existing
              if r["record"] == "point" and r.get("status") in ("ok", "skipped")}
-    todo = [p for p in points if point_key(p.record_fields(threads)) not in found]
+    keys = [point_key(p.record_fields(threads)) for p in points]
+    todo = [p for p, key in zip(points, keys) if key not in found]
     if announce is not None:
         announce(len(todo), len(points) - len(todo))
     run_id = run_id or new_run_id()
@@ -588,7 +583,6 @@ def run_sweep(points, results_path, options=Options(), *, threads=None, threads_
     with _terminate_as_interrupt():
         _run_groups(writer, worker, peer_worker, todo, threads, why, options, run_id, found,
                     bar)
-    keys = [point_key(p.record_fields(threads)) for p in points]
     return [found[key] for key in keys if key in found]
 
 

@@ -97,10 +97,16 @@ def format_roof_percent(fraction, paired=None):
     return f"{text} ({format_percent(paired)}{'!' if above_roof(paired) else ''})"
 
 
-def _any_above_roof(rows):
-    """Whether a row shows a fraction of the roof, or a paired one, above 1."""
-    return any(above_roof(r.get("roof_fraction")) or above_roof(r.get("roof_fraction_paired"))
-               for r in rows)
+def _roof_notes(rows):
+    """The footnotes a table of ``rows`` needs: what a bracketed (paired) % roof is, when one
+    is shown, and why a kernel can be above its roof, when one is."""
+    notes = []
+    if any(not _missing(r.get("roof_fraction_paired")) for r in rows):
+        notes.append(PAIRED_ROOF_NOTE)
+    if any(above_roof(r.get("roof_fraction")) or above_roof(r.get("roof_fraction_paired"))
+           for r in rows):
+        notes.append(ABOVE_ROOF_NOTE)
+    return notes
 
 
 def format_number(value, digits=3):
@@ -195,11 +201,7 @@ def format_tables(records, baseline=None, backend_order=()):
         out.append(f"{ratio_title}: {baseline}'s median time / this median time "
                    "(above 1 is faster than the baseline).")
     out.append("GFLOP/s and % roof: at the median time.")
-    if any(not _missing(r.get("roof_fraction_paired")) for r in records):
-        out.append(PAIRED_ROOF_NOTE)
-    if _any_above_roof(records):
-        out.append(ABOVE_ROOF_NOTE)
-    return "\n\n".join(out)
+    return "\n\n".join(out + _roof_notes(records))
 
 
 def check_target(path, kind):
@@ -329,11 +331,7 @@ def _versus_notes(rows, roof_text=()):
              "of both), which a slow spell of the machine moves less. Decode: N is the context "
              "length n_k, one query. GFLOP/s and % roof: of the fastattn kernel at that time "
              "(its fastest repeat; the per-point tables take the median)."]
-    if any(not _missing(r.get("roof_fraction_paired")) for r in rows):
-        notes.append(PAIRED_ROOF_NOTE)
-    if _any_above_roof(rows):
-        notes.append(ABOVE_ROOF_NOTE)
-    return notes + list(roof_text)
+    return notes + _roof_notes(rows) + list(roof_text)
 
 
 def format_versus(rows, roof_text=()):
