@@ -250,7 +250,13 @@ def _asv_records(args):
     chosen = "; ".join(dict.fromkeys(f"{r.get('machine')}: {r['chosen']}" for r in records
                                      if r.get("record") == "environment" and r.get("chosen")))
     print(f"fastattn report: {chosen}", file=sys.stderr)
-    return records, history, f"asv results in {directory}; {chosen}"
+    left_out = [text for r in records if r.get("record") == "environment"
+                for text in r.get("left_out") or ()]
+    for text in left_out:
+        print(f"fastattn report: note: {text}", file=sys.stderr)
+    return records, history, f"asv results in {directory}; {chosen}" + (
+        "; benchmarks whose parameters cannot be placed are left out (listed under "
+        "Environment)" if left_out else "")
 
 
 def run(args):
