@@ -598,6 +598,42 @@ def test_ctrl_c_while_drawing_is_an_interrupt_not_an_error(tmp_path, capsys, mon
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
+def test_ctrl_c_lost_in_a_finalizer_still_interrupts_the_report(tmp_path, capsys,
+                                                                 monkeypatch):
+    """Issue 33, item 11: a SIGINT whose KeyboardInterrupt is raised inside a finalizer
+    is lost there (Python prints "Exception ignored in ... note ... KeyboardInterrupt"), and
+    the report was written and the command exited 0."""
+    import gc
+    import os
+    import signal
+    import time
+
+    from fastattn.report import build
+    from fastattn.report.cli import PNG_SIGNATURE
+
+    class Dying:
+        def __del__(self):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.2)   # the handler runs here, inside the finalizer
+
+    lost = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda info: lost.append(info.exc_type))
+
+    def drawing(*args, **kwargs):
+        Dying()
+        gc.collect()
+        return build.Report("<html></html>", PNG_SIGNATURE)
+
+    monkeypatch.setattr(build, "build_report", drawing)
+    path = write_jsonl(tmp_path / "run.jsonl", synthetic_records(ns=(1024, 2048)))
+    assert main(["report", "--from", str(path)]) == 130
+    assert "interrupted" in capsys.readouterr().err
+    assert not path.with_suffix(".html").exists()
+    assert lost == []   # not printed as "Exception ignored"
+    assert sys.unraisablehook is not None and signal.getsignal(signal.SIGINT) is \
+        signal.default_int_handler
+
+
 def test_minilm_that_is_not_an_npz_is_refused_in_plain_words(tmp_path, capsys):
     readme = tmp_path / "README.md"
     readme.write_text("# notes\n")

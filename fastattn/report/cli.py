@@ -325,8 +325,15 @@ def _check_image_clash(image, out, results=None):
 def _noting_interrupts():
     """Yield a function that says whether Ctrl-C came while inside; it still interrupts as
     before (the handler in place is called), but code that turns the KeyboardInterrupt
-    into an error of its own (matplotlib's drawing does) can be told apart."""
+    into an error of its own (matplotlib's drawing does), or a KeyboardInterrupt raised
+    where Python can only print "Exception ignored in ..." (a finalizer, a callback), can
+    be told apart: the caller raises it again.  Those lost ones are not printed."""
     seen = []
+    hook = sys.unraisablehook
+
+    def unraisable(info):
+        if not (seen and isinstance(info.exc_value, KeyboardInterrupt)):
+            hook(info)
     try:
         previous = signal.getsignal(signal.SIGINT)
     except ValueError:   # not the main thread: no handler can be set
@@ -345,10 +352,13 @@ def _noting_interrupts():
     except ValueError:
         yield lambda: False
         return
+    sys.unraisablehook = unraisable
     try:
         yield lambda: bool(seen)
     finally:
         signal.signal(signal.SIGINT, previous)
+        if sys.unraisablehook is unraisable:
+            sys.unraisablehook = hook
 
 
 def _run(args):
@@ -413,6 +423,8 @@ def _run(args):
             if interrupted():   # Ctrl-C inside matplotlib's C code comes out as its ValueError
                 raise KeyboardInterrupt from None
             raise ReportError(str(exc)) from None
+        if interrupted():   # Ctrl-C lost on the way (in a finalizer: "Exception ignored")
+            raise KeyboardInterrupt
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(out, report.html)
     beside = _figure_beside(out)
