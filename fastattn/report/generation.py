@@ -107,7 +107,8 @@ def section(m):
             f"{r.label}: {r.crossover.describe()}" for r in head) + "."] if head else [])
     return {
         "time_png": figures.data_uri(figures.scaling_figure(panels, "time", 1, xlabel=label)),
-        "held_png": figures.data_uri(figures.scaling_figure(panels, "held", 1, xlabel=label)),
+        "held_png": figures.data_uri(figures.scaling_figure(
+            [("memory held between tokens, per head", decode)], "held", 1, xlabel=label)),
         "fits": fits, "crossovers": crossovers, "columns": [c.label for c in decode],
         "rows": rows, "statistic": decode[0].statistic, "summary": summary,
         "end_to_end": [{"attention": r.attention, "prompt": r.prompt, "generated": r.generated,
