@@ -402,6 +402,6 @@ def test_report_asv_reads_what_it_can_place_and_says_what_it_left_out(results_di
     out = tmp_path / "r.html"
     assert main(["report", "--asv", str(results_dir), "--out", str(out)]) == 0
     err = capsys.readouterr().err
-    assert f"note: {results_dir / 'box' / 'bbbbbbbb-env.json'}: 1 benchmark(s) left out, " \
+    assert f"note: {results_dir / 'box' / 'bbbbbbbb-env.json'}: 1 benchmark left out, " \
            f"benchmarks.json does not describe them: {PEAK}" in err
     assert "left out" in out.read_text()

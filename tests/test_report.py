@@ -329,7 +329,7 @@ def test_cli_from_builds_report_without_touching_results(tmp_path, capsys):
     assert printed.out.strip() == str(out)
     # The cut line is left out, and said so (it was silent).
     assert f"the last line of {results} was cut short" in printed.err
-    assert "its 46 byte(s) are left out" in printed.err
+    assert "its 46 bytes are left out" in printed.err
     html = out.read_text()
     assert REPORT_MARKER in html and "an older report" not in html
     assert "Fitted exponents" in html
@@ -811,7 +811,7 @@ def test_the_thread_count_and_its_reason_reach_the_header_and_the_page(tmp_path)
     html = build_report(read_records(results), source="t").html
     label = LABELS.get("threads_reason", "threads_reason")   # the schema's label, if it has one
     assert f"{label}</th><td class=\"l\">because a test said so" in html
-    assert "Measured on 1 thread(s): because a test said so." in html
+    assert "Measured on 1 thread: because a test said so." in html
 
 
 def test_cli_resume_refuses_a_file_of_another_grid_before_measuring(tmp_path, monkeypatch,
@@ -944,3 +944,67 @@ def test_the_real_heatmap_is_the_head_of_lowest_softmax_row_entropy(quality):
     layer, head = np.unravel_index(np.argmin(entropy), entropy.shape)
     assert quality.heatmaps[1].title.startswith(f"all-MiniLM-L6-v2 layer {layer}, head {head} ")
     assert f"mean row entropy {entropy.min():.2f} nats" in quality.heatmaps[1].note
+
+
+# ---------------------------------------------------------------- issue 33, item 7
+def test_exponents_that_round_to_zero_have_no_sign():
+    assert analysis.fixed(-0.001) == "0.00" and analysis.fixed(-0.0) == "0.00"
+    assert analysis.fixed(-0.01) == "-0.01" and analysis.fixed(-1.5) == "-1.50"
+    assert analysis.Fit(-0.001, 0.002, 0.0, 4, 1024, 8192).format() == "0.00 ± 0.00"
+    assert analysis.Fit(-0.004, float("nan"), 0.0, 2, 1024, 2048).format() == "0.00 (2 points)"
+    fits = [analysis.Fit(s, 0.01, 0.0, 4, 1024, 8192) for s in (-0.012, -0.001)]
+    assert analysis.exponent_range("linear", fits, 0).startswith("linear -0.01 to 0.00 over")
+
+
+def test_counts_of_one_are_singular():
+    assert analysis.plural(1, "thread") == "1 thread"
+    assert analysis.plural(2, "idle one") == "2 idle ones"
+    assert analysis.plural("1, 2", "thread") == "1, 2 threads"
+    html = build_report([dict(r, threads=1) for r in synthetic_records(ns=(1024, 2048, 4096))],
+                        source="t").html
+    scaling = html[html.index('id="scaling"'):html.index("<h4>Throughput against the GEMM roof")]
+    assert "thread(s)" not in scaling and "on 1 thread," in scaling
+
+
+def test_time_bands_are_the_middle_half_of_the_repeats_not_min_to_max(monkeypatch):
+    """A min-max band is as wide as the worst stalled repeat: below 1 ms the backends' bands
+    merged into one grey area."""
+    from fastattn.report import figures
+
+    records = [dict(r, times_s=[t, t, t, 1.1 * t, 100 * t], min_s=t, max_s=100 * t)
+               if r["record"] == "point" and r.get("status") == "ok" else r
+               for r in synthetic_records(backends=("numba",), ns=(1024, 2048, 4096))
+               for t in [r.get("median_s")]]
+    curve_list = analysis.curves(analysis.split_records(records)[2])
+    c = curve_list[0]
+    assert c.q25_s == pytest.approx(c.min_s) and c.q75_s == pytest.approx(1.1 * c.min_s)
+    tops = []
+
+    def keep(fig):
+        for ax in fig.axes:
+            tops.extend(max(path.vertices[:, 1]) for coll in ax.collections
+                        for path in coll.get_paths() if len(path.vertices))
+        figures.plt.close(fig)
+        return b""
+
+    monkeypatch.setattr(figures, "to_png", keep)
+    figures.scaling_figure([("all", curve_list)], "time")
+    top = max(float(np.nanmax(k.q75_s)) for k in curve_list)
+    assert tops and max(tops) == pytest.approx(top)      # not 100 × the fastest repeat
+
+
+def test_a_memory_curve_that_falls_as_n_grows_is_called_below_resolution():
+    records = [dict(r, peak_bytes=3 << 20 if r["n_k"] == 2048 else r.get("peak_bytes"))
+               if r["record"] == "point" and r["backend"] == "numba" and r["attention"] == "linear"
+               and not r["causal"] else r for r in synthetic_records(ns=(1024, 2048, 4096))]
+    html = build_report(records, source="t").html
+    assert "below what the probe resolves" in html
+    assert "numba linear (non-causal): 3 MiB at n = 2048, 2 MiB at n = 4096" in html
+
+
+def test_the_time_per_token_table_says_what_its_big_number_is():
+    from test_report_generation import synthetic_generation
+
+    html = build_report(synthetic_generation(), source="t").html
+    assert "the large number is the time of one token, the fastest repeat" in html
+    assert "fastest repeat per token [median] · tokens/s · held" in html

@@ -83,10 +83,23 @@ class Fit:
         return np.exp(self.intercept + self.slope * np.log(np.asarray(n, dtype=np.float64)))
 
     def format(self):
-        """``"2.01 ± 0.03"`` (``"2.01 (2 points)"`` when there is no spread)."""
+        """``"2.01 ± 0.03"`` (``"2.01 (2 points)"`` when there is no spread); a slope that
+        rounds to zero is ``0.00``, never ``-0.00``."""
         if math.isnan(self.stderr):
-            return f"{self.slope:.2f} ({self.points} points)"
-        return f"{self.slope:.2f} ± {self.stderr:.2f}"
+            return f"{fixed(self.slope)} ({self.points} points)"
+        return f"{fixed(self.slope)} ± {fixed(self.stderr)}"
+
+
+def fixed(value, digits=2):
+    """``value`` to ``digits`` decimals, without the sign of a value that rounds to zero
+    (``-0.001`` is ``"0.00"``, not ``"-0.00"``)."""
+    text = f"{value:.{digits}f}"
+    return text[1:] if text.startswith("-") and not text.strip("-0.") else text
+
+
+def plural(count, word, many=None):
+    """``"1 thread"``, ``"2 threads"``; ``count`` may be a joined list ("1, 2": plural)."""
+    return f"{count} {word if str(count) == '1' else many or word + 's'}"
 
 
 def fit_exponent(n, y, min_n=FIT_MIN_N):
@@ -106,6 +119,18 @@ def fit_exponent(n, y, min_n=FIT_MIN_N):
         slope, intercept, stderr = float(fit.slope), float(fit.intercept), float(fit.stderr)
     return Fit(slope, stderr, intercept, len(x), int(round(math.exp(x.min()))),
                int(round(math.exp(x.max()))))
+
+
+def _quartile(points, q):
+    """Per point, the ``q``-th percentile of its repeats ``times_s`` (asv's ``q25_s`` /
+    ``q75_s`` where it kept no samples); NaN when neither was recorded."""
+    out = []
+    for p in points:
+        times = [t for t in p.get("times_s") or () if t is not None]
+        kept = p.get(f"q{q}_s")
+        out.append(float(np.percentile(times, q)) if len(times) >= 2
+                   else float(kept) if kept is not None else float("nan"))
+    return np.array(out, dtype=np.float64)
 
 
 def _column(name):
@@ -144,6 +169,8 @@ class Curve:
     statistic = property(lambda self: FIT_STATISTIC if np.isfinite(self.min_s).all() else "median")
     fit_s = property(lambda self: self.min_s if self.statistic == "min" else self.median_s)
     repeats = property(lambda self: np.array([len(p.get("times_s") or ()) for p in self.points]))
+    q25_s = cached_property(lambda self: _quartile(self.points, 25))
+    q75_s = cached_property(lambda self: _quartile(self.points, 75))
     memory_method = property(lambda self: {p["memory_method"] for p in self.points
                                            if p.get("memory_method")})
     check_failed = property(lambda self: [p["n_k"] for p in self.points
@@ -337,7 +364,7 @@ def exponent_range(attention, fits, expected):
     fits = [f for f in fits if f.points >= 3] or fits
     if not fits:
         return None
-    lo, hi = f"{min(f.slope for f in fits):.2f}", f"{max(f.slope for f in fits):.2f}"
+    lo, hi = fixed(min(f.slope for f in fits)), fixed(max(f.slope for f in fits))
     few = max(f.points for f in fits) < 3
     return (f"{attention} {lo if lo == hi else f'{lo} to {hi}'} over {len(fits)} "
             f"curve{'' if len(fits) == 1 else 's'} (expected about {expected})"

@@ -347,7 +347,7 @@ def load_asv_points(results_dir, commit=None):
                                               chosen)
             points, unplaced = _points_of(machine_dir.name, data, meta)
             if unplaced:
-                left_out = [f"{path}: {len(names)} benchmark(s) left out, {why}: "
+                left_out = [f"{path}: {len(names)} benchmark{'' if len(names) == 1 else 's'} left out, {why}: "
                             + ", ".join(names) for why, names in unplaced.items()]
                 environment["left_out"] = left_out
                 if not points:

@@ -169,6 +169,7 @@ def _resume_command(args, results):
 def _measure(args, results):
     """Run (or resume) the sweep into ``results``; returns its path."""
     from ..bench import sweep
+    from .analysis import plural
 
     if args.resume is not None and not results.is_file():
         raise ReportError(f"--resume {results}: no such results file")
@@ -195,7 +196,7 @@ def _measure(args, results):
         threads, cores = sweep.idle_cores(), default_num_threads()
         why = f"every usable core ({cores})" if threads >= cores else (
             f"other work kept {cores - threads} of {cores} cores busy when the run started, so "
-            f"it measured on the {threads} idle one(s): no kernel waits for a thread the "
+            f"it measured on the {plural(threads, 'idle one')}: no kernel waits for a thread the "
             "scheduler put aside (--threads N to choose)")
         if threads < cores:
             print(f"fastattn report: {why}", file=sys.stderr)
@@ -208,7 +209,7 @@ def _measure(args, results):
         if foreign:
             r = foreign[0]
             raise ReportError(
-                f"--resume {results}: it holds {len(foreign)} point(s) outside this run's grid "
+                f"--resume {results}: it holds {plural(len(foreign), 'point')} outside this run's grid "
                 f"(e.g. {r['attention']} n={r['n_k']} {r['backend']}), so it was measured with "
                 "other options (--quick, --n, --threads); resume it with the options it was "
                 "started with, or give a new results file")
@@ -403,10 +404,11 @@ def _run(args):
         records, source = _read_results(results), str(results)
         if args.from_ is not None:
             from ..bench.results import cut_tail_bytes
+            from .analysis import plural
 
             if cut := cut_tail_bytes(results):
                 print(f"fastattn report: note: the last line of {results} was cut short by an "
-                      f"interrupted write; its {cut} byte(s) are left out of the report",
+                      f"interrupted write; its {plural(cut, 'byte')} {'is' if cut == 1 else 'are'} left out of the report",
                       file=sys.stderr)
     _check_output(out, protected)
 

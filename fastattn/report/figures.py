@@ -143,7 +143,8 @@ def _shared_label(members):
 
 
 def scaling_figure(panels, metric="time", ncols=2, title=None, xlabel=None):
-    """PNG of log-log time (median, min-max band), peak extra memory or memory held (a
+    """PNG of log-log time (median, band from the 25th to the 75th percentile of the
+    repeats), peak extra memory or memory held (a
     :data:`METRICS` key) against n, a panel per ``(title, curves)`` of ``panels``, each
     curve's fitted exponent in the legend and drawn dotted.  Memory curves of one attention
     type with equal values are drawn as one dark line naming them all."""
@@ -164,9 +165,12 @@ def scaling_figure(panels, metric="time", ncols=2, title=None, xlabel=None):
             label = c.label if len(members) == 1 else _shared_label(members)
             ax.plot(c.n[use], y[use], label=label + (f"  n^{fit.format()}" if fit else ""),
                     **{**style(c), **({"color": SHARED_COLOUR} if len(members) > 1 else {})})
-            if metric == "time":
-                ax.fill_between(c.n[use], c.min_s[use], c.max_s[use], color=colour(c.backend),
-                                alpha=0.12, linewidth=0)
+            band = use & np.isfinite(c.q25_s) & np.isfinite(c.q75_s) if metric == "time" \
+                else None
+            if band is not None and band.any():   # the middle half of the repeats: a
+                # min-max band is as wide as the worst stall and merges with its neighbours'
+                ax.fill_between(c.n[band], c.q25_s[band], c.q75_s[band],
+                                color=colour(c.backend), alpha=0.15, linewidth=0)
             if fit:
                 xs = np.array([fit.n_min, fit.n_max], dtype=float)
                 ax.plot(xs, fit.predict(xs), color="black", linewidth=0.8, linestyle=":",

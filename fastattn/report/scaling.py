@@ -121,7 +121,7 @@ def _summary(curve_list, crossovers, statistic, load, busy, cores, threads, why,
                    f"{cores} cores): times are inflated and noisy; compare the kernels side by "
                    "side rather than with other runs.")
     if why and threads:
-        out.append(f"Measured on {threads} thread(s): {why}.")
+        out.append(f"Measured on {analysis.plural(threads, 'thread')}: {why}.")
     return out + fastest
 
 
