@@ -1008,3 +1008,48 @@ def test_the_time_per_token_table_says_what_its_big_number_is():
     html = build_report(synthetic_generation(), source="t").html
     assert "the large number is the time of one token, the fastest repeat" in html
     assert "fastest repeat per token [median] · tokens/s · held" in html
+
+
+# ---------------------------------------------------------------- issue 33, item 3
+def test_a_stalled_point_is_flagged_and_kept_out_of_fits_and_crossovers():
+    """A --quick report showed causal linear attention at n = 128 about 100x slower than its
+    trend on every repeat, and the page's crossover came from that one point."""
+    ns = (128, 512, 1024, 2048)
+    records = synthetic_records(backends=("numba",), ns=ns)
+    stall = 1000.0
+    for r in records:
+        if (r["record"] == "point" and r["attention"] == "linear" and r["causal"]
+                and r["n_k"] == 128):
+            r.update({k: r[k] * stall for k in ("median_s", "min_s", "max_s")},
+                     times_s=[t * stall for t in r["times_s"]])
+    curve_list = analysis.curves(analysis.split_records(records)[2])
+    lin = next(c for c in curve_list if c.attention == "linear" and c.causal)
+    soft = next(c for c in curve_list if c.attention == "softmax" and c.causal)
+    assert lin.stalled_n == [128] and soft.stalled_n == []
+    assert not any(c.stalled.any() for c in curve_list if c is not lin)
+    assert np.isnan(lin.fit_s[0]) and lin.measured_s[0] == pytest.approx(lin.min_s[0])
+    # The crossover is that of the curves without the stall: linear faster throughout here.
+    clean = analysis.curves(analysis.split_records(synthetic_records(backends=("numba",),
+                                                                     ns=ns))[2])
+    lin_clean = next(c for c in clean if c.attention == "linear" and c.causal)
+    soft_clean = next(c for c in clean if c.attention == "softmax" and c.causal)
+    expected = analysis.crossover(soft_clean.n[1:], soft_clean.fit_s[1:], lin_clean.n[1:],
+                                  lin_clean.fit_s[1:])
+    assert analysis.crossover(soft.n, soft.fit_s, lin.n, lin.fit_s) == expected
+    assert analysis.crossover(soft.n, soft.measured_s, lin.n, lin.measured_s) != expected
+    html = build_report(records, source="t").html
+    summary = html[html.index('<div class="summary">'):html.index("</div>", html.index(
+        '<div class="summary">'))]
+    assert "Kept out of the fits and crossovers" in summary
+    assert "numba linear (causal) at n = 128" in summary
+    assert "(stalled)" in html[html.index('id="scaling"'):]
+
+
+def test_points_on_their_trend_or_a_last_point_cliff_are_not_stalled():
+    assert not analysis.stalled_points([128, 256, 512], [1e-3, 4e-3, 1.6e-2]).any()  # n²
+    assert not analysis.stalled_points([1, 2, 4], [1.0, 1.0, 3.9]).any()   # under 4x
+    assert not analysis.stalled_points([1, 2, 4], [1.0, 1.0, 100.0]).any()  # the last n
+    assert analysis.stalled_points([1, 2, 4], [1.0, 10.0, 1.0]).tolist() == [False, True, False]
+    assert analysis.stalled_points([1, 2, 4, 8], [50.0, 1.0, 1.0, 1.0]).tolist() == \
+        [True, False, False, False]
+    assert not analysis.stalled_points([1, 2, 4], [np.nan, 5.0, 1.0])[0]
