@@ -349,3 +349,59 @@ def test_suite_decode_heads_agree_with_benchmarks():
     finally:
         sys.path.remove(str(ROOT))
     assert common.DECODE_HEADS == asv_results.SUITE_DECODE_HEADS
+
+
+# Issue 33, item 13: a result file whose parameters benchmarks.json does not describe (a
+# file of another version of the suite, or no benchmarks.json at all) was read with
+# parameters "param1".."param4", giving points without n that crashed the report with
+# "TypeError: int() argument must be ... not 'NoneType'".
+
+def test_benchmarks_of_another_suite_version_are_left_out_and_named(results_dir):
+    meta = json.loads((results_dir / "benchmarks.json").read_text())
+    meta[PEAK]["param_names"] = meta[PEAK]["param_names"][:3]   # the suite's PEAK has 3 now
+    meta[PEAK]["params"] = meta[PEAK]["params"][:3]
+    (results_dir / "benchmarks.json").write_text(json.dumps(meta))
+    records = load_asv_points(results_dir)
+    points = [r for r in records if r["record"] == "point"]
+    assert points and all(isinstance(p["n_k"], int) and p["backend"] for p in points)
+    assert all(p["peak_bytes"] is None for p in points)          # PEAK's rows are left out
+    assert _points(records)[("softmax", "reference", True, "float32", 1024)]["median_s"] \
+        == pytest.approx(3.2e-2)                                 # TIME's are read
+    (env,) = [r for r in records if r["record"] == "environment"]
+    (note,) = env["left_out"]
+    assert "bbbbbbbb-env.json" in note and PEAK in note and TIME not in note
+    assert "another version of the suite" in note
+    from fastattn.report.build import build_report
+
+    html = build_report(records, source="asv").html             # no TypeError
+    assert PEAK in html
+
+
+def test_no_benchmarks_json_is_refused_naming_the_file(results_dir, tmp_path, capsys):
+    from fastattn.cli import main
+
+    (results_dir / "benchmarks.json").unlink()
+    with pytest.raises(AsvResultsError, match=r"bbbbbbbb-env\.json.*benchmarks\.json is missing"):
+        load_asv_points(results_dir)
+    capsys.readouterr()
+    assert main(["report", "--asv", str(results_dir), "--out", str(tmp_path / "r.html")]) == 2
+    err = capsys.readouterr().err
+    assert "bbbbbbbb-env.json" in err and "benchmarks.json is missing" in err
+    assert "Traceback" not in err and not (tmp_path / "r.html").exists()
+    # the history of a file without benchmarks.json is still read, by position
+    assert {h["benchmark"] for h in load_asv_history(results_dir, TIME)} == {TIME}
+
+
+def test_report_asv_reads_what_it_can_place_and_says_what_it_left_out(results_dir, tmp_path,
+                                                                      capsys):
+    from fastattn.cli import main
+
+    meta = json.loads((results_dir / "benchmarks.json").read_text())
+    del meta[PEAK]
+    (results_dir / "benchmarks.json").write_text(json.dumps(meta))
+    out = tmp_path / "r.html"
+    assert main(["report", "--asv", str(results_dir), "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert f"note: {results_dir / 'box' / 'bbbbbbbb-env.json'}: 1 benchmark left out, " \
+           f"benchmarks.json does not describe them: {PEAK}" in err
+    assert "left out" in out.read_text()

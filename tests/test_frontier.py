@@ -296,3 +296,28 @@ def test_the_default_report_grid_times_softmax_where_the_frontier_needs_it():
         assert {("elu", None), ("relu", None), ("taylor", None)} <= maps
         assert {("favor", f * 64) for f in FAVOR_MULTIPLES} <= maps
     assert not any(p.n > max(frontier.COST_NS) for p in points if p.regime == "prefill")
+
+
+def test_every_point_label_of_the_frontier_stays_inside_its_panel(tmp_path, fq, monkeypatch):
+    """Issue 33, item 7: the label of the slowest map ("FAVOR+ m = 64·d_k") ran out of the
+    plot on the right."""
+    kept = []
+
+    def keep(fig):
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        for ax in fig.axes:
+            box = ax.get_window_extent(renderer)
+            for text in ax.texts:
+                if text.get_text() and text.get_transform() is not ax.transAxes:
+                    extent = text.get_window_extent(renderer)
+                    kept.append((text.get_text(), extent.x0 >= box.x0 - 1
+                                 and extent.x1 <= box.x1 + 1))
+        frontier.plt.close(fig)
+        return b""
+
+    monkeypatch.setattr(frontier, "to_png", keep)
+    frontier.frontier_figure(frontier.frontier(
+        fq, _curves(write_records(tmp_path / "r.jsonl", ALL_MAPS))))
+    assert "FAVOR+ m = 64·d_k" in dict(kept)
+    assert [label for label, inside in kept if not inside] == []

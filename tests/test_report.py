@@ -329,7 +329,7 @@ def test_cli_from_builds_report_without_touching_results(tmp_path, capsys):
     assert printed.out.strip() == str(out)
     # The cut line is left out, and said so (it was silent).
     assert f"the last line of {results} was cut short" in printed.err
-    assert "its 46 byte(s) are left out" in printed.err
+    assert "its 46 bytes are left out" in printed.err
     html = out.read_text()
     assert REPORT_MARKER in html and "an older report" not in html
     assert "Fitted exponents" in html
@@ -598,6 +598,42 @@ def test_ctrl_c_while_drawing_is_an_interrupt_not_an_error(tmp_path, capsys, mon
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
+def test_ctrl_c_lost_in_a_finalizer_still_interrupts_the_report(tmp_path, capsys,
+                                                                 monkeypatch):
+    """Issue 33, item 11: a SIGINT whose KeyboardInterrupt is raised inside a finalizer
+    is lost there (Python prints "Exception ignored in ... note ... KeyboardInterrupt"), and
+    the report was written and the command exited 0."""
+    import gc
+    import os
+    import signal
+    import time
+
+    from fastattn.report import build
+    from fastattn.report.cli import PNG_SIGNATURE
+
+    class Dying:
+        def __del__(self):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.2)   # the handler runs here, inside the finalizer
+
+    lost = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda info: lost.append(info.exc_type))
+
+    def drawing(*args, **kwargs):
+        Dying()
+        gc.collect()
+        return build.Report("<html></html>", PNG_SIGNATURE)
+
+    monkeypatch.setattr(build, "build_report", drawing)
+    path = write_jsonl(tmp_path / "run.jsonl", synthetic_records(ns=(1024, 2048)))
+    assert main(["report", "--from", str(path)]) == 130
+    assert "interrupted" in capsys.readouterr().err
+    assert not path.with_suffix(".html").exists()
+    assert lost == []   # not printed as "Exception ignored"
+    assert sys.unraisablehook is not None and signal.getsignal(signal.SIGINT) is \
+        signal.default_int_handler
+
+
 def test_minilm_that_is_not_an_npz_is_refused_in_plain_words(tmp_path, capsys):
     readme = tmp_path / "README.md"
     readme.write_text("# notes\n")
@@ -775,7 +811,7 @@ def test_the_thread_count_and_its_reason_reach_the_header_and_the_page(tmp_path)
     html = build_report(read_records(results), source="t").html
     label = LABELS.get("threads_reason", "threads_reason")   # the schema's label, if it has one
     assert f"{label}</th><td class=\"l\">because a test said so" in html
-    assert "Measured on 1 thread(s): because a test said so." in html
+    assert "Measured on 1 thread: because a test said so." in html
 
 
 def test_cli_resume_refuses_a_file_of_another_grid_before_measuring(tmp_path, monkeypatch,
@@ -908,3 +944,112 @@ def test_the_real_heatmap_is_the_head_of_lowest_softmax_row_entropy(quality):
     layer, head = np.unravel_index(np.argmin(entropy), entropy.shape)
     assert quality.heatmaps[1].title.startswith(f"all-MiniLM-L6-v2 layer {layer}, head {head} ")
     assert f"mean row entropy {entropy.min():.2f} nats" in quality.heatmaps[1].note
+
+
+# ---------------------------------------------------------------- issue 33, item 7
+def test_exponents_that_round_to_zero_have_no_sign():
+    assert analysis.fixed(-0.001) == "0.00" and analysis.fixed(-0.0) == "0.00"
+    assert analysis.fixed(-0.01) == "-0.01" and analysis.fixed(-1.5) == "-1.50"
+    assert analysis.Fit(-0.001, 0.002, 0.0, 4, 1024, 8192).format() == "0.00 ± 0.00"
+    assert analysis.Fit(-0.004, float("nan"), 0.0, 2, 1024, 2048).format() == "0.00 (2 points)"
+    fits = [analysis.Fit(s, 0.01, 0.0, 4, 1024, 8192) for s in (-0.012, -0.001)]
+    assert analysis.exponent_range("linear", fits, 0).startswith("linear -0.01 to 0.00 over")
+
+
+def test_counts_of_one_are_singular():
+    assert analysis.plural(1, "thread") == "1 thread"
+    assert analysis.plural(2, "idle one") == "2 idle ones"
+    assert analysis.plural("1, 2", "thread") == "1, 2 threads"
+    html = build_report([dict(r, threads=1) for r in synthetic_records(ns=(1024, 2048, 4096))],
+                        source="t").html
+    scaling = html[html.index('id="scaling"'):html.index("<h4>Throughput against the GEMM roof")]
+    assert "thread(s)" not in scaling and "on 1 thread," in scaling
+
+
+def test_time_bands_are_the_middle_half_of_the_repeats_not_min_to_max(monkeypatch):
+    """A min-max band is as wide as the worst stalled repeat: below 1 ms the backends' bands
+    merged into one grey area."""
+    from fastattn.report import figures
+
+    records = [dict(r, times_s=[t, t, t, 1.1 * t, 100 * t], min_s=t, max_s=100 * t)
+               if r["record"] == "point" and r.get("status") == "ok" else r
+               for r in synthetic_records(backends=("numba",), ns=(1024, 2048, 4096))
+               for t in [r.get("median_s")]]
+    curve_list = analysis.curves(analysis.split_records(records)[2])
+    c = curve_list[0]
+    assert c.q25_s == pytest.approx(c.min_s) and c.q75_s == pytest.approx(1.1 * c.min_s)
+    tops = []
+
+    def keep(fig):
+        for ax in fig.axes:
+            tops.extend(max(path.vertices[:, 1]) for coll in ax.collections
+                        for path in coll.get_paths() if len(path.vertices))
+        figures.plt.close(fig)
+        return b""
+
+    monkeypatch.setattr(figures, "to_png", keep)
+    figures.scaling_figure([("all", curve_list)], "time")
+    top = max(float(np.nanmax(k.q75_s)) for k in curve_list)
+    assert tops and max(tops) == pytest.approx(top)      # not 100 × the fastest repeat
+
+
+def test_a_memory_curve_that_falls_as_n_grows_is_called_below_resolution():
+    records = [dict(r, peak_bytes=3 << 20 if r["n_k"] == 2048 else r.get("peak_bytes"))
+               if r["record"] == "point" and r["backend"] == "numba" and r["attention"] == "linear"
+               and not r["causal"] else r for r in synthetic_records(ns=(1024, 2048, 4096))]
+    html = build_report(records, source="t").html
+    assert "below what the probe resolves" in html
+    assert "numba linear (non-causal): 3 MiB at n = 2048, 2 MiB at n = 4096" in html
+
+
+def test_the_time_per_token_table_says_what_its_big_number_is():
+    from test_report_generation import synthetic_generation
+
+    html = build_report(synthetic_generation(), source="t").html
+    assert "the large number is the time of one token, the fastest repeat" in html
+    assert "fastest repeat per token [median] · tokens/s · held" in html
+
+
+# ---------------------------------------------------------------- issue 33, item 3
+def test_a_stalled_point_is_flagged_and_kept_out_of_fits_and_crossovers():
+    """A --quick report showed causal linear attention at n = 128 about 100x slower than its
+    trend on every repeat, and the page's crossover came from that one point."""
+    ns = (128, 512, 1024, 2048)
+    records = synthetic_records(backends=("numba",), ns=ns)
+    stall = 1000.0
+    for r in records:
+        if (r["record"] == "point" and r["attention"] == "linear" and r["causal"]
+                and r["n_k"] == 128):
+            r.update({k: r[k] * stall for k in ("median_s", "min_s", "max_s")},
+                     times_s=[t * stall for t in r["times_s"]])
+    curve_list = analysis.curves(analysis.split_records(records)[2])
+    lin = next(c for c in curve_list if c.attention == "linear" and c.causal)
+    soft = next(c for c in curve_list if c.attention == "softmax" and c.causal)
+    assert lin.stalled_n == [128] and soft.stalled_n == []
+    assert not any(c.stalled.any() for c in curve_list if c is not lin)
+    assert np.isnan(lin.fit_s[0]) and lin.measured_s[0] == pytest.approx(lin.min_s[0])
+    # The crossover is that of the curves without the stall: linear faster throughout here.
+    clean = analysis.curves(analysis.split_records(synthetic_records(backends=("numba",),
+                                                                     ns=ns))[2])
+    lin_clean = next(c for c in clean if c.attention == "linear" and c.causal)
+    soft_clean = next(c for c in clean if c.attention == "softmax" and c.causal)
+    expected = analysis.crossover(soft_clean.n[1:], soft_clean.fit_s[1:], lin_clean.n[1:],
+                                  lin_clean.fit_s[1:])
+    assert analysis.crossover(soft.n, soft.fit_s, lin.n, lin.fit_s) == expected
+    assert analysis.crossover(soft.n, soft.measured_s, lin.n, lin.measured_s) != expected
+    html = build_report(records, source="t").html
+    summary = html[html.index('<div class="summary">'):html.index("</div>", html.index(
+        '<div class="summary">'))]
+    assert "Kept out of the fits and crossovers" in summary
+    assert "numba linear (causal) at n = 128" in summary
+    assert "(stalled)" in html[html.index('id="scaling"'):]
+
+
+def test_points_on_their_trend_or_a_last_point_cliff_are_not_stalled():
+    assert not analysis.stalled_points([128, 256, 512], [1e-3, 4e-3, 1.6e-2]).any()  # n²
+    assert not analysis.stalled_points([1, 2, 4], [1.0, 1.0, 3.9]).any()   # under 4x
+    assert not analysis.stalled_points([1, 2, 4], [1.0, 1.0, 100.0]).any()  # the last n
+    assert analysis.stalled_points([1, 2, 4], [1.0, 10.0, 1.0]).tolist() == [False, True, False]
+    assert analysis.stalled_points([1, 2, 4, 8], [50.0, 1.0, 1.0, 1.0]).tolist() == \
+        [True, False, False, False]
+    assert not analysis.stalled_points([1, 2, 4], [np.nan, 5.0, 1.0])[0]

@@ -264,3 +264,31 @@ def test_peers_seen_only_in_generation_are_named_not_denied():
     peers = html[html.index("<h4>Peers</h4>"):html.index("<h4>All measured points</h4>")]
     assert "in the Generation section only" in peers and "numpy" in peers
     assert "No peer ran the prefill points" in peers     # torch is still absent there
+
+
+def test_memory_held_chart_has_its_own_title_and_one_line_per_equal_curves(monkeypatch):
+    """Issue 33, item 2: the "Memory held per head" chart was titled "time per generated
+    token", and the backends' equal held bytes were drawn on top of one another, so their
+    legend entries pointed at nothing visible."""
+    from fastattn.report import figures
+
+    drawn = []
+
+    def keep(fig):
+        drawn.append([(ax.get_title(), ax.get_ylabel(), ax.get_legend_handles_labels()[1],
+                       len(ax.get_lines())) for ax in fig.axes if ax.get_visible()])
+        figures.plt.close(fig)
+        return b""
+
+    monkeypatch.setattr(figures, "to_png", keep)
+    records = synthetic_generation(("numba", "cython"))
+    generation.section(type("M", (), {
+        "decode": [c for c in curves([r for r in records if r["record"] == "point"])
+                   if c.key["regime"] == "decode"], "prefill": []})())
+    (time_panel,), (held_panel,) = drawn
+    assert "time" in time_panel[0] and len(time_panel[2]) == 4
+    title, ylabel, labels, _ = held_panel
+    assert "time" not in title and "memory held" in title and "memory held" in ylabel
+    # numba and cython hold the same bytes: one line (and legend entry) per attention type
+    assert [label.split("  n^")[0] for label in labels] == \
+        ["softmax: cython, numba — equal", "linear: cython, numba — equal"]

@@ -10,6 +10,7 @@ import numpy as np
 from scipy import stats
 
 from ..bench.engine import gemm_probes, roof_for
+from ..bench.table import format_seconds
 from ..bench.results import DEFAULT_REGIME, point_key
 from ..bench.schema import CURVE_KEYS, roof_library
 from ..bench.table import above_roof as _above_roof, mask_name
@@ -83,10 +84,23 @@ class Fit:
         return np.exp(self.intercept + self.slope * np.log(np.asarray(n, dtype=np.float64)))
 
     def format(self):
-        """``"2.01 ± 0.03"`` (``"2.01 (2 points)"`` when there is no spread)."""
+        """``"2.01 ± 0.03"`` (``"2.01 (2 points)"`` when there is no spread); a slope that
+        rounds to zero is ``0.00``, never ``-0.00``."""
         if math.isnan(self.stderr):
-            return f"{self.slope:.2f} ({self.points} points)"
-        return f"{self.slope:.2f} ± {self.stderr:.2f}"
+            return f"{fixed(self.slope)} ({self.points} points)"
+        return f"{fixed(self.slope)} ± {fixed(self.stderr)}"
+
+
+def fixed(value, digits=2):
+    """``value`` to ``digits`` decimals, without the sign of a value that rounds to zero
+    (``-0.001`` is ``"0.00"``, not ``"-0.00"``)."""
+    text = f"{value:.{digits}f}"
+    return text[1:] if text.startswith("-") and not text.strip("-0.") else text
+
+
+def plural(count, word, many=None):
+    """``"1 thread"``, ``"2 threads"``; ``count`` may be a joined list ("1, 2": plural)."""
+    return f"{count} {word if str(count) == '1' else many or word + 's'}"
 
 
 def fit_exponent(n, y, min_n=FIT_MIN_N):
@@ -106,6 +120,43 @@ def fit_exponent(n, y, min_n=FIT_MIN_N):
         slope, intercept, stderr = float(fit.slope), float(fit.intercept), float(fit.stderr)
     return Fit(slope, stderr, intercept, len(x), int(round(math.exp(x.min()))),
                int(round(math.exp(x.max()))))
+
+
+#: A point whose fastest repeat is this many times slower than its curve's trend (the line
+#: through its neighbours in log-log, or any larger n's time) stalled on every repeat: it is
+#: kept out of fits and crossovers, and the page names it.
+STALL_FACTOR = 4.0
+
+
+def stalled_points(n, t, factor=STALL_FACTOR):
+    """Per point of a curve (``n`` ascending, ``t`` its times), True where ``t`` is more than
+    ``factor`` times what its neighbours say: slower than at some larger n (time does not
+    fall as n grows), or above the log-log line through the points on either side.  The
+    largest n has neither, so it is never flagged: a jump there may be real (a cache)."""
+    n = np.asarray(n, dtype=np.float64)
+    t = np.asarray(t, dtype=np.float64)
+    out = np.zeros(len(n), dtype=bool)
+    idx = np.flatnonzero(np.isfinite(t) & (t > 0) & (n > 0))
+    x, y, limit = np.log(n[idx]), np.log(t[idx]), math.log(factor)
+    for j, i in enumerate(idx):
+        if j + 1 < len(idx) and y[j] - y[j + 1:].min() > limit:
+            out[i] = True
+        elif 0 < j < len(idx) - 1:
+            line = y[j - 1] + (y[j + 1] - y[j - 1]) * (x[j] - x[j - 1]) / (x[j + 1] - x[j - 1])
+            out[i] = bool(y[j] - line > limit)
+    return out
+
+
+def _quartile(points, q):
+    """Per point, the ``q``-th percentile of its repeats ``times_s`` (asv's ``q25_s`` /
+    ``q75_s`` where it kept no samples); NaN when neither was recorded."""
+    out = []
+    for p in points:
+        times = [t for t in p.get("times_s") or () if t is not None]
+        kept = p.get(f"q{q}_s")
+        out.append(float(np.percentile(times, q)) if len(times) >= 2
+                   else float(kept) if kept is not None else float("nan"))
+    return np.array(out, dtype=np.float64)
 
 
 def _column(name):
@@ -142,8 +193,13 @@ class Curve:
     gflops, peak_bytes, held_bytes = _column("gflops"), _column("peak_bytes"), _column("held_bytes")
     max_abs_err, load_avg = _column("max_abs_err"), _column("load_avg_1m")
     statistic = property(lambda self: FIT_STATISTIC if np.isfinite(self.min_s).all() else "median")
-    fit_s = property(lambda self: self.min_s if self.statistic == "min" else self.median_s)
+    measured_s = property(lambda self: self.min_s if self.statistic == "min" else self.median_s)
+    stalled = cached_property(lambda self: stalled_points(self.n, self.measured_s))
+    fit_s = property(lambda self: np.where(self.stalled, np.nan, self.measured_s))
+    stalled_n = property(lambda self: [int(n) for n in self.n[self.stalled]])
     repeats = property(lambda self: np.array([len(p.get("times_s") or ()) for p in self.points]))
+    q25_s = cached_property(lambda self: _quartile(self.points, 25))
+    q75_s = cached_property(lambda self: _quartile(self.points, 75))
     memory_method = property(lambda self: {p["memory_method"] for p in self.points
                                            if p.get("memory_method")})
     check_failed = property(lambda self: [p["n_k"] for p in self.points
@@ -328,6 +384,21 @@ def roof_libraries(roofs, dtype, threads, d, machine=None):
     return [(name, name == top, names[name]) for name in sorted(best, key=lambda b: -best[b])]
 
 
+def stalled_text(curve_list):
+    """A sentence naming the stalled points of ``curve_list`` (:attr:`Curve.stalled`) and
+    what was done with them, or None when there are none."""
+    named = [f"{c.label} ({'causal' if c.causal else 'non-causal'}) at n = "
+             + ", ".join(f"{n} ({format_seconds(t)})" for n, t in
+                         zip(c.n[c.stalled].tolist(), c.measured_s[c.stalled].tolist()))
+             for c in curve_list if c.stalled.any()]
+    if not named:
+        return None
+    return ("Kept out of the fits and crossovers: a point whose every repeat is more than "
+            f"{STALL_FACTOR:g}× slower than its curve's trend (the line through its neighbours, "
+            "or a larger n's time) stalled rather than measured the kernel; it is still shown, "
+            "and re-measuring it (fastattn bench) is the remedy: " + "; ".join(named) + ".")
+
+
 def exponent_range(attention, fits, expected):
     """``"<attention> lo to hi over N curves (expected about <expected>)"`` for the fitted
     exponents of ``fits`` (None entries skipped), or None when there are none.  A line
@@ -337,7 +408,7 @@ def exponent_range(attention, fits, expected):
     fits = [f for f in fits if f.points >= 3] or fits
     if not fits:
         return None
-    lo, hi = f"{min(f.slope for f in fits):.2f}", f"{max(f.slope for f in fits):.2f}"
+    lo, hi = fixed(min(f.slope for f in fits)), fixed(max(f.slope for f in fits))
     few = max(f.points for f in fits) < 3
     return (f"{attention} {lo if lo == hi else f'{lo} to {hi}'} over {len(fits)} "
             f"curve{'' if len(fits) == 1 else 's'} (expected about {expected})"

@@ -112,8 +112,8 @@ def _rows(data, name, meta):
     cells = dict(zip(columns, row))
     values = cells.get("result")
     param_lists = cells.get("params") or []
-    names = (meta.get(name) or {}).get("param_names") or []
-    if len(names) != len(param_lists):
+    names = _param_names(data, name, meta)[0]
+    if names is None:
         # benchmarks.json describes the current suite; an older result file
         # may have had other parameters.
         names = [f"param{i + 1}" for i in range(len(param_lists))]
@@ -132,6 +132,23 @@ def _rows(data, name, meta):
         out.append((params, value, stats))
     return out
 
+
+
+def _param_names(data, name, meta):
+    """``(names, None)``: the parameter names benchmarks.json gives benchmark ``name``, when
+    they fit its row in the result file ``data``; else ``(None, why not)``."""
+    row = data["results"].get(name)
+    columns = data.get("result_columns") or ["result", "params"]
+    param_lists = (dict(zip(columns, row)).get("params") if isinstance(row, list) else None) or []
+    if not meta:
+        return None, "benchmarks.json is missing, so nothing names their parameters"
+    names = (meta.get(name) or {}).get("param_names")
+    if names is None:
+        return None, "benchmarks.json does not describe them"
+    if len(names) != len(param_lists):
+        return None, ("their parameters are not the ones benchmarks.json gives (a result "
+                      "file of another version of the suite)")
+    return list(names), None
 
 
 def _threads_of(data, meta):
@@ -175,20 +192,35 @@ def _identity(module, cls, params):
     return None
 
 
+def _placed(params):
+    """True when a combination names what a point needs: a backend and a positive int n."""
+    n = params.get("n")
+    return (isinstance(params.get("backend"), str) and isinstance(n, int)
+            and not isinstance(n, bool) and n > 0)
+
+
 def _points_of(machine, data, meta):
     """Point records of one result file, keyed by their identity (attention, regime,
-    feature map, m, backend, causal, dtype, n)."""
+    feature map, m, backend, causal, dtype, n), and ``{reason: [benchmark, ...]}`` of the
+    point benchmarks left out because their parameters cannot be placed (no
+    benchmarks.json, or one of another version of the suite)."""
     _, threads = _threads_of(data, meta)
-    points = {}
+    points, unplaced = {}, {}
     for name in sorted(data["results"]):
         module, _, rest = name.partition(".")
         cls = rest.partition(".")[0]
         field = _METHOD_FIELDS.get(name.rsplit(".", 1)[-1])
         if field is None or module not in POINT_MODULES:
             continue
+        names, why = _param_names(data, name, meta)
+        if names is None:
+            unplaced.setdefault(why, []).append(name)
+            continue
         for params, value, stats in _rows(data, name, meta):
             identity = _identity(module, cls, params)
-            if identity is None:
+            if identity is None or not _placed(params):
+                unplaced.setdefault("a combination without a backend or an n, or an "
+                                    "attention the report does not know", []).append(name)
                 continue
             causal = True if identity[1] == "decode" else params.get("causal")
             key = identity + (params.get("backend"), causal, params.get("dtype"),
@@ -223,7 +255,7 @@ def _points_of(machine, data, meta):
                          "(benchmarks/common.py)")
         if point["median_s"] and point["flops"]:
             point["gflops"] = point["flops"] / point["median_s"] / 1e9
-    return points
+    return points, {why: sorted(set(names)) for why, names in unplaced.items()}
 
 
 def _new_point(machine, data, identity, causal, params, threads):
@@ -283,7 +315,7 @@ def _choose(runs, commit, branch, on_branch):
     else:
         chosen, why = runs, "the newest by date (the configured branch could not be read)"
     latest = chosen[-1][0]["commit_hash"]
-    return ([data for data, _ in chosen if data["commit_hash"] == latest],
+    return ([(data, path) for data, path in chosen if data["commit_hash"] == latest],
             f"commit {latest[:8]}, {why}")
 
 
@@ -293,24 +325,40 @@ def load_asv_points(results_dir, commit=None):
     on the configured branch (:func:`branch_commits`), else the newest of all.
 
     Points carry ``machine``, ``commit``, ``date``, ``env_name``, ``source`` "asv",
-    ``benchmarks``; ``times_s``/``min_s``/``max_s`` only where asv kept samples.  Raises
-    AsvResultsError for no ``<machine>/machine.json``, a foreign file or an unknown commit.
+    ``benchmarks``; ``times_s``/``min_s``/``max_s`` only where asv kept samples.  Benchmarks
+    whose parameters cannot be placed (benchmarks.json missing, or of another version of the
+    suite than a result file) are left out, and the environment record says which in
+    ``left_out`` (a sentence per result file).  Raises AsvResultsError for no
+    ``<machine>/machine.json``, a foreign file, an unknown commit, or when no point at all
+    can be placed (naming the files).
     """
     root, machines = _results_root(results_dir)
     meta = _benchmark_meta(root)
     branch, on_branch = (None, None) if commit is not None else branch_commits(root)
-    records = []
+    records, refused = [], []
     for machine_dir in machines:
         machine_info = _read_json(machine_dir / "machine.json")
         runs = _result_files(machine_dir)
         if not runs:
             continue
         latest, chosen = _choose(runs, commit, branch, on_branch)
-        for data in latest:
-            records.append(_environment_record(machine_dir.name, machine_info, data, meta,
-                                               chosen))
-            points = _points_of(machine_dir.name, data, meta)
+        for data, path in latest:
+            environment = _environment_record(machine_dir.name, machine_info, data, meta,
+                                              chosen)
+            points, unplaced = _points_of(machine_dir.name, data, meta)
+            if unplaced:
+                left_out = [f"{path}: {len(names)} benchmark{'' if len(names) == 1 else 's'} left out, {why}: "
+                            + ", ".join(names) for why, names in unplaced.items()]
+                environment["left_out"] = left_out
+                if not points:
+                    refused.extend(left_out)
+            records.append(environment)
             records.extend(points[key] for key in sorted(points, key=_sort_key))
+    if refused and not any(r["record"] == "point" for r in records):
+        raise AsvResultsError("no result can be placed: " + "; ".join(refused)
+                              + f" (asv writes benchmarks.json beside the machine "
+                              f"directories in {root}: run `asv run` with the suite that "
+                              "made these files, or report a commit measured with this one)")
     return records
 
 

@@ -169,6 +169,7 @@ def _resume_command(args, results):
 def _measure(args, results):
     """Run (or resume) the sweep into ``results``; returns its path."""
     from ..bench import sweep
+    from .analysis import plural
 
     if args.resume is not None and not results.is_file():
         raise ReportError(f"--resume {results}: no such results file")
@@ -195,7 +196,7 @@ def _measure(args, results):
         threads, cores = sweep.idle_cores(), default_num_threads()
         why = f"every usable core ({cores})" if threads >= cores else (
             f"other work kept {cores - threads} of {cores} cores busy when the run started, so "
-            f"it measured on the {threads} idle one(s): no kernel waits for a thread the "
+            f"it measured on the {plural(threads, 'idle one')}: no kernel waits for a thread the "
             "scheduler put aside (--threads N to choose)")
         if threads < cores:
             print(f"fastattn report: {why}", file=sys.stderr)
@@ -208,7 +209,7 @@ def _measure(args, results):
         if foreign:
             r = foreign[0]
             raise ReportError(
-                f"--resume {results}: it holds {len(foreign)} point(s) outside this run's grid "
+                f"--resume {results}: it holds {plural(len(foreign), 'point')} outside this run's grid "
                 f"(e.g. {r['attention']} n={r['n_k']} {r['backend']}), so it was measured with "
                 "other options (--quick, --n, --threads); resume it with the options it was "
                 "started with, or give a new results file")
@@ -250,7 +251,13 @@ def _asv_records(args):
     chosen = "; ".join(dict.fromkeys(f"{r.get('machine')}: {r['chosen']}" for r in records
                                      if r.get("record") == "environment" and r.get("chosen")))
     print(f"fastattn report: {chosen}", file=sys.stderr)
-    return records, history, f"asv results in {directory}; {chosen}"
+    left_out = [text for r in records if r.get("record") == "environment"
+                for text in r.get("left_out") or ()]
+    for text in left_out:
+        print(f"fastattn report: note: {text}", file=sys.stderr)
+    return records, history, f"asv results in {directory}; {chosen}" + (
+        "; benchmarks whose parameters cannot be placed are left out (listed under "
+        "Environment)" if left_out else "")
 
 
 def run(args):
@@ -319,8 +326,15 @@ def _check_image_clash(image, out, results=None):
 def _noting_interrupts():
     """Yield a function that says whether Ctrl-C came while inside; it still interrupts as
     before (the handler in place is called), but code that turns the KeyboardInterrupt
-    into an error of its own (matplotlib's drawing does) can be told apart."""
+    into an error of its own (matplotlib's drawing does), or a KeyboardInterrupt raised
+    where Python can only print "Exception ignored in ..." (a finalizer, a callback), can
+    be told apart: the caller raises it again.  Those lost ones are not printed."""
     seen = []
+    hook = sys.unraisablehook
+
+    def unraisable(info):
+        if not (seen and isinstance(info.exc_value, KeyboardInterrupt)):
+            hook(info)
     try:
         previous = signal.getsignal(signal.SIGINT)
     except ValueError:   # not the main thread: no handler can be set
@@ -339,10 +353,13 @@ def _noting_interrupts():
     except ValueError:
         yield lambda: False
         return
+    sys.unraisablehook = unraisable
     try:
         yield lambda: bool(seen)
     finally:
         signal.signal(signal.SIGINT, previous)
+        if sys.unraisablehook is unraisable:
+            sys.unraisablehook = hook
 
 
 def _run(args):
@@ -387,10 +404,11 @@ def _run(args):
         records, source = _read_results(results), str(results)
         if args.from_ is not None:
             from ..bench.results import cut_tail_bytes
+            from .analysis import plural
 
             if cut := cut_tail_bytes(results):
                 print(f"fastattn report: note: the last line of {results} was cut short by an "
-                      f"interrupted write; its {cut} byte(s) are left out of the report",
+                      f"interrupted write; its {plural(cut, 'byte')} {'is' if cut == 1 else 'are'} left out of the report",
                       file=sys.stderr)
     _check_output(out, protected)
 
@@ -407,6 +425,8 @@ def _run(args):
             if interrupted():   # Ctrl-C inside matplotlib's C code comes out as its ValueError
                 raise KeyboardInterrupt from None
             raise ReportError(str(exc)) from None
+        if interrupted():   # Ctrl-C lost on the way (in a finalizer: "Exception ignored")
+            raise KeyboardInterrupt
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(out, report.html)
     beside = _figure_beside(out)

@@ -116,26 +116,61 @@ METRICS = {"time": ("median_s", "time_fit", "median time per call"),
            "held": ("held_bytes", "held_fit", "memory held between tokens, per head")}
 
 
+#: The colour of a memory line that stands for several curves of equal values.
+SHARED_COLOUR = "#333333"
+
+
+def _equal_groups(curve_list, values):
+    """``(curve, members, use)`` per line to draw: curves of one attention type whose
+    ``values`` are equal at the same n are one line (``members`` all of them), as drawn
+    apart they would lie on one another and leave legend entries pointing at nothing."""
+    groups = {}
+    for c in curve_list:
+        y = getattr(c, values)
+        use = np.isfinite(y) & (y > 0) if y is not None else np.zeros(len(c.n), bool)
+        if not use.any():
+            continue
+        key = (c.attention, tuple(c.n[use].tolist()), tuple(y[use].tolist()))
+        groups.setdefault(key, (c, [], use))[1].append(c)
+    return list(groups.values())
+
+
+def _shared_label(members):
+    """"linear: reference, numba, numpy (peer) — equal" for curves drawn as one line."""
+    attention = members[0].attention
+    names = [c.label.replace(f" {attention}", "", 1) for c in members]
+    return f"{attention}: {', '.join(names)} — equal"
+
+
 def scaling_figure(panels, metric="time", ncols=2, title=None, xlabel=None):
-    """PNG of log-log time (median, min-max band), peak extra memory or memory held (a
+    """PNG of log-log time (median, band from the 25th to the 75th percentile of the
+    repeats), peak extra memory or memory held (a
     :data:`METRICS` key) against n, a panel per ``(title, curves)`` of ``panels``, each
-    curve's fitted exponent in the legend and drawn dotted."""
+    curve's fitted exponent in the legend and drawn dotted.  Memory curves of one attention
+    type with equal values are drawn as one dark line naming them all."""
     values, fit_name, ylabel = METRICS[metric]
     fig, axes = panel_grid(panels, ncols)
     drawn = False
     for ax, (panel_title, curve_list) in zip(axes, panels):
-        for c in curve_list:
+        lines = ([(c, [c], None) for c in curve_list] if metric == "time"
+                 else _equal_groups(curve_list, values))
+        for c, members, use in lines:
             y = getattr(c, values)
-            use = np.isfinite(y) & (y > 0) if y is not None else np.zeros(len(c.n), bool)
+            if use is None:
+                use = np.isfinite(y) & (y > 0) if y is not None else np.zeros(len(c.n), bool)
             if not use.any():
                 continue
             drawn = True
             fit = getattr(c, fit_name)
-            ax.plot(c.n[use], y[use], label=c.label + (f"  n^{fit.format()}" if fit else ""),
-                    **style(c))
-            if metric == "time":
-                ax.fill_between(c.n[use], c.min_s[use], c.max_s[use], color=colour(c.backend),
-                                alpha=0.12, linewidth=0)
+            label = c.label if len(members) == 1 else _shared_label(members)
+            ax.plot(c.n[use], y[use], label=label + (f"  n^{fit.format()}" if fit else ""),
+                    **{**style(c), **({"color": SHARED_COLOUR} if len(members) > 1 else {})})
+            band = use & np.isfinite(c.q25_s) & np.isfinite(c.q75_s) if metric == "time" \
+                else None
+            if band is not None and band.any():   # the middle half of the repeats: a
+                # min-max band is as wide as the worst stall and merges with its neighbours'
+                ax.fill_between(c.n[band], c.q25_s[band], c.q75_s[band],
+                                color=colour(c.backend), alpha=0.15, linewidth=0)
             if fit:
                 xs = np.array([fit.n_min, fit.n_max], dtype=float)
                 ax.plot(xs, fit.predict(xs), color="black", linewidth=0.8, linestyle=":",

@@ -19,7 +19,7 @@ from matplotlib.ticker import FuncFormatter
 from ..bench.schema import FEATURE_MAP_NS
 from ..bench.table import format_bytes, format_seconds
 from ..map_quality import MAPS, MapQuality, mean_quality
-from .analysis import crossover, envelope, fastest_at
+from .analysis import crossover, envelope, fastest_at, plural
 from .figures import data_uri, plt, to_png, weights_figure  # figures selects Agg first
 
 #: Sequence lengths whose measured time per call the frontier shows.
@@ -105,7 +105,8 @@ class Setting:
 
     def describe(self):
         return (f"non-causal, d_k = {self.d_k}, d_v = {self.d_v}, {self.dtype}, "
-                f"{self.threads if self.threads is not None else '?'} thread(s), batch 1, "
+                f"{plural(self.threads if self.threads is not None else '?', 'thread')}, "
+                "batch 1, "
                 "one head" + (f", machine {self.machine}" if self.machine else ""))
 
 
@@ -239,6 +240,24 @@ MAP_COLOURS = {"favor-1": "#c9b3e6", "favor-4": "#a27fd1", "favor-16": "#7b4bb8"
 SOFTMAX_COLOUR = "#222222"
 
 
+#: A point whose label would start in the right part of its panel (this share of the
+#: log time range) is labelled on its left, so the label stays inside the plot.
+LABEL_LEFT_FROM = 0.7
+
+
+def _label_points(ax, labels):
+    """Write each ``(text, t, y, colour)`` of ``labels`` beside its point: on the right,
+    or on the left for the points furthest right (a label there ran out of the plot)."""
+    if not labels:
+        return
+    logs = np.log10([t for _, t, _, _ in labels])
+    lo, hi = logs.min(), logs.max()
+    for (text, t, y, colour_), x in zip(labels, logs):
+        left = hi > lo and (x - lo) / (hi - lo) > LABEL_LEFT_FROM
+        ax.annotate(text, (t, y), textcoords="offset points", xytext=(-7 if left else 6, -3),
+                    ha="right" if left else "left", fontsize=8, color=colour_)
+
+
 def frontier_figure(fr):
     """Quality against time per call, one point per map, a panel per n of :data:`COST_NS`.
 
@@ -254,7 +273,7 @@ def frontier_figure(fr):
     fig, axes = plt.subplots(1, len(COST_NS), figsize=(12, 5.2), sharey=True,
                              layout="constrained")
     for ax, n in zip(np.atleast_1d(axes), COST_NS):
-        missing = []
+        missing, labels = [], []
         for r in fr.rows:
             t = r.time_at(n).seconds
             if t is None:
@@ -265,16 +284,15 @@ def frontier_figure(fr):
             ax.plot([t, t], [y, yg], color=c, linewidth=0.8, alpha=0.6)
             ax.plot(t, yg, "o", markerfacecolor="white", markeredgecolor=c, markersize=7)
             ax.plot(t, y, "o", color=c, markersize=8, label=r.label)
-            ax.annotate(r.label, (t, y), textcoords="offset points", xytext=(6, -3),
-                        fontsize=8, color=c)
+            labels.append((r.label, t, y, c))
         soft = next(s for s in fr.softmax_times if s.n == n)
         if soft.seconds is not None:
             ax.plot(soft.seconds, 1.0, "*", color=SOFTMAX_COLOUR, markersize=13,
                     label="softmax (exact)")
-            ax.annotate("softmax", (soft.seconds, 1.0), textcoords="offset points",
-                        xytext=(6, -3), fontsize=8)
+            labels.append(("softmax", soft.seconds, 1.0, SOFTMAX_COLOUR))
         else:
             missing.append("softmax")
+        _label_points(ax, labels)
         ax.set_xscale("log")
         ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: format_seconds(x)))
         ax.set_xlabel(f"time per call at n = {n} (fastest repeat, fastest fastattn backend)")

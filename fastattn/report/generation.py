@@ -88,8 +88,9 @@ def section(m):
              "held_fit": c.held_fit.format() if c.held_fit else "–"} for c in decode]
     crossovers = analysis.crossover_rows(decode)
     rows = analysis.rows_by_n(decode, lambda c, i: {
-        "time": format_seconds(c.fit_s[i]), "median": format_seconds(c.median_s[i]),
-        "tokens_s": format_number(1 / c.fit_s[i]) if c.fit_s[i] > 0 else "–",
+        "time": format_seconds(c.measured_s[i]) + (" (stalled)" if c.stalled[i] else ""),
+        "median": format_seconds(c.median_s[i]),
+        "tokens_s": format_number(1 / c.measured_s[i]) if c.measured_s[i] > 0 else "–",
         "held": format_bytes(c.held_bytes[i])})
     totals = end_to_end(prefill, decode)
     summary = []
@@ -104,10 +105,12 @@ def section(m):
     summary = ([f"Generation, time per token against context length n (n ≥ "
                 f"{analysis.FIT_MIN_N}): " + "; ".join(summary) + "."] if summary else []) + (
         ["A linear-attention token is cheaper than a softmax one: " + "; ".join(
-            f"{r.label}: {r.crossover.describe()}" for r in head) + "."] if head else [])
+            f"{r.label}: {r.crossover.describe()}" for r in head) + "."] if head else []) + [
+        text for text in [analysis.stalled_text(decode)] if text]
     return {
         "time_png": figures.data_uri(figures.scaling_figure(panels, "time", 1, xlabel=label)),
-        "held_png": figures.data_uri(figures.scaling_figure(panels, "held", 1, xlabel=label)),
+        "held_png": figures.data_uri(figures.scaling_figure(
+            [("memory held between tokens, per head", decode)], "held", 1, xlabel=label)),
         "fits": fits, "crossovers": crossovers, "columns": [c.label for c in decode],
         "rows": rows, "statistic": decode[0].statistic, "summary": summary,
         "end_to_end": [{"attention": r.attention, "prompt": r.prompt, "generated": r.generated,

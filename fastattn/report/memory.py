@@ -2,14 +2,37 @@
 
 import numpy as np
 
+from ..bench.table import format_bytes, mask_name
 from . import figures
 from .scaling import joined
 
 
+def falling(curve_list):
+    """Sentences for the curves whose peak memory goes down as n grows: each n whose peak
+    is below the largest peak measured at a smaller n of the same curve (the probe cannot
+    resolve such a difference: a real call's memory does not shrink as n grows)."""
+    out = []
+    for c in curve_list:
+        drops, top, top_n = [], -np.inf, None
+        for n, peak in zip(c.n.tolist(), c.peak_bytes.tolist()):
+            if not np.isfinite(peak):
+                continue
+            if peak < top:
+                drops.append(f"{format_bytes(top)} at n = {top_n}, {format_bytes(peak)} at "
+                             f"n = {n}")
+            elif peak > top:
+                top, top_n = peak, n
+        if drops:
+            out.append(f"{c.label} ({mask_name(c.causal)}): " + "; ".join(drops))
+    return out
+
+
 def section(m):
     """The memory block of machine ``m`` (:class:`~.analysis.Machine`): the figure (None when
-    no point recorded memory) and the probes' methods."""
+    no point recorded memory), the probes' methods and the curves whose peak falls as n
+    grows (:func:`falling`)."""
     curve_list = m.scaling_curves
     drawn = any(np.isfinite(c.peak_bytes).any() for c in curve_list)
     return {"png": figures.data_uri(figures.scaling_figure(m.panels, "memory")) if drawn else None,
-            "methods": joined(meth for c in curve_list for meth in c.memory_method)}
+            "methods": joined(meth for c in curve_list for meth in c.memory_method),
+            "falling": falling(curve_list) if drawn else []}

@@ -42,7 +42,7 @@ def point_cell(c, i):
             "range": f"{format_seconds(c.min_s[i])}–{format_seconds(c.max_s[i])}",
             "repeats": int(c.repeats[i]), "gflops": format_number(c.gflops[i]),
             "roof_pct": format_percent(c.roof_fraction[i]), "above_roof": bool(c.above_roof[i]),
-            "check_failed": int(c.n[i]) in c.check_failed,
+            "check_failed": int(c.n[i]) in c.check_failed, "stalled": bool(c.stalled[i]),
             "memory": format_bytes(c.peak_bytes[i]), "err": format_number(c.max_abs_err[i], 2)}
 
 
@@ -120,8 +120,10 @@ def _summary(curve_list, crossovers, statistic, load, busy, cores, threads, why,
         out.append(f"The machine was busy while measuring (1-minute load average {load} on "
                    f"{cores} cores): times are inflated and noisy; compare the kernels side by "
                    "side rather than with other runs.")
+    if stalled := analysis.stalled_text(curve_list):
+        out.append(stalled)
     if why and threads:
-        out.append(f"Measured on {threads} thread(s): {why}.")
+        out.append(f"Measured on {analysis.plural(threads, 'thread')}: {why}.")
     return out + fastest
 
 
