@@ -105,18 +105,20 @@ def missing_extra(modules=REPORT_EXTRA):
 def main(argv=None):
     """Entry point of the ``fastattn`` command; returns the exit code."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["model"]:   # its options are the study's own (argparse's REMAINDER
-        return _run_model(argparse.Namespace(args=argv[1:]))   # drops a leading --help)
-    args = build_parser().parse_args(argv)
-    missing = missing_extra() if args.command in ("report", "bench") else []
-    if missing:
-        print(EXTRA_HINT.format(command=args.command, missing=", ".join(missing)), file=sys.stderr)
-        return 2
+    command = argv[0] if argv and not argv[0].startswith("-") else "command"
     try:
+        if command == "model":   # its options are the study's own (argparse's REMAINDER
+            return _run_model(argparse.Namespace(args=argv[1:]))   # drops a leading --help)
+        args = build_parser().parse_args(argv)   # imports each command's module
+        missing = missing_extra() if args.command in ("report", "bench") else []
+        if missing:
+            print(EXTRA_HINT.format(command=args.command, missing=", ".join(missing)),
+                  file=sys.stderr)
+            return 2
         return args.func(args) or 0
     except KeyboardInterrupt:
         # A command with a results file says where its points are before this.
-        print(f"fastattn {args.command}: interrupted", file=sys.stderr)
+        print(f"fastattn {command}: interrupted", file=sys.stderr)
         return 130
 
 

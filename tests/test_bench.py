@@ -676,7 +676,7 @@ def test_cli_says_what_a_resumed_out_keeps_and_drops(capsys, tmp_path):
     captured = capsys.readouterr()
     err = captured.err
     assert "cut short by an interrupted write" in err and "byte(s) were dropped" in err
-    assert f"resuming {out}: 1 of this command's 3 points on 1 thread(s) are there already" in err
+    assert f"resuming {out}: 1 of this command's 3 points on 1 thread are there already" in err
     assert "measuring the other 2" in err
     assert "earlier commands" not in captured.out
     # Another grid into the same file: the side files hold this command's points, and it says so.

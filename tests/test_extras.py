@@ -54,3 +54,14 @@ def test_model_help_lists_the_study_options():
     done = _run("from fastattn.cli import main\nsys.exit(main(['model', '--help']))", mods=())
     assert done.returncode == 0, done.stderr
     assert "--feature-map" in done.stdout and "--maps" in done.stdout
+
+
+def test_ctrl_c_while_the_commands_load_is_an_interrupt_not_a_traceback(monkeypatch, capsys):
+    from fastattn import cli
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "build_parser", interrupted)
+    assert cli.main(["report", "--quick"]) == 130
+    assert capsys.readouterr().err == "fastattn report: interrupted\n"

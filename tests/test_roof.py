@@ -75,7 +75,7 @@ def test_roof_is_the_faster_library_and_says_which():
     openblas = next(line for line in lines if "4096, OpenBLAS through NumPy" in line)
     assert "the roof" in mkl and "not the roof" in openblas
     assert "n = 1024, 4096" in mkl and "GEMM n x 64 @ 64 x n" in mkl
-    assert "2 thread(s)" in mkl and "probed 2026-12-01 10:00:00 UTC" in mkl
+    assert "2 threads" in mkl and "probed 2026-12-01 10:00:00 UTC" in mkl
     assert "best 120.0 GFLOP/s (n = 1024)" in mkl
 
 
@@ -163,7 +163,7 @@ def test_the_report_states_which_gemm_was_probed():
     said = html.split("The GEMM probed for the roof", 1)[1].split("</ul>", 1)[0]
     assert "GEMM n x 64 @ 64 x n at n = 1024, 4096, OpenBLAS 0.3.27 through NumPy 2.4.6" in said
     assert "MKL 2024.2 through torch 2.13.0" in said and "- the roof" in said
-    assert "2 thread(s)" in said and "probed 2026-12-01 09:00:00 UTC" in said
+    assert "2 threads" in said and "probed 2026-12-01 09:00:00 UTC" in said
     _, roofs, _ = analysis.split_records(records)
     assert analysis.roof_libraries(roofs, "float32", 2, 64) == [
         ("MKL 2024.2 through torch 2.13.0", True, ("MKL", "torch")),

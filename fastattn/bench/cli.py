@@ -10,6 +10,7 @@ from pathlib import Path
 from .. import _api
 from .._argtypes import positive_int, thread_count
 from .results import ResultsFileError
+from .table import plural
 from .schema import ATTENTIONS, DECODE_NS, DEFAULT_NS, DTYPES, REGIMES
 
 
@@ -297,8 +298,9 @@ def _run(args):
 
     def announce(todo, done):
         if resumed and done:
+            on = f" on {plural(threads, 'thread')}" if threads else ""
             print(f"fastattn bench: resuming {out}: {done} of this command's {todo + done} "
-                  f"points{f' on {threads} thread(s)' if threads else ''} are there already "
+                  f"points{on} are there already "
                   f"and are kept, not measured again; measuring the other {todo} (--fresh "
                   "starts the file afresh)", file=sys.stderr)
 

@@ -114,6 +114,11 @@ def format_number(value, digits=3):
     return MISSING if _missing(value) else f"{value:.{digits}g}"
 
 
+def plural(count, word, many=None):
+    """``"1 thread"``, ``"2 threads"``; ``count`` may be a joined list ("1, 2": plural)."""
+    return f"{count} {word if str(count) == '1' else many or word + 's'}"
+
+
 def mask_name(causal):
     """``"causal"`` or ``"non-causal"``: the one word for a mask in every table and figure."""
     return "causal" if causal else "non-causal"
@@ -381,7 +386,7 @@ def roof_statements(roofs):
             when = sorted({r.get("probed_at") for r in rs if r.get("probed_at")})
             top = best[lib]
             lines.append(
-                f"{dtype}, {threads} thread(s): GEMM n x {d} @ {d} x n at n = "
+                f"{dtype}, {plural(threads, 'thread')}: GEMM n x {d} @ {d} x n at n = "
                 f"{', '.join(map(str, ns))}, {lib}"
                 + (f", probed {when[0]}" if when else "")
                 + f": best {top['gflops']:.1f} GFLOP/s (n = {top['shape'][0]})"

@@ -13,7 +13,7 @@ from ..bench.engine import gemm_probes, roof_for
 from ..bench.table import format_seconds
 from ..bench.results import DEFAULT_REGIME, point_key
 from ..bench.schema import CURVE_KEYS, roof_library
-from ..bench.table import above_roof as _above_roof, mask_name
+from ..bench.table import above_roof as _above_roof, mask_name, plural  # noqa: F401
 
 #: The keys that identify one curve: a point's identity without ``n_q``/``n_k``,
 #: plus the machine (set for asv results, absent for a sweep on this machine).
@@ -96,11 +96,6 @@ def fixed(value, digits=2):
     (``-0.001`` is ``"0.00"``, not ``"-0.00"``)."""
     text = f"{value:.{digits}f}"
     return text[1:] if text.startswith("-") and not text.strip("-0.") else text
-
-
-def plural(count, word, many=None):
-    """``"1 thread"``, ``"2 threads"``; ``count`` may be a joined list ("1, 2": plural)."""
-    return f"{count} {word if str(count) == '1' else many or word + 's'}"
 
 
 def fit_exponent(n, y, min_n=FIT_MIN_N):
