@@ -136,10 +136,51 @@ def test_points_come_from_latest_commit_and_join_time_memory_error(results_dir):
 def test_skipped_and_failed_combinations(results_dir):
     points = _points(load_asv_points(results_dir))
     p = points[("softmax", "numba", True, "float32", 256)]
-    assert p["status"] == "skipped" and p["median_s"] is None and "setup" in p["reason"]
+    assert p["status"] == "skipped" and p["median_s"] is None
+    assert p["reason"] == asv_results.SKIPPED_BY_SUITE
     failed = points[("softmax", "numba", True, "float32", 1024)]
     assert failed["status"] == "error" and PEAK in failed["reason"]
     assert points[("softmax", "numba", False, "float32", 256)]["median_s"] == pytest.approx(1e-4)
+
+
+QUICK_PARAMS = [["'reference'", "'numba'", "'cython'"], ["n=00256", "n=01024", "n=16384"],
+                ["causal=False"], ["'float32'", "'float64'"]]
+
+
+def test_quick_grid_skips_are_not_blamed_on_the_backend_or_the_reference_bound(tmp_path):
+    # What FASTATTN_ASV_QUICK=1 records: only n = 256 float32 measured, every other
+    # combination NaN (skipped in setup); here cython is not built, so it measured nothing.
+    root = tmp_path / "results"
+    (root / "box").mkdir(parents=True)
+    meta = {TIME: {"param_names": ["backend", "n", "causal", "dtype"], "params": QUICK_PARAMS,
+                   "unit": "seconds"}, "version": 2}
+    (root / "benchmarks.json").write_text(json.dumps(meta))
+    (root / "box" / "machine.json").write_text(json.dumps(_machine_json("box")))
+    nan = float("nan")
+    values = [(1e-3 if (b != "'cython'" and n == "n=00256" and d == "'float32'") else nan)
+              for b in QUICK_PARAMS[0] for n in QUICK_PARAMS[1] for d in QUICK_PARAMS[3]]
+    result = {"commit_hash": "d" * 40, "env_name": "env", "date": 1_700_000_000_000,
+              "params": {}, "python": "3.11", "requirements": {}, "env_vars": {},
+              "result_columns": ["result", "params"],
+              "results": {TIME: [values, QUICK_PARAMS]}, "version": 2}
+    (root / "box" / "dddddddd-env.json").write_text(json.dumps(result))
+    by = {(r["backend"], r["n_q"], r["dtype"]): r for r in load_asv_points(root)
+          if r["record"] == "point"}
+    assert by["numba", 256, "float32"]["status"] == "ok"
+    for key in [("numba", 1024, "float32"), ("numba", 256, "float64"),
+                ("reference", 1024, "float64"), ("numba", 16384, "float32")]:
+        assert by[key]["status"] == "skipped"
+        assert by[key]["reason"] == asv_results.SKIPPED_BY_SUITE, key
+    # the old reason only where it is true: the backend measured nothing, or softmax's
+    # reference past its bound of n (4096 unless the run's env_vars say otherwise)
+    assert "'cython'" in by["cython", 256, "float32"]["reason"]
+    assert "not built" in by["cython", 256, "float32"]["reason"]
+    assert "quadratic reference (n > 4096" in by["reference", 16384, "float32"]["reason"]
+    result["env_vars"] = {"FASTATTN_ASV_REFERENCE_MAX_N": "20000"}
+    (root / "box" / "dddddddd-env.json").write_text(json.dumps(result))
+    by = {(r["backend"], r["n_q"], r["dtype"]): r for r in load_asv_points(root)
+          if r["record"] == "point"}
+    assert by["reference", 16384, "float32"]["reason"] == asv_results.SKIPPED_BY_SUITE
 
 
 def test_machines_side_by_side(results_dir):

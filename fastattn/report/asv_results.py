@@ -241,6 +241,8 @@ def _points_of(machine, data, meta):
                 point.update(times_s=samples, min_s=min(samples), max_s=max(samples))
             if field == "median_s":
                 point.update(q25_s=stats.get("stats_q_25"), q75_s=stats.get("stats_q_75"))
+    measured = {p["backend"] for p in points.values()
+                if any(p.get(f) is not None for f in _METHOD_FIELDS.values())}
     for point in points.values():
         failed = point.pop("failed")
         has_value = any(point.get(f) is not None for f in _METHOD_FIELDS.values())
@@ -250,12 +252,36 @@ def _points_of(machine, data, meta):
         elif has_value:
             point["status"] = "ok"
         else:
-            point.update(status="skipped", reason="skipped in the benchmark's setup: backend "
-                         "not built here, or past the bound of the quadratic reference "
-                         "(benchmarks/common.py)")
+            point.update(status="skipped", reason=_skip_reason(point, data, measured))
         if point["median_s"] and point["flops"]:
             point["gflops"] = point["flops"] / point["median_s"] / 1e9
     return points, {why: sorted(set(names)) for why, names in unplaced.items()}
+
+
+#: The suite's default bound on n of the quadratic reference kernels (benchmarks/common.py
+#: REFERENCE_MAX_N), which FASTATTN_ASV_REFERENCE_MAX_N in a run's env_vars overrides.
+SUITE_REFERENCE_MAX_N = 4096
+#: Why asv skipped a combination (NaN) when nothing more is known: asv does not record
+#: FASTATTN_ASV_QUICK, and the suite skips in setup for several reasons.
+SKIPPED_BY_SUITE = "skipped by the asv suite (its quick grid, or a combination it does not run)"
+
+
+def _skip_reason(point, data, measured):
+    """Why asv skipped ``point`` (all its values NaN), as far as the result file tells:
+    its backend measured nothing in the run (not built on that machine), the quadratic
+    reference past its bound of n, else :data:`SKIPPED_BY_SUITE`."""
+    backend, n = point["backend"], point["n_k"]
+    if measured and backend not in measured:
+        return (f"skipped by the asv suite: no benchmark of backend {backend!r} has a result "
+                "in this run (not built on that machine)")
+    bound = str((data.get("env_vars") or {}).get("FASTATTN_ASV_REFERENCE_MAX_N", ""))
+    bound = int(bound) if bound.isdigit() else SUITE_REFERENCE_MAX_N
+    quadratic = (backend == "reference" and point["regime"] == "prefill"
+                 and (point["attention"] == "softmax" or point["causal"]))
+    if quadratic and n > bound:
+        return (f"skipped by the asv suite: past the bound of the quadratic reference "
+                f"(n > {bound}, FASTATTN_ASV_REFERENCE_MAX_N; benchmarks/common.py)")
+    return SKIPPED_BY_SUITE
 
 
 def _new_point(machine, data, identity, causal, params, threads):
