@@ -1053,3 +1053,31 @@ def test_points_on_their_trend_or_a_last_point_cliff_are_not_stalled():
     assert analysis.stalled_points([1, 2, 4, 8], [50.0, 1.0, 1.0, 1.0]).tolist() == \
         [True, False, False, False]
     assert not analysis.stalled_points([1, 2, 4], [np.nan, 5.0, 1.0])[0]
+
+
+def test_asv_history_colours_each_backend_as_the_rest_of_the_report(monkeypatch):
+    from matplotlib.colors import to_hex
+
+    from fastattn.report import figures, history as history_section
+
+    rows = [{"machine": "box", "commit": c * 40, "date": f"2026-11-2{i}T10:00:00",
+             "benchmark": "softmax.SoftmaxAttention.time_forward",
+             "params": {"backend": backend, "n": n}, "value": 1e-3 * (i + 1), "unit": "seconds"}
+            for backend in ("reference", "numba", "cython") for n in (256, 1024)
+            for i, c in enumerate("ab")]
+    rows += [{"machine": "box", "commit": "a" * 40, "date": "2026-11-20T10:00:00",
+              "benchmark": "threads.Threads.track_threads", "params": {"component": "blas"},
+              "value": 2, "unit": "threads"}]
+    drawn = []
+    monkeypatch.setattr(figures, "to_png", lambda fig: drawn.append(fig) or b"")
+    history_section.history_figure(rows, "history")
+    lines = drawn[0].axes[0].get_lines()
+    colours = {line.get_label(): to_hex(line.get_color()) for line in lines}
+    for backend in ("reference", "numba", "cython"):
+        for n in (256, 1024):
+            assert colours[f"box: backend={backend}, n={n}"] == figures.BACKEND_COLOURS[backend]
+    assert colours["box: component=blas"] == figures.NO_BACKEND_COLOUR
+    # two lines of one backend still differ, by marker or line style
+    by_label = {line.get_label(): line for line in lines}
+    a, b = by_label["box: backend=cython, n=256"], by_label["box: backend=cython, n=1024"]
+    assert (a.get_marker(), a.get_linestyle()) != (b.get_marker(), b.get_linestyle())

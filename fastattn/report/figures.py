@@ -18,6 +18,8 @@ from .analysis import FIT_MIN_N  # noqa: E402
 
 BACKEND_COLOURS = {"reference": "#6b6b6b", "numba": "#1f77b4", "cython": "#2ca02c",
                    "torch": "#d62728"}
+#: The colour of a line that belongs to no backend (the asv history of threads, versions).
+NO_BACKEND_COLOUR = "#333333"
 _EXTRA_COLOURS = ["#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf", "#bcbd22"]
 STYLES = {"softmax": {"linestyle": "-", "marker": "o"},
           "linear": {"linestyle": "--", "marker": "s"}}

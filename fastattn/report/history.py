@@ -11,6 +11,14 @@ from .environment import value_text
 NAV = "asv history"
 
 
+def series_colour(params):
+    """The colour of a history line: its backend's, from the report's one table
+    (:func:`figures.colour`); a benchmark without a backend parameter (threads, versions)
+    is drawn in :data:`figures.NO_BACKEND_COLOUR`."""
+    backend = (params or {}).get("backend")
+    return figures.colour(backend) if isinstance(backend, str) else figures.NO_BACKEND_COLOUR
+
+
 def history_figure(history, title):
     """PNG of ``load_asv_history`` rows across commits, a line per machine and parameters."""
     series = {}
@@ -20,13 +28,16 @@ def history_figure(history, title):
     fig, ax = plt.subplots(figsize=(11, 4.5), layout="constrained")
     dates = sorted({row.get("date") or "" for row in history})
     position = {d: i for i, d in enumerate(dates)}
-    cmap, markers = plt.get_cmap("tab20"), "os^Dv<>ph*"
-    for i, ((machine, params), rows) in enumerate(sorted(series.items(),
-                                                         key=lambda kv: str(kv[0]))):
+    markers, dashes = "os^Dv<>ph*", ("-", "--", ":", "-.")
+    seen = {}   # series drawn so far per colour: they differ by marker and line style
+    for (machine, params), rows in sorted(series.items(), key=lambda kv: str(kv[0])):
         rows = sorted(rows, key=lambda r: r.get("date") or "")
+        colour = series_colour(rows[0].get("params"))
+        i = seen[colour] = seen.get(colour, -1) + 1
         ax.plot([position[r.get("date") or ""] for r in rows],
-                [np.nan if r.get("value") is None else r["value"] for r in rows], "-",
-                marker=markers[(i // 20) % len(markers)], color=cmap(i % 20), markersize=5,
+                [np.nan if r.get("value") is None else r["value"] for r in rows],
+                linestyle=dashes[(i // len(markers)) % len(dashes)],
+                marker=markers[i % len(markers)], color=colour, markersize=5,
                 label=f"{machine}: {params}")
     commits = {row.get("date") or "": str(row.get("commit") or "")[:8] for row in history[::-1]}
     ax.set_xticks(range(len(dates)))
