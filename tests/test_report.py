@@ -1081,3 +1081,39 @@ def test_asv_history_colours_each_backend_as_the_rest_of_the_report(monkeypatch)
     by_label = {line.get_label(): line for line in lines}
     a, b = by_label["box: backend=cython, n=256"], by_label["box: backend=cython, n=1024"]
     assert (a.get_marker(), a.get_linestyle()) != (b.get_marker(), b.get_linestyle())
+
+
+def _drawn_axes(monkeypatch):
+    """Every visible axes of every figure the report renders, as (figure, axes) pairs."""
+    from fastattn.report import figures
+
+    drawn, to_png = [], figures.to_png
+
+    def capture(fig):
+        drawn.extend((fig, ax) for ax in fig.axes if ax.get_visible())
+        return to_png(fig)
+
+    monkeypatch.setattr(figures, "to_png", capture)
+    return drawn
+
+
+def test_no_empty_axes_where_no_kernel_has_a_curve(monkeypatch):
+    """As from quick asv results: one n per kernel, on two machines.  The page draws no
+    empty "no data" axes (its text says why there is no curve); the figure written beside
+    the report says so in words."""
+    drawn = _drawn_axes(monkeypatch)
+    records = synthetic_records(ns=(256,), machine="box-a") + \
+        synthetic_records(ns=(256,), machine="box-b")
+    report = build_report(records, source="synthetic")
+    assert 'alt="time against n' not in report.html
+    for fig, ax in drawn:
+        texts = [t.get_text() for t in ax.texts]
+        assert "no data" not in texts
+        assert ax.get_lines() or ax.collections or ax.images or texts, ax.get_title()
+        if not (ax.get_lines() or ax.collections or ax.images):   # words only, no frame
+            assert not ax.axison and not ax.patches and texts
+    words = [t.get_text() for _, ax in drawn for t in ax.texts]
+    assert any("fewer than 3 lengths" in w and "n = 256" in w for w in words)
+    assert report.scaling_png.startswith(b"\x89PNG")
+    text = " ".join(re.sub(r"<[^>]+>", " ", report.html).split())
+    assert "only at n = 256" in text and "needs at least 3 lengths" in text

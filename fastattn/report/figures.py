@@ -144,12 +144,13 @@ def _shared_label(members):
     return f"{attention}: {', '.join(names)} — equal"
 
 
-def scaling_figure(panels, metric="time", ncols=2, title=None, xlabel=None):
+def scaling_figure(panels, metric="time", ncols=2, title=None, xlabel=None, empty=None):
     """PNG of log-log time (median, band from the 25th to the 75th percentile of the
     repeats), peak extra memory or memory held (a
     :data:`METRICS` key) against n, a panel per ``(title, curves)`` of ``panels``, each
     curve's fitted exponent in the legend and drawn dotted.  Memory curves of one attention
-    type with equal values are drawn as one dark line naming them all."""
+    type with equal values are drawn as one dark line naming them all.  A figure with
+    nothing to draw says so in words: ``empty``, else "no data"."""
     values, fit_name, ylabel = METRICS[metric]
     fig, axes = panel_grid(panels, ncols)
     drawn = False
@@ -190,8 +191,14 @@ def scaling_figure(panels, metric="time", ncols=2, title=None, xlabel=None):
     axes[0].set_ylabel(ylabel)
     if title:
         fig.suptitle(title, fontsize=12)
-    if not drawn:
-        axes[0].text(0.5, 0.5, "no data", transform=axes[0].transAxes, ha="center")
+    if not drawn:   # words, not empty axes
+        for ax in axes:
+            ax.set_axis_off()
+            for patch in list(ax.patches):   # the shaded fit region
+                patch.remove()
+        axes[0].set_title("")
+        axes[0].text(0.5, 0.5, empty or "no data", transform=axes[0].transAxes, ha="center",
+                     va="center", wrap=True)
     return to_png(fig)
 
 

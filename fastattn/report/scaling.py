@@ -127,6 +127,15 @@ def _summary(curve_list, crossovers, statistic, load, busy, cores, threads, why,
     return out + fastest
 
 
+def no_curve_text(short):
+    """Why a machine has no scaling curve, in words (``short``: its curves of fewer than 3 n)."""
+    if not short:
+        return "No point was measured successfully: nothing to draw."
+    ns = joined(int(n) for c in short for n in c.n)
+    return (f"No scaling curve: every kernel was measured at fewer than 3 lengths\n"
+            f"(n = {ns}); a curve needs at least 3, so nothing is drawn.")
+
+
 def section(m):
     """The Scaling block of machine ``m`` (:class:`~.analysis.Machine`): the prefill curves of
     at least three n (shorter ones are listed as single points), figures, fits, crossovers,
@@ -147,8 +156,12 @@ def section(m):
         "threads": threads, "threads_reason": env.get("threads_reason"), "dtypes": dtypes,
         "repeats": _span(int(r) for c in curve_list for r in c.repeats if r),
         "statistic": statistic, "load": load, "busy": busy, "cores": env.get("cores_logical"),
-        "time_png": figures.data_uri(figures.scaling_figure(m.panels, "time")),
-        "readme_png": figures.scaling_figure(m.panels, "time", title=title),
+        # no curve: no axes on the page (the text above says why); the figure written
+        # beside the report says it in words
+        "time_png": (figures.data_uri(figures.scaling_figure(m.panels, "time"))
+                     if curve_list else None),
+        "readme_png": figures.scaling_figure(m.panels, "time", title=title,
+                                             empty=None if curve_list else no_curve_text(short)),
         "exponents": _exponent_rows(curve_list), "crossovers": crossovers,
         "tables": _point_tables(curve_list),
         "other_points": [{"label": c.label, "attention": c.attention, "mask": mask_name(c.causal),
@@ -175,10 +188,11 @@ def section(m):
 
 def side_by_side(sections):
     """The time figure of every machine's scaling curves, a column per machine (a data
-    URI), or None for the page of one machine."""
-    if len(sections) < 2:
+    URI), or None unless two machines or more have a scaling curve."""
+    drawn = [s for s in sections if s["scaling"]["curves"]]  # a machine without a curve
+    if len(sections) < 2 or len(drawn) < 2:   # has no column: it would be empty axes
         return None
     return figures.data_uri(figures.scaling_figure(
         [(f"{s['name']}: {mask_name(causal)}",
           [c for c in s["scaling"]["curves"] if c.causal == causal])
-         for causal in (False, True) for s in sections], "time", ncols=min(len(sections), 3)))
+         for causal in (False, True) for s in drawn], "time", ncols=min(len(drawn), 3)))
