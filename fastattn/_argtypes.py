@@ -5,13 +5,18 @@ import argparse
 from ._threads import check_num_threads
 
 
+#: The largest count a command takes: beyond it a count is no longer exact as a float, and
+#: the results file refuses it (so a run would measure nothing it could keep).
+MAX_COUNT = 2**53
+
+
 def _int_at_least(text, low, what):
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
-    if value < low:
-        raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
+    if not low <= value <= MAX_COUNT:
+        raise argparse.ArgumentTypeError(f"expected {what} up to 2**53, got {text}")
     return value
 
 

@@ -90,11 +90,9 @@ def build_parser():
 REPORT_EXTRA = ("matplotlib", "jinja2", "tqdm", "psutil", "tabulate")
 
 EXTRA_HINT = (
-    "fastattn {command}: needs {missing}, which the report extra installs. In a checkout of "
-    "fastattn:\n"
-    '    pip install -e ".[report]"\n'
-    "or, from PyPI:\n"
-    '    pip install "fastattn[report]"')
+    "fastattn {command}: needs {missing}, which the report extra installs; in the checkout "
+    "of fastattn:\n"
+    '    pip install -e ".[report]"')
 
 
 def missing_extra(modules=REPORT_EXTRA):

@@ -115,6 +115,9 @@ class FeatureMap:
     kernel = None
     nonnegative = True
     default_eps = DEFAULT_EPS
+    #: Whether the features it forms are checked as a callable's are (shape, ``D``, finite,
+    #: sign): every registered map's but those of fastattn's own, whose forms are tested.
+    check_features = True
 
     def feature_dim(self, d_k, num_features=None):
         """``D`` for inputs of key dimension ``d_k``, or None when known only once the map has
@@ -139,8 +142,26 @@ class FeatureMap:
         form = getattr(module, self.kernel, None) if self.kernel else None
         if form is None:
             form = self.numpy_features
-        return Features(*(np.require(form(x), dtype=x.dtype, requirements=["C", "A"])
-                          for x in (q, k)))
+        feats = Features(*(np.require(form(x), dtype=x.dtype, requirements=["C", "A"])
+                           for x in (q, k)))
+        if self.check_features:
+            for phi, x, which in ((feats.q, q, "q"), (feats.k, k, "k")):
+                self._check(phi, x, which)
+        return feats
+
+    def _check(self, phi, x, which):
+        """ValueError naming the map unless ``phi`` holds features of ``x (B, n, d_k)``."""
+        what = f"feature map {self.name!r} on {which}"
+        D = self.feature_dim(x.shape[-1])
+        if phi.shape[:-1] != x.shape[:-1] or phi.ndim != 3 or phi.shape[-1] < 1 \
+                or (D is not None and phi.shape[-1] != D):
+            raise ValueError(f"{what} must give features of shape "
+                             f"{_checks.shape_text(*x.shape[:-1], D or 'D')}, got {phi.shape}")
+        if not np.isfinite(phi).all():
+            raise ValueError(f"{what} gave non-finite features (NaN or inf)")
+        if self.nonnegative and (phi < 0).any():
+            raise ValueError(f"{what} gave negative features; a map that can should set "
+                             f"nonnegative = False")
 
     def forward(self, module, feats, q, k, v, causal, eps, S0, z0):
         """``(out, S, z)``: :meth:`forward_in_dtype`, and a float32 call whose output comes
@@ -225,6 +246,7 @@ class Taylor(FeatureMap):
     name = "taylor"
     kernel = "taylor_features"
     nonnegative = False
+    check_features = False
 
     def feature_dim(self, d_k, num_features=None):
         return taylor_num_features(d_k)
@@ -564,17 +586,33 @@ def register(fmap):
         raise ValueError(f"a registered feature map needs a name of its own, got {fmap.name!r}")
     if fmap.name in REGISTRY:
         raise ValueError(f"a feature map named {fmap.name!r} is registered already")
+    if fmap.elementwise not in (None,) + BUILTIN_ELEMENTWISE:
+        raise ValueError(f"elementwise must be None or one the kernels apply "
+                         f"({', '.join(BUILTIN_ELEMENTWISE)}), got {fmap.elementwise!r}")
+    if fmap.elementwise is None and all(getattr(type(fmap), m) is getattr(FeatureMap, m)
+                                       for m in ("numpy_features", "features", "bind")):
+        raise ValueError(f"feature map {fmap.name!r} must implement numpy_features")
+    D = fmap.feature_dim(8)
+    if D is not None and (isinstance(D, bool) or not isinstance(D, numbers.Integral) or D < 1):
+        raise ValueError(f"feature map {fmap.name!r}: feature_dim must give a positive int or "
+                         f"None, got {D!r}")
     REGISTRY[fmap.name] = fmap
     _names_changed()
     return fmap
 
 
 def unregister(name):
-    """Forget the map ``name`` (KeyError if none is registered)."""
+    """Forget the map ``name`` (KeyError if none is registered; ValueError for fastattn's own,
+    which the defaults and the kernels rely on)."""
+    if name in BUILTIN_NAMES:
+        raise ValueError(f"{name!r} is one of fastattn's own feature maps; it stays registered")
     del REGISTRY[name]
     _names_changed()
 
 
+#: The maps the compiled kernels apply elementwise, and fastattn's own maps.
+BUILTIN_ELEMENTWISE = ("elu", "relu")
+BUILTIN_NAMES = ("elu", "relu", "favor", "taylor")
 for _fmap in (Elu(), Relu(), Favor(), Taylor()):
     register(_fmap)
 del _fmap

@@ -14,6 +14,7 @@ import pytest
 
 import fastattn
 from conftest import FAST_BACKENDS, TOLERANCES, assert_close, make_qkv
+from fastattn import feature_maps as fm
 from fastattn.data import load_minilm
 from oracles import last_visible
 
@@ -859,3 +860,66 @@ def test_a_backend_without_a_maps_fused_kernel_takes_its_numpy_form(name, monkey
                                          return_state=True, backend="reference")
         assert_close(got[0], want[0], np.float64)
         assert_close(got[1], want[1][0], np.float64)
+
+
+# -- a registered map is held to what a callable is (found by a new-user trial) --------
+class _Bad(fm.FeatureMap):
+    name = "bad_for_test"
+
+    def __init__(self, form, dim=lambda d_k: d_k, **attrs):
+        self._form, self._dim = form, dim
+        self.__dict__.update(attrs)
+
+    def feature_dim(self, d_k, num_features=None):
+        return self._dim(d_k)
+
+    def numpy_features(self, x):
+        return self._form(x)
+
+
+@pytest.mark.parametrize("form, dim, match", [
+    (lambda x: x, lambda d: d, "negative features"),
+    (lambda x: np.full_like(x, np.nan), lambda d: d, "non-finite"),
+    (lambda x: np.abs(x[..., :3]), lambda d: d, "shape"),
+    (lambda x: np.concatenate([np.abs(x)] * 2, axis=-1), lambda d: d, "shape"),
+], ids=["negative", "nan", "narrow", "wider-than-feature_dim"])
+@pytest.mark.parametrize("backend", fastattn.available_backends())
+def test_a_registered_map_that_gives_bad_features_is_refused_naming_it(form, dim, match,
+                                                                        backend):
+    q, k, v = (np.random.default_rng(0).standard_normal((2, 9, 8)) for _ in range(3))
+    fm.register(_Bad(form, dim))
+    try:
+        with pytest.raises(ValueError, match=f"'bad_for_test'.*{match}"):
+            fastattn.linear_attention(q, k, v, feature_map="bad_for_test", backend=backend)
+    finally:
+        fm.unregister("bad_for_test")
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(elementwise="sigmoid"), "elementwise"),
+    (dict(_dim=lambda d: "x"), "feature_dim"),
+], ids=["unknown-elementwise", "feature_dim-not-int"])
+def test_register_refuses_a_map_no_backend_can_run(bad, match):
+    fmap = _Bad(np.abs)
+    fmap.__dict__.update(bad)
+    with pytest.raises(ValueError, match=match):
+        fm.register(fmap)
+    assert "bad_for_test" not in fm.NAMES
+
+
+def test_register_refuses_a_map_without_a_numpy_form():
+    class Formless(fm.FeatureMap):
+        name = "formless_for_test"
+
+        def feature_dim(self, d_k, num_features=None):
+            return d_k
+
+    with pytest.raises(ValueError, match="numpy_features"):
+        fm.register(Formless())
+
+
+@pytest.mark.parametrize("name", ["elu", "relu", "favor", "taylor"])
+def test_fastattns_own_maps_cannot_be_unregistered(name):
+    with pytest.raises(ValueError, match="stays registered"):
+        fm.unregister(name)
+    assert name in fm.NAMES

@@ -393,6 +393,8 @@ def test_report_from_a_record_with_n_of_10_to_the_30_is_refused_clearly(tmp_path
 # Found by a fresh-user trial: these went out as tracebacks (some after measuring).
 @pytest.mark.parametrize("argv, message", [
     (["compare", "--n", "8", "--d", "4", "--seed", "-1"], "--seed: expected an integer >= 0"),
+    (["bench", "--n", str(10**20), "--backends", "reference"], "--n: expected a positive integer up to 2**53"),
+    (["report", "--n", str(10**20)], "--n: expected a positive integer up to 2**53"),
     (["bench", "--startup", "--backends", "reference", "--repeats", "1", "--out", "{dir}"],
      "is a directory"),
     (["bench", "--n", "8", "--backends", "reference", "--out", "{file}/x.jsonl"],
@@ -402,7 +404,7 @@ def test_report_from_a_record_with_n_of_10_to_the_30_is_refused_clearly(tmp_path
     (["report", "--quick", "--out", "{file}/x.html"], "is a file, not a folder"),
     (["bench", "--n", "8", "--backends", "reference", "--out", "{dir_stem}.jsonl"],
      "writes its csv beside it, at {dir}, which is a directory; give another --out"),
-], ids=["compare-negative-seed", "startup-out-dir", "bench-out-under-a-file", "bench-out-in-proc",
+], ids=["compare-negative-seed", "bench-n-beyond-2**53", "report-n-beyond-2**53", "startup-out-dir", "bench-out-under-a-file", "bench-out-in-proc",
         "report-out-under-a-file", "bench-csv-beside-is-a-dir"])
 def test_bad_output_paths_and_seeds_are_refused_before_any_work(tmp_path, capsys, argv, message):
     from fastattn.cli import main
@@ -417,7 +419,8 @@ def test_bad_output_paths_and_seeds_are_refused_before_any_work(tmp_path, capsys
     message = message.format(**fields)
     if argv[-1].startswith("/proc/") and not Path("/proc").is_dir():
         pytest.skip("no /proc here")
-    with pytest.raises(SystemExit) if argv[0] == "compare" else contextlib.nullcontext():
+    usage_error = argv[0] == "compare" or "2**53" in message   # argparse: SystemExit(2)
+    with pytest.raises(SystemExit) if usage_error else contextlib.nullcontext():
         assert main(argv) == 2
     assert message in capsys.readouterr().err
     assert (tmp_path / "afile").read_text() == "mine\n"

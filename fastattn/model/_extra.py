@@ -2,9 +2,8 @@
 
 import importlib
 
-#: The install commands every missing-package error ends with, each on a line of its own.
-INSTALL = ('in a checkout of fastattn:\n    pip install -e ".[model]"\n'
-           'or, from PyPI:\n    pip install "fastattn[model]"')
+#: The install command every missing-package error ends with, on a line of its own.
+INSTALL = 'in the checkout of fastattn:\n    pip install -e ".[model]"'
 
 
 class MissingExtraError(ImportError):
