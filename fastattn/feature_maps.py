@@ -157,11 +157,8 @@ class FeatureMap:
                 or (D is not None and phi.shape[-1] != D):
             raise ValueError(f"{what} must give features of shape "
                              f"{_checks.shape_text(*x.shape[:-1], D or 'D')}, got {phi.shape}")
-        if not np.isfinite(phi).all():
-            raise ValueError(f"{what} gave non-finite features (NaN or inf)")
-        if self.nonnegative and (phi < 0).any():
-            raise ValueError(f"{what} gave negative features; a map that can should set "
-                             f"nonnegative = False")
+        _check_feature_values(phi, what, self.nonnegative,
+                              " (a map whose features may be negative sets nonnegative = False)")
 
     def forward(self, module, feats, q, k, v, causal, eps, S0, z0):
         """``(out, S, z)``: :meth:`forward_in_dtype`, and a float32 call whose output comes
@@ -694,14 +691,21 @@ def _user_features(fn, x, batch_shape, dtype, which):
         )
     phi = np.require(phi.reshape(x.shape[:2] + phi.shape[-1:]), dtype=dtype,
                      requirements=["C", "A", "W"])
+    _check_feature_values(phi, what)
+    return phi
+
+
+def _check_feature_values(phi, what, nonnegative=True, advice=""):
+    """ValueError naming ``what`` unless the features ``phi`` are finite (and, when
+    ``nonnegative``, >= 0): the one check of features formed by code fastattn did not write
+    (a callable's, a registered map's NumPy form)."""
     finite = np.isfinite(phi)
     if not finite.all():
         raise ValueError(f"{what} returned {np.count_nonzero(~finite)} non-finite values (NaN or "
                          f"inf); features must be finite")
-    if (phi < 0).any():
+    if nonnegative and (phi < 0).any():
         raise ValueError(f"{what} returned {np.count_nonzero(phi < 0)} negative values "
-                         f"(min {float(phi.min()):.6g}); features must be >= 0")
-    return phi
+                         f"(min {float(phi.min()):.6g}); features must be >= 0{advice}")
 
 
 def _state_frame(phi_k, shift, fixed, z0):

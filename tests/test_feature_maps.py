@@ -878,7 +878,7 @@ class _Bad(fm.FeatureMap):
 
 
 @pytest.mark.parametrize("form, dim, match", [
-    (lambda x: x, lambda d: d, "negative features"),
+    (lambda x: x, lambda d: d, "negative values"),
     (lambda x: np.full_like(x, np.nan), lambda d: d, "non-finite"),
     (lambda x: np.abs(x[..., :3]), lambda d: d, "shape"),
     (lambda x: np.concatenate([np.abs(x)] * 2, axis=-1), lambda d: d, "shape"),
