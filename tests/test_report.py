@@ -957,9 +957,11 @@ def test_exponents_that_round_to_zero_have_no_sign():
 
 
 def test_counts_of_one_are_singular():
-    assert analysis.plural(1, "thread") == "1 thread"
-    assert analysis.plural(2, "idle one") == "2 idle ones"
-    assert analysis.plural("1, 2", "thread") == "1, 2 threads"
+    from fastattn.bench.table import plural
+
+    assert plural(1, "thread") == "1 thread"
+    assert plural(2, "idle one") == "2 idle ones"
+    assert plural("1, 2", "thread") == "1, 2 threads"
     html = build_report([dict(r, threads=1) for r in synthetic_records(ns=(1024, 2048, 4096))],
                         source="t").html
     scaling = html[html.index('id="scaling"'):html.index("<h4>Throughput against the GEMM roof")]

@@ -13,7 +13,7 @@ from ..bench.engine import gemm_probes, roof_for
 from ..bench.table import format_seconds
 from ..bench.results import DEFAULT_REGIME, point_key
 from ..bench.schema import CURVE_KEYS, roof_library
-from ..bench.table import above_roof as _above_roof, mask_name, plural  # noqa: F401
+from ..bench.table import above_roof as _above_roof, mask_name
 
 #: The keys that identify one curve: a point's identity without ``n_q``/``n_k``,
 #: plus the machine (set for asv results, absent for a sweep on this machine).

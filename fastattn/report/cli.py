@@ -169,7 +169,7 @@ def _resume_command(args, results):
 def _measure(args, results):
     """Run (or resume) the sweep into ``results``; returns its path."""
     from ..bench import sweep
-    from .analysis import plural
+    from ..bench.table import plural
 
     if args.resume is not None and not results.is_file():
         raise ReportError(f"--resume {results}: no such results file")
@@ -404,7 +404,7 @@ def _run(args):
         records, source = _read_results(results), str(results)
         if args.from_ is not None:
             from ..bench.results import cut_tail_bytes
-            from .analysis import plural
+            from ..bench.table import plural
 
             if cut := cut_tail_bytes(results):
                 print(f"fastattn report: note: the last line of {results} was cut short by an "

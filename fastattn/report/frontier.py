@@ -17,9 +17,9 @@ import numpy as np
 from matplotlib.ticker import FuncFormatter
 
 from ..bench.schema import FEATURE_MAP_NS
-from ..bench.table import format_bytes, format_seconds
+from ..bench.table import format_bytes, format_seconds, plural
 from ..map_quality import MAPS, MapQuality, mean_quality
-from .analysis import crossover, envelope, fastest_at, plural
+from .analysis import crossover, envelope, fastest_at
 from .figures import data_uri, plt, to_png, weights_figure  # figures selects Agg first
 
 #: Sequence lengths whose measured time per call the frontier shows.

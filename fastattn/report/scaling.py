@@ -4,7 +4,8 @@ the fastest kernels, every measured point, the points not measured and the peers
 import numpy as np
 
 from ..bench.peers import INSTALL_HINT
-from ..bench.table import format_bytes, format_number, format_percent, format_seconds, mask_name
+from ..bench.table import (format_bytes, format_number, format_percent, format_seconds, mask_name,
+                           plural)
 from . import analysis, figures
 
 PEER_HELP = ("No peer ran the prefill points: these results hold none (no peer was installed "
@@ -123,7 +124,7 @@ def _summary(curve_list, crossovers, statistic, load, busy, cores, threads, why,
     if stalled := analysis.stalled_text(curve_list):
         out.append(stalled)
     if why and threads:
-        out.append(f"Measured on {analysis.plural(threads, 'thread')}: {why}.")
+        out.append(f"Measured on {plural(threads, 'thread')}: {why}.")
     return out + fastest
 
 
