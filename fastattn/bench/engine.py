@@ -297,11 +297,9 @@ def probe_roof(shapes, dtypes=("float32", "float64"), budget_s=0.1, rounds=3, li
 
     if library not in ROOF_LIBRARIES:
         raise ValueError(f"library must be one of {ROOF_LIBRARIES}, got {library!r}")
-    import psutil
-
     sizes = sorted({(probe_n(n), int(d)) for n, d in shapes}
                    | {(n, int(d)) for _, d in shapes for n in PEAK_PROBE_N})
-    room = MEMORY_HEADROOM * psutil.virtual_memory().available / 2  # the output, and slack
+    room = MEMORY_HEADROOM * available_bytes() / 2  # the output, and slack
     tasks = [("gemm", np.dtype(dt).name, n, d) for dt in dtypes for n, d in sizes
              if n * n * np.dtype(dt).itemsize <= room]  # a probe that cannot fit is left out
     if library == "numpy":
@@ -383,10 +381,15 @@ def quadratic_need(spec, itemsize):
     return 0
 
 
+def available_bytes():
+    """The memory free for a point: :func:`fastattn.reference.available_memory`, the figure
+    the reference's own checks use (infinite where the system does not say)."""
+    available = reference.available_memory()
+    return math.inf if available is None else available
+
+
 def why_skip(spec):
     """Reason a point cannot run here, or None."""
-    import psutil
-
     backend = spec["backend"]
     if backend in peers.PEERS:
         if backend not in peers.available_peers():
@@ -408,7 +411,7 @@ def why_skip(spec):
     elif backend in peers.PEERS:
         need += peers.PEERS[backend].extra_bytes(spec["attention"], spec["causal"], b, n,
                                                  spec["d_k"], spec["d_v"], itemsize)
-    available = psutil.virtual_memory().available
+    available = available_bytes()
     if need > MEMORY_HEADROOM * available:
         return f"needs about {need / 2**20:,.0f} MiB but {available / 2**20:,.0f} MiB are available"
     return None
@@ -434,10 +437,8 @@ class ReferenceCache:
 def check_accuracy(spec, out, references, seed=DEFAULT_SEED, max_bytes=None):
     """``max_abs_err``, ``check_n``, ``check_tol`` and ``check_ok`` of ``out`` against the
     float64 reference, at the point's n halved until the reference fits ``max_bytes``."""
-    import psutil
-
     if max_bytes is None:
-        max_bytes = min(CHECK_MAX_BYTES, psutil.virtual_memory().available // 4)
+        max_bytes = min(CHECK_MAX_BYTES, available_bytes() // 4)
     small = dict(spec)
     while small["n_q"] > 1 and quadratic_need(small, 8) > max_bytes:
         small = dict(small, n_q=small["n_q"] // 2, n_k=max(1, small["n_k"] // 2))
