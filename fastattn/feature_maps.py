@@ -179,16 +179,46 @@ class FeatureMap:
             return self.forward_in_dtype(module, feats, q, k, v, causal, eps, S0, z0)
         # The reference warns of the overflow the float64 call below repairs (the compiled
         # backends never warn): quiet, as they are.
+        if self.state_may_underflow(feats, k, v):
+            return self._forward_wide(module, feats, q, k, v, causal, eps, S0, z0)
         with np.errstate(over="ignore", invalid="ignore") if module is reference \
                 else contextlib.nullcontext():
             result = self.forward_in_dtype(module, feats, q, k, v, causal, eps, S0, z0)
         if np.isfinite(result[0]).all():
             return result
+        return self._forward_wide(module, feats, q, k, v, causal, eps, S0, z0)
+
+    def _forward_wide(self, module, feats, q, k, v, causal, eps, S0, z0):
+        """``(out, S, z)`` of float32 inputs computed in float64, then rounded to float32."""
         q, k, v, S0, z0 = (None if x is None else x.astype(np.float64) for x in (q, k, v, S0, z0))
         wide = self._wide_features(module, feats, q, k, z0)
         with np.errstate(over="ignore"):   # beyond float32's range: inf, as the dtype says
             return tuple(x.astype(np.float32) for x in
                          self.forward_in_dtype(module, wide, q, k, v, causal, eps, S0, z0))
+
+    def state_may_underflow(self, feats, k, v):
+        """Whether a float32 state ``S = Σ φ(k_j)ᵀ v_j`` of these inputs may lose products to
+        underflow beyond float32's own rounding.
+
+        A product below float32's smallest normal number (2⁻¹²⁶) is rounded to a multiple
+        of 2⁻¹⁴⁹ or lost, so a sum of ``n_k`` of them may be off by ``n_k · 2⁻¹²⁶``.  That
+        is within the sum's rounding (2⁻²⁴ of its largest term) when, for every feature
+        ``f`` and value column ``j`` with any nonzero entry, the largest ``φ(k)_f`` times
+        the largest ``|v_j|`` is at least ``n_k · 2⁻¹⁰²``; keys and values of 1e-30 each
+        (products of 1e-60) are not, and run in float64, which holds every product of
+        float32 numbers.  One pass over ``k`` (or ``φ(k)``) and ``v``; the elementwise
+        maps are increasing, so ``φ``'s largest value is ``φ`` of the largest input.
+        """
+        if 0 in k.shape or 0 in v.shape:
+            return False
+        if self.elementwise is not None:
+            top = k.max(axis=-2).astype(np.float64)
+            phi_top = reference.feature_map(top, self.elementwise)
+        else:
+            phi_top = feats.k.max(axis=-2).astype(np.float64)
+        v_top = np.maximum(v.max(axis=-2), -v.min(axis=-2)).astype(np.float64)
+        smallest = [np.where(x > 0, x, np.inf).min(axis=-1) for x in (phi_top, v_top)]
+        return bool((smallest[0] * smallest[1] < k.shape[-2] * 2.0 ** -102).any())
 
     def forward_in_dtype(self, module, feats, q, k, v, causal, eps, S0, z0):
         """``module.linear_forward`` on the inputs (an elementwise map) or on ``feats``, in

@@ -316,3 +316,58 @@ def test_the_chained_float32_state_after_an_overflow_equals_one_pass(backend):
                                      initial_state=state, backend=backend)
     top = np.float32(np.abs(whole).max())
     assert_close(np.concatenate([first, rest], axis=1) / top, whole / top, dtype=np.float32)
+
+
+# ---------------------------------------------------------------------------
+# Products φ(k)ᵀ v below float32's range: computed in float64, never silently lost.
+
+def _issue9_inputs():
+    rng = np.random.default_rng(9)
+    q = 1e30 * np.abs(rng.standard_normal((1, 4, 8)))
+    k = 1e-30 * np.abs(rng.standard_normal((1, 6, 8)))
+    v = 1e-30 * rng.standard_normal((1, 6, 8))
+    return tuple(x.astype(np.float32) for x in (q, k, v))
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["non-causal", "causal"])
+@pytest.mark.parametrize("feature_map", ["relu", "elu", "taylor", "callable"])
+def test_float32_products_below_the_range_give_the_float64_answer(backend, feature_map, causal):
+    """Non-causal relu gave zeros on every backend (true values 5e-31 to 1e-30); causal, the
+    fast kernels' last row differed from the reference's."""
+    q, k, v = _issue9_inputs()
+    fmap = (lambda x: np.abs(x)) if feature_map == "callable" else feature_map
+    out = fastattn.linear_attention(q, k, v, feature_map=fmap, causal=causal, backend=backend)
+    want = fastattn.linear_attention(*(x.astype(np.float64) for x in (q, k, v)),
+                                     feature_map=fmap, causal=causal, backend="reference")
+    assert out.dtype == np.float32 and np.abs(want).min() > 0
+    top = float(np.abs(want).max())
+    assert_close(out / np.float32(top), want / top, dtype=np.float32)
+
+
+def test_elu_keys_whose_features_underflow_float32_give_the_float64_answer(backend):
+    """elu(k) + 1 = exp(k) is 4e-44 at k = -100: below float32's normal numbers."""
+    rng = np.random.default_rng(10)
+    q, k, v = (rng.standard_normal((1, 7, 4)).astype(np.float32) for _ in range(3))
+    k -= 100
+    out = fastattn.linear_attention(q, k, v, causal=True, eps=0.0, backend=backend)
+    want = fastattn.linear_attention(q.astype(np.float64), k.astype(np.float64),
+                                     v.astype(np.float64), causal=True, eps=0.0,
+                                     backend="reference")
+    assert_close(out, want, dtype=np.float32)
+
+
+@pytest.mark.parametrize("feature_map", ["elu", "relu", "taylor", "favor"])
+def test_ordinary_float32_inputs_are_not_computed_again(monkeypatch, feature_map):
+    """The check costs a pass over k and v; ordinary inputs (here of scale 1e-9 to 1e3)
+    never take the float64 path."""
+    from fastattn import feature_maps
+
+    def refuse(*args):
+        raise AssertionError("computed again in float64")
+    monkeypatch.setattr(feature_maps.FeatureMap, "_forward_wide", refuse)
+    rng = np.random.default_rng(11)
+    for scale in (1e-9, 1.0, 1e3 if feature_map != "taylor" else 10.0):
+        q, k, v = (scale * rng.standard_normal((2, 300, 16)).astype(np.float32)
+                   for _ in range(3))
+        for causal in (False, True):
+            fastattn.linear_attention(q, k, v, feature_map=feature_map, causal=causal)
