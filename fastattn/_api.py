@@ -235,8 +235,11 @@ def linear_attention(
     ``1e153`` at ``d_k = 64``); in float32 a row whose denominator alone
     overflows (``|q|``, ``|k|`` of about ``1e18``) is 0.  Rescale such
     inputs first (relu attention does not change when ``q`` is scaled).
-    Products ``φ(k)ᵀ v`` below the dtype's smallest numbers (keys and values
-    both near 1e-30 in float32) are lost from the state.
+    A float32 call whose state products ``φ(k)ᵀ v`` may fall below float32's
+    normal range (keys and values both near 1e-30; the bound, one pass over
+    ``k`` and ``v``, is in :meth:`FeatureMap.state_may_underflow`) is also
+    computed in float64 and rounded; a float32 state returned still holds
+    float32 numbers.
 
     An inf in ``v`` makes every row that sees its key non-finite, but
     which of inf and NaN it gets is not specified: a feature or weight of
