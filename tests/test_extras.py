@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+import fastattn
 from fastattn.cli import REPORT_EXTRA
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -65,3 +66,9 @@ def test_ctrl_c_while_the_commands_load_is_an_interrupt_not_a_traceback(monkeypa
     monkeypatch.setattr(cli, "build_parser", interrupted)
     assert cli.main(["report", "--quick"]) == 130
     assert capsys.readouterr().err == "fastattn report: interrupted\n"
+
+
+def test_python_dash_m_fastattn_is_the_command():
+    done = subprocess.run([sys.executable, "-m", "fastattn", "--version"], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip().endswith(fastattn.__version__)

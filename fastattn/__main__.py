@@ -1,0 +1,7 @@
+"""``python -m fastattn``: the ``fastattn`` command."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())
