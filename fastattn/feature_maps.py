@@ -682,7 +682,8 @@ def resolve(feature_map, d_k, d_k_of="q and k have"):
     elif callable(feature_map):
         return UserMap(feature_map)
     raise ValueError(
-        f"feature_map must be one of {list(NAMES)}, a fastattn.FavorFeatures, or a callable "
+        f"feature_map must be one of {list(NAMES)}, a FeatureMap (a fastattn.FavorFeatures, a "
+        f"fastattn.HedgehogFeatures), or a callable "
         f"mapping (..., n, d_k) to non-negative (..., n, D) features; got {feature_map!r}"
     )
 

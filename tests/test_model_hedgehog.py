@@ -69,6 +69,35 @@ def test_a_feature_map_on_every_backend(backend, causal):
         np.testing.assert_allclose(np.concatenate([a, b], axis=-2), ref, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_feature_map_object_in_float32_and_through_the_state_class(backend):
+    """A FeatureMap like FAVOR+: float32 on every backend, and LinearAttentionState's steps."""
+    from fastattn.feature_maps import FeatureMap
+    hh = _maps()
+    assert isinstance(hh, FeatureMap) and hh.feature_dim(8) == 16
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.standard_normal((2, 3, 9, 8)) for _ in range(3))
+    ref = fastattn.linear_attention(q, k, v, feature_map=hh, causal=True, backend="reference")
+    out = fastattn.linear_attention(*(x.astype(np.float32) for x in (q, k, v)), feature_map=hh,
+                                    causal=True, backend=backend)
+    assert out.dtype == np.float32
+    np.testing.assert_allclose(out, ref, rtol=2e-5, atol=1e-6)
+    state = fastattn.LinearAttentionState((2, 3), 8, feature_map=hh, dtype=np.float64)
+    steps = [state.step(q[..., t:t + 1, :], k[..., t:t + 1, :], v[..., t:t + 1, :])
+             for t in range(9)]
+    np.testing.assert_allclose(np.concatenate(steps, axis=-2), ref, rtol=1e-10, atol=1e-12)
+
+
+def test_a_feature_map_object_refuses_inputs_it_does_not_map():
+    hh = _maps()   # 3 heads of d_k = 8
+    x = np.ones((2, 4, 5, 8))
+    with pytest.raises(ValueError, match=r"batch dims end in \(3,\), got batch dims \(2, 4\)"):
+        fastattn.linear_attention(x, x, x, feature_map=hh)
+    with pytest.raises(ValueError, match="maps d_k=8, but q and k have d_k=4"):
+        fastattn.linear_attention(x[..., :3, :, :4], x[..., :3, :, :4], x[..., :3, :, :4],
+                                  feature_map=hh)
+
+
 def test_save_load(tmp_path):
     hh = _maps()
     path = tmp_path / "hh.npz"

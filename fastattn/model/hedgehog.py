@@ -21,13 +21,15 @@ from pathlib import Path
 
 import numpy as np
 
+from ..feature_maps import FeatureMap, Features
+
 
 def _softmax(u):
     e = np.exp(u - u.max(axis=-1, keepdims=True))
     return e / e.sum(axis=-1, keepdims=True)
 
 
-class HedgehogFeatures:
+class HedgehogFeatures(FeatureMap):
     """Hedgehog features ``φ(x) = [softmax(W x + b), softmax(−(W x + b))]``, one map per head.
 
     Parameters
@@ -47,7 +49,10 @@ class HedgehogFeatures:
     leading dims must broadcast against the batch dims of ``q`` and ``k`` (for
     per-head maps of shape ``(H, d_k, d_k)``, inputs ``(..., H, n, d_k)``); the
     same map is applied to queries and keys -- for separate maps give
-    :class:`fastattn.model.MiniLM` the pair ``(query map, key map)``.
+    :class:`fastattn.model.MiniLM` the pair ``(query map, key map)``.  It is a
+    :class:`fastattn.feature_maps.FeatureMap`: every backend runs it through
+    the generic path (features formed once, then the ``D = 2·d_k`` kernels),
+    causal or not, with a state carried between pieces.
 
     Fitted by :func:`fit_hedgehog`: per head, ``W`` from the identity and ``b``
     from 0, minimising the mean over query rows of ``KL(a_i ‖ â_i)`` between
@@ -66,6 +71,9 @@ class HedgehogFeatures:
     >>> fastattn.linear_attention(q, k, v, feature_map=hh).shape
     (4, 10, 32)
     """
+
+    name = "hedgehog"
+    check_features = False   # in (0, 1) by construction, from finite weights
 
     def __init__(self, weight, bias=None):
         weight = np.array(weight, dtype=np.float64)
@@ -96,6 +104,38 @@ class HedgehogFeatures:
         if d_k != self.d_k:
             raise ValueError(f"this HedgehogFeatures maps d_k={self.d_k}, not {d_k}")
         return 2 * self.d_k
+
+    def feature_dim(self, d_k, num_features=None):
+        return self.num_features(d_k)
+
+    def bind(self, d_k, d_k_of="q and k have"):
+        if d_k != self.d_k:
+            raise ValueError(f"feature_map: this HedgehogFeatures maps d_k={self.d_k}, but "
+                             f"{d_k_of} d_k={d_k}")
+        return self
+
+    def numpy_features(self, x):
+        return self(x)
+
+    def features(self, module, q, k, batch_shape, z0=None):
+        """The features of ``q``, ``k (B, n, d_k)``, whose batch dims are ``batch_shape``: the
+        maps' leading dims broadcast against those (per-head maps: heads last)."""
+        lead = self.weight.shape[:-2]
+        try:
+            fits = np.broadcast_shapes(lead, tuple(batch_shape)) == tuple(batch_shape)
+        except ValueError:
+            fits = False
+        if not fits:
+            raise ValueError(f"feature_map: a HedgehogFeatures of {lead or 'one'} map(s) "
+                             f"(weight shape {self.weight.shape}) needs q and k whose batch "
+                             f"dims end in {lead}, got batch dims {tuple(batch_shape)}")
+        return Features(*(np.ascontiguousarray(
+            self(x.reshape(tuple(batch_shape) + x.shape[1:])).reshape(x.shape[:2] + (-1,)),
+            dtype=x.dtype) for x in (q, k)))
+
+    def _wide_features(self, module, feats, q, k, z0):
+        # Features in (0, 1): float32's are float64's to float32's precision.
+        return Features(feats.q.astype(np.float64), feats.k.astype(np.float64))
 
     def __getitem__(self, index):
         """The maps ``weight[index]`` (index into the leading dims only)."""
