@@ -54,3 +54,24 @@ def test_run_study_on_a_tiny_set(capsys):
     assert rows[0].held_out.mean_cosine == pytest.approx(1)
     assert rows[1].held_out.mean_cosine < 1 and -1 <= rows[1].lee_spearman <= 1
     assert "texts were longer than 16 tokens" in capsys.readouterr().err
+
+
+def test_hybrids_linearise_the_layers_whose_single_swap_kept_the_most():
+    from fastattn.model.study import greedy_hybrids, single_layer_swaps, with_linear_layers
+    per_layer = [f"map{i}" for i in range(6)]
+    swaps = single_layer_swaps("hh", per_layer)
+    assert list(swaps.values())[2] == ["softmax", "softmax", "map2", "softmax", "softmax",
+                                       "softmax"]
+    assert list(swaps)[2] == "hh in layer 2 (softmax in 5)"
+    cosines = [0.9, 0.99, 0.5, 0.95, 0.97, 0.6]   # least damage: layers 1, 4, 3, 0, 5, 2
+    rows = [StudyRow(name, 0.5, Agreement(c, 1, 1, 1, 1, 140), 1.0)
+            for name, c in zip(swaps, cosines)]
+    hybrids = greedy_hybrids("hh", per_layer, rows)
+    assert list(hybrids) == ["hh in layers 1, 4 (softmax in 4)",
+                             "hh in layers 1, 3, 4 (softmax in 3)",
+                             "hh in layers 0, 1, 3, 4 (softmax in 2)",
+                             "hh in layers 0, 1, 3, 4, 5 (softmax in 1)"]
+    assert hybrids["hh in layers 1, 4 (softmax in 4)"] == [
+        "softmax", "map1", "softmax", "softmax", "map4", "softmax"]
+    # One spec for every layer (a training-free map) is placed as it is.
+    assert with_linear_layers("elu+1", "elu", [5])[1] == ["softmax"] * 5 + ["elu"]

@@ -47,6 +47,35 @@ def default_configurations(maps=None, favor_multiples=FAVOR_MULTIPLES, d_k=32):
     return configs
 
 
+def _layer_spec(attention, layer):
+    """The attention of ``layer`` in a configuration (one spec for all layers, or a list)."""
+    return attention[layer] if isinstance(attention, list) else attention
+
+
+def with_linear_layers(name, attention, layers, num_layers=6):
+    """``(row name, attention=)``: ``attention`` in ``layers`` only, softmax in the others."""
+    layers = sorted(layers)
+    specs = [_layer_spec(attention, i) if i in layers else "softmax" for i in range(num_layers)]
+    where = ", ".join(str(i) for i in layers)
+    kept = num_layers - len(layers)
+    return f"{name} in layer{'s' if len(layers) > 1 else ''} {where} (softmax in {kept})", specs
+
+
+def single_layer_swaps(name, attention, num_layers=6):
+    """``{row name: attention=}``: ``attention`` in one layer at a time, softmax elsewhere."""
+    return dict(with_linear_layers(name, attention, [i], num_layers) for i in range(num_layers))
+
+
+def greedy_hybrids(name, attention, swap_rows, num_layers=6):
+    """``{row name: attention=}``: the hybrids that keep softmax in ``k`` of the layers, for
+    ``k`` from ``num_layers - 2`` down to 1, linearising first the layers whose single swap
+    (``swap_rows``, the :class:`StudyRow` of :func:`single_layer_swaps`, in layer order)
+    kept the held-out embeddings closest to the original's."""
+    order = sorted(range(num_layers), key=lambda i: -swap_rows[i].held_out.mean_cosine)
+    return dict(with_linear_layers(name, attention, order[:j], num_layers)
+                for j in range(2, num_layers))
+
+
 def run_study(model, configurations, held_out, lee=None, judgements=None, progress=None):
     """Measure each configuration; returns a list of :class:`StudyRow` (softmax first).
 
@@ -76,9 +105,9 @@ def run_study(model, configurations, held_out, lee=None, judgements=None, progre
     return rows
 
 
-def format_table(rows):
+def format_table(rows, first_column="attention in every layer"):
     """A Markdown table of :func:`run_study`'s rows."""
-    lines = ["| attention in every layer | Lee Spearman | held-out mean cosine | top-1 "
+    lines = [f"| {first_column} | Lee Spearman | held-out mean cosine | top-1 "
              "neighbour | top-10 overlap | pairwise Spearman |",
              "|---|---|---|---|---|---|"]
     for r in rows:
@@ -103,6 +132,10 @@ def main(argv=None):
                    help="calibration texts for the fit (default 64)")
     p.add_argument("--maxiter", type=int, default=50,
                    help="L-BFGS-B iterations per layer of the fit (default 50)")
+    p.add_argument("--hybrid", action="append", default=None, metavar="CONFIGURATION",
+                   help="also: the configuration (e.g. hedgehog, 'favor m=2048') in each layer "
+                   "alone, then in the 2 to 5 layers whose single swap kept the most "
+                   "(repeatable)")
     p.add_argument("--quick", action="store_true", help="40 held-out texts, a short fit")
     args = p.parse_args(argv)
     model = MiniLM()
@@ -111,8 +144,9 @@ def main(argv=None):
     if args.quick:
         held_out, calibration = held_out[:40], calibration[:30]
     wanted = args.feature_map
+    hybrid = args.hybrid or []
     maps = None
-    if wanted is None or "hedgehog" in wanted:
+    if wanted is None or "hedgehog" in wanted or "hedgehog" in hybrid:
         if args.maps:
             maps = HedgehogFeatures.load(args.maps, shape=(6, 2, 12, 32, 32))
         else:
@@ -122,13 +156,21 @@ def main(argv=None):
                   f"{'' if fit.converged else ' (not all layers converged)'}", file=sys.stderr)
             if args.save_maps:
                 maps.save(args.save_maps)
-    configs = default_configurations(maps)
-    if wanted is not None:
-        unknown = [w for w in wanted if w not in configs]
+    all_configs = default_configurations(maps)
+    for option, names in (("--feature-map", wanted or []), ("--hybrid", hybrid)):
+        unknown = [w for w in names if w not in all_configs or w == "softmax"]
         if unknown:
-            p.error(f"unknown --feature-map {unknown}; choose from {list(configs)}")
-        configs = {k: v for k, v in configs.items() if k in wanted or k == "softmax"}
-    rows = run_study(model, configs, held_out,
-                     progress=lambda r: print(f"  {r.name}: {r.seconds:.0f} s", file=sys.stderr))
+            p.error(f"unknown {option} {unknown}; choose from {list(all_configs)[1:]}")
+    configs = {k: v for k, v in all_configs.items()
+               if wanted is None or k in wanted or k == "softmax"}
+
+    def progress(row):
+        print(f"  {row.name}: {row.seconds:.0f} s", file=sys.stderr)
+    rows = run_study(model, configs, held_out, progress=progress)
     print(format_table(rows))
+    for name in hybrid:
+        swaps = run_study(model, single_layer_swaps(name, all_configs[name]), held_out, progress=progress)
+        mixed = run_study(model, greedy_hybrids(name, all_configs[name], swaps), held_out, progress=progress)
+        print(f"\n{name}: one layer at a time, then in the layers that kept the most\n")
+        print(format_table(swaps + mixed, first_column="attention"))
     return 0
