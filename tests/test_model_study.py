@@ -75,3 +75,35 @@ def test_hybrids_linearise_the_layers_whose_single_swap_kept_the_most():
         "softmax", "map1", "softmax", "softmax", "map4", "softmax"]
     # One spec for every layer (a training-free map) is placed as it is.
     assert with_linear_layers("elu+1", "elu", [5])[1] == ["softmax"] * 5 + ["elu"]
+
+
+# --- the model benchmarks (the model extra), called directly -----------------
+
+def test_the_model_benchmarks_run_each_attention_and_fit(monkeypatch):
+    """Without the model extra every combination is asv's skip; with it, each attention
+    runs and the fit of one layer lowers the loss from the identity map's."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    try:
+        from benchmarks import common, model
+    finally:
+        sys.path.pop(0)
+    monkeypatch.setattr(common, "QUICK", False)
+    try:
+        model._model()
+    except NotImplementedError as exc:
+        assert "model" in str(exc)
+        pytest.skip(f"the model extra is not installed: {exc}")
+    forward = model.ModelForward()
+    for attention in model.MODEL_ATTENTIONS:
+        forward.setup(attention, model.MODEL_N[0])
+        assert len(forward.ids) == model.TEXTS
+        assert all(len(t) == int(model.MODEL_N[0]) for t in forward.ids)
+        forward.time_forward(attention, model.MODEL_N[0])
+    fit = model.HedgehogFit()
+    fit.setup("separate")
+    from fastattn.model.hedgehog import fit_layer
+    with pytest.warns(RuntimeWarning, match="did not converge"):
+        start = fit_layer(fit.qk, maxiter=0)[2].initial_loss
+    assert 0 < fit.track_fit_loss("separate") < start
