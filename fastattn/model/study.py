@@ -119,6 +119,7 @@ def format_table(rows, first_column="attention in every layer"):
 
 def main(argv=None):
     """``fastattn model``: print the table (see :func:`run_study`)."""
+    from .cost import forward_seconds
     from .hedgehog import HedgehogFeatures, cached_fit_hedgehog, fit_hedgehog
     from .minilm import MiniLM
 
@@ -139,6 +140,10 @@ def main(argv=None):
     p.add_argument("--cache-dir", help="where the fit is kept by its inputs (default "
                    "$XDG_CACHE_HOME/fastattn or ~/.cache/fastattn)")
     p.add_argument("--no-cache", action="store_true", help="fit again, and keep nothing")
+    p.add_argument("--cost", action="store_true",
+                   help="also time each configuration's forward pass at 128 and 512 tokens "
+                   "beside sentence-transformers' own (same texts and threads)")
+    p.add_argument("--threads", type=int, default=1, help="threads of --cost (default 1)")
     p.add_argument("--quick", action="store_true", help="40 held-out texts, a short fit")
     args = p.parse_args(argv)
     model = MiniLM()
@@ -184,4 +189,29 @@ def main(argv=None):
                           progress=progress)
         print(f"\n{name}: one layer at a time, then in the layers that kept the most\n")
         print(format_table(swaps + mixed, first_column="attention"))
+    if args.cost:
+        print(f"\nForward pass, ms per text ({args.threads} thread(s) for BLAS, fastattn and "
+              f"PyTorch; fastest of 3 alternating rounds)\n")
+        print(format_cost({n: forward_seconds(model, calibration + held_out, configs, n=n,
+                                              count=8 if args.quick else 16,
+                                              threads=args.threads)
+                           for n in (128, 512)}))
     return 0
+
+
+def format_cost(seconds):
+    """A Markdown table of ``{n: forward_seconds(...)}``: ms per text, and the ratio to
+    sentence-transformers' forward where it was timed."""
+    ns = list(seconds)
+    names = list(seconds[ns[0]])
+    lines = ["| attention in every layer | " + " | ".join(f"n = {n}" for n in ns) + " |",
+             "|---" * (len(ns) + 1) + "|"]
+    for name in names:
+        cells = []
+        for n in ns:
+            st = seconds[n].get("sentence-transformers")
+            ratio = "" if st is None or name == "sentence-transformers" \
+                else f" ({seconds[n][name] / st:.2f}x)"
+            cells.append(f"{seconds[n][name] * 1e3:.1f}{ratio}")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
