@@ -162,7 +162,8 @@ class FeatureMap:
 
     def forward(self, module, feats, q, k, v, causal, eps, S0, z0):
         """``(out, S, z)``: :meth:`forward_in_dtype`, and a float32 call whose output comes
-        out non-finite computed again in float64, then rounded.
+        out non-finite, or whose state may underflow (:meth:`state_may_underflow`),
+        computed in float64, then rounded.
 
         A float32 numerator ``φ(q)·S`` (or ``S`` itself) overflows where the float64 one
         does not (``q`` of 1e15 against ``v`` of 1e30: the answer is 1e30), and the
@@ -177,10 +178,10 @@ class FeatureMap:
         """
         if q.dtype != np.float32:
             return self.forward_in_dtype(module, feats, q, k, v, causal, eps, S0, z0)
-        # The reference warns of the overflow the float64 call below repairs (the compiled
-        # backends never warn): quiet, as they are.
         if self.state_may_underflow(feats, k, v):
             return self._forward_wide(module, feats, q, k, v, causal, eps, S0, z0)
+        # The reference warns of the overflow the float64 call below repairs (the compiled
+        # backends never warn): quiet, as they are.
         with np.errstate(over="ignore", invalid="ignore") if module is reference \
                 else contextlib.nullcontext():
             result = self.forward_in_dtype(module, feats, q, k, v, causal, eps, S0, z0)

@@ -525,8 +525,8 @@ def _inputs_digest(model):
     with open(model.path / "model.safetensors", "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
-    for module in (minilm, __import__(__name__, fromlist=["_"])):
-        h.update(Path(module.__file__).read_bytes())
+    for source in (minilm.__file__, __file__):
+        h.update(Path(source).read_bytes())
     h.update(f"{model.max_length} {model.dtype}".encode())
     return h.hexdigest()
 
