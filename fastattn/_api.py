@@ -9,7 +9,7 @@ import math
 
 import numpy as np
 
-from . import _backends, _checks, feature_maps, reference
+from . import _backends, _checks, _overflow, feature_maps, reference
 from ._backends import (  # noqa: F401  (the registry's names, as callers know them here)
     AUTO_ORDER,
     BACKEND_MODULES,
@@ -89,10 +89,10 @@ def softmax_attention(q, k, v, *, causal=False, scale=None, backend="auto"):
     out_shape = batch_shape + (q.shape[-2], v.shape[-1])
     if 0 in out_shape or k.shape[-2] == 0:
         return np.zeros(out_shape, dtype=result)
-    out = module.softmax_forward(
-        _checks.as_kernel_input(q, dtype), _checks.as_kernel_input(k, dtype),
-        _checks.as_kernel_input(v, dtype), causal, scale,
-    )
+    qq, scale = _overflow.kernel_query(_checks.as_kernel_input(q, dtype), scale)
+    out = _overflow.finite_softmax(
+        lambda q, k, v: module.softmax_forward(q, k, v, causal, scale),
+        qq, _checks.as_kernel_input(k, dtype), _checks.as_kernel_input(v, dtype))
     return out.reshape(out_shape).astype(result, copy=False)
 
 
@@ -367,9 +367,12 @@ def attention_weights(
     # refused here, before the features, with advice for this function, which has no
     # tiled backend.
     D = (fmap.feature_dim(q.shape[-1]) or 0) if kind == "linear" else 0
+    itemsize = np.dtype(dtype).itemsize
+    # Softmax also scales a copy of q (through float64): _overflow.kernel_query.
+    scaled_q = math.prod(batch_shape) * n_q * q.shape[-1] * (8 + itemsize) if kind == "softmax" \
+        else 0
     reference.check_fits_in_memory(
-        reference.weights_bytes(math.prod(batch_shape), n_q, n_k, np.dtype(dtype).itemsize,
-                                causal, D),
+        reference.weights_bytes(math.prod(batch_shape), n_q, n_k, itemsize, causal, D) + scaled_q,
         f"attention_weights, for its {out_shape} weights and their intermediates,",
         advice="the weights are n_q x n_k: pass fewer queries or keys (a slice of q or k), "
                "or compute the attention itself with softmax_attention or linear_attention, "
@@ -377,6 +380,7 @@ def attention_weights(
     )
     qq, kk = _checks.as_kernel_input(q, dtype), _checks.as_kernel_input(k, dtype)
     if kind == "softmax":
+        qq, scale = _overflow.kernel_query(qq, scale)
         weights, _ = reference.softmax_weights(qq, kk, causal, scale)
     else:
         feats = fmap.features(reference, qq, kk, batch_shape)

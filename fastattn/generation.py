@@ -20,7 +20,7 @@ import numbers
 
 import numpy as np
 
-from . import _api, _backends, _checks, _policy, feature_maps, reference
+from . import _api, _backends, _checks, _overflow, _policy, feature_maps, reference
 
 _STORAGE_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
@@ -270,12 +270,12 @@ class KVCache:
             return _api.softmax_attention(q, keys, values, causal=causal, scale=scale, backend=name)
         scale = _checks.check_scale(scale, self.d_k, dtype)
         B = math.prod(batch_shape)
-        out = decode.cache_softmax_forward(
-            _checks.as_kernel_input(q, dtype),
-            self._k.reshape(B, self.capacity, self.d_k),
-            self._v.reshape(B, self.capacity, self.d_v),
-            causal, scale, self.length,
-        )
+        qq, scale = _overflow.kernel_query(_checks.as_kernel_input(q, dtype), scale)
+        k = self._k.reshape(B, self.capacity, self.d_k)
+        v = self._v.reshape(B, self.capacity, self.d_v)
+        out = _overflow.finite_softmax(
+            lambda q, k, v: decode.cache_softmax_forward(q, k, v, causal, scale, self.length),
+            qq, k, v, seen=(k[:, :self.length], v[:, :self.length]))
         return out.reshape(batch_shape + (n_q, self.d_v)).astype(result, copy=False)
 
 

@@ -329,6 +329,7 @@ def _issue9_inputs():
     return tuple(x.astype(np.float32) for x in (q, k, v))
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")   # Taylor's q², ref.
 @pytest.mark.parametrize("causal", [False, True], ids=["non-causal", "causal"])
 @pytest.mark.parametrize("feature_map", ["relu", "elu", "taylor", "callable"])
 def test_float32_products_below_the_range_give_the_float64_answer(backend, feature_map, causal):
@@ -371,3 +372,50 @@ def test_ordinary_float32_inputs_are_not_computed_again(monkeypatch, feature_map
                    for _ in range(3))
         for causal in (False, True):
             fastattn.linear_attention(q, k, v, feature_map=feature_map, causal=causal)
+
+
+# ---------------------------------------------------------------------------
+# Softmax whose finite answer passes beyond the dtype's range on the way.
+
+@pytest.mark.parametrize("dtype, n_k, value", [(np.float32, 1024, 1e36), (np.float64, 1000, 1e306)])
+def test_softmax_of_values_near_the_dtype_limit_is_their_average(backend, dtype, n_k, value):
+    """The unnormalised sum of 1,024 values of 1e36 is 1e39 (inf in float32); the answer, a
+    weighted average of the values, is 1e36.  The fast backends gave inf."""
+    q = np.zeros((1, 2, 16), dtype)
+    k = np.zeros((1, n_k, 16), dtype)
+    v = np.full((1, n_k, 4), value, dtype)
+    for causal in (False, True):
+        out = fastattn.softmax_attention(q, k, v, causal=causal, backend=backend)
+        assert out.dtype == dtype
+        np.testing.assert_allclose(out, value, rtol=1e-5)
+
+
+def test_a_kv_cache_of_values_near_the_float32_limit_attends_to_their_average():
+    cache = fastattn.KVCache((), 64, 16, 4)
+    cache.append(np.zeros((64, 16), np.float32), np.full((64, 4), 1e38, np.float32))
+    for backend in fastattn.available_backends():
+        np.testing.assert_allclose(cache.attend(np.zeros((1, 16), np.float32), backend=backend),
+                                   1e38, rtol=1e-5)
+
+
+def test_softmax_whose_q_k_overflows_before_a_small_scale_gives_the_float64_answer(backend):
+    """q, k of 1e30 and scale 1e-59 (0 in float32): logits of at most 78.  Cython gave
+    finite numbers of scale 0 (a uniform average), the reference and Numba NaN."""
+    rng = np.random.default_rng(30)
+    q = (rng.standard_normal((6, 8)) * 1e30).astype(np.float32)
+    k = (rng.standard_normal((9, 8)) * 1e30).astype(np.float32)
+    v = rng.standard_normal((9, 3)).astype(np.float32)
+    want = fastattn.softmax_attention(*(x.astype(np.float64) for x in (q, k, v)), scale=1e-59,
+                                      backend="reference")
+    out = fastattn.softmax_attention(q, k, v, scale=1e-59, backend=backend)
+    assert_close(out, want, dtype=np.float32)
+    weights = fastattn.attention_weights(q, k, scale=1e-59)
+    assert_close(weights @ v.astype(np.float64), want, dtype=np.float32)
+
+
+def test_a_nan_given_to_softmax_reaches_only_what_it_reaches(backend):
+    rng = np.random.default_rng(31)
+    q, k, v = (rng.standard_normal((1, 5, 4)).astype(np.float32) for _ in range(3))
+    v[0, 3, 1] = np.nan
+    out = fastattn.softmax_attention(q, k, v, backend=backend)
+    assert np.isnan(out[0, :, 1]).all() and np.isfinite(out[0, :, [0, 2, 3]]).all()

@@ -1,0 +1,55 @@
+"""Softmax calls kept inside their dtype's range: one rule for the API and the KV cache.
+
+The kernels compute ``softmax(scale · q kᵀ) v`` with the scale applied to the
+logits (so ``scale · q`` never overflows where the logits do not).  Two finite
+inputs can still leave the dtype's range on the way to a finite answer:
+
+* ``q · k`` overflows before a small ``scale`` brings it back (``q``, ``k`` of
+  1e30 and ``scale = 1e-59`` in float32: logits of at most 78).  With
+  ``scale < 1`` the query is scaled first (:func:`kernel_query`): ``|scale · q|
+  <= |q|`` cannot overflow, and ``(scale · q) · k`` overflows only where the
+  logits do.  One ``O(n_q · d_k)`` pass, in float64 and rounded once, so a
+  scale below float32's smallest number still scales.
+* The unnormalised output ``Σ_j exp(s_j − m) v_j`` overflows although the
+  answer, a weighted average of the values, does not (1,024 keys whose values
+  are 1e36 in float32).  That always shows in the output, so
+  :func:`finite_softmax` pays one ``isfinite`` pass over it, ``O(n_q · d_v)``,
+  and only the rare call whose output comes out non-finite from finite inputs
+  is made again: a float32 call in float64 (which holds every product of
+  float32 numbers), then rounded; a float64 call with ``v`` divided by a power
+  of two (exact), the output multiplied back.
+"""
+
+import numpy as np
+
+
+def kernel_query(q, scale):
+    """``(q, scale)`` for the kernels: ``(scale · q, 1)`` when ``scale < 1``, else as given.
+
+    The product is formed in float64 and rounded once, so a scale below the dtype's
+    smallest number (1e-59 in float32, which would be 0 there) still scales ``q``.
+    """
+    if scale < 1:
+        return (q * np.float64(scale)).astype(q.dtype), 1.0
+    return q, scale
+
+
+def finite_softmax(call, q, k, v, seen=None):
+    """``call(q, k, v)``, made again as the module docstring says when its output is
+    non-finite although the inputs (``q`` and ``seen``, the keys and values the call
+    reads: default ``(k, v)``) are finite.  A NaN or inf given is taken as given."""
+    out = call(q, k, v)
+    if np.isfinite(out).all():
+        return out
+    seen_k, seen_v = (k, v) if seen is None else seen
+    if not (np.isfinite(q).all() and np.isfinite(seen_k).all() and np.isfinite(seen_v).all()):
+        return out
+    with np.errstate(over="ignore", invalid="ignore"):
+        if q.dtype == np.float32:
+            wide = call(*(x.astype(np.float64) for x in (q, k, v)))
+            return wide.astype(np.float32)
+        top = float(np.max(np.abs(seen_v))) if seen_v.size else 0.0
+        if top == 0.0:
+            return out
+        c = 2.0 ** np.ceil(np.log2(top))
+        return call(q, k, v / c) * c
