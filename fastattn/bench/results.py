@@ -244,9 +244,9 @@ class ResultsWriter:
                 atomic_write(self.path, data[:len(data) - self.dropped_tail]
                              if self.dropped_tail else data + b"\n")
 
-    def done_keys(self):
-        """Keys (:func:`point_key`) of the points already measured with status ok or skipped."""
-        return {point_key(r) for r in self.existing
+    def done(self):
+        """The points already measured with status ok or skipped, by :func:`point_key`."""
+        return {point_key(r): r for r in self.existing
                 if r["record"] == "point" and r.get("status") in ("ok", "skipped")}
 
     def write(self, record_type, **fields):
