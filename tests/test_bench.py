@@ -731,6 +731,32 @@ def test_cli_refuses_a_directory_as_out(capsys, tmp_path):
     assert "is a directory" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("startup", [[], ["--startup"]])
+def test_cli_refuses_an_out_in_a_missing_folder_and_makes_none(capsys, tmp_path, startup):
+    out = tmp_path / "no" / "such" / "r.jsonl"
+    assert main(["bench", *startup, "--kind", "softmax", "--n", "8", "--backends", "reference",
+                 "--out", str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "error: --out" in err and f"the folder {out.parent} does not exist" in err
+    assert not (tmp_path / "no").exists()
+
+
+def test_cli_takes_several_kinds(tmp_path):
+    argv = ["bench", "--kind", "softmax", "linear", "--causal", "no", "--n", "8",
+            "--threads", "1", "--repeats", "1", "--backends", "reference", "--no-memory",
+            "--no-check", "--no-progress", "--out", str(tmp_path / "k.jsonl")]
+    assert main(argv) == 0
+    points = [r for r in read_records(tmp_path / "k.jsonl") if r["record"] == "point"]
+    assert sorted(r["attention"] for r in points) == ["linear", "softmax"]
+
+
+def test_cli_versus_of_a_directory_says_a_results_file_was_expected(capsys, tmp_path):
+    assert main(["bench", "--versus", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"--versus {tmp_path} is a directory" in err and "results file" in err
+    assert "no results file" not in err
+
+
 def test_roof_is_the_best_probe_of_the_dtype_not_a_slow_one():
     roof_for = engine.roof_for
     probes = [{"dtype": "float32", "shape": [n, 64, n], "gflops": g}
