@@ -230,11 +230,6 @@ MAX_PROBE_CALLS = 1000
 PAIRED_ROOF_BUDGET_S = 0.02
 
 
-def probe_n(n):
-    """The n of the GEMM probe that stands for an attention shape of length ``n``."""
-    return max(1, min(int(n), MAX_PROBE_N))
-
-
 def _task(kind, dtype, n, d, library="numpy"):
     """A probe's call and its work (flops of ``n x d @ d x n``, or n exps)."""
     rng = np.random.default_rng(0)
@@ -264,13 +259,13 @@ def _fastest_rate(fn, work, budget_s, min_calls, max_calls):
 
 def probe_roof(shapes, dtypes=("float32", "float64"), budget_s=0.1, rounds=3, library="numpy"):
     """Roof records: GEMM GFLOP/s of ``n x d @ d x n`` (``shape [n, d, n]``, ``gflops``) at
-    each attention shape ``(n, d)`` (:func:`probe_n`) and at :data:`PEAK_PROBE_N`, through
-    ``library`` (``blas`` its label, ``probed_at`` UTC), and for NumPy its serial exp rate
-    (``gelem_s``), per dtype; each the best repeat over ``rounds`` rounds visiting every task
-    in turn (``budget_s`` seconds a task), so a burst of load does not sink one."""
+    each attention shape ``(n, d)`` (n at most :data:`MAX_PROBE_N`) and at
+    :data:`PEAK_PROBE_N`, through ``library`` (``blas`` its label, ``probed_at`` UTC), and for
+    NumPy its serial exp rate (``gelem_s``), per dtype; each the best repeat over ``rounds``
+    rounds visiting every task in turn (``budget_s`` seconds a task)."""
     if library not in ROOF_LIBRARIES:
         raise ValueError(f"library must be one of {ROOF_LIBRARIES}, got {library!r}")
-    sizes = sorted({(probe_n(n), int(d)) for n, d in shapes}
+    sizes = sorted({(max(1, min(int(n), MAX_PROBE_N)), int(d)) for n, d in shapes}
                    | {(n, int(d)) for _, d in shapes for n in PEAK_PROBE_N})
     room = MEMORY_HEADROOM * available_bytes() / 2  # the output, and slack
     tasks = [("gemm", np.dtype(dt).name, n, d) for dt in dtypes for n, d in sizes

@@ -375,8 +375,3 @@ def peer_threads():
 def why_not(name, attention, dtype=None, d_k=None, d_v=None, regime="prefill", feature_map=None):
     """Why peer ``name`` has no call for such a point, or None (:meth:`Peer.why_not`)."""
     return PEERS[name].why_not(attention, dtype, d_k, d_v, regime, feature_map)
-
-
-def supports(name, attention, regime="prefill", feature_map=None):
-    """True if peer ``name`` has a call for this attention, regime and feature map."""
-    return why_not(name, attention, regime=regime, feature_map=feature_map) is None

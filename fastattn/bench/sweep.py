@@ -166,7 +166,8 @@ def default_grid(attentions=ATTENTIONS, backends=None, ns=DEFAULT_NS, causal=(Fa
             for attention in attentions for c in causal for dt in dtypes for n in ns
             for backend in backends
             for fmap in [feature_map if attention == "linear" else None]
-            if backend not in peers.PEERS or peers.supports(backend, attention, regime, fmap)]
+            if backend not in peers.PEERS or not peers.why_not(backend, attention, regime=regime,
+                                                               feature_map=fmap)]
 
 
 def feature_map_grid(backends, ns=FEATURE_MAP_NS, d_k=64, **kwargs):
@@ -453,10 +454,16 @@ def _measure_group(points, workers, options, roofs, threads):
     probe = live and engine.roof_probe(roofs, points[0].dtype, points[0].d_k)
     paired_roof = []
     for r in range(rounds):
-        if probe:
+        if probe:  # the roof's GEMM, in the process of its library (None if it cannot run)
             if threads > 1:
                 time.sleep(engine.TURN_SETTLE_S)
-            paired_roof.append(_paired_roof(probe, workers))
+            library = probe.get("library", "numpy")
+            try:
+                paired_roof.append(workers[library == "torch"].request("gemm", {
+                    "dtype": probe["dtype"], "n": probe["shape"][0], "d": probe["shape"][1],
+                    "library": library}))
+            except RuntimeError:
+                paired_roof.append(None)
         for entry in live[r % len(live):] + live[:r % len(live)]:
             if not entry.ok or r >= len(plan[entry.key]):
                 continue
@@ -471,18 +478,6 @@ def _measure_group(points, workers, options, roofs, threads):
         with contextlib.suppress(RuntimeError):
             entry.worker.request("release", {"key": entry.key})
     return outcomes
-
-
-def _paired_roof(probe, workers):
-    """GFLOP/s of the roof ``probe``'s GEMM now, in the process of its library; None if that
-    process cannot run it."""
-    n, d, _ = probe["shape"]
-    library = probe.get("library", "numpy")
-    try:
-        return workers[library == "torch"].request(
-            "gemm", {"dtype": probe["dtype"], "n": n, "d": d, "library": library})
-    except RuntimeError:
-        return None
 
 
 def run_sweep(points, results_path, options=Options(), *, threads=None, threads_reason=None,
