@@ -153,17 +153,19 @@ try:
 except (OSError, AttributeError, TypeError):
     _LIBC = None
 
-#: glibc's M_MMAP_THRESHOLD and M_TRIM_THRESHOLD in the memory probe: every block >= 64 KiB
-#: gets its own mmap, so a call's arrays are fresh pages counted in the peak RSS.  Outside
-#: it, glibc's steady state in a process that has freed large arrays: a timed call reuses
-#: heap pages as in a user's process (fresh pages each call made fast kernels look slow).
-_PROBE_MALLOC = {-3: 64 * 1024, -1: 128 * 1024}
-_TIMING_MALLOC = {-3: 32 * 2**20, -1: 64 * 2**20}
+#: glibc's mallopt parameters.  In the memory probe every block >= 64 KiB gets its own mmap,
+#: so a call's arrays are fresh pages counted in the peak RSS.  Outside it, glibc's steady
+#: state in a process that has freed large arrays: a timed call reuses heap pages as in a
+#: user's process (fresh pages each call made fast kernels look several times slower).
+_M_MMAP_THRESHOLD, _M_TRIM_THRESHOLD = -3, -1
+_PROBE_MALLOC = {_M_MMAP_THRESHOLD: 64 * 1024, _M_TRIM_THRESHOLD: 128 * 1024}
+_TIMING_MALLOC = {_M_MMAP_THRESHOLD: 32 * 2**20, _M_TRIM_THRESHOLD: 64 * 2**20}
 
 
 def _mallopt(settings):
-    for param, value in settings.items() if _LIBC is not None else ():
-        _LIBC.mallopt(param, value)
+    if _LIBC is not None:
+        for param, value in settings.items():
+            _LIBC.mallopt(param, value)
 
 
 def _status_bytes(field):
