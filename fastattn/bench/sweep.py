@@ -449,8 +449,10 @@ def _measure_group(points, workers, options, roofs, threads):
         entry.fields = entry.prepare()
     live = [entry for entry in entries if entry.ok]
     rounds = len(live) if len(live) < 2 else options.rounds or max(e.repeats for e in live)
-    plan = {e.key: [e.repeats // rounds + (t < e.repeats % rounds)
-                    for t in range(max(1, min(e.repeats, rounds)))] for e in live}
+    plan = {}  # the repeats of each turn: e.repeats over at most `rounds` turns, evenly
+    for e in live:
+        turns = max(1, min(e.repeats, rounds))
+        plan[e.key] = [e.repeats // turns + (t < e.repeats % turns) for t in range(turns)]
     probe = live and engine.roof_probe(roofs, points[0].dtype, points[0].d_k)
     paired_roof = []
     for r in range(rounds):
@@ -517,8 +519,8 @@ def run_sweep(points, results_path, options=Options(), *, threads=None, threads_
 
     bar = tqdm(total=len(todo), unit="point", desc=progress, dynamic_ncols=True,
                disable=not progress or not todo)
-    try:
-        with _terminate_as_interrupt():
+    with _terminate_as_interrupt():
+        try:
             roofs = _write_header(writer, workers, todo, threads, why, options,
                                   run_id) if todo else []
             groups = {}
@@ -534,10 +536,10 @@ def run_sweep(points, results_path, options=Options(), *, threads=None, threads_
                                           **point.record_fields(threads), **outcome)
                     found[point_key(record)] = record
                 bar.update(len(group))
-    finally:
-        bar.close()
-        for worker in set(workers.values()):
-            worker.close()
+        finally:
+            bar.close()
+            for worker in dict.fromkeys(workers.values()):  # the kernels' first
+                worker.close()
     return [found[key] for key in keys if key in found]
 
 
