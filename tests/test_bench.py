@@ -390,20 +390,19 @@ def test_warm_up_makes_one_call_at_least():
     assert engine.warm_up(lambda: made.append(1), 0.005) == len(made) - 1 > 1
 
 
-def test_a_first_call_that_stalls_does_not_use_up_the_warm_up():
+def test_a_first_call_that_stalls_does_not_use_up_the_warm_up(monkeypatch):
     # Right after an idle turn the first call may stall longer than the whole
     # warm-up: the warm-up's clock starts after it, so fast calls still follow.
-    # (Checked on when calls end, not on how many fit: a loaded machine may run few.)
-    made, ended = [], []
+    # A fake clock that moves only in calls (the first stalls for twice the warm-up,
+    # then 1 ms a call) keeps the test free of the machine's load.
+    clock = [0.0]
 
     def call():
-        made.append(time.perf_counter())
-        if len(made) == 1:
-            time.sleep(2 * engine.TURN_WARMUP_S)
-        ended.append(time.perf_counter())
+        clock[0] += 2 * engine.TURN_WARMUP_S if clock[0] == 0 else 1e-3
 
-    assert engine.warm_up(call) == len(made) > 1
-    assert ended[-1] - ended[0] >= engine.TURN_WARMUP_S
+    monkeypatch.setattr(engine.time, "perf_counter", lambda: clock[0])
+    made = engine.warm_up(call)
+    assert made - 1 == pytest.approx(engine.TURN_WARMUP_S / 1e-3, abs=1)
 
 
 def test_bench_says_which_options_its_points_ignore(tmp_path, capsys):
