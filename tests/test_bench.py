@@ -390,20 +390,19 @@ def test_warm_up_makes_one_call_at_least():
     assert engine.warm_up(lambda: made.append(1), 0.005) == len(made) - 1 > 1
 
 
-def test_a_first_call_that_stalls_does_not_use_up_the_warm_up():
+def test_a_first_call_that_stalls_does_not_use_up_the_warm_up(monkeypatch):
     # Right after an idle turn the first call may stall longer than the whole
     # warm-up: the warm-up's clock starts after it, so fast calls still follow.
-    # (Checked on when calls end, not on how many fit: a loaded machine may run few.)
-    made, ended = [], []
+    # A fake clock that moves only in calls (the first stalls for twice the warm-up,
+    # then 1 ms a call) keeps the test free of the machine's load.
+    clock = [0.0]
 
     def call():
-        made.append(time.perf_counter())
-        if len(made) == 1:
-            time.sleep(2 * engine.TURN_WARMUP_S)
-        ended.append(time.perf_counter())
+        clock[0] += 2 * engine.TURN_WARMUP_S if clock[0] == 0 else 1e-3
 
-    assert engine.warm_up(call) == len(made) > 1
-    assert ended[-1] - ended[0] >= engine.TURN_WARMUP_S
+    monkeypatch.setattr(engine.time, "perf_counter", lambda: clock[0])
+    made = engine.warm_up(call)
+    assert made - 1 == pytest.approx(engine.TURN_WARMUP_S / 1e-3, abs=1)
 
 
 def test_bench_says_which_options_its_points_ignore(tmp_path, capsys):
@@ -729,6 +728,32 @@ def test_cli_refuses_a_directory_as_out(capsys, tmp_path):
     assert main(["bench", "--kind", "softmax", "--n", "8", "--backends", "reference",
                  "--out", str(tmp_path), "--no-progress"]) == 2
     assert "is a directory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("startup", [[], ["--startup"]])
+def test_cli_refuses_an_out_in_a_missing_folder_and_makes_none(capsys, tmp_path, startup):
+    out = tmp_path / "no" / "such" / "r.jsonl"
+    assert main(["bench", *startup, "--kind", "softmax", "--n", "8", "--backends", "reference",
+                 "--out", str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "error: --out" in err and f"the folder {out.parent} does not exist" in err
+    assert not (tmp_path / "no").exists()
+
+
+def test_cli_takes_several_kinds(tmp_path):
+    argv = ["bench", "--kind", "softmax", "linear", "--causal", "no", "--n", "8",
+            "--threads", "1", "--repeats", "1", "--backends", "reference", "--no-memory",
+            "--no-check", "--no-progress", "--out", str(tmp_path / "k.jsonl")]
+    assert main(argv) == 0
+    points = [r for r in read_records(tmp_path / "k.jsonl") if r["record"] == "point"]
+    assert sorted(r["attention"] for r in points) == ["linear", "softmax"]
+
+
+def test_cli_versus_of_a_directory_says_a_results_file_was_expected(capsys, tmp_path):
+    assert main(["bench", "--versus", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"--versus {tmp_path} is a directory" in err and "results file" in err
+    assert "no results file" not in err
 
 
 def test_roof_is_the_best_probe_of_the_dtype_not_a_slow_one():

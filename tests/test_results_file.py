@@ -203,7 +203,7 @@ def test_missing_file_is_not_found(tmp_path):
 def test_missing_or_empty_file_starts_fresh(tmp_path):
     path = tmp_path / "sub" / "dir" / "results.jsonl"
     writer = ResultsWriter(path)
-    assert writer.existing == [] and writer.done_keys() == set()
+    assert writer.existing == [] and writer.done() == {}
     writer.write("point", **_point(4))
     empty = tmp_path / "empty.jsonl"
     empty.write_bytes(b"")
@@ -236,7 +236,7 @@ def test_last_record_missing_only_its_newline_is_kept(good_file):
         handle.write(_line("point", **_point(512)).rstrip("\n"))
     assert [r.get("n_q") for r in read_records(good_file)][-1] == 512
     writer = ResultsWriter(good_file)
-    assert results.point_key(_point(512)) in writer.done_keys()
+    assert results.point_key(_point(512)) in writer.done()
     writer.write("point", **_point(1024))
     assert [r.get("n_q") for r in read_records(good_file)][-2:] == [512, 1024]
 
@@ -244,7 +244,7 @@ def test_last_record_missing_only_its_newline_is_kept(good_file):
 def test_resume_reports_finished_points(good_file):
     ResultsWriter(good_file).write("point", **_point(512, status="error", reason="boom"))
     ResultsWriter(good_file).write("point", **_point(1024, status="skipped", reason="memory"))
-    keys = ResultsWriter(good_file).done_keys()
+    keys = set(ResultsWriter(good_file).done())
     assert {key[7] for key in keys} == {128, 256, 1024}      # n_q; the error is retried
 
 

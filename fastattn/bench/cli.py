@@ -16,7 +16,7 @@ from .schema import ATTENTIONS, DECODE_NS, DEFAULT_NS, DTYPES, REGIMES
 
 def add_parser(subparsers):
     """Register ``fastattn bench`` and its options."""
-    from .sweep import FEATURE_MAPS
+    from ..feature_maps import NAMES as FEATURE_MAPS
 
     parser = subparsers.add_parser(
         "bench",
@@ -28,8 +28,8 @@ def add_parser(subparsers):
                     "reference, appended to a JSON-lines file as each point finishes (the "
                     "same --out resumes).")
     add = parser.add_argument
-    add("--kind", choices=ATTENTIONS + ("both",), default="both",
-        help="attention type (default both)")
+    add("--kind", nargs="+", choices=ATTENTIONS + ("both",), default=["both"],
+        help="attention type(s) (default both)")
     add("--backends", nargs="+", metavar="NAME",
         help="fastattn backends and peers to measure (default: every available backend "
              "and installed peer)")
@@ -92,9 +92,8 @@ def shape_arg(text):
     kind)``: four positive ints, ``"prefill"``, ``"decode"`` or None (every ``--regime``),
     and ``"softmax"``, ``"linear"`` or None (every ``--kind``); the prefixes in either order."""
     *prefixes, dims = text.lower().split(":")
-    parts = dims.replace("×", "x").split("x")
     try:
-        values = tuple(positive_int(p) for p in parts)
+        values = tuple(positive_int(p) for p in dims.replace("×", "x").split("x"))
     except argparse.ArgumentTypeError:
         values = ()
     regimes = [p for p in prefixes if p in REGIMES]
@@ -113,18 +112,14 @@ def shape_arg(text):
     return values + ((regimes or [None])[0], (kinds or [None])[0])
 
 
-#: The files written beside the results file ``x.jsonl``: suffix and kind (for
-#: :func:`fastattn.bench.table.check_target`).
-SIDE_FILES = ((".csv", "csv"), (".summary.json", "summary"), (".md", "markdown"))
-
-
 class BenchUsageError(ValueError):
     """A bad combination of options (exit code 2, message on stderr)."""
 
 
-def backend_names(requested):
+def backend_names(requested, known=None, available=()):
     """The names of ``--backends`` (each item may hold several, split by commas), in order and
-    once each; None when the option was not given; BenchUsageError when it names none."""
+    once each; None when the option was not given.  BenchUsageError when it names none, or,
+    given the ``known`` names, one that is unknown or not ``available``, listing these."""
     if requested is None:
         return None
     names = list(dict.fromkeys(n.strip() for item in requested for n in item.split(",")
@@ -133,25 +128,14 @@ def backend_names(requested):
         got = " ".join(map(repr, requested))
         raise BenchUsageError(f"--backends names no backend (got {got}); give names such as: "
                               "--backends numba cython torch")
-    return names
+    if known is None:
+        return names
+    from .peers import absent_peers
 
-
-def resolve_backends(requested):
-    """The backends to measure and, when none were named, the absent peers (with how to add
-    them); BenchUsageError, listing what is available, for a name that is unknown or cannot
-    run here."""
-
-    from . import peers
-    from .sweep import default_backends, known_backends
-
-    available, absent = default_backends(), peers.absent_peers()
-    names = backend_names(requested)
-    if names is None:
-        return available, absent
-    here = f"available here: {', '.join(available)}"
+    here, absent = f"available here: {', '.join(available)}", absent_peers()
     for name in names:
-        if name not in known_backends():
-            gone = sorted(set(known_backends()) - set(available))
+        if name not in known:
+            gone = sorted(set(known) - set(available))
             raise BenchUsageError(f"unknown backend {name!r}; {here}"
                                   + (f" (known but absent: {', '.join(gone)})" if gone else ""))
         if name in absent:
@@ -160,7 +144,21 @@ def resolve_backends(requested):
         if name not in available:
             reason = _api.unavailable_backends().get(name, "not available")
             raise BenchUsageError(f"backend {name!r} cannot run here ({reason}); {here}")
-    return names, {}   # peers not asked for are not news
+    return names
+
+
+def _out(args, kind):
+    """The results file: ``--out``, refused when its folder is missing (nothing makes it), or
+    ``results/<kind>-<time>.jsonl``."""
+    if args.out is None:
+        return Path("results") / time.strftime(f"{kind}-%Y%m%d-%H%M%S.jsonl")
+    from .results import check_writable
+
+    check_writable(args.out, "results file")
+    if not args.out.parent.is_dir():
+        raise BenchUsageError(f"--out {args.out}: the folder {args.out.parent} does not exist; "
+                              "create it, or give --out a file in an existing folder")
+    return args.out
 
 
 def run(args):
@@ -175,8 +173,7 @@ def run(args):
                 backends = startup_backends(backend_names(args.backends))
             except ValueError as exc:
                 raise BenchUsageError(str(exc)) from None
-            out = args.out or Path("results") / time.strftime("startup-%Y%m%d-%H%M%S.jsonl")
-            return run_startup(args, out, backends)
+            return run_startup(args, _out(args, "startup"), backends)
         return _run(args)
     except (BenchUsageError, ResultsFileError) as exc:
         print(f"fastattn bench: error: {exc}", file=sys.stderr)
@@ -188,6 +185,9 @@ def print_versus(path):
     from .results import read_records
     from .table import format_versus, roof_statements, versus_rows
 
+    if path.is_dir():
+        raise BenchUsageError(f"--versus {path} is a directory; a results file (the JSON "
+                              "lines a run writes, e.g. results/bench-<time>.jsonl) was expected")
     try:
         records = read_records(path)
     except FileNotFoundError as exc:
@@ -195,32 +195,35 @@ def print_versus(path):
     rows = versus_rows([r for r in records if r["record"] == "point"])
     if not any(r["peer"] for r in rows):
         raise BenchUsageError(f"{path} holds no point of a peer beside a fastattn backend")
-    roofs = [r for r in records if r["record"] == "roof"]
-    print(format_versus(rows, roof_statements(roofs)))
+    print(format_versus(rows, roof_statements([r for r in records if r["record"] == "roof"])))
     return 0
 
 
 def _plan(args):
-    """The grid, the results path and the baseline; refuses what cannot be written, first."""
-    from .results import check_writable, read_records
-    from .sweep import FEATURE_MAPS, default_grid
-    from .table import check_target
+    """``(points, out, backends, baseline, absent)``: the grid, the results path, the backends,
+    the baseline and the absent peers (when none were named); refuses what cannot be written,
+    first."""
+    from . import peers
+    from .results import read_records
+    from .sweep import default_backends, default_grid, known_backends
+    from .table import SIDE_FILES, check_target
 
-    backends, absent = resolve_backends(args.backends)
+    available = default_backends()
+    backends = backend_names(args.backends, known_backends(), available) or available
+    absent = {} if args.backends else peers.absent_peers()  # peers not asked for: not news
     baseline = args.baseline or ("reference" if "reference" in backends else backends[0])
     if baseline not in backends:
         raise BenchUsageError(
             f"--baseline {baseline!r} is not among the measured backends: {', '.join(backends)}")
-    out = args.out or Path("results") / time.strftime("bench-%Y%m%d-%H%M%S.jsonl")
+    out = _out(args, "bench")
     # Any case: X.MD and X.md are one file on a case-insensitive filesystem.
-    beside = next((s for s, _ in SIDE_FILES if out.name.lower().endswith(s)), None)
+    beside = next((s for s, _, _ in SIDE_FILES.values() if out.name.lower().endswith(s)), None)
     if beside:  # the results file would be overwritten by its own table or summary
         stem = out.name[:-len(beside)]
         raise BenchUsageError(
             f"--out names the JSON-lines results file, got {out}: a {beside} file is written "
             f"beside it; give e.g. --out "
             f"{out.with_name(stem if stem.endswith('.jsonl') else stem + '.jsonl')}")
-    check_writable(out, "results file")
     if out.exists():
         try:
             read_records(out)
@@ -229,7 +232,7 @@ def _plan(args):
                 f"{exc}; --out resumes this file (--fresh replaces it), and neither is done "
                 "to a file that is not sound: repair or remove that line, or give another "
                 "--out") from None
-    for suffix, kind in SIDE_FILES:
+    for kind, (suffix, _, _) in SIDE_FILES.items():
         side = out.with_suffix(suffix)
         if side.is_dir():   # check_target's advice (a file inside it) would be wrong here
             raise ResultsFileError(f"--out {out} writes its {kind} beside it, at {side}, which "
@@ -238,71 +241,60 @@ def _plan(args):
     if args.num_features and "favor" not in args.feature_map:
         raise BenchUsageError("--num-features sets FAVOR+'s m: give --feature-map favor too")
     shapes = args.shape or [(args.batch, args.heads, None, args.d_k, None, None)]
-    kinds = ATTENTIONS if args.kind == "both" else (args.kind,)
+    kinds = tuple(k for k in ATTENTIONS if k in args.kind or "both" in args.kind)
     points = list(dict.fromkeys(  # softmax points are the same for every feature map
-        p for shape in dict.fromkeys(shapes) for regime in ([shape[4]] if shape[4]
-                                                            else args.regime)
+        p for batch, heads, n, d_k, regime_of, kind_of in dict.fromkeys(shapes)
+        for regime in ([regime_of] if regime_of else args.regime)
         for fmap in args.feature_map
         for m in (args.num_features or [None] if fmap == "favor" else [None])
         for p in default_grid(
-            attentions=(shape[5],) if shape[5] else kinds,
-            backends=backends, ns=(shape[2],) if shape[2] else sorted(set(
-                args.n or (DECODE_NS if regime == "decode" else DEFAULT_NS))),
-            d_k=shape[3], d_v=args.d_v or shape[3],
+            attentions=(kind_of,) if kind_of else kinds, backends=backends,
+            ns=(n,) if n else sorted(set(args.n or (DECODE_NS if regime == "decode"
+                                                     else DEFAULT_NS))),
+            d_k=d_k, d_v=args.d_v or d_k, batch=batch, heads=heads,
             causal={"yes": (True,), "no": (False,), "both": (False, True)}[args.causal],
-            batch=shape[0], heads=shape[1], dtype=args.dtype, feature_map=fmap,
-            regime=regime, num_features=m)))
-    idle = {name: _why_idle(name, kinds, args.regime, args.feature_map)
-            for name in backends if not any(p.backend == name for p in points)}
+            dtype=args.dtype, feature_map=fmap, regime=regime, num_features=m)))
+    idle = {}
+    for name in backends:
+        if not any(p.backend == name for p in points):  # a peer without the call
+            whys = [peers.why_not(name, kind, regime=regime, feature_map=fmap if kind ==
+                                  "linear" else None)
+                    for kind in kinds for regime in args.regime for fmap in args.feature_map]
+            idle[name] = next((why for why in whys if why), f"{name} has no call for these points")
     if not points:
         raise BenchUsageError("nothing to measure: " + "; ".join(idle.values()))
-    for why in idle.values():
-        print(f"note: {why}, so it is not measured", file=sys.stderr)
-    if args.shape and args.n:
-        print("note: --shape sets n for its points; --n is ignored", file=sys.stderr)
+    notes = [f"{why}, so it is not measured" for why in idle.values()]
+    notes += ["--shape sets n for its points; --n is ignored"] if args.shape and args.n else []
     if args.causal == "no" and any(p.regime == "decode" for p in points):
-        print("note: a decode point is causal (its query is the newest token); --causal no "
-              "applies to the prefill points only", file=sys.stderr)
-    if args.kind == "softmax" and args.feature_map != [FEATURE_MAPS[0]]:
-        print("note: --feature-map applies to linear attention; --kind softmax ignores it",
-              file=sys.stderr)
+        notes.append("a decode point is causal (its query is the newest token); --causal no "
+                     "applies to the prefill points only")
+    if kinds == ("softmax",) and args.feature_map != ["elu"]:
+        notes.append("--feature-map applies to linear attention; --kind softmax ignores it")
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
     return points, out, backends, baseline, absent
-
-
-def _why_idle(name, kinds, regimes, feature_maps):
-    """Why backend ``name`` has no point of the run (a peer without the call)."""
-    from . import peers
-
-    whys = [peers.why_not(name, kind, regime=regime, feature_map=fmap if kind == "linear"
-                          else None)
-            for kind in kinds for regime in regimes for fmap in feature_maps]
-    return next((why for why in whys if why), f"{name} has no call for these points")
 
 
 def _run(args):
     from .._threads import default_num_threads
     from .results import point_key, read_records
     from .sweep import Options, Terminated, new_run_id, run_sweep
-    from .table import (FAR_ABOVE_ROOF, far_above_roof, format_tables, format_versus,
-                        roof_statements, versus_rows, write_csv, write_summary,
-                        write_versus_markdown)
+    from . import table
 
     points, out, backends, baseline, absent = _plan(args)
     for name, hint in absent.items():
         print(f"{name} is not installed, so it is not compared; add it, in the fastattn "
               f"checkout, with: {hint}")
     options = Options(repeats=args.repeats, memory=not args.no_memory, check=not args.no_check)
-    run_id, records = new_run_id(), []
-    resume = not args.fresh
+    run_id, records, resume = new_run_id(), [], not args.fresh
     resumed = resume and out.is_file() and out.stat().st_size > 0
 
     def announce(todo, done):
         if resumed and done:
             on = f" on {plural(threads, 'thread')}" if threads else ""
             print(f"fastattn bench: resuming {out}: {done} of this command's {todo + done} "
-                  f"points{on} are there already "
-                  f"and are kept, not measured again; measuring the other {todo} (--fresh "
-                  "starts the file afresh)", file=sys.stderr)
+                  f"points{on} are there already and are kept, not measured again; measuring "
+                  f"the other {todo} (--fresh starts the file afresh)", file=sys.stderr)
 
     try:
         for threads in dict.fromkeys(args.threads or [None]):  # one sweep per thread count
@@ -315,7 +307,7 @@ def _run(args):
         try:
             kept = out.exists() and any(r["record"] == "point" for r in read_records(out))
         except (OSError, ResultsFileError):
-            kept = True   # say where they would be, as before
+            kept = True
         where = (f"the points measured so far are in {out}" if kept
                  else "no point was measured yet")
         how = "terminated (SIGTERM)" if isinstance(exc, Terminated) else "interrupted"
@@ -324,22 +316,22 @@ def _run(args):
               file=sys.stderr)
         return 128 + signal.SIGTERM if isinstance(exc, Terminated) else 130
     print()
-    print(format_tables(records, baseline=baseline, backend_order=backends))
-    runs = {r.get("run_id") for r in records}
-    roofs = [r for r in read_records(out) if r.get("record") == "roof" and r.get("run_id") in runs]
-    roof_text = roof_statements(roofs)
+    print(table.format_tables(records, baseline=baseline, backend_order=backends))
+    runs, stored = {r.get("run_id") for r in records}, read_records(out)
+    roof_text = table.roof_statements([r for r in stored if r.get("record") == "roof"
+                                       and r.get("run_id") in runs])
     if roof_text:
         print("\nroof (the GEMM probed in this run, on the same threads):\n  "
               + "\n  ".join(roof_text))
-    far = far_above_roof(records)
+    far = table.far_above_roof(records)
     if far:
-        print(f"\nwarning: {len(far)} point(s) ran at more than {FAR_ABOVE_ROOF:g}x the GEMM "
-              "roof probed beside them: the probe was most likely slowed by other work on the "
-              "machine (each probe's load is in the results file), so their % roof means "
+        print(f"\nwarning: {len(far)} point(s) ran at more than {table.FAR_ABOVE_ROOF:g}x the "
+              "GEMM roof probed beside them: the probe was most likely slowed by other work on "
+              "the machine (each probe's load is in the results file), so their % roof means "
               "little; measure again on a quiet machine.", file=sys.stderr)
-    rows = versus_rows(records)
+    rows = table.versus_rows(records)
     if any(r["peer"] for r in rows):
-        print("\n" + format_versus(rows))
+        print("\n" + table.format_versus(rows))
     loads = [r["load_avg_1m"] for r in records if r.get("load_avg_1m") is not None]
     cores = default_num_threads()
     if loads and max(loads) > cores:
@@ -352,14 +344,14 @@ def _run(args):
     mismatched = [r for r in records if r.get("check_ok") is False]
     if mismatched:
         print(f"\n{len(mismatched)} point(s) disagree with the float64 reference (MISMATCH).")
-    csv_path = write_csv(records, out.with_suffix(".csv"))
-    summary_path = write_summary(records, out.with_suffix(".summary.json"), baseline, backends)
-    table_path = write_versus_markdown(rows, out.with_suffix(".md"), roof_text)
+    csv_path = table.write_csv(records, out.with_suffix(".csv"))
+    summary_path = table.write_summary(records, out.with_suffix(".summary.json"), baseline,
+                                       backends)
+    table_path = table.write_versus_markdown(rows, out.with_suffix(".md"), roof_text)
     print(f"\nresults: {out}\ncsv:     {csv_path}\nsummary: {summary_path}\n"
           f"table:   {table_path}")
     mine = {point_key(r) for r in records}
-    others = sum(1 for r in read_records(out)
-                 if r.get("record") == "point" and point_key(r) not in mine)
+    others = sum(1 for r in stored if r.get("record") == "point" and point_key(r) not in mine)
     if others:
         print(f"note: {out} also holds {others} point(s) of earlier commands with other "
               "options; the csv, summary and table above are this command's points only "

@@ -5,8 +5,10 @@ point (its record's fields, :meth:`~fastattn.bench.sweep.Point.record_fields`) b
 
 import ctypes
 import ctypes.util
+import datetime
 import gc
 import math
+import statistics
 import time
 import timeit
 import tracemalloc
@@ -22,38 +24,27 @@ from .flops import attention_flops
 
 #: Seed of every sweep's inputs (each point derives its own stream from it).
 DEFAULT_SEED = 20260
-
 #: A point is flagged when ``max_abs_err > CHECK_TOL[dtype] * max(1, max |reference|)``.
 CHECK_TOL = {"float32": 1e-4, "float64": 1e-9}
-
-#: Bytes of intermediates the check's float64 reference may take (and at most a
-#: quarter of the available memory); above it the point is checked at a smaller n.
-CHECK_MAX_BYTES = 5 * 2**29  # 2.5 GiB
-
+#: Bytes of intermediates the check's float64 reference may take (and at most a quarter of
+#: the available memory); above it the point is checked at a smaller n.
+CHECK_MAX_BYTES = 5 * 2**29
 #: Fraction of the available memory a measured call may be predicted to need.
 MEMORY_HEADROOM = 0.7
-
 #: Idle seconds before each point, so spinning pools (OpenBLAS ~0.1 s) are asleep.
 SETTLE_S = 0.2
-#: Idle seconds before each turn when the backends of one shape take turns (more than one
-#: thread): the previous turn's pool (OpenBLAS spins ~0.1 s) is then asleep or nearly so.
+#: Idle seconds before each turn when the backends of one shape take turns on more than
+#: one thread: the previous turn's pool is then asleep or nearly so.
 TURN_SETTLE_S = 0.1
-#: A turn of a call estimated below this many seconds starts with untimed calls (see
-#: TURN_WARMUP_S), so the timed ones find their own inputs in the caches and their
-#: arrays' pages at hand, not what the previous turn (another implementation, the
-#: roof's GEMM) left: a memory-bound call is otherwise timed cold.
-TURN_WARM_S = 0.05
-#: Seconds of untimed calls after a first one (see warm_up) that start such a turn: after
-#: the idle of TURN_SETTLE_S a core runs slow for its first milliseconds of work.  The
-#: roof's GEMM is the fastest of PAIRED_ROOF_BUDGET_S of calls, past that ramp too, so a
-#: kernel and its roof are timed alike.
-TURN_WARMUP_S = 0.01
+#: A turn of a call estimated below this many seconds starts with TURN_WARMUP_S of untimed
+#: calls, so its timed calls find their own inputs in the caches, not the previous turn's,
+#: on a core up to speed after the idle of TURN_SETTLE_S.
+TURN_WARM_S, TURN_WARMUP_S = 0.05, 0.01
 #: A timed repeat lasts at least this long (``number`` calls of a fast kernel).
 MIN_REPEAT_S = 2e-4
-#: A fast call is repeated for this long at least (at most MAX_REPEATS times), so
-#: one repeat likely escapes load from other processes; the minimum finds it.
-MIN_TIME_S = 0.25
-MAX_REPEATS = 100
+#: A fast call is repeated for this long at least (at most MAX_REPEATS times), so one
+#: repeat likely escapes load from other processes; the minimum finds it.
+MIN_TIME_S, MAX_REPEATS = 0.25, 100
 
 
 def make_inputs(spec, seed=DEFAULT_SEED):
@@ -79,7 +70,7 @@ def make_call(spec, q, k, v):
     if attention == "softmax":
         return lambda: _api.softmax_attention(q, k, v, causal=causal, scale=scale,
                                               backend=backend)
-    if decode:  # the state of the first n - 1 keys (built once), then one step
+    if decode:
         k1, v1 = k[..., -1:, :].copy(), v[..., -1:, :].copy()
         _, state = _api.linear_attention(k1, k[..., :-1, :], v[..., :-1, :], return_state=True,
                                          feature_map=feature_map, backend="reference")
@@ -151,7 +142,6 @@ def time_call(call, repeats, estimate_s, min_time_s=None, max_repeats=None):
 
 
 def _timing(times, number):
-    """The fields of :func:`time_call` from its ``times`` (seconds a call) and ``number``."""
     return {"times_s": times, "median_s": float(np.median(times)), "min_s": min(times),
             "max_s": max(times), "number": number, "repeats": len(times)}
 
@@ -163,15 +153,12 @@ try:
 except (OSError, AttributeError, TypeError):
     _LIBC = None
 
-#: glibc's mallopt parameters: M_MMAP_THRESHOLD, M_TRIM_THRESHOLD.
+#: glibc's mallopt parameters.  In the memory probe every block >= 64 KiB gets its own mmap,
+#: so a call's arrays are fresh pages counted in the peak RSS.  Outside it, glibc's steady
+#: state in a process that has freed large arrays: a timed call reuses heap pages as in a
+#: user's process (fresh pages each call made fast kernels look several times slower).
 _M_MMAP_THRESHOLD, _M_TRIM_THRESHOLD = -3, -1
-#: While the memory probe runs, every block >= 64 KiB gets its own mmap, so a call's
-#: arrays are fresh pages (counted in the peak RSS) rather than reused, resident heap.
 _PROBE_MALLOC = {_M_MMAP_THRESHOLD: 64 * 1024, _M_TRIM_THRESHOLD: 128 * 1024}
-#: Outside the probe, glibc's steady state in a process that has freed large arrays
-#: (its dynamic threshold grows up to 32 MiB, trimming at twice that): a timed call
-#: reuses heap pages as it would in a user's process, instead of faulting in fresh
-#: pages on every call (which made small, fast kernels look several times slower).
 _TIMING_MALLOC = {_M_MMAP_THRESHOLD: 32 * 2**20, _M_TRIM_THRESHOLD: 64 * 2**20}
 
 
@@ -189,7 +176,7 @@ def _status_bytes(field):
     raise OSError(f"/proc/self/status has no {field}")
 
 
-def _reset_peak():
+def hwm_available():
     """Reset the peak RSS (Linux ``/proc/self/clear_refs``); False where that cannot be done."""
     try:
         with open("/proc/self/clear_refs", "w", encoding="ascii") as handle:
@@ -197,9 +184,6 @@ def _reset_peak():
         return _status_bytes("VmHWM") > 0
     except OSError:
         return False
-
-
-hwm_available = _reset_peak
 
 
 def peak_extra_bytes(call, method="auto"):
@@ -211,7 +195,7 @@ def peak_extra_bytes(call, method="auto"):
     _mallopt(_PROBE_MALLOC)
     if _LIBC is not None:
         _LIBC.malloc_trim(0)
-    hwm = method in ("auto", "hwm") and _reset_peak()
+    hwm = method in ("auto", "hwm") and hwm_available()
     started_here = not hwm and not tracemalloc.is_tracing()
     if started_here:
         tracemalloc.start()
@@ -232,25 +216,20 @@ def peak_extra_bytes(call, method="auto"):
 
 
 # --------------------------------------------------------------------- roof
-#: GEMM shapes above this n are probed at this n (the rate is flat beyond it, and the
-#: n x n output of a larger probe would take many GiBs): every n of the report's prefill
-#: grid is probed.
+#: GEMM shapes above this n are probed at this n (the rate is flat beyond it, and a larger
+#: probe's n x n output would take many GiBs).
 MAX_PROBE_N = 16384
-
-#: Lengths probed at every d of a run besides its own n: where the GEMM ``n x d @ d x n`` runs
-#: fastest (its n x n output still in cache; from a few thousand n on the output's writes
-#: bound it).  So the roof, the fastest probe, is the machine's GEMM rate at that d, not a
-#: memory-bound GEMM, even in a run of long sequences alone.
+#: Lengths probed at every d besides the run's own n: where the GEMM ``n x d @ d x n`` runs
+#: fastest (its output still in cache), so the roof is the machine's GEMM rate at that d,
+#: not a memory-bound GEMM, even in a run of long sequences alone.
 PEAK_PROBE_N = (512, 1024)
-
-#: BLAS libraries the roof may be probed through: OpenBLAS by NumPy's ``matmul``, and MKL by
-#: ``torch.matmul`` (in the peers' process, when torch is installed).
+#: BLAS libraries the roof may be probed through: NumPy's, and torch's (MKL; in the peers'
+#: process, when torch is installed).
 ROOF_LIBRARIES = ("numpy", "torch")
-
-
-def probe_n(n):
-    """The n of the GEMM probe that stands for an attention shape of length ``n``."""
-    return max(1, min(int(n), MAX_PROBE_N))
+#: Calls a probe times at most (over all its rounds).
+MAX_PROBE_CALLS = 1000
+#: Seconds of GEMM a round of a comparison times for its paired roof (at least 3 calls).
+PAIRED_ROOF_BUDGET_S = 0.02
 
 
 def _task(kind, dtype, n, d, library="numpy"):
@@ -263,14 +242,9 @@ def _task(kind, dtype, n, d, library="numpy"):
     out = np.empty((n, n), dtype=dtype)
     if library == "torch":
         torch = peers._torch()  # imported with the peers' thread count
-
         ta, tb, tout = torch.from_numpy(a), torch.from_numpy(b), torch.from_numpy(out)
         return (lambda: torch.matmul(ta, tb, out=tout)), 2.0 * n * n * d
     return (lambda: np.matmul(a, b, out=out)), 2.0 * n * n * d
-
-
-#: Calls a probe times at most (over all its rounds).
-MAX_PROBE_CALLS = 1000
 
 
 def _fastest_rate(fn, work, budget_s, min_calls, max_calls):
@@ -286,18 +260,14 @@ def _fastest_rate(fn, work, budget_s, min_calls, max_calls):
 
 
 def probe_roof(shapes, dtypes=("float32", "float64"), budget_s=0.1, rounds=3, library="numpy"):
-    """Roof records: GEMM GFLOP/s of ``n x d @ d x n`` at each attention shape ``(n, d)``
-    (n up to :data:`MAX_PROBE_N`, :func:`probe_n`) and at :data:`PEAK_PROBE_N` for each d
-    (``shape [n, d, n]``, ``gflops``) through
-    ``library`` (:data:`ROOF_LIBRARIES`; ``library``, ``blas`` its label, ``probed_at`` UTC),
-    and for NumPy its serial exp rate (``gelem_s``), per dtype; each the best repeat over
-    ``rounds`` rounds visiting every task in turn (``budget_s`` seconds a task), so a burst of
-    load does not sink one."""
-    import datetime as _dt
-
+    """Roof records: GEMM GFLOP/s of ``n x d @ d x n`` (``shape [n, d, n]``, ``gflops``) at
+    each attention shape ``(n, d)`` (n at most :data:`MAX_PROBE_N`) and at
+    :data:`PEAK_PROBE_N`, through ``library`` (``blas`` its label, ``probed_at`` UTC), and for
+    NumPy its serial exp rate (``gelem_s``), per dtype; each the best repeat over ``rounds``
+    rounds visiting every task in turn (``budget_s`` seconds a task)."""
     if library not in ROOF_LIBRARIES:
         raise ValueError(f"library must be one of {ROOF_LIBRARIES}, got {library!r}")
-    sizes = sorted({(probe_n(n), int(d)) for n, d in shapes}
+    sizes = sorted({(max(1, min(int(n), MAX_PROBE_N)), int(d)) for n, d in shapes}
                    | {(n, int(d)) for _, d in shapes for n in PEAK_PROBE_N})
     room = MEMORY_HEADROOM * available_bytes() / 2  # the output, and slack
     tasks = [("gemm", np.dtype(dt).name, n, d) for dt in dtypes for n, d in sizes
@@ -315,9 +285,8 @@ def probe_roof(shapes, dtypes=("float32", "float64"), budget_s=0.1, rounds=3, li
             best[task] = max(best[task], rate)
             count[task] += calls
     blas = environment.roof_blas(library)
-    # np.exp is NumPy's own loop on one thread, not the BLAS the GEMMs run on.
-    exp_label = f"np.exp of NumPy {np.__version__}, one thread"
-    when = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    exp_label = f"np.exp of NumPy {np.__version__}, one thread"  # not the GEMMs' BLAS
+    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
     return [{"probe": kind, "dtype": dtype, "repeats": count[t], "library": library,
              **(blas if kind == "gemm" else {"blas": exp_label}), "probed_at": when,
              **({"shape": [n, d, n], "gflops": best[t] / 1e9} if kind == "gemm"
@@ -325,21 +294,15 @@ def probe_roof(shapes, dtypes=("float32", "float64"), budget_s=0.1, rounds=3, li
             for t in tasks for kind, dtype, n, d in [t]]
 
 
-#: Seconds of GEMM a round of a comparison times for its paired roof (at least 3 calls).
-PAIRED_ROOF_BUDGET_S = 0.02
-
-
 def time_gemm(dtype, n, d, library, cache):
     """GFLOP/s of the fastest of at least 3 calls of the GEMM ``n x d @ d x n`` through
-    ``library`` within :data:`PAIRED_ROOF_BUDGET_S`: the roof probe of one round of a
-    comparison, so the kernel's fraction of the roof can be taken round by round
-    (``paired``).  ``cache`` (a dict) keeps the call's arrays between rounds."""
+    ``library`` within :data:`PAIRED_ROOF_BUDGET_S`: one round's roof, for the paired
+    fraction.  ``cache`` (a dict) keeps the call's arrays between rounds."""
     key = (np.dtype(dtype).name, int(n), int(d), library)
     if key not in cache:
         cache[key] = _task("gemm", *key[:3], library=library)
         cache[key][0]()  # first touch
-    rate, _ = _fastest_rate(*cache[key], PAIRED_ROOF_BUDGET_S, 3, MAX_PROBE_CALLS)
-    return rate / 1e9
+    return _fastest_rate(*cache[key], PAIRED_ROOF_BUDGET_S, 3, MAX_PROBE_CALLS)[0] / 1e9
 
 
 def gemm_probes(roofs, dtype=None, threads=None, machine=None):
@@ -353,9 +316,7 @@ def gemm_probes(roofs, dtype=None, threads=None, machine=None):
 
 def roof_probe(roofs, dtype, d, threads=None, machine=None):
     """The one roof rule: the fastest GEMM probe of :func:`gemm_probes` at the nearest ``d``,
-    over every probed n (:data:`PEAK_PROBE_N` among them) and every BLAS library probed (an
-    upper bound: one slowed probe does not lower it), or None.  Its ``gflops`` is the roof,
-    its ``blas`` the library."""
+    over every probed n and BLAS library, or None.  Its ``gflops`` is the roof."""
     found = gemm_probes(roofs, dtype, threads, machine)
     if not found:
         return None
@@ -372,18 +333,18 @@ def roof_for(roofs, dtype, d, threads=None, machine=None):
 
 # -------------------------------------------------------------------- check
 def quadratic_need(spec, itemsize):
-    """Bytes of n_q x n_k intermediates a reference call makes (0 if it makes none)."""
-    b = spec["batch"] * spec["heads"]
-    if spec["attention"] == "softmax":  # scores, weights, their products and the where()
-        return reference.quadratic_bytes(b, spec["n_q"], spec["n_k"], itemsize, arrays=4)
-    if spec["causal"]:                  # kernel matrix, its mask copy, the result
-        return reference.quadratic_bytes(b, spec["n_q"], spec["n_k"], itemsize, arrays=3)
-    return 0
+    """Bytes of n_q x n_k intermediates a reference call makes (0 if it makes none): softmax's
+    scores, weights, their products and the where(); causal linear's kernel matrix, its
+    mask copy and the result."""
+    if spec["attention"] == "linear" and not spec["causal"]:
+        return 0
+    return reference.quadratic_bytes(spec["batch"] * spec["heads"], spec["n_q"], spec["n_k"],
+                                     itemsize, arrays=4 if spec["attention"] == "softmax" else 3)
 
 
 def available_bytes():
-    """The memory free for a point: :func:`fastattn.reference.available_memory`, the figure
-    the reference's own checks use (infinite where the system does not say)."""
+    """The memory free for a point (:func:`fastattn.reference.available_memory`, the figure
+    the reference's own checks use; infinite where the system does not say)."""
     available = reference.available_memory()
     return math.inf if available is None else available
 
@@ -479,9 +440,8 @@ def prepare_point(spec, repeats=5, memory=True, check=True, seed=DEFAULT_SEED,
         if memory:
             fields.update(peak_bytes=peak, memory_method=method)
             if spec["backend"] == "reference" and method == "hwm" and estimate < 1.0:
-                # Linux counts a thread's resident pages into VmRSS in steps (64 page
-                # faults), so the peak RSS can miss a few hundred KiB; NumPy's allocations
-                # are all traced, so the reference keeps the larger of the two.
+                # Linux counts a thread's pages into VmRSS in steps of 64 page faults, so
+                # the peak RSS can miss a few hundred KiB; NumPy's allocations are traced.
                 traced = peak_extra_bytes(call, "tracemalloc")[0]
                 fields["peak_bytes_tracemalloc"] = traced
                 if traced > peak:
@@ -510,16 +470,25 @@ def failure(exc):
             "traceback": traceback.format_exc(limit=6)}
 
 
-def merge_timings(timings):
-    """One :func:`time_call` result from several (the rounds of an interleaved point)."""
-    return _timing([t for timing in timings for t in timing["times_s"]], timings[0]["number"])
-
-
-def finish_point(spec, fields, timing):
-    """``fields`` of :func:`prepare_point` with the timing, flops and GFLOP/s (from the median)."""
-    fields = {**fields, **timing}
+def finish_point(spec, fields, timings, roofs=(), paired_roof=None, rounds=()):
+    """``fields`` of :func:`prepare_point` with its turns' :func:`time_call` ``timings``
+    merged, flops, GFLOP/s (at the median) and the fraction of the roof (:func:`roof_probe`
+    of ``roofs``); given the roof GEMM's GFLOP/s in each round (``paired_roof``) and the round
+    of each timing, ``roof_fraction_paired``: the median over the rounds of the kernel's
+    GFLOP/s in the round (its fastest repeat there) over the roof's."""
+    times = [t for timing in timings for t in timing["times_s"]]
+    out = {**fields, **_timing(times, timings[0]["number"]), "rounds": len(timings),
+           "round_min_s": [t["min_s"] for t in timings]}
     flops = point_flops(spec)
-    fields.update(flops=flops, gflops=flops / fields["median_s"] / 1e9
-                  if fields["median_s"] > 0 else None)
-    return fields
-
+    gflops = flops / out["median_s"] / 1e9 if out["median_s"] > 0 else None
+    probe = roof_probe(roofs, spec["dtype"], spec["d_k"])
+    roof = probe and probe["gflops"]
+    out.update(flops=flops, gflops=gflops, roof_gflops=roof, roof_blas=probe and
+               probe.get("blas"), roof_shape=probe and probe.get("shape"),
+               roof_fraction=gflops / roof if gflops and roof else None)
+    pairs = [(flops / t["min_s"] / 1e9, paired_roof[r]) for r, t in zip(rounds, timings)
+             if paired_roof and flops and t["min_s"] > 0 and paired_roof[r]]
+    if pairs:
+        out.update(roof_round_gflops=[g for _, g in pairs],
+                   roof_fraction_paired=float(statistics.median(k / g for k, g in pairs)))
+    return out

@@ -27,7 +27,6 @@ def idle_cores(interval_s=0.5):
 
 
 def _cpuinfo(prefix):
-    """The value of the first /proc/cpuinfo line starting with ``prefix``, or None."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as handle:
             return next((line.split(":", 1)[1].strip() for line in handle
@@ -38,8 +37,8 @@ def _cpuinfo(prefix):
 
 def _cpu_flags():
     flags = set((_cpuinfo("flags") or "").split())
-    wanted = ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512_vnni")
-    return [f for f in wanted if f in flags] if flags else None
+    return [f for f in ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512_vnni")
+            if f in flags] if flags else None
 
 
 def _git_commit():
@@ -55,19 +54,17 @@ def _git_commit():
 
 
 def blas_info():
-    """BLAS libraries loaded here (threadpoolctl): ``internal_api``, ``version``,
-    ``architecture``, ``threading_layer``, ``num_threads``, ``filepath``, ``prefix``."""
+    """BLAS libraries loaded here, as threadpoolctl describes them."""
     from threadpoolctl import threadpool_info
 
-    keys = ("internal_api", "version", "architecture", "threading_layer",
-            "num_threads", "filepath", "prefix")
+    keys = ("internal_api", "version", "architecture", "threading_layer", "num_threads",
+            "filepath", "prefix")
     return [{key: info.get(key) for key in keys}
             for info in threadpool_info() if info.get("user_api") == "blas"]
 
 
 def _cython_products():
-    """The instruction set the Cython kernels' register-blocked products take here:
-    ``"avx512"``, ``"avx2"``, or None (their BLAS path, or no Cython build)."""
+    """The Cython kernels' products' instruction set: "avx512", "avx2", or None (BLAS)."""
     try:
         from fastattn._cython.softmax import _build_features
     except ImportError:
@@ -76,11 +73,8 @@ def _cython_products():
 
 
 def collect(threads=None):
-    """This machine and software, as an environment record: CPU, cores, memory, the run's
-    ``threads`` and the counts in force, ``*_NUM_THREADS``, BLAS, Python, library
-    ``versions`` (None when absent), backends, the Cython products' instruction set,
-    peers and the git commit."""
-
+    """This machine and software, as an environment record (:data:`~.schema.ENVIRONMENT_KEYS`)
+    with the run's ``threads``; a library's version is None when it is absent."""
     import numpy as np
     import psutil
 
@@ -119,9 +113,8 @@ def collect(threads=None):
 
 
 def roof_blas(library="numpy"):
-    """The BLAS a roof probe's ``library`` runs on: ``{"blas": label, "blas_name": name}``,
-    e.g. ``"OpenBLAS 0.3.27 (Haswell) through NumPy 2.1.3"`` and ``"OpenBLAS"``, or
-    ``"MKL 2024.2 through torch 2.13.0"`` and ``"MKL"``."""
+    """``{"blas": label, "blas_name": name}`` of the BLAS a roof probe's ``library`` runs on,
+    e.g. ``"OpenBLAS 0.3.27 (Haswell) through NumPy 2.1.3"`` and ``"OpenBLAS"``."""
     if library == "torch":
         import torch
 
@@ -142,8 +135,7 @@ def roof_blas(library="numpy"):
     return {"blas": f"{text} through NumPy {np.__version__}", "blas_name": name}
 
 
-def _numpy_blas_name(np):
-    """NumPy's build-time BLAS name (e.g. "scipy-openblas"), if it says."""
+def _numpy_blas_name(np):  # NumPy's build-time BLAS name (e.g. "scipy-openblas")
     try:
         config = np.show_config(mode="dicts")
         return config["Build Dependencies"]["blas"]["name"]

@@ -2,8 +2,7 @@
 
 import numpy as np
 
-#: Chunk of the nominal chunked causal linear attention counted (the same for every
-#: backend, so GFLOP/s compare like with like whatever chunk a kernel uses).
+#: Chunk of the nominal chunked causal linear attention counted, for every backend alike.
 CAUSAL_LINEAR_CHUNK = 64
 
 
@@ -18,8 +17,7 @@ def visible_pairs(n_q, n_k, causal):
 
 
 def _intra_chunk_pairs(n_q, n_k, chunk):
-    """Visible pairs inside each query's own key chunk: ``p % c + 1`` for
-    ``p = i + n_k - n_q >= 0``."""
+    """Visible pairs in each query's own key chunk: ``p % c + 1``, ``p = i + n_k - n_q >= 0``."""
     p = np.arange(n_q, dtype=np.int64) + (n_k - n_q)
     p = p[p >= 0]
     return int((p % chunk + 1).sum())

@@ -1,36 +1,23 @@
-"""Peers: what a user would otherwise call, measured on the same inputs.
+"""Peers: what a user would otherwise call, measured on the same inputs and checked against
+the float64 reference like any backend.  A peer is one :class:`Peer` record in
+:data:`PEERS` (adding a peer is a record and a test); each is optional (``pip install -e
+".[peers]"``) and found without being imported: **torch** (SDPA, and linear attention in
+its two usual PyTorch forms), **onnxruntime** (the ``com.microsoft`` MultiHeadAttention
+operator), **jax** (``jax.nn.dot_product_attention``) and **numpy** (the plain recurrent
+step of linear attention, decode only).
 
-A peer is one :class:`Peer` record in :data:`PEERS` (adding a peer is a record and a
-test): the modules it needs, the command that installs it, its thread setting, its call
-builders, the memory it needs, its version and what it supports.  Each is optional
-(``pip install -e ".[peers]"`` adds them all, never a dependency of the kernels) and found
-without being imported:
-
-* **torch** (PyTorch on CPU): softmax attention by
-  ``torch.nn.functional.scaled_dot_product_attention`` (:func:`torch_softmax_call`), causal
-  and not, and linear attention in its two usual PyTorch forms (:func:`torch_linear_call`);
-* **onnxruntime**: softmax attention by the ``com.microsoft`` MultiHeadAttention contrib
-  operator (:func:`onnxruntime_softmax_call`), float32 only;
-* **jax**: softmax attention by ``jax.nn.dot_product_attention`` (:func:`jax_softmax_call`),
-  float32 only;
-* **numpy**: the plain NumPy recurrent step of linear attention, decode only
-  (:func:`numpy_linear_decode_call`).
-
-A peer is checked against the float64 reference like any backend.  Its builders are its
-:attr:`Peer.calls` by attention and regime; each takes ``(q, k, v, causal, option,
-heads=1)``: ``q (B, n_q, d_k)``, ``k (B, n_k, d_k)``, ``v (B, n_k, d_v)`` C-contiguous
-arrays with ``B = batch * heads``, ``option`` the scale (softmax) or the feature map
-(linear), and returns a no-argument callable whose result is the output ``(B, n_q, d_v)``
-as an ndarray.  A builder raises ValueError for what it cannot compute as fastattn does (a
-causal mask aligned differently when ``n_q != n_k``, heads that do not divide ``B``) and
-TypeError for a dtype it does not run.
-"""
+A call builder takes ``(q, k, v, causal, option, heads=1)``: C-contiguous ``q (B, n_q,
+d_k)``, ``k (B, n_k, d_k)``, ``v (B, n_k, d_v)``, ``B = batch * heads``, ``option`` the scale
+(softmax) or the feature map (linear), and returns a no-argument callable whose result is
+the output ``(B, n_q, d_v)`` as an ndarray.  It raises ValueError for what it cannot compute
+as fastattn does (a causal mask aligned otherwise when ``n_q != n_k``, heads that do not
+divide ``B``) and TypeError for a dtype it does not run."""
 
 import importlib.metadata
 import importlib.util
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -39,11 +26,6 @@ from .._threads import blas_threads, default_num_threads
 
 #: Thread count the peers get (set by :func:`set_peer_threads`; None: each one's default).
 _threads = None
-
-
-def _io_bytes(attention, causal, batch, n, d_k, d_v, itemsize):
-    """Bytes of a call's inputs, output and layouts: the default of :attr:`Peer.extra_bytes`."""
-    return 4 * batch * n * max(d_k, d_v) * itemsize
 
 
 @dataclass(frozen=True)
@@ -60,18 +42,17 @@ class Peer:
     calls : dict of (str, str) to callable
         Call builders by ``(attention, regime)``.
     set_threads, threads : callable
-        ``set_threads(n)`` fixes its intra-op threads now, or on its import;
-        ``threads()`` the count in force (or to be, when not imported yet).
+        ``set_threads(n)`` fixes its intra-op threads now, or on its import; ``threads()``
+        the count in force (or to be).
     distributions : tuple of str
-        Its distributions, whose versions the environment record keeps (the first is
-        :meth:`version`'s).
+        Distributions whose versions the environment record keeps (default ``modules``).
     float32_only, same_d : bool
         Its softmax attention runs in float32 only; needs ``d_v == d_k``.
     feature_maps : tuple
         Feature maps its linear attention implements (None: the default, elu).
-    extra_bytes : callable
-        ``(attention, causal, batch, n, d_k, d_v, itemsize) -> int``: bytes a call needs
-        beyond its inputs and output (so what cannot fit is skipped).
+    square_arrays, layouts, causal_states : int
+        Memory a call needs beyond its inputs and output (so what cannot fit is skipped):
+        ``n x n`` and ``n x d`` arrays; causal linear attention instead ``n x d_k x d_v``.
     """
 
     name: str
@@ -84,7 +65,9 @@ class Peer:
     float32_only: bool = False
     same_d: bool = False
     feature_maps: tuple = (None, "elu", "relu")
-    extra_bytes: Callable = field(default=_io_bytes)
+    square_arrays: int = 0
+    layouts: int = 4
+    causal_states: int = 0
 
     def available(self):
         """True if every module it needs is findable here (without importing it)."""
@@ -106,6 +89,12 @@ class Peer:
         if self.same_d and d_k is not None and d_k != d_v:
             return "jax.nn.dot_product_attention needs d_v == d_k"
         return None
+
+    def extra_bytes(self, attention, causal, batch, n, d_k, d_v, itemsize):
+        """Bytes a call needs beyond its inputs and output."""
+        if attention == "linear" and causal and self.causal_states:
+            return self.causal_states * batch * n * d_k * d_v * itemsize
+        return (self.square_arrays * n * n + self.layouts * n * max(d_k, d_v)) * batch * itemsize
 
 
 def _findable(name):
@@ -147,16 +136,14 @@ _XLA_ONE_THREAD = ("--xla_cpu_multi_thread_eigen=false", "intra_op_parallelism_t
 
 
 def _set_jax_threads(n):
-    """XLA's CPU pool is sized when JAX starts: one thread goes into ``XLA_FLAGS`` before
-    the first import; more threads leave XLA's pool at its default (one per usable CPU).
-    Once JAX has started the count no longer changes."""
+    """One thread goes into ``XLA_FLAGS`` before JAX's first import; more leave XLA's pool
+    at its default (one per usable CPU).  Once JAX has started the count no longer changes."""
     if "jax" not in sys.modules:
         flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if f not in _XLA_ONE_THREAD]
         os.environ["XLA_FLAGS"] = " ".join(flags + (list(_XLA_ONE_THREAD) if n == 1 else []))
 
 
 def _jax_threads():
-    """Threads of XLA's CPU pool as ``XLA_FLAGS`` set it (read by JAX once, on start)."""
     flags = os.environ.get("XLA_FLAGS", "").split()
     return 1 if all(f in flags for f in _XLA_ONE_THREAD) else default_num_threads()
 
@@ -167,19 +154,26 @@ def _set_blas_threads(n):
     threadpool_limits(n, user_api="blas")
 
 
-def _as_4d(torch, arrays, heads):
-    """Wrap ``(B, n, d)`` arrays without a copy as ``(B / heads, heads, n, d)`` tensors.
+def _check_peer_inputs(name, q, k, v, causal, heads):
+    """Refuse what a peer's softmax kernel cannot compute as fastattn does."""
+    if q.ndim != 3 or k.ndim != 3 or v.ndim != 3:
+        raise ValueError(f"q, k, v must be (B, n, d) arrays, got shapes {q.shape}, {k.shape}, "
+                         f"{v.shape}")
+    if heads < 1 or q.shape[0] % heads:
+        raise ValueError(f"heads must divide B = {q.shape[0]}, got {heads}")
+    if causal and q.shape[-2] != k.shape[-2]:
+        raise ValueError(f"{name}'s causal mask equals fastattn's only when n_q == n_k")
 
-    PyTorch's CPU flash kernel of SDPA only takes 4-D (batch, heads, n, d)
-    inputs; 3-D inputs fall back to the O(n²) math path.
-    """
+
+def _as_4d(torch, arrays, heads):
+    """``(B, n, d)`` arrays as ``(B / heads, heads, n, d)`` tensors without a copy: PyTorch's
+    CPU flash kernel of SDPA takes 4-D inputs only (3-D fall back to the O(n²) path)."""
     return tuple(torch.from_numpy(x).view(-1, heads, *x.shape[-2:]) for x in arrays)
 
 
 def torch_softmax_call(q, k, v, causal, scale, heads=1):
-    """Softmax attention by PyTorch's SDPA, float32 or float64: the inputs wrapped without a
-    copy as ``(batch, heads, n, d)`` tensors (the layout its flash kernel needs); its
-    ``is_causal`` mask is aligned at the top left (so ``n_q == n_k`` when causal)."""
+    """Softmax attention by PyTorch's SDPA, float32 or float64; its ``is_causal`` mask is
+    aligned at the top left (so ``n_q == n_k`` when causal)."""
     _check_peer_inputs("torch", q, k, v, causal, heads)
     torch = _torch()
     tq, tk, tv = _as_4d(torch, (q, k, v), heads)
@@ -194,38 +188,23 @@ def torch_softmax_call(q, k, v, causal, scale, heads=1):
     return call
 
 
-def _check_peer_inputs(name, q, k, v, causal, heads):
-    """Refuse what a peer's softmax kernel cannot compute as fastattn does."""
-    if q.ndim != 3 or k.ndim != 3 or v.ndim != 3:
-        raise ValueError(f"q, k, v must be (B, n, d) arrays, got shapes {q.shape}, {k.shape}, {v.shape}")
-    if heads < 1 or q.shape[0] % heads:
-        raise ValueError(f"heads must divide B = {q.shape[0]}, got {heads}")
-    if causal and q.shape[-2] != k.shape[-2]:
-        raise ValueError(f"{name}'s causal mask equals fastattn's only when n_q == n_k")
-
-
-def _heads_last(x, heads):
-    """``(batch * heads, n, d)`` as ``(batch, n, heads * d)`` (a copy when heads > 1)."""
-    B, n, d = x.shape
-    return np.ascontiguousarray(x.reshape(B // heads, heads, n, d).transpose(0, 2, 1, 3)).reshape(
-        B // heads, n, heads * d)
-
-
-def _heads_first(x, heads):
-    """Inverse of :func:`_heads_last`: ``(batch, n, heads * d)`` as ``(batch * heads, n, d)``."""
+def _heads_moved(x, heads, last=True):
+    """``(batch * heads, n, d)`` as ``(batch, n, heads * d)`` (a copy when heads > 1), or back
+    when not ``last``."""
+    if last:
+        B, n, d = x.shape
+        return np.ascontiguousarray(x.reshape(B // heads, heads, n, d).transpose(0, 2, 1, 3)
+                                    ).reshape(B // heads, n, heads * d)
     batch, n, hd = x.shape
-    d = hd // heads
-    return np.ascontiguousarray(x.reshape(batch, n, heads, d).transpose(0, 2, 1, 3)).reshape(
-        batch * heads, n, d)
+    return np.ascontiguousarray(x.reshape(batch, n, heads, hd // heads).transpose(0, 2, 1, 3)
+                                ).reshape(batch * heads, n, hd // heads)
 
 
 def onnxruntime_softmax_call(q, k, v, causal, scale, heads=1):
-    """Softmax attention by onnxruntime, float32 only (its CPU kernel has no float64): one
-    ``com.microsoft`` MultiHeadAttention node (``num_heads``, ``scale``, ``unidirectional=1``
-    when causal) run by a CPU ``InferenceSession`` on the peers' threads.  The operator takes
-    ``(batch, n, heads * d)``: the inputs are rearranged once, before any timing (a copy when
-    ``heads > 1``), and each call rearranges its output back, an ``O(B n d_v)`` copy beside
-    the ``O(B n_q n_k d)`` attention."""
+    """Softmax attention by one ``com.microsoft`` MultiHeadAttention node (``num_heads``,
+    ``scale``, ``unidirectional=1`` when causal) in a CPU ``InferenceSession`` on the peers'
+    threads, float32 only.  Its ``(batch, n, heads * d)`` layout is made once, before any
+    timing; each call moves its output back, ``O(B n d_v)`` beside the attention's work."""
     _check_peer_inputs("onnxruntime", q, k, v, causal, heads)
     if not all(x.dtype == np.float32 for x in (q, k, v)):
         raise TypeError(f"onnxruntime's MultiHeadAttention runs float32 only, got {q.dtype}")
@@ -233,8 +212,8 @@ def onnxruntime_softmax_call(q, k, v, causal, scale, heads=1):
     import onnxruntime
     from onnx import TensorProto, helper
 
-    feeds = {"query": _heads_last(q, heads), "key": _heads_last(k, heads),
-             "value": _heads_last(v, heads)}
+    feeds = {name: _heads_moved(x, heads) for name, x in zip(("query", "key", "value"),
+                                                              (q, k, v))}
     node = helper.make_node("MultiHeadAttention", ["query", "key", "value"], ["output"],
                             domain="com.microsoft", num_heads=int(heads), scale=float(scale),
                             unidirectional=int(bool(causal)))
@@ -254,19 +233,14 @@ def onnxruntime_softmax_call(q, k, v, causal, scale, heads=1):
     options.execution_mode = onnxruntime.ExecutionMode.ORT_SEQUENTIAL
     session = onnxruntime.InferenceSession(model.SerializeToString(), options,
                                            providers=["CPUExecutionProvider"])
-
-    def call():
-        return _heads_first(session.run(None, feeds)[0], heads)
-
-    return call
+    return lambda: _heads_moved(session.run(None, feeds)[0], heads, last=False)
 
 
 def jax_softmax_call(q, k, v, causal, scale, heads=1):
     """Softmax attention by ``jax.nn.dot_product_attention`` (XLA) under ``jax.jit``, compiled
-    here by one warm-up call; float32 only (it computes its softmax in float32 whatever the
-    inputs' dtype) and ``d_v == d_k``.  The inputs are copied to the device once, here; the
-    operator's ``(batch, n, heads, d)`` layout is formed inside the jitted function, and each
-    call waits for its result.  Its ``is_causal`` mask is aligned at the top left."""
+    here by one warm-up call; float32 only (its softmax is float32 whatever the inputs) and
+    ``d_v == d_k``.  The inputs go to the device once; the operator's ``(batch, n, heads, d)``
+    layout is formed inside the jitted function.  Its causal mask is aligned at the top left."""
     _check_peer_inputs("jax", q, k, v, causal, heads)
     if v.shape[-1] != q.shape[-1]:
         raise ValueError(f"jax.nn.dot_product_attention needs d_v == d_k, got d_k={q.shape[-1]}, "
@@ -276,88 +250,63 @@ def jax_softmax_call(q, k, v, causal, scale, heads=1):
                         f"the inputs' dtype; give it float32, got {q.dtype}")
     import jax
 
-    batch = q.shape[0] // heads
-    out_shape = q.shape[:-1] + v.shape[-1:]
+    batch, out_shape = q.shape[0] // heads, q.shape[:-1] + v.shape[-1:]
 
+    @jax.jit
     def attend(q4, k4, v4):
-        # (batch, heads, n, d) -> (batch, n, heads, d), the layout of the operator
         q4, k4, v4 = (x.transpose(0, 2, 1, 3) for x in (q4, k4, v4))
         out = jax.nn.dot_product_attention(q4, k4, v4, scale=float(scale), is_causal=bool(causal),
                                            implementation="xla")
         return out.transpose(0, 2, 1, 3)
 
-    attend = jax.jit(attend)
     args = [jax.device_put(x.reshape(batch, heads, *x.shape[1:])) for x in (q, k, v)]
     attend(*args).block_until_ready()  # compile outside the timing
-
-    def call():
-        return np.asarray(attend(*args).block_until_ready()).reshape(out_shape)
-
-    return call
+    return lambda: np.asarray(attend(*args).block_until_ready()).reshape(out_shape)
 
 
 def torch_linear_call(q, k, v, causal, feature_map="elu", eps=1e-6, heads=1):
     """Linear attention in its two usual plain PyTorch forms (Katharopoulos et al. 2020;
     ``feature_map`` elu or relu): non-causal, the product form ``φ(q) (φ(k)ᵀ v) / (φ(q)
-    Σ_j φ(k_j) + eps)``, ``O(n d_k d_v)`` time and ``O(n d + d_k d_v)`` memory; causal
-    (``n_q == n_k``), the cumulative-sum form, ``S_i = cumsum_j φ(k_j)ᵀ v_j`` stored for
-    every position (``(B, n, d_k, d_v)``), ``O(n d_k d_v)`` time and memory."""
+    Σ_j φ(k_j) + eps)``, ``O(n d_k d_v)`` time, ``O(n d + d_k d_v)`` memory; causal (``n_q ==
+    n_k``), the cumulative-sum form with ``S_i`` stored for every position, ``O(n d_k d_v)``
+    time and memory."""
     torch = _torch()
     F = torch.nn.functional
     if causal and q.shape[-2] != k.shape[-2]:
         raise ValueError("the cumulative-sum form needs n_q == n_k")
-    if feature_map == "elu":
-        def phi(x):
-            return F.elu(x) + 1
-    elif feature_map == "relu":
-        phi = F.relu
-    else:
+    if feature_map not in ("elu", "relu"):
         raise ValueError(f"feature_map must be 'elu' or 'relu', got {feature_map!r}")
+    phi = (lambda x: F.elu(x) + 1) if feature_map == "elu" else F.relu
     tq, tk, tv = _as_4d(torch, (q, k, v), heads)
     out_shape = q.shape[:-1] + v.shape[-1:]
 
     def product_form():
         with torch.inference_mode():
             pq, pk = phi(tq), phi(tk)
-            state = pk.transpose(-2, -1) @ tv                  # (..., d_k, d_v)
-            norm = pk.sum(dim=-2)                              # (..., d_k)
-            numerator = pq @ state
-            denominator = (pq @ norm.unsqueeze(-1)) + eps      # (..., n, 1)
+            numerator = pq @ (pk.transpose(-2, -1) @ tv)                  # S: (..., d_k, d_v)
+            denominator = (pq @ pk.sum(dim=-2).unsqueeze(-1)) + eps      # (..., n, 1)
             return (numerator / denominator).numpy().reshape(out_shape)
 
     def cumsum_form():
         with torch.inference_mode():
             pq, pk = phi(tq), phi(tk)
             states = torch.cumsum(pk.unsqueeze(-1) * tv.unsqueeze(-2), dim=-3)  # (..., n, d_k, d_v)
-            norms = torch.cumsum(pk, dim=-2)                                     # (..., n, d_k)
             numerator = torch.einsum("...nk,...nkv->...nv", pq, states)
-            denominator = (pq * norms).sum(dim=-1, keepdim=True) + eps
+            denominator = (pq * torch.cumsum(pk, dim=-2)).sum(dim=-1, keepdim=True) + eps
             return (numerator / denominator).numpy().reshape(out_shape)
 
     return cumsum_form if causal else product_form
 
 
-def torch_softmax_decode_call(q, k, v, causal, scale, heads=1):
-    """SDPA for one query ``(B, 1, d_k)`` against ``n`` keys: fastattn's bottom-right causal
-    mask lets the newest token see every key, which is SDPA without a mask."""
-    return torch_softmax_call(q, k, v, False, scale, heads)
-
-
-def _numpy_phi(feature_map):
+def numpy_linear_decode_call(q, k, v, causal, feature_map="elu", eps=1e-6, heads=1):
+    """The plain NumPy recurrent step of linear attention, returning ``(B, 1, d_v)``: the state
+    ``S = φ(k)ᵀ v``, ``z = Σ φ(k)`` of the first ``n - 1`` keys is built once; each call adds
+    the newest key in place (``S += φ(k)ᵀ v; z += φ(k)``) and returns ``φ(q) S / (φ(q) · z +
+    eps)``."""
     if feature_map not in ("elu", "relu"):
         raise ValueError(f"feature_map must be 'elu' or 'relu', got {feature_map!r}")
-    return (lambda x: np.where(x > 0, x + 1, np.exp(np.minimum(x, 0)))) \
+    phi = (lambda x: np.where(x > 0, x + 1, np.exp(np.minimum(x, 0)))) \
         if feature_map == "elu" else (lambda x: np.maximum(x, 0))
-
-
-def numpy_linear_decode_call(q, k, v, causal, feature_map="elu", eps=1e-6, heads=1):
-    """The plain NumPy recurrent step of linear attention, returning ``(B, 1, d_v)``.
-
-    The state ``S = φ(k)ᵀ v``, ``z = Σ φ(k)`` of the first ``n - 1`` keys is built once;
-    each call adds the newest key, ``S += φ(k)ᵀ v; z += φ(k)``, and returns
-    ``φ(q) S / (φ(q) · z + eps)`` (in place: each call advances the state one token).
-    """
-    phi = _numpy_phi(feature_map)
     k0, v0, k1, v1 = k[..., :-1, :], v[..., :-1, :], k[..., -1:, :], v[..., -1:, :]
     pk0 = phi(k0)
     S, z = np.swapaxes(pk0, -1, -2) @ v0, pk0.sum(axis=-2)
@@ -371,37 +320,28 @@ def numpy_linear_decode_call(q, k, v, causal, feature_map="elu", eps=1e-6, heads
     return step
 
 
-def _torch_extra_bytes(attention, causal, batch, n, d_k, d_v, itemsize):
-    if attention == "linear" and causal:  # the cumulative-sum form's states
-        return 2 * batch * n * d_k * d_v * itemsize
-    return _io_bytes(attention, causal, batch, n, d_k, d_v, itemsize)
-
-
-#: Every peer, by name (in the order of the tables).
+#: Every peer, by name (in the order of the tables).  SDPA's decode step is SDPA without a
+#: mask: fastattn's bottom-right causal mask lets the newest token see every key.  torch
+#: comes from PyTorch's CPU index at the ``peers`` extra's pin (PyPI's is a CUDA build).
 PEERS = {peer.name: peer for peer in (
     Peer("torch", ("torch",),
          ".venv/bin/pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu",
          {("softmax", "prefill"): torch_softmax_call, ("linear", "prefill"): torch_linear_call,
-          ("softmax", "decode"): torch_softmax_decode_call},
-         _set_torch_threads, _torch_threads, extra_bytes=_torch_extra_bytes),
+          ("softmax", "decode"): lambda q, k, v, causal, scale, heads=1:
+          torch_softmax_call(q, k, v, False, scale, heads)},
+         _set_torch_threads, _torch_threads, causal_states=2),
     Peer("onnxruntime", ("onnxruntime", "onnx"), ".venv/bin/pip install onnxruntime onnx",
-         {("softmax", "prefill"): onnxruntime_softmax_call},
-         lambda n: None, lambda: _threads if _threads is not None else default_num_threads(),
-         ("onnxruntime", "onnx"), float32_only=True,
-         # the weights, and the layouts it takes and gives
-         extra_bytes=lambda a, c, b, n, dk, dv, item: b * n * n * item + 8 * b * n * max(dk, dv)
-         * item),
+         {("softmax", "prefill"): onnxruntime_softmax_call}, lambda n: None,
+         lambda: _threads if _threads is not None else default_num_threads(),
+         float32_only=True, square_arrays=1, layouts=8),  # the weights; the layouts
     Peer("jax", ("jax",), ".venv/bin/pip install jax", {("softmax", "prefill"): jax_softmax_call},
          _set_jax_threads, _jax_threads, ("jax", "jaxlib"), float32_only=True, same_d=True,
-         # XLA forms the scores, their exp and the weights
-         extra_bytes=lambda a, c, b, n, dk, dv, item: 3 * b * n * n * item),
+         square_arrays=3, layouts=0),  # XLA forms the scores, their exp and the weights
     Peer("numpy", ("numpy",), "pip install numpy",
          {("linear", "decode"): numpy_linear_decode_call}, _set_blas_threads, blas_threads),
 )}
 
-#: How to add a missing peer, by name: a command to paste, with the pip of the README's
-#: ``.venv``, in the fastattn checkout.  torch comes from PyTorch's CPU index, at the
-#: version the ``peers`` extra pins (PyPI's Linux torch is a CUDA build of several GB).
+#: How to add a missing peer, by name: a command to paste in the fastattn checkout.
 INSTALL_HINT = {name: peer.install for name, peer in PEERS.items()}
 #: The prefill softmax builders, by peer.
 SOFTMAX_CALLS = {name: peer.calls["softmax", "prefill"] for name, peer in PEERS.items()
@@ -419,10 +359,8 @@ def absent_peers():
 
 
 def set_peer_threads(n_threads):
-    """Fix the intra-op thread count of every peer, now if imported, else on import (importing
-    a peer takes seconds, so each is imported only when one of its points is measured):
-    torch's ``set_num_threads``; onnxruntime's ``intra_op_num_threads`` of every session
-    built afterwards; jax's ``XLA_FLAGS`` (:func:`_set_jax_threads`); NumPy's BLAS."""
+    """Fix every peer's intra-op thread count, now if imported, else on import (each is
+    imported only when one of its points is measured)."""
     global _threads
     _threads = int(n_threads)
     for peer in PEERS.values():
@@ -430,16 +368,10 @@ def set_peer_threads(n_threads):
 
 
 def peer_threads():
-    """Thread counts of the available peers, by name: in force if imported, else as they
-    will be set."""
+    """Thread counts of the available peers, by name: in force, or as they will be set."""
     return {name: PEERS[name].threads() for name in available_peers()}
 
 
 def why_not(name, attention, dtype=None, d_k=None, d_v=None, regime="prefill", feature_map=None):
     """Why peer ``name`` has no call for such a point, or None (:meth:`Peer.why_not`)."""
     return PEERS[name].why_not(attention, dtype, d_k, d_v, regime, feature_map)
-
-
-def supports(name, attention, regime="prefill", feature_map=None):
-    """True if peer ``name`` has a call for this attention, regime and feature map."""
-    return why_not(name, attention, regime=regime, feature_map=feature_map) is None

@@ -1,35 +1,32 @@
-"""The one results format: JSON lines appended as each record is measured, reports only read.
-A line holds ``"schema": SCHEMA``, ``run_id`` and a ``"record"`` type; its fields and their
-types are those of :mod:`.schema`, which :func:`read_records` checks."""
+"""The one results format: JSON lines appended as each record is measured (``"schema":
+SCHEMA``, ``run_id``, a ``"record"`` type, the fields and types of :mod:`.schema`)."""
 
 import json
 import math
 import os
 import uuid
-
 from pathlib import Path
 
-# The schema's names, read here by the report and older callers too.
 from .schema import (AMOUNT, AMOUNTS, COUNT, COUNTS, DEFAULT_REGIME,  # noqa: F401
                      FIELD_TYPES, FLAG, MAX_COUNT, NAME, POINT_KEYS, RECORD_TYPES, REQUIRED,
                      REQUIRED_OK, SCHEMA, STATUS, STATUSES, point_key)
 
 
 class ResultsFileError(ValueError):
-    """A results file that is not fastattn's, is corrupt, or cannot be written; never overwritten."""
+    """A results file that is not fastattn's, is corrupt, or cannot be written (never
+    overwritten)."""
 
 
 def is_number(value):
+    """True for an int or float, not a bool."""
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _is_count(value):
-    """A size or count: an int from 1 to :data:`~.schema.MAX_COUNT` (2**53)."""
     return isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_COUNT
 
 
 def _is_amount(value):
-    """A time, size, rate or count of a measurement: finite and >= 0 (NaN is stored as null)."""
     try:
         return is_number(value) and math.isfinite(value) and value >= 0
     except OverflowError:  # an int beyond any float (10**400): no amount a machine measures
@@ -69,7 +66,7 @@ def check_record(record):
 
 
 def _shown(value):
-    """``repr`` of a value in a message; a huge int as a power of ten (10**400 has 401 digits)."""
+    """``repr`` of a value in a message; a huge int as a power of ten."""
     if isinstance(value, int) and not isinstance(value, bool) and abs(value).bit_length() > 128:
         return f"{'-' if value < 0 else ''}10**{math.log10(abs(value)):.0f} or so"
     text = repr(value)
@@ -78,11 +75,9 @@ def _shown(value):
 
 def read_records(path):
     """All records of a results file, in order, each checked by :func:`check_record`.
-
-    Raises FileNotFoundError for a missing file and ResultsFileError (with
-    ``file:line``) for a line that is not JSON or not a sound record; a last line cut
-    short by an interrupted write (no newline) is ignored.
-    """
+    Raises FileNotFoundError for a missing file and ResultsFileError (``file:line``) for a
+    line that is not JSON or not a sound record; a last line cut short (no newline) is
+    ignored."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no results file at {path}")
@@ -130,8 +125,7 @@ def _cut_tail(data):
     return 0   # a whole record but for its newline: read
 
 
-def _json_default(value):
-    # NumPy scalars and arrays that slip into a record.
+def _json_default(value):  # NumPy scalars and arrays that slip into a record
     if hasattr(value, "item") and getattr(value, "ndim", 1) == 0:
         return _clean(value.item())
     if hasattr(value, "tolist"):
@@ -172,8 +166,6 @@ def check_writable(path, what="file"):
 
 
 def _check_creatable(path, what):
-    """ResultsFileError, before any work, if no file can be made at ``path``: an ancestor is
-    a file, or the nearest existing folder refuses new files (read-only, ``/proc``)."""
     folder = path.parent
     while not folder.exists():
         folder = folder.parent
@@ -200,8 +192,8 @@ def check_replaceable(path, what, marker, empty_ok=False):
 
 
 def atomic_write(path, data):
-    """Replace ``path`` by ``data`` (str or bytes) in one step: an fsynced temporary file
-    renamed over the (symlink-followed) target, which keeps its mode.  Raises
+    """Replace ``path`` by ``data`` (str or bytes) in one step (an fsynced temporary file
+    renamed over the symlink-followed target, which keeps its mode).  Raises
     ResultsFileError for a read-only ``path``, OSError if the write fails (then unchanged)."""
     target = Path(os.path.realpath(path))
     check_writable(target)
@@ -238,15 +230,14 @@ class ResultsWriter:
             self.existing = []
         elif exists:
             data = self.path.read_bytes()
-            if data and not data.endswith(b"\n"):
-                # A last record whole but for its newline was read: keep it.
+            if data and not data.endswith(b"\n"):  # a last record whole but its newline: kept
                 self.dropped_tail = _cut_tail(data)
                 atomic_write(self.path, data[:len(data) - self.dropped_tail]
                              if self.dropped_tail else data + b"\n")
 
-    def done_keys(self):
-        """Keys (:func:`point_key`) of the points already measured with status ok or skipped."""
-        return {point_key(r) for r in self.existing
+    def done(self):
+        """The points already measured with status ok or skipped, by :func:`point_key`."""
+        return {point_key(r): r for r in self.existing
                 if r["record"] == "point" and r.get("status") in ("ok", "skipped")}
 
     def write(self, record_type, **fields):

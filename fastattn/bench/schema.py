@@ -1,36 +1,29 @@
-"""The one schema of a measured point: its fields and their types, the keys derived from
-them, the grids and the environment record.  The bench, the report, the asv suite and the
-asv reader read these names from here; nothing else restates them.
-
-A results file is JSON lines (:data:`SCHEMA`); each line a record of one of
-:data:`RECORD_TYPES`.  A point record is the point's fields (:data:`POINT_FIELDS`) from the
-moment it is measured to the figure that draws it."""
+"""The one schema of a measured point (its fields, their types and the keys derived from
+them), the grids and the environment record; the bench, the report and the asv suite read
+these names from here.  A results file is JSON lines (:data:`SCHEMA`), each a record of one
+of :data:`RECORD_TYPES`; a point record holds :data:`POINT_FIELDS`."""
 
 SCHEMA = "fastattn.results/1"
 RECORD_TYPES = ("environment", "roof", "point", "startup")
 STATUSES = ("ok", "skipped", "error")
 
-#: The values a point's attention, dtype and regime take: "prefill", a whole sequence at
-#: once (n_q = n_k = n); "decode", one generated token: one query against n keys, causal.
+#: A point's attention, dtype and regime: "prefill", a whole sequence (n_q = n_k = n);
+#: "decode", one generated token: one query against n keys, causal.
 ATTENTIONS = ("softmax", "linear")
 DTYPES = ("float32", "float64")
 REGIMES = ("prefill", "decode")
 
-#: The largest count (n, d, batch, heads, repeats, ...) a record may hold: 2**53, the
-#: largest integer below which a float64 holds every integer exactly, and far beyond any
-#: array a machine holds.  A larger one (``n_q = 10**30``) is refused on reading, so
-#: nothing that reads records (the report's int64 arrays of n) overflows on it.
+#: The largest count (n, d, batch, ...) a record may hold: 2**53, below which a float64
+#: holds every integer exactly; a larger one is refused on reading, so no reader overflows.
 MAX_COUNT = 2**53
 COUNT, AMOUNT = "a positive int <= 2**53", "a finite number >= 0"
 NAME, FLAG = "a name", "true or false"
 STATUS = "one of " + ", ".join(STATUSES)
 AMOUNTS, COUNTS = "a list of numbers >= 0", "a list of positive ints <= 2**53"
 
-#: Every field of a point record: ``(name, type, roles)``, in the order of the CSV's columns.
-#: ``type`` is what a results file must hold there (None: not checked; every field may be
-#: null unless :data:`REQUIRED`); ``roles``: ``k`` identifies the point (:data:`POINT_KEYS`),
-#: ``c`` a column of the CSV (:data:`CSV_COLUMNS`), ``s`` a field of a summary row
-#: (:data:`SUMMARY_FIELDS`).
+#: Every field of a point record, in the CSV's order: ``(name, type, roles)``; ``type`` is
+#: what a results file must hold there (None: not checked; null unless :data:`REQUIRED`);
+#: roles: ``k`` a key (:data:`POINT_KEYS`), ``c`` a CSV column, ``s`` a summary field.
 POINT_FIELDS = (
     ("attention", NAME, "kc"), ("backend", NAME, "kcs"), ("peer", FLAG, "c"),
     ("causal", FLAG, "kc"), ("dtype", NAME, "kc"), ("batch", COUNT, "kc"),
@@ -86,9 +79,8 @@ def point_key(record):
 
 
 def roof_library(probe):
-    """``(blas, via)`` of a roof record: the BLAS library (``"OpenBLAS"``, ``"MKL"``) and the
-    package that called it (``"NumPy"``, ``"torch"``), from its ``blas_name`` and
-    ``library`` fields, or, in a file written before those, from its ``blas`` label."""
+    """``(blas, via)`` of a roof record: the BLAS (``"OpenBLAS"``) and the package that called
+    it (``"NumPy"``), from ``blas_name`` and ``library``, or an older file's ``blas`` label."""
     label = probe.get("blas") or ""
     via = {"numpy": "NumPy", "torch": "torch"}.get(probe.get("library"), "")
     if " through " in label:
@@ -106,18 +98,16 @@ FEATURE_MAP_NS = (4096, 16384)
 #: FAVOR+ feature counts of the feature-map grid, as multiples of d_k.
 FAVOR_MULTIPLES = (1, 4, 16, 64)
 
-#: The asv suite's grid (benchmarks/): n = n_q = n_k in powers of 4, so each step
-#: multiplies an O(n^2) cost by 16; the feature maps at ASV_FEATURE_MAP_NS (FAVOR+'s m at
-#: the first two); decode at DECODE_NS with ASV_DECODE_HEADS heads; head dimension ASV_D
-#: and batch ASV_BATCH everywhere, one head in prefill.
+#: The asv suite's grid (benchmarks/): n in powers of 4 (each step multiplies an O(n^2) cost
+#: by 16); the feature maps at ASV_FEATURE_MAP_NS; decode at DECODE_NS, ASV_DECODE_HEADS
+#: heads; head dimension ASV_D, batch ASV_BATCH, one head in prefill.
 ASV_NS = (256, 1024, 4096, 16384)
 ASV_FEATURE_MAP_NS = (1024, 4096, 16384)
 ASV_D, ASV_BATCH, ASV_HEADS, ASV_DECODE_HEADS = 64, 1, 1, 8
 
 # ------------------------------------------------------------------ environment record
-#: The fields of an environment record (:func:`fastattn.bench.environment.collect`, the
-#: asv reader's ``commit``, the sweep's ``threads_reason``), as ``(label, dotted path)``
-#: in the order a report lists them.
+#: The fields of an environment record (:func:`~.environment.collect`, the sweep's, the asv
+#: reader's) as ``(label, dotted path)``, in the order a report lists them.
 ENVIRONMENT_FIELDS = (
     ("CPU", "cpu_model"), ("CPU features", "cpu_flags"), ("Cores (logical)", "cores_logical"),
     ("Cores usable by this process", "cores_usable"), ("Threads used", "threads"),
@@ -134,8 +124,7 @@ ENVIRONMENT_FIELDS = (
     ("Cython products' instruction set", "cython_products"),
     ("Peers available", "peers"),
 )
-#: Every top-level key of an environment record: those of ENVIRONMENT_FIELDS, then those a
-#: report lists after them (the sweep's, and the asv reader's for a machine of asv).
+#: Every top-level key of an environment record: ENVIRONMENT_FIELDS', then those listed after.
 ENVIRONMENT_KEYS = tuple(dict.fromkeys(path.split(".")[0] for _, path in ENVIRONMENT_FIELDS)) + (
     "memory_available_bytes", "python_implementation", "unavailable_backends", "absent_peers",
     "run_id", "source", "machine", "date", "env_name", "arch", "env_vars", "chosen")

@@ -1,14 +1,9 @@
 """``fastattn bench --startup``: what a first call costs in a new process, beside ``import numpy``.
 
-Each measurement is a new Python process (warm file and Numba caches: one
-untimed process per backend runs first).  A child times, with
-:func:`time.perf_counter`, ``import numpy`` and then ``import fastattn;
-fastattn.set_num_threads(T)`` plus one trivial call (softmax attention, n=1,
-d=64, one head, float32) on the backend; a baseline child imports NumPy
-alone.  Reported per backend: the minimum and median over the processes of
-the time beyond ``import numpy`` (seconds), written to the results file as
-``"startup"`` records (the reports read only ``"point"`` records and pass over
-these).
+Each measurement is a new Python process (one untimed process per backend first warms the
+file and Numba caches) timing ``import fastattn; fastattn.set_num_threads(T)`` and one
+trivial call (softmax, n=1, d=64, float32) beyond ``import numpy``; written to the results
+file as ``"startup"`` records, which the reports pass over.
 """
 
 import json
@@ -18,9 +13,7 @@ import sys
 
 from .. import _api
 
-#: The child: prints ``{"numpy_s": ..., "first_call_s": ...}`` (the second
-#: only with a backend argument): import numpy, then fastattn, set the
-#: threads and make one trivial call.
+#: The child: prints ``{"numpy_s": ..., "first_call_s": ...}`` (the second given a backend).
 CHILD = r"""
 import sys, time, json
 t0 = time.perf_counter()
@@ -67,15 +60,8 @@ def _child(args):
 
 
 def measure_startup(backends, threads, repeats):
-    """Time ``repeats`` new processes per backend, interleaved round by round.
-
-    Returns
-    -------
-    dict of str to list of float
-        ``BASELINE`` -> ``import numpy`` times; each backend -> times beyond
-        ``import numpy`` of ``import fastattn``, ``set_num_threads(threads)``
-        and the first call (seconds).
-    """
+    """Seconds of ``repeats`` new processes per backend, interleaved round by round, by name:
+    :data:`BASELINE`'s ``import numpy``, each backend's time beyond it."""
     for name in backends:           # warm the caches (Numba's, the file system's)
         _child([name, str(threads)])
     times = {BASELINE: [], **{name: [] for name in backends}}
@@ -98,8 +84,7 @@ def format_startup(times, threads):
 
 
 def run_startup(args, out, backends):
-    """``fastattn bench --startup``: measure ``backends`` (:func:`startup_backends`), print
-    the table, append the records to ``out``."""
+    """Measure ``backends`` (:func:`startup_backends`), print the table, append to ``out``."""
     from .._threads import default_num_threads
     from .environment import load_avg_1m
     from .results import ResultsWriter
@@ -107,8 +92,7 @@ def run_startup(args, out, backends):
     writer = ResultsWriter(out, resume=True)
     for threads in args.threads or [default_num_threads()]:
         times = measure_startup(backends, threads, args.repeats)
-        load = load_avg_1m()
-        base = times[BASELINE]
+        load, base = load_avg_1m(), times[BASELINE]
         for name in backends:
             writer.write("startup", backend=name, threads=threads, repeats=args.repeats,
                          min_s=min(times[name]), median_s=statistics.median(times[name]),

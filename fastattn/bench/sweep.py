@@ -7,7 +7,6 @@ import contextlib
 import multiprocessing
 import os
 import signal
-import statistics
 import sys
 import time
 import uuid
@@ -15,17 +14,13 @@ from dataclasses import asdict, dataclass
 from unittest import mock
 
 from .. import _api
-from ..feature_maps import NAMES
+from ..feature_maps import NAMES as FEATURE_MAPS
 from .._threads import default_num_threads
 from . import engine, environment, peers
 from .environment import idle_cores  # noqa: F401  (fastattn report reads it here)
 from .results import ResultsWriter, point_key
 from .schema import (ATTENTIONS, DECODE_NS, DEFAULT_NS, DTYPES, FAVOR_MULTIPLES,  # noqa: F401
                      FEATURE_MAP_NS, REGIMES)
-
-#: Feature maps of linear attention a point can carry (fastattn's, the first the default);
-#: "favor" takes ``num_features`` (m; default :class:`fastattn.FavorFeatures`').
-FEATURE_MAPS = NAMES
 
 
 def new_run_id():
@@ -42,15 +37,15 @@ def check_count(name, value):
 
 @dataclass(frozen=True)
 class Point:
-    """One measurement: an attention call of one shape on one backend.
+    """One measurement: an attention call of one shape on one backend or peer.
 
     ``regime`` ``"prefill"``: ``n_q = n_k = n``; ``"decode"`` (causal): ``n_q = 1``,
     ``n_k = n``.  ``feature_map`` (linear only, default ``"elu"``) and ``num_features``
-    (FAVOR+'s m) are None for softmax.
+    (FAVOR+'s m) are None for softmax.  A bad field raises ValueError (TypeError: causal).
     """
 
     attention: str
-    backend: str              # a fastattn backend or a peer
+    backend: str
     causal: bool
     n: int
     d_k: int = 64
@@ -92,8 +87,7 @@ class Point:
 
     def record_fields(self, threads=None):
         """The point as its record holds it (:data:`~.schema.POINT_KEYS` and ``peer``;
-        ``threads`` when given): its one shape from here on, which the engine measures, the
-        results file stores with the outcome and the report draws."""
+        ``threads`` when given): its one shape from measurement to figure."""
         fields = asdict(self)
         n = fields.pop("n")
         return {**fields, "n_q": 1 if self.regime == "decode" else n, "n_k": n,
@@ -113,13 +107,12 @@ class Point:
 
 @dataclass(frozen=True)
 class Options:
-    """How each point is measured: ``repeats`` after a warm-up, ``min_time_s`` and
-    ``max_point_s`` as in :func:`~fastattn.bench.engine.prepare_point` and
-    :func:`~fastattn.bench.engine.time_call`, the ``memory``
-    probe and the ``check``, ``point_timeout_s`` (then an error, the worker replaced),
-    and the GEMM ``roof`` probe (``roof_budget_s`` seconds each).  The backends of one
-    shape take turns over ``rounds`` rounds (default: one a repeat; fewer make a long grid
-    quicker, a turn then timing several repeats)."""
+    """How each point is measured: ``repeats`` after a warm-up (``min_time_s`` and
+    ``max_point_s`` as in :func:`~.engine.prepare_point` and :func:`~.engine.time_call`), the
+    ``memory`` probe, the ``check``, ``point_timeout_s`` (then an error, the worker replaced),
+    the GEMM ``roof`` probe (``roof_budget_s`` each, through ``roof_libraries``, default NumPy
+    and torch if installed).  The backends of one shape take turns over ``rounds`` rounds
+    (default: one a repeat; fewer: a turn times several repeats)."""
 
     repeats: int = 5
     rounds: int | None = None
@@ -163,9 +156,8 @@ def default_grid(attentions=ATTENTIONS, backends=None, ns=DEFAULT_NS, causal=(Fa
                  d_k=64, d_v=64, batch=1, heads=1, dtype="float32", feature_map=None,
                  regime="prefill", num_features=None):
     """Every combination as Points, ordered by attention, causal, dtype, n, then backend
-    (default :func:`default_backends`; a peer only where it has the call,
-    :func:`~fastattn.bench.peers.supports`), so the backends of one shape are measured one
-    after another, under the same load.  A decode grid is causal only."""
+    (default :func:`default_backends`; a peer only where it has the call), so the backends
+    of one shape are measured one after another.  A decode grid is causal only."""
     backends = default_backends() if backends is None else list(backends)
     dtypes = [dtype] if isinstance(dtype, str) else list(dtype)
     causal = (True,) if regime == "decode" else causal
@@ -174,12 +166,13 @@ def default_grid(attentions=ATTENTIONS, backends=None, ns=DEFAULT_NS, causal=(Fa
             for attention in attentions for c in causal for dt in dtypes for n in ns
             for backend in backends
             for fmap in [feature_map if attention == "linear" else None]
-            if backend not in peers.PEERS or peers.supports(backend, attention, regime, fmap)]
+            if backend not in peers.PEERS or not peers.why_not(backend, attention, regime=regime,
+                                                               feature_map=fmap)]
 
 
 def feature_map_grid(backends, ns=FEATURE_MAP_NS, d_k=64, **kwargs):
-    """Non-causal linear points of every feature map (:data:`FEATURE_MAPS`; FAVOR+ at
-    ``m = FAVOR_MULTIPLES x d_k``), at each n of ``ns``."""
+    """Non-causal linear points of every feature map (FAVOR+ at ``m = FAVOR_MULTIPLES x
+    d_k``), at each n of ``ns``."""
     maps = [(fmap, m) for fmap in FEATURE_MAPS
             for m in ([f * d_k for f in FAVOR_MULTIPLES] if fmap == "favor" else [None])]
     return [p for fmap, m in maps for p in default_grid(
@@ -196,7 +189,7 @@ def _serve(task, state):
         return env
     if kind == "roof":
         return engine.probe_roof(payload["shapes"], payload["dtypes"], payload["budget_s"],
-                                 library=payload.get("library", "numpy"))
+                                 library=payload["library"])
     if kind == "gemm":  # one round's roof, beside the points of a comparison
         return engine.time_gemm(payload["dtype"], payload["n"], payload["d"],
                                 payload["library"], cache=state.setdefault("gemms", {}))
@@ -222,7 +215,6 @@ def _serve(task, state):
         from .._backends import get_num_threads
         from .._threads import blas_threads
 
-        # the counts in force right after the call
         timing["thread_counts"] = {**({"blas": blas_threads()} if state["peers_only"]
                                       else get_num_threads()), **peers.peer_threads()}
         return timing
@@ -247,8 +239,7 @@ def _setup(threads, peers_only):
 
 
 def _worker_main(conn, threads, peers_only):
-    # The parent handles Ctrl-C and SIGTERM (a signal to the process group reaches this
-    # process too): it stops this one (_Worker.close) and says how to resume.
+    # Ctrl-C and SIGTERM are the parent's to handle: it stops this process (_Worker.close).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     state = _setup(threads, peers_only)
@@ -265,12 +256,12 @@ def _worker_main(conn, threads, peers_only):
                 answer = ("ok", _serve(task, state))
             except Exception as exc:  # never let the worker die on one request
                 answer = ("error", f"{type(exc).__name__}: {exc}")
-            conn.send(answer)   # BrokenPipeError (an OSError) if the parent has ended
+            conn.send(answer)
 
 
 class Terminated(KeyboardInterrupt):
     """SIGTERM while measuring, raised in the parent as Ctrl-C is, so a command stops the
-    same way (finished points kept, the resume hint printed); ``signum`` is the signal."""
+    same way (finished points kept, the resume hint printed)."""
 
     signum = signal.SIGTERM
 
@@ -314,15 +305,14 @@ class _Worker:
     def _start(self):
         context = multiprocessing.get_context("spawn")
         self.conn, child = context.Pipe()
-        # Fix the pools before any library starts them in the child; Numba
-        # refuses set_num_threads above its start-up count.
+        # The pools are fixed before any library starts them in the child; Numba refuses
+        # set_num_threads above its start-up count.
         with mock.patch.dict(os.environ, {name: str(self.threads) for name in _THREAD_ENV},
                              NUMBA_NUM_THREADS=str(max(self.threads, default_num_threads()))):
             process = context.Process(target=_worker_main, daemon=True,
                                       args=(child, self.threads, self.peers_only))
             process.start()
-            # Kept once started: Ctrl-C inside start() leaves nothing for close() to join.
-            self.process = process
+            self.process = process  # once started: Ctrl-C in start() leaves nothing to join
         child.close()
         try:
             self.conn.recv()  # started and set up: time limits count from here
@@ -362,33 +352,27 @@ class _Worker:
             with contextlib.suppress(OSError):
                 self.conn.send(None)
             self.process.join(timeout=2)
-            # Still measuring (stopped by Ctrl-C or SIGTERM): SIGKILL, as the worker ignores
-            # SIGINT and SIGTERM, which are its parent's to handle.  A no-op once it has ended.
-            self.process.kill()
+            self.process.kill()  # still measuring (it ignores SIGINT and SIGTERM)
             self.process.join(timeout=5)
             self.process = None
 
 
-def _write_header(writer, worker, peer_worker, todo, threads, why, options, run_id):
-    """The run's environment and roof records; returns the GEMM roof records.  The roof is
-    probed at every (n, d_k) of ``todo`` (:func:`~.engine.probe_n`) through each library
-    of ``options``: NumPy's in the kernels' process, torch's in the peers' (as its points)."""
+def _write_header(writer, workers, todo, threads, why, options, run_id):
+    """The run's environment and roof records; returns the GEMM roof records, probed at every
+    (n, d_k) of ``todo`` through each library of ``options`` (torch's in the peers' process)."""
     writer.write("environment", run_id=run_id, threads_reason=why,
-                 **worker.request("environment", {"threads": threads}))
+                 **workers[False].request("environment", {"threads": threads}))
     if not options.roof:
         return []
-    shapes = sorted({(p.n, p.d_k) for p in todo})
-    dtypes = sorted({p.dtype for p in todo} | {"float32", "float64"})
+    payload = {"shapes": sorted({(p.n, p.d_k) for p in todo}), "budget_s": options.roof_budget_s,
+               "dtypes": sorted({p.dtype for p in todo} | {"float32", "float64"})}
     records = []
     for library in options.libraries():
         try:
-            probed = (peer_worker if library == "torch" else worker).request(
-                "roof", {"shapes": shapes, "dtypes": dtypes, "budget_s": options.roof_budget_s,
-                         "library": library})
+            probed = workers[library == "torch"].request("roof", {**payload, "library": library})
         except RuntimeError as exc:
             if library == "numpy":
                 raise
-            # An optional library that cannot be probed leaves NumPy's BLAS as the roof.
             print(f"fastattn: the roof's GEMM through {library} could not be probed ({exc}); "
                   "the roof is NumPy's BLAS alone", file=sys.stderr)
             continue
@@ -398,52 +382,42 @@ def _write_header(writer, worker, peer_worker, todo, threads, why, options, run_
     return records
 
 
-def _shape_key(point):
-    """What the points of one comparison share: everything but the backend."""
-    return tuple(value for name, value in sorted(point.record_fields().items())
-                 if name not in ("backend", "peer"))
-
-
 class _Entry:
     """One point of a comparison as it is measured: its worker, the fields of its
-    preparation, its timings so far and the seconds its requests took."""
+    preparation, its timings and their rounds so far, and the seconds its requests took."""
 
-    def __init__(self, point, worker, threads):
-        self.point, self.worker, self.key = point, worker, point.label()
+    def __init__(self, point, worker, threads, options):
+        self.worker, self.options, self.key = worker, options, point.label()
         self.spec = point.record_fields(threads)
-        self.fields, self.repeats, self.timings, self.spent = None, 0, [], 0.0
-        self.thread_counts, self.rounds = None, []  # the round of each timing
+        self.fields, self.repeats, self.timings, self.rounds, self.spent = None, 0, [], [], 0.0
 
     ok = property(lambda self: self.fields is not None and self.fields["status"] == "ok")
 
-    def request(self, kind, payload, options):
+    def request(self, kind, **payload):
         """The worker's answer, within what is left of the point's ``point_timeout_s``."""
-        left = None if options.point_timeout_s is None else \
-            max(options.point_timeout_s - self.spent, 1e-3)
-        start = time.perf_counter()
+        limit, start = self.options.point_timeout_s, time.perf_counter()
         try:
-            return self.worker.request(kind, payload, timeout_s=left)
+            return self.worker.request(kind, {"key": self.key, **payload}, timeout_s=None
+                                       if limit is None else max(limit - self.spent, 1e-3))
         finally:
             self.spent += time.perf_counter() - start
 
-    def prepare(self, options):
+    def prepare(self):
         try:
-            answer = self.request("prepare", {"spec": self.spec, "options": options,
-                                              "key": self.key}, options)
+            answer = self.request("prepare", spec=self.spec, options=self.options)
         except RuntimeError as exc:  # WorkerDied included
             return {"status": "error", "reason": str(exc)}
         self.repeats = answer["repeats"]
         return answer["fields"]
 
-    def time(self, repeats, min_time_s, max_repeats, options):
-        """One round of timed repeats; on a failure ``fields`` says why (``ok`` is False)."""
-        payload = {"key": self.key, "repeats": repeats, "min_time_s": min_time_s,
-                   "max_repeats": max_repeats}
+    def time(self, repeats, min_time_s, max_repeats):
+        """One turn of timed repeats; on a failure ``fields`` says why (``ok`` is False)."""
+        payload = {"repeats": repeats, "min_time_s": min_time_s, "max_repeats": max_repeats}
         try:
-            timing = self.request("time", payload, options)
+            timing = self.request("time", **payload)
             if timing is None:  # its process was replaced (another point timed out): again
-                self.prepare(options)
-                timing = self.request("time", payload, options)
+                self.prepare()
+                timing = self.request("time", **payload)
         except RuntimeError as exc:
             self.fields = {"status": "error", "reason": str(exc)}
             return
@@ -451,68 +425,47 @@ class _Entry:
             self.fields = timing["failure"] if timing else {
                 "status": "error", "reason": "the measuring process lost the prepared call"}
             return
-        self.thread_counts = timing.pop("thread_counts")
         self.timings.append(timing)
 
-    def outcome(self, roofs, paired_roof=None):
-        """The point's record fields; ``paired_roof`` (the GFLOP/s of the roof's GEMM in
-        each round, None where not probed) gives ``roof_fraction_paired``: the median over
-        the rounds of the kernel's GFLOP/s in the round (its fastest repeat there) over the
-        roof's, which a slow spell of the machine, falling on both, moves less."""
+    def outcome(self, roofs, paired_roof):
         if not self.ok or not self.timings:
             return self.fields
-        outcome = engine.finish_point(self.spec, self.fields,
-                                      engine.merge_timings(self.timings))
-        outcome.update(thread_counts=self.thread_counts, rounds=len(self.timings),
-                       round_min_s=[t["min_s"] for t in self.timings])
-        probe = engine.roof_probe(roofs, self.point.dtype, self.point.d_k)
-        roof, gflops = probe and probe["gflops"], outcome.get("gflops")
-        outcome.update(roof_gflops=roof, roof_fraction=gflops / roof if gflops and roof
-                       else None, roof_blas=probe and probe.get("blas"),
-                       roof_shape=probe and probe.get("shape"))
-        flops = outcome.get("flops")
-        if paired_roof and flops:
-            rounds = [(flops / t["min_s"] / 1e9, paired_roof[r])
-                      for r, t in zip(self.rounds, self.timings)
-                      if t["min_s"] > 0 and paired_roof[r]]
-            if rounds:
-                outcome.update(
-                    roof_round_gflops=[g for _, g in rounds],
-                    roof_fraction_paired=float(statistics.median(k / g for k, g in rounds)))
-        return outcome
-
-
-def _turns(repeats, rounds):
-    """``repeats`` timed repeats spread over at most ``rounds`` turns, as evenly as may be."""
-    rounds = max(1, min(repeats, rounds))
-    return [repeats // rounds + (t < repeats % rounds) for t in range(rounds)]
+        return {**engine.finish_point(self.spec, self.fields, self.timings, roofs, paired_roof,
+                                      self.rounds),
+                "thread_counts": self.timings[-1]["thread_counts"]}
 
 
 def _measure_group(points, workers, options, roofs, threads):
     """Outcomes of the points of one shape on several backends, timed side by side.
 
-    Each point is prepared (warm-up, memory probe, check) in its worker (the kernels' or
-    the peers'), then the points take turns: round ``r`` times one repeat of each point
-    still owed one (a share of ``min_time_s`` for a fast call; ``options.rounds`` caps the
-    rounds, a turn then timing several repeats), starting one point further on each round,
-    so a spell of load from elsewhere falls on every point alike and the ratios of their
-    times are measured side by side.  A turn of a fast call starts warm
-    (:data:`~.engine.TURN_WARM_S`); with more than one thread, each turn starts after
-    :data:`~.engine.TURN_SETTLE_S` idle (the previous turn's pool may still spin)."""
-    entries = [_Entry(point, workers[point.peer], threads) for point in points]
+    Each point is prepared (warm-up, memory probe, check) in its worker, then the points take
+    turns: round ``r`` times one repeat of each point still owed one (``options.rounds`` caps
+    the rounds, a turn then timing several), starting one point further on each round, so a
+    spell of load falls on every point alike.  The roof's GEMM takes a turn of its own each
+    round; with more than one thread, each turn starts after :data:`~.engine.TURN_SETTLE_S`
+    idle (the previous turn's pool may still spin)."""
+    entries = [_Entry(point, workers[point.peer], threads, options) for point in points]
     for entry in entries:
-        entry.fields = entry.prepare(options)
+        entry.fields = entry.prepare()
     live = [entry for entry in entries if entry.ok]
     rounds = len(live) if len(live) < 2 else options.rounds or max(e.repeats for e in live)
-    plan = {entry.key: _turns(entry.repeats, rounds) for entry in live}
-    # The roof's GEMM takes a turn of its own each round, in the process of its library.
+    plan = {}  # the repeats of each turn: e.repeats over at most `rounds` turns, evenly
+    for e in live:
+        turns = max(1, min(e.repeats, rounds))
+        plan[e.key] = [e.repeats // turns + (t < e.repeats % turns) for t in range(turns)]
     probe = live and engine.roof_probe(roofs, points[0].dtype, points[0].d_k)
     paired_roof = []
     for r in range(rounds):
-        if probe:
+        if probe:  # the roof's GEMM, in the process of its library (None if it cannot run)
             if threads > 1:
                 time.sleep(engine.TURN_SETTLE_S)
-            paired_roof.append(_paired_roof(probe, workers))
+            library = probe.get("library", "numpy")
+            try:
+                paired_roof.append(workers[library == "torch"].request("gemm", {
+                    "dtype": probe["dtype"], "n": probe["shape"][0], "d": probe["shape"][1],
+                    "library": library}))
+            except RuntimeError:
+                paired_roof.append(None)
         for entry in live[r % len(live):] + live[:r % len(live)]:
             if not entry.ok or r >= len(plan[entry.key]):
                 continue
@@ -521,24 +474,12 @@ def _measure_group(points, workers, options, roofs, threads):
                 time.sleep(engine.TURN_SETTLE_S)
             entry.rounds.append(r)
             entry.time(n, options.min_time_s * n / entry.repeats,
-                       max(n, engine.MAX_REPEATS * n // entry.repeats), options)
+                       max(n, engine.MAX_REPEATS * n // entry.repeats))
     outcomes = [entry.outcome(roofs, paired_roof) for entry in entries]
     for entry in live:
         with contextlib.suppress(RuntimeError):
             entry.worker.request("release", {"key": entry.key})
     return outcomes
-
-
-def _paired_roof(probe, workers):
-    """GFLOP/s of the roof ``probe``'s GEMM now, in the process of its library; None if that
-    process cannot run it."""
-    n, d, _ = probe["shape"]
-    library = probe.get("library", "numpy")
-    try:
-        return workers[library == "torch"].request(
-            "gemm", {"dtype": probe["dtype"], "n": n, "d": d, "library": library})
-    except RuntimeError:
-        return None
 
 
 def run_sweep(points, results_path, options=Options(), *, threads=None, threads_reason=None,
@@ -550,10 +491,9 @@ def run_sweep(points, results_path, options=Options(), *, threads=None, threads_
     ``threads_reason`` says why in the environment record.  ``resume`` skips the points in
     the file (ok or skipped, same threads); False starts it afresh.  ``announce(to_measure,
     done)`` is called once the file is read; ``run_id`` (default: a new one) tags every
-    record written, so the sweeps of one command (one per thread count) share it.  Raises
-    ResultsFileError for a foreign or read-only file (left unchanged); on KeyboardInterrupt
-    finished points are in the file.  SIGTERM while measuring raises :class:`Terminated` (a
-    KeyboardInterrupt) the same way, the measuring processes stopped quietly.
+    record written.  Raises ResultsFileError for a foreign or read-only file (left
+    unchanged); on KeyboardInterrupt, or SIGTERM (:class:`Terminated`), finished points are
+    in the file and the measuring processes are stopped quietly.
     """
     points = list(points)
     for point in points:
@@ -567,47 +507,40 @@ def run_sweep(points, results_path, options=Options(), *, threads=None, threads_
         print(f"note: the last line of {results_path} was cut short by an interrupted write; "
               f"its {writer.dropped_tail} byte(s) were dropped (the point they held, if this run "
               "asks for it, is measured again)", file=sys.stderr)
-    found = {point_key(r): r for r in writer.existing
-             if r["record"] == "point" and r.get("status") in ("ok", "skipped")}
+    found = writer.done()
     keys = [point_key(p.record_fields(threads)) for p in points]
     todo = [p for p, key in zip(points, keys) if key not in found]
     if announce is not None:
         announce(len(todo), len(points) - len(todo))
     run_id = run_id or new_run_id()
-    worker = _Worker(threads, isolate=isolate)
-    peer_worker = _Worker(threads, peers_only=True) if isolate else worker
+    workers = {False: _Worker(threads, isolate=isolate)}
+    workers[True] = _Worker(threads, peers_only=True) if isolate else workers[False]
     from tqdm.auto import tqdm
 
     bar = tqdm(total=len(todo), unit="point", desc=progress, dynamic_ncols=True,
                disable=not progress or not todo)
     with _terminate_as_interrupt():
-        _run_groups(writer, worker, peer_worker, todo, threads, why, options, run_id, found,
-                    bar)
+        try:
+            roofs = _write_header(writer, workers, todo, threads, why, options,
+                                  run_id) if todo else []
+            groups = {}
+            for point in todo:  # the points of one comparison: all but the backend alike
+                key = point_key(dict(point.record_fields(), backend=None))
+                groups.setdefault(key, []).append(point)
+            for group in groups.values():
+                bar.set_postfix_str(group[0].label().rsplit(" ", 1)[0], refresh=False)
+                started = time.time()
+                outcomes = _measure_group(group, workers, options, roofs, threads)
+                for point, outcome in zip(group, outcomes):
+                    record = writer.write("point", run_id=run_id, started=started,
+                                          **point.record_fields(threads), **outcome)
+                    found[point_key(record)] = record
+                bar.update(len(group))
+        finally:
+            bar.close()
+            for worker in dict.fromkeys(workers.values()):  # the kernels' first
+                worker.close()
     return [found[key] for key in keys if key in found]
-
-
-def _run_groups(writer, worker, peer_worker, todo, threads, why, options, run_id, found, bar):
-    """The measuring part of :func:`run_sweep`: the header, then each shape's points."""
-    try:
-        roofs = _write_header(writer, worker, peer_worker, todo, threads, why, options,
-                              run_id) if todo else []
-        groups = {}
-        for point in todo:
-            groups.setdefault(_shape_key(point), []).append(point)
-        for group in groups.values():
-            bar.set_postfix_str(group[0].label().rsplit(" ", 1)[0], refresh=False)
-            started = time.time()
-            outcomes = _measure_group(group, {False: worker, True: peer_worker}, options,
-                                      roofs, threads)
-            for point, outcome in zip(group, outcomes):
-                record = writer.write("point", run_id=run_id, started=started,
-                                      **point.record_fields(threads), **outcome)
-                found[point_key(record)] = record
-            bar.update(len(group))
-    finally:
-        bar.close()
-        worker.close()
-        peer_worker.close()
 
 
 __all__ = ["Options", "Point", "Terminated", "check_count", "default_backends", "default_grid",

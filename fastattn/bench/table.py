@@ -12,7 +12,13 @@ from .schema import CONFIG_KEYS, CSV_COLUMNS, SUMMARY_FIELDS, VERSUS_KEYS
 
 #: Schema tag of the JSON summary ``fastattn bench`` writes beside its results.
 SUMMARY_SCHEMA = "fastattn.bench-summary/1"
-
+#: Marker on the first line of the Markdown table ``fastattn bench`` writes beside its CSV.
+VERSUS_MARKER = "<!-- fastattn bench: best fastattn / best peer -->"
+#: The files written beside a results file, by kind: suffix, what it is, and the marker a
+#: file of it holds (so a file fastattn did not write is never replaced).
+SIDE_FILES = {"csv": (".csv", "results CSV", ",".join(CSV_COLUMNS[:31])),
+              "summary": (".summary.json", "bench summary", f'"schema": "{SUMMARY_SCHEMA}"'),
+              "markdown": (".md", "best-vs-peer table", VERSUS_MARKER)}
 MISSING = "–"
 
 
@@ -28,7 +34,6 @@ def format_seconds(seconds):
     unit, factor = next((u, f) for u, f in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6),
                                             ("ns", 0.0)) if seconds >= f)
     value = seconds / (factor or 1e-9)
-    # 1000 to 999,999 in full ("1234 s"); beyond, a hand-edited or absurd value, in e-notation.
     return f"{value:.0f} {unit}" if 1000 <= value < 1e6 else f"{value:.3g} {unit}"
 
 
@@ -50,65 +55,6 @@ def format_percent(fraction):
     return f"{100 * fraction:.0f}%" if fraction >= 0.095 else f"{100 * fraction:.2g}%"
 
 
-#: Why a kernel can run above its roof, said wherever one is shown above it.
-ABOVE_ROOF_WHY = (
-    "the roof is the fastest measured GEMM n x d @ d x n at the kernel's d (the fastest BLAS "
-    "probed, at the run's n and where that GEMM runs fastest), not a bound on the machine: "
-    "a kernel's own register-blocked products can come closer to the cores' FMA peak than "
-    "that BLAS call does, and a probe slowed by other work lowers the roof (the load of "
-    "each probe and point is in the results file); a paired fraction divides by one round's "
-    "GEMM, a few calls after an idle turn (with 2 threads, pools waking), which runs "
-    "slower than the best probe")
-
-
-#: The footnote of a table with a ``!`` in its % roof column.
-ABOVE_ROOF_NOTE = f"!: above the roof. Why a kernel can be there: {ABOVE_ROOF_WHY}."
-
-
-#: What the bracketed % roof is, said under every table that shows one.
-PAIRED_ROOF_NOTE = ("% roof in brackets: paired, the median over the rounds of the kernel's "
-                    "GFLOP/s in the round (its fastest repeat there) over the roof GEMM's, "
-                    "timed in a turn of its own in the same round (a slow spell of the machine "
-                    "falls on both).")
-
-#: A point this many times above its roof says more about the probe than the kernel.
-FAR_ABOVE_ROOF = 2.0
-
-
-def far_above_roof(records):
-    """The records more than :data:`FAR_ABOVE_ROOF` times above their roof: a probe slowed
-    by other work, not a kernel beating a GEMM by that much."""
-    return [r for r in records if not _missing(r.get("roof_fraction"))
-            and r["roof_fraction"] > FAR_ABOVE_ROOF]
-
-
-def above_roof(fraction):
-    """True for a fraction of the roof above 1 (shown flagged, with :data:`ABOVE_ROOF_WHY`)."""
-    return not _missing(fraction) and fraction > 1.0
-
-
-def format_roof_percent(fraction, paired=None):
-    """:func:`format_percent`, ``"–"`` for missing, and ``"!"`` after a value above the roof;
-    the ``paired`` fraction (``roof_fraction_paired``) in brackets when there is one, with
-    its own ``"!"`` above 1."""
-    text = (format_percent(fraction) or MISSING) + ("!" if above_roof(fraction) else "")
-    if _missing(paired):
-        return text
-    return f"{text} ({format_percent(paired)}{'!' if above_roof(paired) else ''})"
-
-
-def _roof_notes(rows):
-    """The footnotes a table of ``rows`` needs: what a bracketed (paired) % roof is, when one
-    is shown, and why a kernel can be above its roof, when one is."""
-    notes = []
-    if any(not _missing(r.get("roof_fraction_paired")) for r in rows):
-        notes.append(PAIRED_ROOF_NOTE)
-    if any(above_roof(r.get("roof_fraction")) or above_roof(r.get("roof_fraction_paired"))
-           for r in rows):
-        notes.append(ABOVE_ROOF_NOTE)
-    return notes
-
-
 def format_number(value, digits=3):
     """A float to ``digits`` significant places; ``"–"`` for missing."""
     return MISSING if _missing(value) else f"{value:.{digits}g}"
@@ -124,6 +70,54 @@ def mask_name(causal):
     return "causal" if causal else "non-causal"
 
 
+#: Why a kernel can run above its roof, said wherever one is shown above it.
+ABOVE_ROOF_WHY = (
+    "the roof is the fastest measured GEMM n x d @ d x n at the kernel's d (the fastest BLAS "
+    "probed, at the run's n and where that GEMM runs fastest), not a bound on the machine: "
+    "a kernel's own register-blocked products can come closer to the cores' FMA peak than "
+    "that BLAS call does, and a probe slowed by other work lowers the roof (the load of "
+    "each probe and point is in the results file); a paired fraction divides by one round's "
+    "GEMM, a few calls after an idle turn (with 2 threads, pools waking), which runs "
+    "slower than the best probe")
+#: The footnote of a table with a ``!`` in its % roof column.
+ABOVE_ROOF_NOTE = f"!: above the roof. Why a kernel can be there: {ABOVE_ROOF_WHY}."
+#: What the bracketed % roof is, said under every table that shows one.
+PAIRED_ROOF_NOTE = ("% roof in brackets: paired, the median over the rounds of the kernel's "
+                    "GFLOP/s in the round (its fastest repeat there) over the roof GEMM's, "
+                    "timed in a turn of its own in the same round (a slow spell of the machine "
+                    "falls on both).")
+#: A point this many times above its roof says more about the probe than the kernel.
+FAR_ABOVE_ROOF = 2.0
+
+
+def above_roof(fraction):
+    """True for a fraction of the roof above 1 (shown flagged, with :data:`ABOVE_ROOF_WHY`)."""
+    return not _missing(fraction) and fraction > 1.0
+
+
+def far_above_roof(records):
+    """The records more than :data:`FAR_ABOVE_ROOF` times above their roof."""
+    return [r for r in records if not _missing(r.get("roof_fraction"))
+            and r["roof_fraction"] > FAR_ABOVE_ROOF]
+
+
+def format_roof_percent(fraction, paired=None):
+    """:func:`format_percent` (``"–"`` for missing), ``"!"`` after a value above the roof,
+    and the ``paired`` fraction in brackets when there is one."""
+    text = (format_percent(fraction) or MISSING) + ("!" if above_roof(fraction) else "")
+    if _missing(paired):
+        return text
+    return f"{text} ({format_percent(paired)}{'!' if above_roof(paired) else ''})"
+
+
+def _roof_notes(rows):
+    """The footnotes a table of ``rows`` needs: the paired % roof's, the above-roof one's."""
+    paired = [r.get("roof_fraction_paired") for r in rows]
+    return ([PAIRED_ROOF_NOTE] if any(not _missing(p) for p in paired) else []) + (
+        [ABOVE_ROOF_NOTE] if any(above_roof(r.get("roof_fraction")) or above_roof(p)
+                                 for r, p in zip(rows, paired)) else [])
+
+
 def config_title(record):
     """Heading of the table a record belongs to."""
     dims = (f"d={record['d_k']}" if record["d_k"] == record["d_v"]
@@ -131,16 +125,15 @@ def config_title(record):
     fmap = f", feature map {record['feature_map']}" if record.get("feature_map") else ""
     fmap += f" (m = {record['num_features']})" if record.get("num_features") else ""
     regime = ", decode: one token after n keys" if record.get("regime") == "decode" else ""
-    threads = record["threads"]
     return (f"{record['attention']} attention{regime}, {mask_name(record['causal'])}, "
             f"{record['dtype']}, {dims}, batch {record['batch']} x heads {record['heads']}"
-            f"{fmap}, {threads} thread{'s' if threads != 1 else ''}")
+            f"{fmap}, {plural(record['threads'], 'thread')}")
 
 
 def summarise(records, baseline=None, backend_order=()):
     """The tables of :func:`format_tables` as data: ``schema``, ``baseline`` and
     ``configurations``, each ``{"title", "config", "rows"}``, a row per point with ``n``,
-    ``vs_baseline`` (baseline median / median) and the point's outcome fields."""
+    ``vs_baseline`` (baseline median / median) and :data:`~.schema.SUMMARY_FIELDS`."""
     configurations, groups = [], {}
     for record in records:
         groups.setdefault(tuple(record.get(k) for k in CONFIG_KEYS), []).append(record)
@@ -151,35 +144,66 @@ def summarise(records, baseline=None, backend_order=()):
                 if r["backend"] == baseline and r.get("status") == "ok"}
         rows = [{"n": r["n_k"], "vs_baseline": base[r["n_k"]] / r["median_s"]
                  if base.get(r["n_k"]) and r.get("median_s") else None,
-                 **{k: r.get(k) for k in SUMMARY_FIELDS}}
-                for r in group]
+                 **{k: r.get(k) for k in SUMMARY_FIELDS}} for r in group]
         configurations.append({"title": config_title(group[0]), "rows": rows,
                                "config": {k: group[0].get(k) for k in CONFIG_KEYS}})
     return {"schema": SUMMARY_SCHEMA, "baseline": baseline, "configurations": configurations}
 
 
-def _cells(row):
-    if row["status"] != "ok":   # the reason spans the row (:func:`text_table`)
-        return [str(row["n"]), row["backend"]], f"{row['status']}: {row['reason'] or ''}"
+def _error_cell(row):
     err = MISSING if row["max_abs_err"] is None else f"{row['max_abs_err']:.1e}"
     if row["check_n"] and row["check_n"] != row["n"]:
         err += f" (n={row['check_n']})"
-    if row["check_ok"] is False:
-        err += " MISMATCH"
-    return [str(row["n"]), row["backend"],
-            f"{format_seconds(row['median_s'])} ({format_seconds(row['min_s'])}-"
-            f"{format_seconds(row['max_s'])})", format_number(row["gflops"]),
-            format_roof_percent(row["roof_fraction"], row["roof_fraction_paired"]),
-            format_bytes(row["peak_bytes"]),
-            MISSING if row["vs_baseline"] is None else f"{row['vs_baseline']:.2f}x", err], None
+    return err + (" MISMATCH" if row["check_ok"] is False else "")
 
 
-def text_table(header, rows, align):
-    """``header`` and ``rows`` (lists of str) as a plain text table, columns aligned as
-    ``align`` says (``"left"`` or ``"right"`` each); a row of ``(cells, text)`` with ``text``
-    has its first cells, then ``text`` across the rest of the row."""
+def _attention_cell(row):
+    fmap = "" if row["attention"] == "softmax" or row["feature_map"] in (None, "elu") \
+        else f" {row['feature_map']}"
+    return (row["attention"] + fmap + (f" m={row['num_features']}" if row.get("num_features")
+                                       else "") + (" decode" if row.get("regime") == "decode"
+                                                   else ""))
+
+
+def _ratio_cell(value, text=MISSING, unit=""):
+    return text if value is None else f"{value:.2f}{unit}"
+
+
+def _roof_cell(row):
+    return format_roof_percent(row["roof_fraction"], row.get("roof_fraction_paired"))
+
+
+#: Columns of a configuration's table (a row of :func:`summarise`): header, right-aligned,
+#: and the cell; the ratio's header names the baseline.
+POINT_COLUMNS = (
+    ("n", True, lambda r: str(r["n"])), ("backend", False, lambda r: r["backend"]),
+    ("median (min-max)", True, lambda r: f"{format_seconds(r['median_s'])} "
+     f"({format_seconds(r['min_s'])}-{format_seconds(r['max_s'])})"),
+    ("GFLOP/s", True, lambda r: format_number(r["gflops"])), ("% roof", True, _roof_cell),
+    ("peak extra", True, lambda r: format_bytes(r["peak_bytes"])),
+    ("ratio", True, lambda r: _ratio_cell(r["vs_baseline"], unit="x")),
+    ("max err", True, _error_cell))
+#: Columns of the best fastattn / best peer table (a row of :func:`versus_rows`).
+VERSUS_COLUMNS = (
+    ("shape BxHxNxD", lambda r: r["shape"]), ("attention", _attention_cell),
+    ("mask", lambda r: mask_name(r["causal"])), ("dtype", lambda r: r["dtype"]),
+    ("threads", lambda r: str(r["threads"])), ("best fastattn", lambda r: r["fastattn"] or MISSING),
+    ("time", lambda r: format_seconds(r["fastattn_s"])),
+    ("best peer", lambda r: r["peer"] or MISSING), ("time", lambda r: format_seconds(r["peer_s"])),
+    ("fastattn / peer", lambda r: _ratio_cell(r["ratio"], r["note"] or MISSING)),
+    ("paired", lambda r: _ratio_cell(r.get("paired"))),
+    ("GFLOP/s", lambda r: format_number(r["gflops"])), ("% roof", _roof_cell))
+
+
+def text_table(header, rows, align=None, markdown=False):
+    """``header`` and ``rows`` (lists of str) laid out by tabulate: plain text, columns aligned
+    as ``align`` says (``"left"`` or ``"right"`` each), or Markdown (``|`` escaped).  A row of
+    ``(cells, text)`` with ``text`` has its first cells, then ``text`` across the rest."""
     from tabulate import tabulate
 
+    if markdown:
+        cells = [[c.replace("|", "\\|") for c in row] for row in rows]
+        return tabulate(cells, header, tablefmt="github", disable_numparse=True)
     cells = [r[0] + [""] * (len(header) - len(r[0])) if isinstance(r, tuple) else r
              for r in rows]
     lines = tabulate(cells, header, tablefmt="simple", colalign=align,
@@ -196,12 +220,14 @@ def format_tables(records, baseline=None, backend_order=()):
     """One text table per configuration, every backend at every n (in ``backend_order``),
     with the ratio ``baseline time / time`` (above 1: faster than ``baseline``)."""
     ratio_title = f"vs {baseline}" if baseline else "ratio"
-    header = ["n", "backend", "median (min-max)", "GFLOP/s", "% roof", "peak extra",
-              ratio_title, "max err"]
-    align = ["right", "left"] + ["right"] * (len(header) - 2)
-    out = [config["title"] + "\n" + text_table(header, [_cells(row) for row in config["rows"]],
-                                                align)
-           for config in summarise(records, baseline, backend_order)["configurations"]]
+    header = [ratio_title if h == "ratio" else h for h, _, _ in POINT_COLUMNS]
+    align = ["right" if right else "left" for _, right, _ in POINT_COLUMNS]
+    out = []
+    for config in summarise(records, baseline, backend_order)["configurations"]:
+        rows = [[cell(r) for _, _, cell in POINT_COLUMNS] if r["status"] == "ok" else
+                ([str(r["n"]), r["backend"]], f"{r['status']}: {r['reason'] or ''}")
+                for r in config["rows"]]
+        out.append(config["title"] + "\n" + text_table(header, rows, align))
     if baseline:
         out.append(f"{ratio_title}: {baseline}'s median time / this median time "
                    "(above 1 is faster than the baseline).")
@@ -210,39 +236,34 @@ def format_tables(records, baseline=None, backend_order=()):
 
 
 def check_target(path, kind):
-    """Refuse (ResultsFileError) to replace a ``kind`` ("csv", "summary" or "markdown") file
-    this module did not write, or a read-only one."""
-    if kind == "markdown":
-        check_replaceable(path, "best-vs-peer table", VERSUS_MARKER)
-    elif kind == "csv":
-        check_replaceable(path, "results CSV", ",".join(CSV_COLUMNS[:31]), empty_ok=True)
-    else:
-        check_replaceable(path, "bench summary", f'"schema": "{SUMMARY_SCHEMA}"')
+    """Refuse (ResultsFileError) to replace a ``kind`` file (:data:`SIDE_FILES`) this module
+    did not write, or a read-only one."""
+    _, what, marker = SIDE_FILES[kind]
+    check_replaceable(path, what, marker, empty_ok=kind == "csv")
+
+
+def _write(kind, path, text):
+    check_target(path, kind)
+    return atomic_write(path, text)
 
 
 def write_csv(records, path):
     """Write point records as CSV (:data:`CSV_COLUMNS`), atomically; refuse a foreign file."""
-    check_target(path, "csv")
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, fieldnames=CSV_COLUMNS, extrasaction="ignore",
                             lineterminator="\n")
     writer.writeheader()
     writer.writerows({k: r.get(k) for k in CSV_COLUMNS} for r in records)
-    return atomic_write(path, buffer.getvalue())
+    return _write("csv", path, buffer.getvalue())
 
 
 def write_summary(records, path, baseline=None, backend_order=()):
     """Write :func:`summarise` as JSON, atomically; refuse a foreign file."""
-    check_target(path, "summary")
     summary = summarise(records, baseline, backend_order)
-    return atomic_write(path, to_json(summary, indent=1, sort_keys=True) + "\n")
+    return _write("summary", path, to_json(summary, indent=1, sort_keys=True) + "\n")
 
 
 # ------------------------------------------------- best fastattn against the best peer
-#: Marker on the first line of the Markdown table ``fastattn bench`` writes beside its CSV.
-VERSUS_MARKER = "<!-- fastattn bench: best fastattn / best peer -->"
-
-
 def _fastest_s(record):
     """The time a comparison uses: the fastest repeat (the median where none was kept)."""
     value = record.get("min_s")
@@ -257,10 +278,8 @@ def shape_text(record):
 
 def paired_ratio(ours, theirs):
     """The median over rounds of ``ours``' fastest repeat of a round over ``theirs``' of the
-    same round (``round_min_s``), or None unless both took the same two or more turns.  The
-    turns of a round are side by side in time, so a slow spell of the machine slows both
-    sides of a pair alike, where the fastest repeats of the two may come from different
-    spells."""
+    same round (``round_min_s``), or None unless both took the same two or more turns (a
+    slow spell of the machine then slows both sides of a pair alike)."""
     a, b = ours.get("round_min_s"), theirs.get("round_min_s")
     if not a or not b or len(a) != len(b) or len(a) < 2:
         return None
@@ -269,11 +288,10 @@ def paired_ratio(ours, theirs):
 
 
 def versus_rows(records):
-    """Per shape, dtype, mask, threads (:data:`VERSUS_KEYS`), the fastest fastattn backend and
-    the fastest peer by their fastest repeat, and ``ratio`` = fastattn time / peer time (below
-    1: fastattn is faster), only when both were measured in the same run (``run_id``; else
-    ``note`` says why there is none); ``gflops`` and ``roof_fraction`` of the fastattn kernel
-    at that time (``roof_fraction_paired`` beside it), and ``paired``
+    """Per :data:`VERSUS_KEYS`, the fastest fastattn backend and the fastest peer by their
+    fastest repeat, and ``ratio`` = fastattn time / peer time, only when both were measured in
+    one run (``run_id``; else ``note`` says why there is none); ``gflops`` and
+    ``roof_fraction`` of the fastattn kernel at that time, and ``paired``
     (:func:`paired_ratio`).  In the records' order."""
     groups = {}
     for r in records:
@@ -282,10 +300,8 @@ def versus_rows(records):
             groups.setdefault(tuple(r.get(k) for k in VERSUS_KEYS), []).append(r)
     rows = []
     for group in groups.values():
-        ours = [r for r in group if not r.get("peer")]
-        theirs = [r for r in group if r.get("peer")]
-        best = min(ours, key=_fastest_s) if ours else None
-        peer = min(theirs, key=_fastest_s) if theirs else None
+        best = min((r for r in group if not r.get("peer")), key=_fastest_s, default=None)
+        peer = min((r for r in group if r.get("peer")), key=_fastest_s, default=None)
         ratio, note = None, None
         if best is None or peer is None:
             note = "no fastattn backend measured" if best is None else "no peer measured"
@@ -293,7 +309,6 @@ def versus_rows(records):
             note = "measured in different runs: no ratio"
         else:
             ratio = _fastest_s(best) / _fastest_s(peer)
-        paired = paired_ratio(best, peer) if ratio is not None else None
         gflops = fraction = None
         if best is not None and best.get("flops"):
             gflops = best["flops"] / _fastest_s(best) / 1e9
@@ -302,33 +317,15 @@ def versus_rows(records):
                      "fastattn": best and best["backend"],
                      "fastattn_s": best and _fastest_s(best),
                      "peer": peer and peer["backend"], "peer_s": peer and _fastest_s(peer),
-                     "ratio": ratio, "paired": paired, "note": note, "gflops": gflops,
-                     "roof_fraction": fraction,
+                     "ratio": ratio, "note": note, "gflops": gflops, "roof_fraction": fraction,
+                     "paired": paired_ratio(best, peer) if ratio is not None else None,
                      "roof_fraction_paired": best and best.get("roof_fraction_paired"),
                      "roof_blas": best and best.get("roof_blas")})
     return rows
 
 
-_VERSUS_HEADER = ("shape BxHxNxD", "attention", "mask", "dtype", "threads", "best fastattn",
-                  "time", "best peer", "time", "fastattn / peer", "paired", "GFLOP/s", "% roof")
-
-
-def _versus_cells(row):
-    attention = row["attention"] + ("" if row["attention"] == "softmax" or
-                                    row["feature_map"] in (None, "elu") else
-                                    f" {row['feature_map']}") + (
-        f" m={row['num_features']}" if row.get("num_features") else "") + (
-        " decode" if row.get("regime") == "decode" else "")
-    return [row["shape"], attention, mask_name(row["causal"]), row["dtype"], str(row["threads"]),
-            row["fastattn"] or MISSING, format_seconds(row["fastattn_s"]),
-            row["peer"] or MISSING, format_seconds(row["peer_s"]),
-            f"{row['ratio']:.2f}" if row["ratio"] is not None else (row["note"] or MISSING),
-            f"{row['paired']:.2f}" if row.get("paired") is not None else MISSING,
-            format_number(row["gflops"]),
-            format_roof_percent(row["roof_fraction"], row.get("roof_fraction_paired"))]
-
-
-def _versus_notes(rows, roof_text=()):
+def _versus(rows, roof_text, markdown):
+    """The table of :func:`versus_rows` with its notes, as text or as Markdown."""
     notes = ["Times: the fastest repeat of each (other work only slows a call down). "
              "fastattn / peer below 1: fastattn's fastest backend is faster; only ratios of "
              "points measured side by side in one run are given. paired: the median over the "
@@ -336,40 +333,34 @@ def _versus_notes(rows, roof_text=()):
              "of both), which a slow spell of the machine moves less. Decode: N is the context "
              "length n_k, one query. GFLOP/s and % roof: of the fastattn kernel at that time "
              "(its fastest repeat; the per-point tables take the median)."]
-    return notes + _roof_notes(rows) + list(roof_text)
+    notes += _roof_notes(rows) + list(roof_text)
+    header = [h for h, _ in VERSUS_COLUMNS]
+    table = text_table(header, [[cell(r) for _, cell in VERSUS_COLUMNS] for r in rows],
+                       ["left"] * len(header), markdown)
+    if markdown:
+        return "\n".join([VERSUS_MARKER, "", table, ""] + [f"- {n}" for n in notes]) + "\n"
+    return "\n".join(["best fastattn / best peer", table, ""] + [f"  {n}" for n in notes])
 
 
 def format_versus(rows, roof_text=()):
     """The text table of :func:`versus_rows` (what ``fastattn bench`` prints)."""
-    if not rows:
-        return ""
-    table = text_table(_VERSUS_HEADER, [_versus_cells(r) for r in rows],
-                        ["left"] * len(_VERSUS_HEADER))
-    return "\n".join(["best fastattn / best peer", table, ""]
-                     + [f"  {n}" for n in _versus_notes(rows, roof_text)])
+    return _versus(rows, roof_text, markdown=False) if rows else ""
 
 
 def versus_markdown(rows, roof_text=()):
     """The Markdown table of :func:`versus_rows`, ready for the README (marker first)."""
-    from tabulate import tabulate
-
-    cells = [[c.replace("|", "\\|") for c in _versus_cells(r)] for r in rows]
-    table = tabulate(cells, _VERSUS_HEADER, tablefmt="github", disable_numparse=True)
-    return "\n".join([VERSUS_MARKER, "", table, ""]
-                     + [f"- {n}" for n in _versus_notes(rows, roof_text)]) + "\n"
+    return _versus(rows, roof_text, markdown=True)
 
 
 def write_versus_markdown(rows, path, roof_text=()):
     """Write :func:`versus_markdown` atomically; refuse a file this module did not write."""
-    check_target(path, "markdown")
-    return atomic_write(path, versus_markdown(rows, roof_text))
+    return _write("markdown", path, versus_markdown(rows, roof_text))
 
 
-# ---------------------------------------------------------------------- the roof, said
 def roof_statements(roofs):
     """Sentences saying which GEMM was probed: per dtype, threads, d and library, the shape
-    ``n x d @ d x n`` and every n probed, the library and version, the threads, when, the best
-    GFLOP/s (and at which n), and which library is the roof (the fastest)."""
+    ``n x d @ d x n`` and every n probed, when, the best GFLOP/s (and at which n), and which
+    library is the roof (the fastest)."""
     from .engine import MAX_PROBE_N, PEAK_PROBE_N, gemm_probes
 
     groups = {}
@@ -382,16 +373,13 @@ def roof_statements(roofs):
         best = {lib: max(rs, key=lambda r: r["gflops"]) for lib, rs in by_library.items()}
         roof = max(best, key=lambda lib: best[lib]["gflops"])
         for lib, rs in by_library.items():
-            ns = sorted({r["shape"][0] for r in rs})
+            ns = ", ".join(map(str, sorted({r["shape"][0] for r in rs})))
             when = sorted({r.get("probed_at") for r in rs if r.get("probed_at")})
             top = best[lib]
-            lines.append(
-                f"{dtype}, {plural(threads, 'thread')}: GEMM n x {d} @ {d} x n at n = "
-                f"{', '.join(map(str, ns))}, {lib}"
-                + (f", probed {when[0]}" if when else "")
-                + f": best {top['gflops']:.1f} GFLOP/s (n = {top['shape'][0]})"
-                + (" - the roof" if lib == roof else
-                   f" (below {roof}: not the roof)"))
+            lines.append(f"{dtype}, {plural(threads, 'thread')}: GEMM n x {d} @ {d} x n at "
+                         f"n = {ns}, {lib}" + (f", probed {when[0]}" if when else "")
+                         + f": best {top['gflops']:.1f} GFLOP/s (n = {top['shape'][0]})"
+                         + (" - the roof" if lib == roof else f" (below {roof}: not the roof)"))
     if lines:
         lines.append("A point's roof is the fastest of these probes at its d, over every n and "
                      f"library: every n of the run (above n = {MAX_PROBE_N} at "
