@@ -174,6 +174,15 @@ def finite_in(value, name, dtype):
     return value
 
 
+def check_dim(value, name, minimum):
+    """``value`` as an int from ``minimum`` to :data:`LARGEST_DIM`; else ValueError naming it."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral) \
+            or not minimum <= value <= LARGEST_DIM:
+        raise ValueError(f"{name} must be an integer from {minimum} to {LARGEST_DIM:,}, "
+                         f"got {number_text(value)}")
+    return int(value)
+
+
 def check_bool(value, name):
     if isinstance(value, np.ndarray) and value.ndim == 0 and value.dtype == bool:
         value = value[()]   # a 0-d boolean array is its value, as for the scalars
@@ -210,6 +219,16 @@ def check_state(initial_state, batch_shape, d_k, d_v, dtype, dim_name="d_k", fma
             f"initial_state[1] (z) must be >= 0 with the {fmap.name!r} feature map: it is a sum "
             f"of non-negative features; got min {float(np.min(z)):.6g}"
         )
+    for x, name in ((S, "initial_state[0] (S)"), (z, "initial_state[1] (z)")):
+        x = np.asarray(x)
+        if x.dtype.itemsize > np.dtype(dtype).itemsize and x.size:
+            with np.errstate(invalid="ignore"):
+                top = np.max(np.abs(x), initial=0.0, where=np.isfinite(x))
+            if top > LARGEST[dtype]:
+                raise ValueError(
+                    f"{name} holds {top:.4g}, which is inf in the computation dtype {dtype} "
+                    f"(at most {LARGEST[dtype]:.8g}; q, k and v decide it): pass float64 q, k "
+                    f"and v to compute in float64")
     B = math.prod(batch_shape)
     S = np.require(np.asarray(S).reshape(B, d_k, d_v), dtype=dtype, requirements=["C", "A", "W"])
     z = np.require(np.asarray(z).reshape(B, d_k), dtype=dtype, requirements=["C", "A", "W"])

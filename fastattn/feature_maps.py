@@ -142,8 +142,12 @@ class FeatureMap:
         form = getattr(module, self.kernel, None) if self.kernel else None
         if form is None:
             form = self.numpy_features
-        feats = Features(*(np.require(form(x), dtype=x.dtype, requirements=["C", "A"])
-                           for x in (q, k)))
+        phis = [form(x) for x in (q, k)]
+        if self.check_features:   # before a cast could hide a wrong type
+            for phi, which in zip(phis, "qk"):
+                _check_feature_type(phi, f"feature map {self.name!r} on {which}")
+        feats = Features(*(np.require(phi, dtype=x.dtype, requirements=["C", "A"])
+                           for phi, x in zip(phis, (q, k))))
         if self.check_features:
             for phi, x, which in ((feats.q, q, "q"), (feats.k, k, "k")):
                 self._check(phi, x, which)
@@ -707,14 +711,7 @@ def _user_features(fn, x, batch_shape, dtype, which):
             f"{what} wrote into its input, which is read-only (it may be the caller's "
             f"{which}): return new features, e.g. np.maximum(x, 0), not np.maximum(x, 0, out=x) "
             f"({exc})") from exc
-    if isinstance(phi, np.ma.MaskedArray):
-        raise TypeError(
-            f"{what} must return a plain numpy.ndarray, got a numpy.ma.MaskedArray whose mask "
-            f"would be ignored; return e.g. features.filled(0.0)")
-    if not isinstance(phi, np.ndarray):
-        raise TypeError(f"{what} must return a numpy.ndarray, got {type(phi).__name__}")
-    if phi.dtype.kind != "f":
-        raise TypeError(f"{what} must return float features, got dtype {phi.dtype}")
+    _check_feature_type(phi, what)
     if phi.ndim != shown.ndim or phi.shape[:-1] != shown.shape[:-1] or phi.shape[-1] < 1:
         raise ValueError(
             f"{what} must return features of shape {_checks.shape_text(*shown.shape[:-1], 'D')} "
@@ -725,6 +722,18 @@ def _user_features(fn, x, batch_shape, dtype, which):
                      requirements=["C", "A", "W"])
     _check_feature_values(phi, what)
     return phi
+
+
+def _check_feature_type(phi, what):
+    """TypeError naming ``what`` unless ``phi`` is a plain float ndarray."""
+    if isinstance(phi, np.ma.MaskedArray):
+        raise TypeError(
+            f"{what} must return a plain numpy.ndarray, got a numpy.ma.MaskedArray whose mask "
+            f"would be ignored; return e.g. features.filled(0.0)")
+    if not isinstance(phi, np.ndarray):
+        raise TypeError(f"{what} must return a numpy.ndarray, got {type(phi).__name__}")
+    if phi.dtype.kind != "f":
+        raise TypeError(f"{what} must return float features, got dtype {phi.dtype}")
 
 
 def _check_feature_values(phi, what, nonnegative=True, advice=""):

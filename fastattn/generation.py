@@ -41,14 +41,6 @@ def _refusing_overflow(what, whose, dtype, advice):
             f"{np.finfo(dtype).max:.4g}), which would be stored as inf; {advice}") from None
 
 
-def _check_dim(value, name, minimum):
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral) \
-            or not minimum <= value <= _checks.LARGEST_DIM:
-        raise ValueError(f"{name} must be an integer from {minimum} to {_checks.LARGEST_DIM:,}, "
-                         f"got {_checks.number_text(value)}")
-    return int(value)
-
-
 def _check_batch_shape(batch_shape):
     if isinstance(batch_shape, numbers.Integral) and not isinstance(batch_shape, bool):
         batch_shape = (batch_shape,)
@@ -57,7 +49,7 @@ def _check_batch_shape(batch_shape):
             f"batch_shape must be a tuple of ints (the leading batch, head dims), "
             f"got {type(batch_shape).__name__}"
         )
-    return tuple(_check_dim(b, "every entry of batch_shape", 0) for b in batch_shape)
+    return tuple(_checks.check_dim(b, "every entry of batch_shape", 0) for b in batch_shape)
 
 
 def _check_storage_dtype(dtype):
@@ -134,9 +126,9 @@ class KVCache:
 
     def __init__(self, batch_shape, capacity, d_k, d_v=None, *, dtype=np.float32):
         self._batch_shape = _check_batch_shape(batch_shape)
-        self._capacity = _check_dim(capacity, "capacity", 1)
-        self._d_k = _check_dim(d_k, "d_k", 1)
-        self._d_v = self._d_k if d_v is None else _check_dim(d_v, "d_v", 1)
+        self._capacity = _checks.check_dim(capacity, "capacity", 1)
+        self._d_k = _checks.check_dim(d_k, "d_k", 1)
+        self._d_v = self._d_k if d_v is None else _checks.check_dim(d_v, "d_v", 1)
         self._dtype = _check_storage_dtype(dtype)
         self._length = 0
         need = math.prod(self.batch_shape) * self.capacity * (self.d_k + self.d_v) \
@@ -307,7 +299,9 @@ class LinearAttentionState:
         Added to the denominator; finite and >= 0.  Default (None) as
         :func:`fastattn.linear_attention`: 0 for FAVOR+, else ``1e-6``.
     dtype : {numpy.float32, numpy.float64}, default numpy.float32
-        Dtype the state is kept in.
+        Dtype the state is kept in, and each step computed in when it is
+        the wider: float32 tokens into a float64 state run in float64 (their
+        output is returned as float32).
 
     Attributes
     ----------
@@ -352,8 +346,8 @@ class LinearAttentionState:
     def __init__(self, batch_shape, d_k, d_v=None, *, feature_map="elu", eps=None,
                  dtype=np.float32):
         self._batch_shape = _check_batch_shape(batch_shape)
-        self._d_k = _check_dim(d_k, "d_k", 1)
-        self._d_v = self._d_k if d_v is None else _check_dim(d_v, "d_v", 1)
+        self._d_k = _checks.check_dim(d_k, "d_k", 1)
+        self._d_v = self._d_k if d_v is None else _checks.check_dim(d_v, "d_v", 1)
         self._dtype = _check_storage_dtype(dtype)
         # eps is checked against the state's dtype now, not only at the first step.
         self._eps = None if eps is None else _checks.finite_in(
@@ -430,6 +424,11 @@ class LinearAttentionState:
         if not q.shape[-2] == k.shape[-2] == v.shape[-2]:
             raise ValueError(f"q, k and v must hold the same number of tokens; got q {q.shape}, "
                              f"k {k.shape}, v {v.shape}")
+        result = np.result_type(*(np.asarray(x).dtype for x in (q, k, v)))
+        if self.dtype.itemsize > result.itemsize and result.kind == "f":
+            # A float64 state is computed in float64 (tokens of float32 keys and values of
+            # 1e25 or 1e-30 would over- or underflow in float32), returned in their dtype.
+            q, k, v = (np.asarray(x, dtype=self.dtype) for x in (q, k, v))
         try:
             out, (S, z) = _api.linear_attention(
                 q, k, v, feature_map=self.feature_map, causal=True, eps=self.eps,
@@ -452,4 +451,7 @@ class LinearAttentionState:
             S, z = S.astype(self.dtype, copy=False), z.astype(self.dtype, copy=False)
         self._S, self._z = S, z
         self._tokens += k.shape[-2]
+        if out.dtype != result and result.kind == "f":
+            with np.errstate(over="ignore"):   # beyond the tokens' dtype: inf, as it says
+                out = out.astype(result)
         return out

@@ -923,3 +923,27 @@ def test_fastattns_own_maps_cannot_be_unregistered(name):
     with pytest.raises(ValueError, match="stays registered"):
         fm.unregister(name)
     assert name in fm.NAMES
+
+
+@pytest.mark.parametrize("make", [lambda x: x.astype(np.complex128), lambda x: (x > 0).astype(int),
+                                  lambda x: x.tolist()], ids=["complex", "int", "list"])
+def test_a_registered_map_whose_form_returns_no_float_array_is_refused(make):
+    """Such features were cast silently; a callable's are refused with a TypeError."""
+    from fastattn import feature_maps
+
+    class Odd(feature_maps.FeatureMap):
+        name = "odd-test-map"
+
+        def feature_dim(self, d_k, num_features=None):
+            return d_k
+
+        def numpy_features(self, x):
+            return make(np.abs(x))
+
+    feature_maps.register(Odd())
+    try:
+        x = np.ones((1, 3, 4))
+        with pytest.raises(TypeError, match="feature map 'odd-test-map' on q must return"):
+            fastattn.linear_attention(x, x, x, feature_map="odd-test-map", backend="reference")
+    finally:
+        feature_maps.unregister("odd-test-map")

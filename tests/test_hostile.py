@@ -419,3 +419,34 @@ def test_a_nan_given_to_softmax_reaches_only_what_it_reaches(backend):
     v[0, 3, 1] = np.nan
     out = fastattn.softmax_attention(q, k, v, backend=backend)
     assert np.isnan(out[0, :, 1]).all() and np.isfinite(out[0, :, [0, 2, 3]]).all()
+
+
+def test_a_float64_state_keeps_float32_tokens_beyond_float32s_range(backend):
+    """Keys and values of 1e25 (products of 1e50) overflowed the float64 state from the
+    second step: the step ran in float32, the tokens' dtype."""
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((6, 4)).astype(np.float32)
+    for scale, fmap in ((1e25, "elu"), (1e-30, "relu")):
+        k = (np.abs(rng.standard_normal((6, 4))) * scale).astype(np.float32)
+        v = (rng.standard_normal((6, 3)) * scale).astype(np.float32)
+        state = fastattn.LinearAttentionState((), d_k=4, d_v=3, feature_map=fmap, eps=0.0,
+                                              dtype=np.float64)
+        steps = np.concatenate([state.step(q[i:i + 1], k[i:i + 1], v[i:i + 1], backend=backend)
+                                for i in range(6)])
+        want = fastattn.linear_attention(*(x.astype(np.float64) for x in (q, k, v)),
+                                         feature_map=fmap, eps=0.0, causal=True,
+                                         backend="reference")
+        assert steps.dtype == np.float32 and np.isfinite(state.S).all()
+        assert_close(steps / np.float32(scale), want / scale, dtype=np.float32)
+
+
+def test_a_float64_initial_state_beyond_float32_is_refused_in_a_float32_call():
+    x = np.random.default_rng(0).standard_normal((2, 4)).astype(np.float32)
+    with pytest.raises(ValueError, match=r"initial_state\[0\] \(S\) holds 1e\+39, which is inf "
+                                         r"in the computation dtype float32"):
+        fastattn.linear_attention(x, x, x, causal=True,
+                                  initial_state=(np.full((4, 4), 1e39), np.full(4, 1.0)))
+    # Within float32's range it is used, cast.
+    out = fastattn.linear_attention(x, x, x, causal=True,
+                                    initial_state=(np.full((4, 4), 1e30), np.full(4, 1e30)))
+    assert np.isfinite(out).all()

@@ -221,3 +221,68 @@ def test_fit_hedgehog_on_the_model(sequential, tmp_path):
     maps.save(tmp_path / "maps.npz")
     back = HedgehogFeatures.load(tmp_path / "maps.npz", shape=(6, 2, 12, 32, 32))
     np.testing.assert_array_equal(back.weight, maps.weight)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_empty_inputs_give_empty_outputs(backend):
+    """Every other map handles n = 0 and batch 0; Hedgehog failed to reshape."""
+    hh = HedgehogFeatures.identity(4)
+    for q_n, k_n, batch in ((0, 0, 2), (0, 3, 2), (3, 0, 2), (3, 3, 0)):
+        q = np.zeros((batch, q_n, 4))
+        k, v = np.zeros((batch, k_n, 4)), np.zeros((batch, k_n, 3))
+        out = fastattn.linear_attention(q, k, v, feature_map=hh, backend=backend)
+        assert out.shape == (batch, q_n, 3)
+    state = fastattn.LinearAttentionState((2,), 4, 3, feature_map=hh)
+    assert state.step(np.zeros((2, 0, 4)), np.zeros((2, 0, 4)), np.zeros((2, 0, 3))).shape \
+        == (2, 0, 3)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_float32_features_that_overflow_are_formed_in_float64(backend):
+    """W x + b beyond float32 (q up to 3e38) made every float32 output NaN."""
+    hh = HedgehogFeatures(np.eye(4) + 0.1)
+    rng = np.random.default_rng(4)
+    q = (np.clip(rng.standard_normal((5, 4)), -3, 3) * 1e38).astype(np.float32)
+    k, v = (rng.standard_normal((5, 4)).astype(np.float32) for _ in range(2))
+    out = fastattn.linear_attention(q, k, v, feature_map=hh, backend=backend)
+    want = fastattn.linear_attention(q.astype(np.float64), k.astype(np.float64),
+                                     v.astype(np.float64), feature_map=hh, backend="reference")
+    assert np.isfinite(want).all()
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
+
+
+def test_weights_are_read_only():
+    """The casts of each dtype are kept: a change in place was silently ignored."""
+    hh = HedgehogFeatures(np.eye(4))
+    with pytest.raises(ValueError, match="read-only"):
+        hh.weight[...] = 5 * np.eye(4)
+    with pytest.raises(ValueError, match="read-only"):
+        hh.bias[0] = 1.0
+
+
+@pytest.mark.parametrize("weight, error, match", [
+    (np.eye(2) * (1 + 5j), TypeError, "weight must be an array of real numbers, got dtype complex"),
+    (np.array([["a", "b"], ["c", "d"]]), TypeError, "weight must be an array of real numbers"),
+    (np.eye(2, dtype=bool), TypeError, "got dtype bool"),
+    ([[10**400]], TypeError, r"dtype object \(ints beyond int64, or None\?\)"),
+    (None, TypeError, "weight must be an array of real numbers"),
+    ([[1.0, 2.0], [3.0]], TypeError, "weight must be an array of real numbers"),
+])
+def test_bad_weights_are_refused_naming_weight(weight, error, match):
+    with pytest.raises(error, match=match):
+        HedgehogFeatures(weight)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"d_k": 4, "heads": -1}, "every entry of heads must be an integer from 0"),
+    ({"d_k": 4, "heads": 2.5}, "every entry of heads must be an integer from 0"),
+    ({"d_k": 0}, "d_k must be an integer from 1"),
+])
+def test_identity_checks_its_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        HedgehogFeatures.identity(**kwargs)
+
+
+def test_identity_too_large_is_a_memory_error_before_allocating():
+    with pytest.raises(MemoryError, match="HedgehogFeatures.identity"):
+        HedgehogFeatures.identity(10**6)

@@ -14,6 +14,7 @@ float64, all heads of a layer at once (their losses add; each head's
 parameters touch only its own term).
 """
 
+import math
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -22,6 +23,18 @@ from pathlib import Path
 import numpy as np
 
 from ..feature_maps import FeatureMap, Features
+
+
+def _real_array(value, name):
+    """``value`` as a float64 array; TypeError naming ``name`` unless it holds real numbers."""
+    try:
+        array = np.asarray(value)
+    except (ValueError, TypeError) as exc:   # ragged nested lists
+        raise TypeError(f"{name} must be an array of real numbers: {exc}") from None
+    if array.dtype.kind not in "fiu":
+        hint = " (ints beyond int64, or None?)" if array.dtype.kind == "O" else ""
+        raise TypeError(f"{name} must be an array of real numbers, got dtype {array.dtype}{hint}")
+    return np.array(array, dtype=np.float64)
 
 
 def _softmax(u):
@@ -76,23 +89,34 @@ class HedgehogFeatures(FeatureMap):
     check_features = False   # in (0, 1) by construction, from finite weights
 
     def __init__(self, weight, bias=None):
-        weight = np.array(weight, dtype=np.float64)
+        weight = _real_array(weight, "weight")
         if weight.ndim < 2 or weight.shape[-1] != weight.shape[-2] or weight.shape[-1] < 1:
             raise ValueError(f"weight must have shape (..., d_k, d_k), got {weight.shape}")
-        bias = (np.zeros(weight.shape[:-1]) if bias is None
-                else np.array(bias, dtype=np.float64))
+        bias = np.zeros(weight.shape[:-1]) if bias is None else _real_array(bias, "bias")
         if bias.shape != weight.shape[:-1]:
             raise ValueError(f"bias must have shape {weight.shape[:-1]} for weight of shape "
                              f"{weight.shape}, got {bias.shape}")
         if not (np.isfinite(weight).all() and np.isfinite(bias).all()):
             raise ValueError("weight and bias must be finite")
+        # Read-only: the casts of each dtype are kept (_params), so a change in place
+        # would be ignored; a new map is HedgehogFeatures(new_weight, new_bias).
+        weight.setflags(write=False)
+        bias.setflags(write=False)
         self.weight, self.bias = weight, bias
         self._cast = {}
 
     @classmethod
     def identity(cls, d_k, heads=()):
         """The starting map: ``W = I``, ``b = 0``, for ``heads`` (an int or shape) of maps."""
-        shape = (heads,) if isinstance(heads, int) else tuple(heads)
+        from .. import _checks, reference
+
+        d_k = _checks.check_dim(d_k, "d_k", 1)
+        shape = tuple(heads) if isinstance(heads, (tuple, list)) else (heads,)
+        shape = tuple(_checks.check_dim(h, "every entry of heads", 0) for h in shape)
+        reference.check_fits_in_memory(
+            math.prod(shape) * d_k * (d_k + 1) * 8,
+            f"HedgehogFeatures.identity({d_k}, heads={shape}), for its weights,",
+            advice="give a smaller d_k or fewer heads")
         return cls(np.broadcast_to(np.eye(d_k), shape + (d_k, d_k)))
 
     @property
@@ -129,9 +153,18 @@ class HedgehogFeatures(FeatureMap):
             raise ValueError(f"feature_map: a HedgehogFeatures of {lead or 'one'} map(s) "
                              f"(weight shape {self.weight.shape}) needs q and k whose batch "
                              f"dims end in {lead}, got batch dims {tuple(batch_shape)}")
-        return Features(*(np.ascontiguousarray(
-            self(x.reshape(tuple(batch_shape) + x.shape[1:])).reshape(x.shape[:2] + (-1,)),
-            dtype=x.dtype) for x in (q, k)))
+        return Features(*(self._batched(x, tuple(batch_shape)) for x in (q, k)))
+
+    def _batched(self, x, batch_shape):
+        """Features of ``x (B, n, d_k)`` seen as ``batch_shape + (n, d_k)``, in ``x``'s dtype;
+        a float32 ``W x + b`` that overflows is formed in float64 (the features, in (0, 1),
+        always fit)."""
+        shown = x.reshape(batch_shape + x.shape[1:])
+        with np.errstate(over="ignore", invalid="ignore"):   # repaired below
+            phi = self(shown)
+        if not np.isfinite(phi).all():
+            phi = self(shown.astype(np.float64))
+        return np.ascontiguousarray(phi.reshape(x.shape[:2] + (2 * self.d_k,)), dtype=x.dtype)
 
     def _wide_features(self, module, feats, q, k, z0):
         # Features in (0, 1): float32's are float64's to float32's precision.
