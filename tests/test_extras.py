@@ -55,6 +55,16 @@ def test_model_help_lists_the_study_options():
     done = _run("from fastattn.cli import main\nsys.exit(main(['model', '--help']))", mods=())
     assert done.returncode == 0, done.stderr
     assert "--feature-map" in done.stdout and "--maps" in done.stdout
+    text = " ".join(done.stdout.split())   # argparse wraps the help
+    assert "'elu+1'" in text and "'hedgehog'" in text and 'pip install -e ".[model]"' in text
+    assert "issue" not in text
+
+
+def test_compare_refuses_a_seed_numpy_cannot_take(capsys):
+    from fastattn.cli import main
+    with pytest.raises(SystemExit):
+        main(["compare", "--seed", str(2**32)])
+    assert "expected a seed from 0 to 2**32 - 1, got 4294967296" in capsys.readouterr().err
 
 
 def test_ctrl_c_while_the_commands_load_is_an_interrupt_not_a_traceback(monkeypatch, capsys):

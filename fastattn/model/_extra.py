@@ -16,6 +16,6 @@ def require(module, package=None, purpose="the model study"):
         return importlib.import_module(module)
     except ImportError as exc:
         raise MissingExtraError(
-            f"{purpose} needs the package {package or module!r} (module {module!r}), which is "
+            f"{purpose}: needs the package {package or module!r} (module {module!r}), which is "
             f"not installed ({exc}); fastattn's model extra installs it, {INSTALL}"
         ) from exc

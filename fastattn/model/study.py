@@ -1,4 +1,4 @@
-"""The table of issue 32: what a whole model keeps with each attention in all six layers.
+"""What a whole model keeps: all-MiniLM-L6-v2 with each attention in all six layers.
 
 For each configuration: Spearman's rho with the human judgements of the Lee set
 (50 documents, 1,225 pairs), and agreement with the original model (softmax)
@@ -123,9 +123,14 @@ def main(argv=None):
     from .hedgehog import HedgehogFeatures, cached_fit_hedgehog, fit_hedgehog
     from .minilm import MiniLM
 
-    p = argparse.ArgumentParser(prog="fastattn model", description=__doc__.splitlines()[0])
-    p.add_argument("--feature-map", action="append", default=None,
-                   help="a configuration of the table to run (repeatable; default all)")
+    known = list(default_configurations())[1:] + ["hedgehog"]
+    p = argparse.ArgumentParser(
+        prog="fastattn model", description=__doc__.splitlines()[0],
+        epilog='Needs the model extra: in the checkout of fastattn, pip install -e ".[model]". '
+               "More in docs/model.md.")
+    p.add_argument("--feature-map", action="append", default=None, metavar="NAME",
+                   help=f"a configuration of the table to run (repeatable; default all): "
+                   f"{', '.join(repr(k) for k in known)}")
     p.add_argument("--maps", help="fitted Hedgehog maps (.npz of HedgehogFeatures.save); "
                    "default: fit them on the calibration texts")
     p.add_argument("--save-maps", help="write the fitted maps here (.npz)")
@@ -153,7 +158,6 @@ def main(argv=None):
         held_out, calibration = held_out[:40], calibration[:30]
     wanted = args.feature_map
     hybrid = args.hybrid or []
-    known = list(default_configurations())[1:] + ["hedgehog"]
     for option, names in (("--feature-map", wanted or []), ("--hybrid", hybrid)):
         unknown = [w for w in names if w not in known]
         if unknown:   # before the minutes of a fit
