@@ -344,11 +344,7 @@ def attention_weights(
     """
     if kind not in ("softmax", "linear"):
         raise ValueError(f"kind must be 'softmax' or 'linear', got {kind!r}")
-    for x, name in ((q, "q"), (k, "k")):
-        _checks.check_array(x, name)
-    # Reuse the full check with a placeholder v of the right shape (no data).
-    v = np.broadcast_to(np.zeros((), q.dtype), k.shape[:-1] + (1,))
-    batch_shape, dtype, _ = _checks.check_qkv(q, k, v)
+    batch_shape, dtype, _ = _checks.check_qkv(q, k)
     causal = _checks.check_bool(causal, "causal")
     if kind == "linear" and scale is not None:
         raise ValueError(

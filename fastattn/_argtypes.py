@@ -26,16 +26,8 @@ def positive_int(text):
 
 
 def nonnegative_int(text):
-    """argparse type: an integer of at least 0, with a message naming the bad value."""
+    """argparse type: an integer of at least 0 (a seed), with a message naming the bad value."""
     return _int_at_least(text, 0, "an integer >= 0")
-
-
-def seed(text):
-    """argparse type: a NumPy seed, 0 to 2**32 - 1."""
-    value = nonnegative_int(text)
-    if value >= 2**32:
-        raise argparse.ArgumentTypeError(f"expected a seed from 0 to 2**32 - 1, got {text}")
-    return value
 
 
 def thread_count(text):

@@ -62,21 +62,26 @@ def check_array(x, name):
         )
 
 
-def check_qkv(q, k, v):
-    """Validate q, k, v; return (batch_shape, compute dtype, result dtype)."""
-    for x, name in ((q, "q"), (k, "k"), (v, "v")):
+def check_qkv(q, k, v=None):
+    """Validate q, k, v (``v=None``: q and k alone, for weights); return (batch_shape,
+    compute dtype, result dtype)."""
+    named = ((q, "q"), (k, "k")) + (((v, "v"),) if v is not None else ())
+    for x, name in named:
         check_array(x, name)
-    if not (q.shape[:-2] == k.shape[:-2] == v.shape[:-2]):
+    if len({x.shape[:-2] for x, _ in named}) > 1:
         raise ValueError(
-            "q, k and v must have the same leading (batch, head) dims; got "
-            f"q {q.shape}, k {k.shape}, v {v.shape}"
+            f"{'q, k and v' if v is not None else 'q and k'} "
+            f"must have the same leading (batch, head) dims; got "
+            + ", ".join(f"{name} {x.shape}" for x, name in named)
         )
     if q.shape[-1] != k.shape[-1]:
         raise ValueError(
             f"q and k must have the same last dim d_k; got q {q.shape} (d_k={q.shape[-1]}) "
             f"and k {k.shape} (d_k={k.shape[-1]})"
         )
-    if k.shape[-2] != v.shape[-2]:
+    if v is None:
+        v = k
+    elif k.shape[-2] != v.shape[-2]:
         raise ValueError(
             f"k and v must have the same sequence length n_k; got k {k.shape} "
             f"(n_k={k.shape[-2]}) and v {v.shape} (n_k={v.shape[-2]})"

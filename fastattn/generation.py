@@ -441,7 +441,8 @@ class LinearAttentionState:
             message = str(exc)
             for name, own in (("initial_state[0] (S)", "S"), ("initial_state[1] (z)", "z")):
                 message = message.replace(
-                    name, f"this LinearAttentionState's {own} (changed in place since the last step?)")
+                    name, f"this LinearAttentionState's {own} (changed in place since the last "
+                          f"step, or a callable feature_map whose D changed?)")
             if message == str(exc):
                 raise
             raise ValueError(message) from None

@@ -496,3 +496,10 @@ def test_compare_refuses_a_size_that_cannot_fit_before_drawing(n, d):
         tracemalloc.stop()
     assert _bytes(message)[0] >= 4 * n * n, message
     assert peak < 1 << 20, f"allocated {peak:,} bytes before refusing"
+
+
+def test_attention_weights_names_only_the_arrays_it_was_given():
+    """A batch mismatch named a v (2, 7, 1) the caller never passed."""
+    with pytest.raises(ValueError, match=r"^q and k must have the same leading \(batch, head\) "
+                                         r"dims; got q \(2, 3, 4\), k \(3, 7, 4\)$"):
+        fastattn.attention_weights(np.ones((2, 3, 4)), np.ones((3, 7, 4)))
