@@ -465,7 +465,9 @@ class FavorFeatures(Favor):
         reference.check_fits_in_memory(
             3 * self.num_features * self.d_k * 8,
             f"FavorFeatures(d_k={self.d_k}, num_features={self.num_features})",
-            advice="choose a smaller num_features (a few times d_k to a few thousand)")
+            advice="choose a smaller num_features (a few times d_k to a few thousand)"
+            + (f" or d_k (the default num_features grows as d_k ln d_k)"
+               if num_features is None else ""))
         omega = orthogonal_gaussian_features(self.d_k, self.num_features, rng)
         omega.setflags(write=False)
         self.omega = omega
@@ -682,6 +684,10 @@ def resolve(feature_map, d_k, d_k_of="q and k have"):
     if isinstance(feature_map, str):
         if feature_map in REGISTRY:
             return REGISTRY[feature_map].bind(d_k, d_k_of)
+    elif isinstance(feature_map, type) and issubclass(feature_map, FeatureMap):
+        raise TypeError(f"feature_map must be a feature map, got the class "
+                        f"{feature_map.__name__}: make one first, e.g. "
+                        f"{feature_map.__name__}({d_k}) for d_k = {d_k}")
     elif isinstance(feature_map, FeatureMap):
         return feature_map.bind(d_k, d_k_of)
     elif callable(feature_map):

@@ -503,3 +503,15 @@ def test_attention_weights_names_only_the_arrays_it_was_given():
     with pytest.raises(ValueError, match=r"^q and k must have the same leading \(batch, head\) "
                                          r"dims; got q \(2, 3, 4\), k \(3, 7, 4\)$"):
         fastattn.attention_weights(np.ones((2, 3, 4)), np.ones((3, 7, 4)))
+
+
+def test_a_feature_map_class_instead_of_a_map_is_told_to_make_one():
+    x = np.ones((2, 5, 4))
+    with pytest.raises(TypeError, match=r"got the class FavorFeatures: make one first, e\.g\. "
+                                        r"FavorFeatures\(4\)"):
+        fastattn.linear_attention(x, x, x, feature_map=fastattn.FavorFeatures)
+
+
+def test_favor_features_too_large_by_d_k_names_d_k():
+    with pytest.raises(MemoryError, match="or d_k"):
+        fastattn.FavorFeatures(10**7)

@@ -105,6 +105,68 @@ def run_study(model, configurations, held_out, lee=None, judgements=None, progre
     return rows
 
 
+#: The hybrid of the report: Hedgehog in these layers, softmax in the others; the one
+#: ``fastattn model --hybrid hedgehog`` found best (docs/model.md).
+REPORT_HYBRID_LAYERS = (2, 3, 4, 5)
+
+
+@dataclass
+class ModelStudy:
+    """What the report's section shows: the rows (softmax first), the forward pass's seconds
+    per text ``{n: {name: s}}``, and the fit of the Hedgehog maps."""
+
+    rows: list
+    seconds: dict
+    fit: object
+    fit_cached: bool
+    held_out: int
+    threads: int
+
+
+def report_study(*, quick=False, threads=2, cache_dir=None, progress=None):
+    """Measure the configurations of the report's section "What a whole model keeps".
+
+    Softmax, elu+1, relu, Taylor, FAVOR+ at m = 128 and 2048, Hedgehog (the
+    cached fit of :func:`~fastattn.model.hedgehog.cached_fit_hedgehog`, 50
+    iterations on 64 calibration texts) and Hedgehog in the layers of
+    :data:`REPORT_HYBRID_LAYERS`, on 40 held-out texts and the 50 Lee
+    documents, and each forward pass at 128 and 512 tokens (4 texts, beside
+    sentence-transformers when installed).  ``quick``: 16 held-out texts,
+    softmax, elu+1, FAVOR+ m = 2048, Hedgehog (10 iterations on 30 texts) and
+    the hybrid, at 128 tokens.
+
+    Raises
+    ------
+    fastattn.model.MissingExtraError
+        When a package of the model extra is not installed.
+    """
+    from .cost import forward_seconds
+    from .hedgehog import cached_fit_hedgehog, hedgehog_attention
+    from .minilm import MiniLM
+
+    model = MiniLM()
+    calibration, held_out = background_split(150)
+    calibration = calibration[:30 if quick else 64]
+    held_out = held_out[:16 if quick else 40]
+    maps, fit, cached = cached_fit_hedgehog(model, calibration, cache_dir=cache_dir,
+                                            maxiter=10 if quick else 50, max_tokens=256)
+    configs = default_configurations(maps)
+    hybrid = hedgehog_attention(maps)
+    name, configs["hedgehog hybrid"] = with_linear_layers("hedgehog", hybrid,
+                                                          REPORT_HYBRID_LAYERS)
+    if quick:
+        configs = {k: configs[k] for k in ("softmax", "elu+1", "favor m=2048", "hedgehog",
+                                           "hedgehog hybrid")}
+    configs = {(name if k == "hedgehog hybrid" else k): v for k, v in configs.items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)   # the truncation note: in the section
+        rows = run_study(model, configs, held_out, progress=progress)
+    texts = calibration + held_out
+    seconds = {n: forward_seconds(model, texts, configs, n=n, count=4, threads=threads,
+                                  rounds=2, repeats=1) for n in ((128,) if quick else (128, 512))}
+    return ModelStudy(rows, seconds, fit, cached, len(held_out), threads)
+
+
 def format_table(rows, first_column="attention in every layer"):
     """A Markdown table of :func:`run_study`'s rows."""
     lines = [f"| {first_column} | Lee Spearman | held-out mean cosine | top-1 "
