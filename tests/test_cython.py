@@ -524,3 +524,14 @@ def test_blas_thread_count_is_restored_after_a_call():
     cy.softmax_forward(q, k, v, False, 0.5)
     cy.linear_forward(q, k, v, "elu", True, 1e-6)
     assert _blas_threads() == before
+
+
+def test_a_workspace_beyond_memory_is_refused_before_allocating(monkeypatch):
+    """A map of 10**7 features: the causal workspace (3 x 64 x D per thread) failed inside
+    NumPy with a raw MemoryError of 29.4 GiB."""
+    from fastattn import reference
+    monkeypatch.setattr(reference, "available_memory", lambda: 10**9)
+    z = np.zeros((2, 5, 4))
+    with pytest.raises(MemoryError, match="the Cython linear kernel, for the workspace"):
+        fastattn.linear_attention(z, z, z, causal=True, backend="cython",
+                                  feature_map=lambda x: np.ones(x.shape[:-1] + (10**6,)))

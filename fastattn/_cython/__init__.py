@@ -19,6 +19,7 @@ import importlib.util
 import os
 import sys
 
+from .. import reference
 from .._threads import kernel_threads, single_threaded_blas
 from .._warnings import warn_user
 
@@ -177,6 +178,13 @@ def linear_forward(q, k, v, feature_map, causal, eps, S0=None, z0=None):
     n_k, d_v = k.shape[1], v.shape[2]
     n_threads = kernel_threads(get_num_threads(), n_batch * -(-(n_q if causal else n_k) // CHUNK),
                                n_batch * (n_q + n_k) * d_k * d_v)
+    # Each thread's workspace (linear.pyx, _noncausal_workspace / _causal_workspace, bounded
+    # here): a chunk's rows of d_k features, and causal its own (d_k, d_v) state.
+    per_thread = (3 * CHUNK + 16) * d_k + CHUNK * CHUNK + CHUNK + (d_k * d_v + d_k if causal else 0)
+    reference.check_fits_in_memory(
+        n_threads * per_thread * q.dtype.itemsize,
+        f"the Cython linear kernel, for the workspace of its {n_threads} thread(s) at "
+        f"{d_k:,} features,", advice="give fewer features (D) or use backend='numba'")
     # Linear attention's products are register-blocked when d_v is whole vectors.
     with _blas_guard(n_threads, q.dtype, d_v):
         return linear_attention_forward(q, k, v, feature_map, causal, eps, S0, z0, n_threads)
