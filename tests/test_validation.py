@@ -515,3 +515,11 @@ def test_a_feature_map_class_instead_of_a_map_is_told_to_make_one():
 def test_favor_features_too_large_by_d_k_names_d_k():
     with pytest.raises(MemoryError, match="or d_k"):
         fastattn.FavorFeatures(10**7)
+
+
+def test_a_callable_whose_features_exceed_float32_says_so():
+    """It was told its features were non-finite, with a RuntimeWarning of the cast."""
+    x = np.ones((1, 3, 4), np.float32)
+    with pytest.raises(ValueError, match=r"feature_map\(q\) returned 1e\+39, beyond the "
+                                         r"computation dtype float32"):
+        fastattn.linear_attention(x, x, x, feature_map=lambda a: np.full(a.shape, 1e39))
