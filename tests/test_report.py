@@ -323,6 +323,7 @@ def test_cli_from_builds_report_without_touching_results(tmp_path, capsys):
     out.parent.mkdir()
     out.write_text(f"<!DOCTYPE html>{REPORT_MARKER} an older report")  # may be replaced
     image = tmp_path / "docs" / "scaling.png"
+    image.parent.mkdir()
     assert main(["report", "--from", str(results), "--out", str(out),
                  "--readme-image", str(image)]) == 0
     printed = capsys.readouterr()
