@@ -413,6 +413,12 @@ def crossover_rows(curve_list):
     return rows
 
 
+def headline(rows):
+    """The crossovers a summary quotes: the fastest fastattn kernels', else each backend's."""
+    return [r for r in rows if r.kind == "fastattn"] or [
+        r for r in rows if r.kind == "backend" and not r.peer]
+
+
 @dataclass
 class Machine:
     """What a section of one machine reads: its environment record (``{}`` if none), every

@@ -1,5 +1,5 @@
 """The roof part of a machine's Scaling block: GFLOP/s against n beside the GEMMs probed in
-the same run, the roof statements, the probes and the points above their roof."""
+the same run."""
 
 import numpy as np
 from matplotlib.ticker import FuncFormatter
@@ -9,9 +9,8 @@ from . import analysis, figures
 
 
 def roof_lines(roofs, curve_list, machine):
-    """``(label, n, gflops)`` per GEMM line to draw: for each (dtype, threads, d) of the
-    curves, the roof first (one value: the fastest probe at this d, at any n), then each
-    library's probes against n, which fall below it where the GEMM's n x n output binds."""
+    """``(label, n, gflops)`` per GEMM line to draw: per (dtype, threads, d) of the curves, the
+    roof first (the fastest probe at this d), then each library's probes against n."""
     lines = []
     for dtype, threads, d in sorted({(str(c.key.get("dtype")), c.key.get("threads"),
                                       c.key.get("d_k")) for c in curve_list}, key=str):
@@ -19,7 +18,6 @@ def roof_lines(roofs, curve_list, machine):
                                                                       machine):
             ns, values = analysis.roof_curve(roofs, dtype, threads, d, machine, blas)
             shape = f"n×{d} @ {d}×n" if len(ns) > 1 else f"{ns[0]}×{d} @ {d}×{ns[0]}"
-            # The library's name only (versions are in the roof statements): the legend fits.
             series = library + (f" via {via}" if via else "") + f", {dtype}"
             if is_roof:
                 best = int(np.argmax(values))
@@ -31,9 +29,7 @@ def roof_lines(roofs, curve_list, machine):
 
 
 def roofline_figure(panels, roofs, ncols=2):
-    """PNG of GFLOP/s against n per panel, with each ``(label, n, gflops)`` of ``roofs`` as a
-    line (horizontal when probed at one n); a point above its roof (``Curve.above_roof``) is
-    ringed in red."""
+    """PNG of GFLOP/s against n per panel, ``roofs`` as lines; points above their roof ringed."""
     fig, axes = figures.panel_grid(panels, ncols)
     for ax, (panel_title, curve_list) in zip(axes, panels):
         for c in curve_list:
