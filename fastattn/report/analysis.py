@@ -380,6 +380,10 @@ class CrossoverRow:
     crossover: Crossover
     peer: bool = False
 
+    mask = property(lambda self: mask_name(self.causal))
+    compared = property(lambda self: f"{self.label}: softmax vs linear")
+    length = property(lambda self: self.crossover.describe())
+
 
 def crossover_rows(curve_list):
     """Crossovers of each backend, and of the fastest of each type (lower envelopes, with two
