@@ -92,14 +92,9 @@ def fit_exponent(n, y, min_n=FIT_MIN_N):
     x, t = np.log(n[use]), np.log(y[use])
     if len(np.unique(x)) < 2:
         return None
-    if len(x) == 2:
-        slope = float((t[1] - t[0]) / (x[1] - x[0]))
-        intercept, stderr = float(t[0] - slope * x[0]), float("nan")
-    else:
-        fit = stats.linregress(x, t)
-        slope, intercept, stderr = float(fit.slope), float(fit.intercept), float(fit.stderr)
-    return Fit(slope, stderr, intercept, len(x), int(round(math.exp(x.min()))),
-               int(round(math.exp(x.max()))))
+    fit = stats.linregress(x, t)
+    return Fit(float(fit.slope), float("nan") if len(x) == 2 else float(fit.stderr),
+               float(fit.intercept), len(x), round(math.exp(x.min())), round(math.exp(x.max())))
 
 
 #: A point whose fastest repeat is this many times slower than its curve's trend (the line
@@ -182,6 +177,11 @@ class Curve:
     held_fit = cached_property(lambda self: fit_exponent(self.n, self.held_bytes))
 
     expected = property(lambda self: expected_exponent(self.key))
+
+    def fit_text(self, which):
+        """The ``which`` (``"time"``, ``"memory"``, ``"held"``) fit as the page shows it."""
+        fit = getattr(self, f"{which}_fit")
+        return fit.format() if fit else "–"
 
     @property
     def off(self):

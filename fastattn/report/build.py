@@ -9,7 +9,7 @@ import jinja2
 
 from .. import __version__
 from ..bench.engine import MAX_PROBE_N, PEAK_PROBE_N
-from ..bench.table import format_number, mask_name
+from ..bench.table import format_number, format_seconds, mask_name
 from . import analysis, environment, frontier, generation, history, memory, quality, roof, scaling
 
 #: Marker written into every report: an existing file at the output path is replaced only
@@ -56,7 +56,8 @@ def _template():
         loader=jinja2.PackageLoader(__package__, "templates"),
         autoescape=jinja2.select_autoescape(default=True, default_for_string=True),
         undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
-    env.filters.update(num=format_number, mask=mask_name, kl=frontier.kl_text)
+    env.filters.update(num=format_number, mask=mask_name, kl=frontier.kl_text,
+                       seconds=format_seconds)
     return env.get_template("report.html.j2")
 
 

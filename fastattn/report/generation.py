@@ -69,17 +69,12 @@ def section(m):
         return None
     panels = [("time per generated token", decode)]
     label = "context length n (one query against n keys)"
-    fits = [{"label": c.label, "fit": c.time_fit.format() if c.time_fit else "–",
-             "expected": analysis.EXPECTED_DECODE_EXPONENT.get(c.attention),
-             "off": c.off,
-             "held_fit": c.held_fit.format() if c.held_fit else "–"} for c in decode]
     crossovers = analysis.crossover_rows(decode)
     rows = analysis.rows_by_n(decode, lambda c, i: {
         "time": format_seconds(c.measured_s[i]) + (" (stalled)" if c.stalled[i] else ""),
         "median": format_seconds(c.median_s[i]),
         "tokens_s": format_number(1 / c.measured_s[i]) if c.measured_s[i] > 0 else "–",
         "held": format_bytes(c.held_bytes[i])})
-    totals = end_to_end(prefill, decode)
     summary = [text for attention, expected in analysis.EXPECTED_DECODE_EXPONENT.items()
                if (text := analysis.exponent_range(attention, [
                    c.time_fit for c in decode if c.attention == attention and not c.peer],
@@ -94,12 +89,8 @@ def section(m):
         "time_png": figures.data_uri(figures.scaling_figure(panels, "time", 1, xlabel=label)),
         "held_png": figures.data_uri(figures.scaling_figure(
             [("memory held between tokens, per head", decode)], "held", 1, xlabel=label)),
-        "fits": fits, "crossovers": crossovers, "columns": [c.label for c in decode],
+        "fits": decode, "crossovers": crossovers, "columns": [c.label for c in decode],
         "rows": rows, "statistic": decode[0].statistic, "summary": summary,
-        "end_to_end": [{"attention": r.attention, "prompt": r.prompt, "generated": r.generated,
-                        "prefill": format_seconds(r.prefill_s),
-                        "decode": format_seconds(r.decode_s),
-                        "total": format_seconds(r.total_s),
-                        "kernels": f"{r.prefill_kernel}; {r.decode_kernel}"} for r in totals],
+        "end_to_end": end_to_end(prefill, decode),
         "prompts": PROMPTS, "generated": GENERATED,
     }

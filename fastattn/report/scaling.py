@@ -24,8 +24,7 @@ def _exponent_rows(curve_list):
         row = rows.setdefault(c.label, {"label": c.label, "cells": {}, "by_mask": {}})
         row["by_mask"][mask_name(c.causal)] = c.expected
         row["cells"][mask_name(c.causal)] = {
-            "time": c.time_fit.format() if c.time_fit else "–",
-            "memory": c.memory_fit.format() if c.memory_fit else "–", "off": c.off,
+            "time": c.fit_text("time"), "memory": c.fit_text("memory"), "off": c.off,
             "points": (f"{c.time_fit.points} points, n {c.time_fit.n_min}–{c.time_fit.n_max}"
                        if c.time_fit else f"fewer than 2 points with n ≥ {analysis.FIT_MIN_N}")}
     for row in rows.values():
