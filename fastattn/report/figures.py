@@ -110,9 +110,9 @@ def panel_grid(panels, ncols, height=5.4, width=5.6):
 #: What each metric of :func:`scaling_figure` draws: the values, fit and y label.
 METRICS = {"time": ("median_s", "time_fit", "median time per call"),
            "memory": ("peak_bytes", "memory_fit", "peak extra memory per call"),
-           "held": ("held_bytes", "held_fit", "memory held between tokens, per head")}
-
-
+           "held": ("held_bytes", "held_fit", "memory held between tokens, per head"),
+           "gflops": ("gflops", None, "achieved GFLOP/s (at the median time)")}
+ABOVE_ROOF = "above its roof (see the note)"
 
 
 def _equal_groups(curve_list, values):
@@ -124,7 +124,7 @@ def _equal_groups(curve_list, values):
         y = getattr(c, values)
         use = np.isfinite(y) & (y > 0)
         key = (c.attention, tuple(c.n[use].tolist()), tuple(y[use].tolist()),
-               id(c) if values == "median_s" else 0)
+               id(c) if values in ("median_s", "gflops") else 0)
         if use.any():
             groups.setdefault(key, (c, [], use))[1].append(c)
     return [(c, c.label if len(members) == 1 else f"{c.attention}: " + ", ".join(
@@ -132,16 +132,19 @@ def _equal_groups(curve_list, values):
         for c, members, use in groups.values()]
 
 
-def scaling_figure(panels, metric="time", ncols=2, title=None, xlabel=None, empty=None):
+def scaling_figure(panels, metric="time", ncols=2, title=None, xlabel=None, empty=None,
+                   roofs=()):
     """PNG of log-log ``metric`` (a :data:`METRICS` key; time with the band of the middle half
     of the repeats) against n, a panel per ``(title, curves)``, each fit in the legend and
-    dotted.  A figure with nothing to draw says so in words: ``empty``, else "no data"."""
+    dotted; GFLOP/s with the ``(label, n, gflops)`` of ``roofs`` as black lines (horizontal
+    when probed at one n) and the points above their roof ringed in red.  A figure with
+    nothing to draw says so in words: ``empty``, else "no data"."""
     values, fit_name, ylabel = METRICS[metric]
     fig, axes = panel_grid(panels, ncols)
     drawn = False
     for ax, (panel_title, curve_list) in zip(axes, panels):
         for c, label, use in _equal_groups(curve_list, values):
-            drawn, y, fit = True, getattr(c, values), getattr(c, fit_name)
+            drawn, y, fit = True, getattr(c, values), fit_name and getattr(c, fit_name)
             ax.plot(c.n[use], y[use], label=label + (f"  n^{fit.format()}" if fit else ""),
                     **{**style(c), **({"color": NO_BACKEND_COLOUR} if label != c.label else {})})
             band = use & np.isfinite(c.q25_s) & np.isfinite(c.q75_s) & (metric == "time")
@@ -152,8 +155,22 @@ def scaling_figure(panels, metric="time", ncols=2, title=None, xlabel=None, empt
                 xs = np.array([fit.n_min, fit.n_max], dtype=float)
                 ax.plot(xs, fit.predict(xs), color="black", linewidth=0.8, linestyle=":",
                         alpha=0.7)
+            if metric == "gflops" and (over := use & c.above_roof).any():
+                ringed = ABOVE_ROOF in ax.get_legend_handles_labels()[1]
+                ax.plot(c.n[over], y[over], linestyle="none", marker="o", markersize=11,
+                        markerfacecolor="none", markeredgecolor="#d00000", markeredgewidth=1.6,
+                        label=None if ringed else ABOVE_ROOF)
+        for i, (label, ns, gflops) in enumerate(roofs):
+            line = {"color": "black", "linewidth": 2.2 - 0.6 * i,
+                    "linestyle": ["-", "-.", ":"][i % 3], "label": label}
+            if len(ns) == 1:
+                ax.axhline(gflops[0], **line)
+            else:
+                ax.plot(ns, gflops, **line)
         ax.set_yscale("log")
-        if metric == "time":
+        if metric == "gflops":
+            ax.yaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))
+        elif metric == "time":
             ax.yaxis.set_major_locator(LogLocator(base=10))
             ax.yaxis.set_major_formatter(FuncFormatter(lambda x, _: format_seconds(x)))
         else:  # powers of two read as whole KiB / MiB / GiB
@@ -161,7 +178,8 @@ def scaling_figure(panels, metric="time", ncols=2, title=None, xlabel=None, empt
             ax.yaxis.set_minor_locator(LogLocator(base=2, subs=(), numticks=8))
             ax.yaxis.set_major_formatter(FuncFormatter(lambda x, _: format_bytes(x)))
         finish(ax, panel_title, xlabel)
-        ax.axvspan(FIT_MIN_N, ax.get_xlim()[1], color="#f3f3f3", zorder=0)
+        if fit_name:
+            ax.axvspan(FIT_MIN_N, ax.get_xlim()[1], color="#f3f3f3", zorder=0)
     axes[0].set_ylabel(ylabel)
     if title:
         fig.suptitle(title, fontsize=12)

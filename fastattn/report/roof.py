@@ -2,7 +2,6 @@
 the same run."""
 
 import numpy as np
-from matplotlib.ticker import FuncFormatter
 
 from ..bench.table import ABOVE_ROOF_WHY, mask_name, roof_statements
 from . import analysis, figures
@@ -28,42 +27,14 @@ def roof_lines(roofs, curve_list, machine):
     return lines
 
 
-def roofline_figure(panels, roofs, ncols=2):
-    """PNG of GFLOP/s against n per panel, ``roofs`` as lines; points above their roof ringed."""
-    fig, axes = figures.panel_grid(panels, ncols)
-    for ax, (panel_title, curve_list) in zip(axes, panels):
-        for c in curve_list:
-            use = np.isfinite(c.gflops) & (c.gflops > 0)
-            if not use.any():
-                continue
-            ax.plot(c.n[use], c.gflops[use], label=c.label, **figures.style(c))
-            over = use & c.above_roof
-            if over.any():  # flagged: the page says why a kernel can pass its roof
-                ringed = "above its roof (see the note)" in ax.get_legend_handles_labels()[1]
-                ax.plot(c.n[over], c.gflops[over], linestyle="none", marker="o", markersize=11,
-                        markerfacecolor="none", markeredgecolor="#d00000", markeredgewidth=1.6,
-                        label=None if ringed else "above its roof (see the note)")
-        for i, (label, ns, values) in enumerate(roofs):
-            style = {"color": "black", "linewidth": 2.2 - 0.6 * i,
-                     "linestyle": ["-", "-.", ":"][i % 3]}
-            if len(ns) == 1:
-                ax.axhline(values[0], label=label, **style)
-            else:
-                ax.plot(ns, values, label=label, **style)
-        ax.set_yscale("log")
-        ax.yaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))
-        figures.finish(ax, panel_title)
-    axes[0].set_ylabel("achieved GFLOP/s (at the median time)")
-    return figures.to_png(fig)
-
-
 def section(m):
     """The roof block of machine ``m`` (:class:`~.analysis.Machine`)."""
     curve_list = m.scaling_curves
     roofs = [r for r in m.roofs if r.get("machine") in (None, m.name)]
     lines = roof_lines(m.roofs, curve_list, m.name)
     drawn = any(np.isfinite(c.gflops).any() for c in curve_list)
-    return {"png": figures.data_uri(roofline_figure(m.panels, lines)) if drawn else None,
+    return {"png": figures.data_uri(figures.scaling_figure(m.panels, "gflops", roofs=lines))
+            if drawn else None,
             "lines": [label for label, _, _ in lines], "statements": roof_statements(roofs),
             "above": [f"{c.label}, {mask_name(c.causal)}, at n = {n}" for c in curve_list
                       for n, flag in zip(c.n.tolist(), c.above_roof.tolist()) if flag],
