@@ -1,5 +1,5 @@
-"""Numbers a report states, from results records only: curves against ``n`` (``n_k``),
-exponent fits, crossovers and roofs, final and labelled: figures draw them, the page shows them."""
+"""Numbers several sections state, from results records only: curves against ``n`` (``n_k``),
+exponent fits and crossovers, final and labelled: figures draw them, the page shows them."""
 
 import math
 from dataclasses import dataclass
@@ -8,8 +8,8 @@ from functools import cached_property
 import numpy as np
 from scipy import stats
 
-from ..bench.engine import gemm_probes, roof_for
-from ..bench.schema import CURVE_KEYS, DEFAULT_REGIME, point_key, roof_library
+from ..bench.engine import roof_for
+from ..bench.schema import CURVE_KEYS, DEFAULT_REGIME, point_key
 from ..bench.table import above_roof as _above_roof, format_seconds, mask_name
 
 #: Scaling exponents are fitted on the points with ``n >= FIT_MIN_N``.
@@ -314,31 +314,6 @@ def envelope(curve_list):
                 best[n] = t
     ns = sorted(best)
     return np.array(ns, dtype=np.int64), np.array([best[n] for n in ns])
-
-
-def roof_curve(roofs, dtype, threads, d=None, machine=None, blas=None):
-    """``n, gflops``: the best GEMM ``(n, d) @ (d, n)`` probe at each n (of library ``blas``)."""
-    best = {}
-    for r in gemm_probes(roofs, dtype, threads, machine):
-        if (d is None or r["shape"][1] == d) and (blas is None or _blas(r) == blas):
-            best[r["shape"][0]] = max(best.get(r["shape"][0], 0.0), float(r["gflops"]))
-    ns = sorted(best)
-    return np.array(ns, dtype=np.int64), np.array([best[n] for n in ns])
-
-
-def _blas(probe):
-    return probe.get("blas") or probe.get("library") or "NumPy's BLAS"
-
-
-def roof_libraries(roofs, dtype, threads, d, machine=None):
-    """``[(blas, is_roof, (library, via))]`` of the libraries probed here, fastest first."""
-    found = [r for r in gemm_probes(roofs, dtype, threads, machine) if r["shape"][1] == d]
-    best, names = {}, {}
-    for r in found:
-        best[_blas(r)] = max(best.get(_blas(r), 0.0), float(r["gflops"]))
-        names.setdefault(_blas(r), roof_library(r))
-    top = max(best, key=best.get) if best else None
-    return [(name, name == top, names[name]) for name in sorted(best, key=lambda b: -best[b])]
 
 
 def stalled_text(curve_list):

@@ -3,8 +3,22 @@ the same run."""
 
 import numpy as np
 
+from ..bench.engine import gemm_probes
+from ..bench.schema import roof_library
 from ..bench.table import ABOVE_ROOF_WHY, mask_name, roof_statements
-from . import analysis, figures
+from . import figures
+
+
+def libraries(roofs, dtype, threads, d, machine=None):
+    """``{blas: (names, {n: gflops})}`` of the GEMM probes at this setting, the fastest library
+    (the roof) first; ``names`` as :func:`~fastattn.bench.schema.roof_library` reads them."""
+    found = {}
+    for r in gemm_probes(roofs, dtype, threads, machine):
+        if r["shape"][1] == d:
+            per_n = found.setdefault(r.get("blas") or r.get("library") or "NumPy's BLAS",
+                                     (roof_library(r), {}))[1]
+            per_n[r["shape"][0]] = max(per_n.get(r["shape"][0], 0.0), float(r["gflops"]))
+    return dict(sorted(found.items(), key=lambda kv: -max(kv[1][1].values())))
 
 
 def roof_lines(roofs, curve_list, machine):
@@ -13,12 +27,13 @@ def roof_lines(roofs, curve_list, machine):
     lines = []
     for dtype, threads, d in sorted({(str(c.key.get("dtype")), c.key.get("threads"),
                                       c.key.get("d_k")) for c in curve_list}, key=str):
-        for blas, is_roof, (library, via) in analysis.roof_libraries(roofs, dtype, threads, d,
-                                                                      machine):
-            ns, values = analysis.roof_curve(roofs, dtype, threads, d, machine, blas)
+        for i, ((library, via), per_n) in enumerate(
+                libraries(roofs, dtype, threads, d, machine).values()):
+            ns = np.array(sorted(per_n), dtype=np.int64)
+            values = np.array([per_n[n] for n in ns.tolist()])
             shape = f"n×{d} @ {d}×n" if len(ns) > 1 else f"{ns[0]}×{d} @ {d}×{ns[0]}"
             series = library + (f" via {via}" if via else "") + f", {dtype}"
-            if is_roof:
+            if i == 0:
                 best = int(np.argmax(values))
                 lines.insert(0, (f"roof: {values[best]:.0f} GFLOP/s ({series}, n = {ns[best]})",
                                  ns[best:best + 1], values[best:best + 1]))
