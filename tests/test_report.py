@@ -271,6 +271,7 @@ def test_report_quality_matches_seed_experiment(report_html):
 def test_report_says_which_minilm_data(quality, report_html):
     assert not quality.minilm_full
     assert "slice shipped with fastattn" in report_html
+    assert "fastattn report --minilm FILE" in report_html   # no developers' folder named
     assert len(quality.minilm) == 6  # one row per layer
 
 
