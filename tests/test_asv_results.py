@@ -446,3 +446,38 @@ def test_report_asv_reads_what_it_can_place_and_says_what_it_left_out(results_di
     assert f"note: {results_dir / 'box' / 'bbbbbbbb-env.json'}: 1 benchmark left out, " \
            f"benchmarks.json does not describe them: {PEAK}" in err
     assert "left out" in out.read_text()
+
+
+def test_a_quick_asv_report_groups_the_points_not_measured(tmp_path):
+    # Found by a new-user trial: a report of quick asv results (one n per kernel) listed
+    # every skipped combination, one row each.  One row per kernel and reason now, with
+    # the n it covers, and a note saying the quick grid measured only n = 256.
+    from fastattn.report.build import build_report
+
+    root = tmp_path / "results"
+    (root / "box").mkdir(parents=True)
+    params = [["'reference'", "'numba'", "'cython'"],
+              ["n=00256", "n=01024", "n=04096", "n=16384", "n=65536"],
+              ["causal=False", "causal=True"], ["'float32'", "'float64'"]]
+    meta = {TIME: {"param_names": ["backend", "n", "causal", "dtype"], "params": params,
+                   "unit": "seconds"}, "version": 2}
+    (root / "benchmarks.json").write_text(json.dumps(meta))
+    (root / "box" / "machine.json").write_text(json.dumps(_machine_json("box")))
+    values = [1e-3 if (n, d) == ("n=00256", "'float32'") else float("nan")
+              for b in params[0] for n in params[1] for c in params[2] for d in params[3]]
+    (root / "box" / "dddddddd-env.json").write_text(json.dumps(
+        {"commit_hash": "d" * 40, "env_name": "env", "date": 1_700_000_000_000, "params": {},
+         "python": "3.11", "requirements": {}, "env_vars": {},
+         "result_columns": ["result", "params"], "results": {TIME: [values, params]},
+         "version": 2}))
+    records = load_asv_points(root)
+    skipped = [r for r in records if r["record"] == "point" and r["status"] != "ok"]
+    assert len(skipped) == 3 * 2 * 2 * 5 - 6   # 54 points not measured
+    html = build_report(records, source="asv").html
+    table = html[html.index("<h4>Points not measured</h4>"):]
+    table = table[:table.index("</table>")]
+    # the header, a row per backend and reason (the reference's past its bound of n too)
+    assert table.count("<tr>") == 1 + 4
+    assert "256, 1024, 4096, 16384, 65536" not in table and "256 to 65536" in table
+    assert "measured only at n = 256 (the asv suite's quick grid)" in table
+    assert "<code>fastattn bench</code> (or <code>fastattn report</code>) measures" in table

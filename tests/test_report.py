@@ -271,6 +271,7 @@ def test_report_quality_matches_seed_experiment(report_html):
 def test_report_says_which_minilm_data(quality, report_html):
     assert not quality.minilm_full
     assert "slice shipped with fastattn" in report_html
+    assert "fastattn report --minilm FILE" in report_html   # no developers' folder named
     assert len(quality.minilm) == 6  # one row per layer
 
 
@@ -323,6 +324,7 @@ def test_cli_from_builds_report_without_touching_results(tmp_path, capsys):
     out.parent.mkdir()
     out.write_text(f"<!DOCTYPE html>{REPORT_MARKER} an older report")  # may be replaced
     image = tmp_path / "docs" / "scaling.png"
+    image.parent.mkdir()
     assert main(["report", "--from", str(results), "--out", str(out),
                  "--readme-image", str(image)]) == 0
     printed = capsys.readouterr()
@@ -497,6 +499,38 @@ def test_cli_asv_missing_module_is_explained(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "fastattn.report.asv_results", None)
     assert main(["report", "--asv", str(tmp_path)]) == 2
     assert "fastattn.report.asv_results" in capsys.readouterr().err
+
+
+def test_cli_asv_given_a_file_says_it_expects_a_directory(tmp_path, capsys):
+    # Found by a new-user trial: --asv FILE said "no such directory".
+    given = tmp_path / "results.json"
+    given.write_text("{}")
+    assert main(["report", "--asv", str(given)]) == 2
+    err = capsys.readouterr().err
+    assert f"--asv {given} is a file; --asv expects an asv results directory" in err
+    assert "no such directory" not in err
+
+
+def test_a_bad_minilm_file_is_refused_without_a_developer_path(tmp_path, capsys):
+    # Found by a new-user trial: the message pointed at the developers' ../shared folder.
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes\n")
+    assert main(["report", "--from", str(tmp_path / "r.jsonl"), "--minilm", str(notes)]) == 2
+    err = capsys.readouterr().err
+    assert f"--minilm {notes}: not an .npz archive; --minilm expects NumPy's .npz" in err
+    assert "shared" not in err
+
+
+@pytest.mark.parametrize("option", ["--out", "--readme-image"])
+def test_a_path_in_a_missing_folder_is_refused_not_created(tmp_path, capsys, option):
+    # Found by a new-user trial: --out and --readme-image made any missing parent folders.
+    results = write_jsonl(tmp_path / "run.jsonl", synthetic_records(ns=(1024, 2048)))
+    missing = tmp_path / "no" / "such"
+    path = missing / ("r.html" if option == "--out" else "r.png")
+    assert main(["report", "--from", str(results), option, str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{option} {path}: the folder {missing} does not exist" in err
+    assert not (tmp_path / "no").exists() and not (tmp_path / "run.html").exists()
 
 
 def test_interrupted_quick_run_prints_a_resume_command_as_invoked(tmp_path, monkeypatch, capsys):

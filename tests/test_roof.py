@@ -13,7 +13,7 @@ from fastattn.bench.cli import shape_arg
 from fastattn.bench.results import SCHEMA, ResultsFileError, read_records
 from fastattn.bench.sweep import Options, Point, run_sweep
 from fastattn.cli import main
-from fastattn.report import analysis
+from fastattn.report import analysis, roof
 from fastattn.report.build import build_report
 
 from test_report import synthetic_records
@@ -165,9 +165,10 @@ def test_the_report_states_which_gemm_was_probed():
     assert "MKL 2024.2 through torch 2.13.0" in said and "- the roof" in said
     assert "2 threads" in said and "probed 2026-12-01 09:00:00 UTC" in said
     _, roofs, _ = analysis.split_records(records)
-    assert analysis.roof_libraries(roofs, "float32", 2, 64) == [
-        ("MKL 2024.2 through torch 2.13.0", True, ("MKL", "torch")),
-        ("OpenBLAS 0.3.27 through NumPy 2.4.6", False, ("OpenBLAS", "NumPy"))]
+    found = roof.libraries(roofs, "float32", 2, 64)   # the roof first
+    assert [(blas, names) for blas, (names, _) in found.items()] == [
+        ("MKL 2024.2 through torch 2.13.0", ("MKL", "torch")),
+        ("OpenBLAS 0.3.27 through NumPy 2.4.6", ("OpenBLAS", "NumPy"))]
 
 
 # ------------------------------------------------------------ best fastattn / peer

@@ -1,6 +1,5 @@
-"""Numbers a report states, from results records only: curves of time, memory and
-GFLOP/s against ``n`` (``n_k``), exponent fits, crossovers and roofs.  What it returns
-is final and labelled: figures draw it and the page shows it, neither changes it."""
+"""Numbers several sections state, from results records only: curves against ``n`` (``n_k``),
+exponent fits and crossovers, final and labelled: figures draw them, the page shows them."""
 
 import math
 from dataclasses import dataclass
@@ -9,14 +8,9 @@ from functools import cached_property
 import numpy as np
 from scipy import stats
 
-from ..bench.engine import gemm_probes, roof_for
-from ..bench.table import format_seconds
-from ..bench.results import DEFAULT_REGIME, point_key
-from ..bench.schema import CURVE_KEYS, roof_library
-from ..bench.table import above_roof as _above_roof, mask_name
-
-#: The keys that identify one curve: a point's identity without ``n_q``/``n_k``,
-#: plus the machine (set for asv results, absent for a sweep on this machine).
+from ..bench.engine import roof_for
+from ..bench.schema import CURVE_KEYS, DEFAULT_REGIME, point_key
+from ..bench.table import above_roof as _above_roof, format_seconds, mask_name
 
 #: Scaling exponents are fitted on the points with ``n >= FIT_MIN_N``.
 FIT_MIN_N = 1024
@@ -24,8 +18,7 @@ FIT_MIN_N = 1024
 
 def split_records(records):
     """``environments, roofs, points`` of ``records``; ``points`` keeps the last record of
-    each identity (:func:`~fastattn.bench.results.point_key` and ``machine``): a resumed
-    run re-measures a point that had failed."""
+    each identity (a resumed run re-measures a point that had failed)."""
     environments, roofs, by_key = [], [], {}
     for record in records:
         kind = record.get("record")
@@ -38,9 +31,8 @@ def split_records(records):
     return environments, roofs, list(by_key.values())
 
 
-#: The statistic fits and crossovers use: the fastest repeat.  Other work on
-#: the machine only ever slows a call down, so the minimum is the least
-#: dragged by load (as :mod:`timeit` advises); the median is shown beside it.
+#: The statistic fits and crossovers use: the fastest repeat, the least dragged by load (as
+#: :mod:`timeit` advises); the median is shown beside it.
 FIT_STATISTIC = "min"
 
 #: The exponent each attention type should show on time (prefill; a decode token: 1 and 0).
@@ -54,10 +46,7 @@ QUADRATIC_CAUSAL_LINEAR = ("reference",)
 
 
 def expected_exponent(key):
-    """The time exponent a curve of ``key`` (its attention, regime, causal, backend, peer)
-    should show: :data:`EXPECTED_TIME_EXPONENT` (a decode token:
-    :data:`EXPECTED_DECODE_EXPONENT`), but 2 for causal linear attention by the masked
-    quadratic form (:data:`QUADRATIC_CAUSAL_LINEAR`); None for an unknown attention."""
+    """The time exponent a curve of ``key`` should show (None for an unknown attention)."""
     attention = key.get("attention")
     if key.get("regime") == "decode":
         return EXPECTED_DECODE_EXPONENT.get(attention)
@@ -80,41 +69,32 @@ class Fit:
     n_max: int
 
     def predict(self, n):
-        """``c · n^slope`` at ``n`` (array-like)."""
         return np.exp(self.intercept + self.slope * np.log(np.asarray(n, dtype=np.float64)))
 
     def format(self):
-        """``"2.01 ± 0.03"`` (``"2.01 (2 points)"`` when there is no spread); a slope that
-        rounds to zero is ``0.00``, never ``-0.00``."""
+        """``"2.01 ± 0.03"``, or ``"2.01 (2 points)"`` when there is no spread."""
         if math.isnan(self.stderr):
             return f"{fixed(self.slope)} ({self.points} points)"
         return f"{fixed(self.slope)} ± {fixed(self.stderr)}"
 
 
 def fixed(value, digits=2):
-    """``value`` to ``digits`` decimals, without the sign of a value that rounds to zero
-    (``-0.001`` is ``"0.00"``, not ``"-0.00"``)."""
+    """``value`` to ``digits`` decimals; ``-0.001`` is ``"0.00"``, not ``"-0.00"``."""
     text = f"{value:.{digits}f}"
     return text[1:] if text.startswith("-") and not text.strip("-0.") else text
 
 
 def fit_exponent(n, y, min_n=FIT_MIN_N):
-    """Least-squares slope of ``log y`` on ``log n`` (:func:`scipy.stats.linregress`) over
-    the finite positive ``y`` with ``n >= min_n`` (where the leading term dominates);
-    a :class:`Fit`, or None with fewer than two distinct ``n``."""
+    """The :class:`Fit` (:func:`scipy.stats.linregress` of ``log y`` on ``log n``) of the
+    finite positive ``y`` with ``n >= min_n``; None with fewer than two distinct ``n``."""
     n, y = np.asarray(n, dtype=np.float64), np.asarray(y, dtype=np.float64)
     use = (n >= min_n) & np.isfinite(y) & (y > 0)
     x, t = np.log(n[use]), np.log(y[use])
     if len(np.unique(x)) < 2:
         return None
-    if len(x) == 2:
-        slope = float((t[1] - t[0]) / (x[1] - x[0]))
-        intercept, stderr = float(t[0] - slope * x[0]), float("nan")
-    else:
-        fit = stats.linregress(x, t)
-        slope, intercept, stderr = float(fit.slope), float(fit.intercept), float(fit.stderr)
-    return Fit(slope, stderr, intercept, len(x), int(round(math.exp(x.min()))),
-               int(round(math.exp(x.max()))))
+    fit = stats.linregress(x, t)
+    return Fit(float(fit.slope), float("nan") if len(x) == 2 else float(fit.stderr),
+               float(fit.intercept), len(x), round(math.exp(x.min())), round(math.exp(x.max())))
 
 
 #: A point whose fastest repeat is this many times slower than its curve's trend (the line
@@ -124,10 +104,9 @@ STALL_FACTOR = 4.0
 
 
 def stalled_points(n, t, factor=STALL_FACTOR):
-    """Per point of a curve (``n`` ascending, ``t`` its times), True where ``t`` is more than
-    ``factor`` times what its neighbours say: slower than at some larger n (time does not
-    fall as n grows), or above the log-log line through the points on either side.  The
-    largest n has neither, so it is never flagged: a jump there may be real (a cache)."""
+    """Per point of a curve (``n`` ascending), True where ``t`` is over ``factor`` times what
+    its neighbours say: slower than at a larger n, or above the log-log line through the
+    points on either side.  The largest n is never flagged: a jump there may be real."""
     n = np.asarray(n, dtype=np.float64)
     t = np.asarray(t, dtype=np.float64)
     out = np.zeros(len(n), dtype=bool)
@@ -143,8 +122,7 @@ def stalled_points(n, t, factor=STALL_FACTOR):
 
 
 def _quartile(points, q):
-    """Per point, the ``q``-th percentile of its repeats ``times_s`` (asv's ``q25_s`` /
-    ``q75_s`` where it kept no samples); NaN when neither was recorded."""
+    """Per point, the ``q``-th percentile of its ``times_s`` (else asv's ``q25_s``/``q75_s``)."""
     out = []
     for p in points:
         times = [t for t in p.get("times_s") or () if t is not None]
@@ -155,23 +133,16 @@ def _quartile(points, q):
 
 
 def _column(name):
-    """A :class:`Curve` attribute: the records' ``name`` per n, NaN where not recorded."""
     return cached_property(lambda self: np.array(
         [float("nan") if p.get(name) is None else float(p[name]) for p in self.points]))
 
 
 @dataclass
 class Curve:
-    """One backend's points of one configuration (``key``: the :data:`CURVE_KEYS`), by ``n``.
-
-    ``points`` are the point records as measured, sorted by ``n_k``; the arrays
-    (``n``, ``median_s``, ``peak_bytes``, ...) are their fields per n (NaN: not
-    recorded).  ``label``: ``"<backend> <attention>"``, `` (peer)`` and in brackets
-    what tells it from its machine's other curves.  ``fit_s`` (the ``statistic``:
-    ``"min"``, or ``"median"`` where asv kept no samples) is what fits and crossovers
-    use; ``check_failed``: the ``n`` whose output disagreed with the reference;
-    ``above_roof``: per n, True where the kernel ran faster than its roof
-    (``roof_fraction`` above 1, :func:`fastattn.bench.table.above_roof`)."""
+    """One backend's point records of one configuration (``key``: :data:`CURVE_KEYS`), by
+    ``n``; the arrays are their fields per n (NaN: not recorded).  ``fit_s`` (the
+    ``statistic``: ``"min"``, or ``"median"`` where asv kept no samples, stalled points
+    NaN) is what fits and crossovers use."""
 
     key: dict
     points: list
@@ -205,10 +176,12 @@ class Curve:
     memory_fit = cached_property(lambda self: fit_exponent(self.n, self.peak_bytes))
     held_fit = cached_property(lambda self: fit_exponent(self.n, self.held_bytes))
 
-    @property
-    def expected(self):
-        """The time exponent this curve should show (:func:`expected_exponent`)."""
-        return expected_exponent(self.key)
+    expected = property(lambda self: expected_exponent(self.key))
+
+    def fit_text(self, which):
+        """The ``which`` (``"time"``, ``"memory"``, ``"held"``) fit as the page shows it."""
+        fit = getattr(self, f"{which}_fit")
+        return fit.format() if fit else "–"
 
     @property
     def off(self):
@@ -219,8 +192,7 @@ class Curve:
 
 
 def _label(key, peer, keys):
-    """Backend and attention, plus what tells the curve from the others of its type in ``keys``
-    (``regime`` is left to the page's sections)."""
+    """Backend and attention, plus what tells the curve from the others of its type in ``keys``."""
     same = [k for k in keys if k["attention"] == key["attention"]]
     varying = [name for name in CURVE_KEYS[1:] if name not in ("attention", "backend", "causal")
                and len({k.get(name) for k in same}) > 1 and key.get(name) is not None]
@@ -230,9 +202,8 @@ def _label(key, peer, keys):
 
 
 def curves(points, roofs=()):
-    """The ok ``points`` as labelled :class:`Curve` s, sorted by machine, attention, causal,
-    then backend (peers last); a point without ``roof_fraction`` is matched to ``roofs`` by
-    :func:`fastattn.bench.engine.roof_for`."""
+    """The ok ``points`` as labelled :class:`Curve` s, by machine, attention, causal, then
+    backend (peers last); a point without ``roof_fraction`` is matched to ``roofs``."""
     groups = {}
     for p in points:
         if p.get("status") == "ok" and p.get("median_s") is not None:
@@ -258,9 +229,7 @@ def curves(points, roofs=()):
 @dataclass(frozen=True)
 class Crossover:
     """Where linear attention becomes faster: ``n`` (None unless ``status`` is
-    ``"crossover"``; else ``"linear-faster-throughout"``, ``"none-in-range"`` or
-    ``"no-common-range"``), the common range ``n_lo..n_hi`` and how many times the
-    order flips there (``crossings``; more than one: close, noisy curves)."""
+    ``"crossover"``), the common range ``n_lo..n_hi`` and how often the order flips there."""
 
     n: float | None
     status: str
@@ -269,7 +238,6 @@ class Crossover:
     crossings: int = 0
 
     def describe(self):
-        """A sentence for the report."""
         if self.status == "no-common-range":
             return "no common range of n measured for both"
         if self.n_lo == self.n_hi:   # one n in common: a comparison there, not over a range
@@ -288,9 +256,8 @@ class Crossover:
 
 
 def crossover(n_softmax, t_softmax, n_linear, t_linear):
-    """The :class:`Crossover` of two time curves: both interpolated in ``(log n, log t)``
-    on the union of their ``n`` within the common range; the crossover is where
-    ``log t_linear - log t_softmax`` last turns negative, interpolated in ``log n``."""
+    """The :class:`Crossover` of two time curves, interpolated in ``(log n, log t)`` on their
+    common range: where ``log t_linear - log t_softmax`` last turns negative."""
     ns, ts = _positive(n_softmax, t_softmax)
     nl, tl = _positive(n_linear, t_linear)
     if len(ns) == 0 or len(nl) == 0 or max(ns[0], nl[0]) > min(ns[-1], nl[-1]):
@@ -322,8 +289,7 @@ def _positive(n, t):
 
 
 def rows_by_n(curve_list, cell):
-    """A row ``{"n", "cells"}`` per n any curve measured: ``cell(curve, index)`` for each
-    curve, None where it has no point at that n."""
+    """A row ``{"n", "cells"}`` per n measured: ``cell(curve, index)`` per curve, or None."""
     rows = []
     for n in sorted({int(n) for c in curve_list for n in c.n}):
         at = [(np.flatnonzero(c.n == n).tolist() or [None])[0] for c in curve_list]
@@ -333,15 +299,14 @@ def rows_by_n(curve_list, cell):
 
 
 def fastest_at(curve_list, n):
-    """``(seconds, curve)``: the smallest finite ``fit_s`` any curve measured at ``n`` and
-    its curve, or ``(None, None)``."""
+    """``(seconds, curve)`` of the smallest finite ``fit_s`` at ``n``, or ``(None, None)``."""
     return min(((float(c.fit_s[c.n == n][0]), c) for c in curve_list if (c.n == n).any()
                 and math.isfinite(c.fit_s[c.n == n][0])), key=lambda tc: tc[0],
                default=(None, None))
 
 
 def envelope(curve_list):
-    """``n, seconds``: every ``n`` any curve measured and the smallest ``fit_s`` there."""
+    """``n, seconds``: every ``n`` measured and the smallest ``fit_s`` there."""
     best = {}
     for c in curve_list:
         for n, t in zip(c.n.tolist(), c.fit_s.tolist()):
@@ -351,37 +316,8 @@ def envelope(curve_list):
     return np.array(ns, dtype=np.int64), np.array([best[n] for n in ns])
 
 
-def roof_curve(roofs, dtype, threads, d=None, machine=None, blas=None):
-    """``n, gflops``: the best GEMM ``(n, d) @ (d, n)`` probe at each probed n (empty: none),
-    of every library probed, or of the one labelled ``blas`` only."""
-    best = {}
-    for r in gemm_probes(roofs, dtype, threads, machine):
-        if (d is None or r["shape"][1] == d) and (blas is None or _blas(r) == blas):
-            best[r["shape"][0]] = max(best.get(r["shape"][0], 0.0), float(r["gflops"]))
-    ns = sorted(best)
-    return np.array(ns, dtype=np.int64), np.array([best[n] for n in ns])
-
-
-def _blas(probe):
-    return probe.get("blas") or probe.get("library") or "NumPy's BLAS"
-
-
-def roof_libraries(roofs, dtype, threads, d, machine=None):
-    """``[(blas, is_roof, (library, via))]``: the libraries probed at this setting, the
-    fastest marked, each with its names as :func:`~fastattn.bench.schema.roof_library` reads
-    them from its records."""
-    found = [r for r in gemm_probes(roofs, dtype, threads, machine) if r["shape"][1] == d]
-    best, names = {}, {}
-    for r in found:
-        best[_blas(r)] = max(best.get(_blas(r), 0.0), float(r["gflops"]))
-        names.setdefault(_blas(r), roof_library(r))
-    top = max(best, key=best.get) if best else None
-    return [(name, name == top, names[name]) for name in sorted(best, key=lambda b: -best[b])]
-
-
 def stalled_text(curve_list):
-    """A sentence naming the stalled points of ``curve_list`` (:attr:`Curve.stalled`) and
-    what was done with them, or None when there are none."""
+    """A sentence naming the stalled points of ``curve_list`` (None: there are none)."""
     named = [f"{c.label} ({'causal' if c.causal else 'non-causal'}) at n = "
              + ", ".join(f"{n} ({format_seconds(t)})" for n, t in
                          zip(c.n[c.stalled].tolist(), c.measured_s[c.stalled].tolist()))
@@ -395,10 +331,8 @@ def stalled_text(curve_list):
 
 
 def exponent_range(attention, fits, expected):
-    """``"<attention> lo to hi over N curves (expected about <expected>)"`` for the fitted
-    exponents of ``fits`` (None entries skipped), or None when there are none.  A line
-    through two points has no spread to judge it by: such fits are quoted only when no
-    curve has more, and then said to be too few."""
+    """``"<attention> lo to hi over N curves (expected about <expected>)"`` of ``fits``, or
+    None; fits of two points are quoted only when no curve has more, and said to be few."""
     fits = [f for f in fits if f]
     fits = [f for f in fits if f.points >= 3] or fits
     if not fits:
@@ -415,17 +349,20 @@ class CrossoverRow:
     """A crossover of ``kind`` ``"backend"`` (one backend's two curves), ``"fastattn"``
     (fastest fastattn kernel of each type) or ``"all"`` (peers included)."""
 
-
     causal: bool
     kind: str
     label: str
     crossover: Crossover
     peer: bool = False
 
+    mask = property(lambda self: mask_name(self.causal))
+    compared = property(lambda self: f"{self.label}: softmax vs linear")
+    length = property(lambda self: self.crossover.describe())
+
 
 def crossover_rows(curve_list):
-    """Crossovers (by :attr:`Curve.fit_s`) of each backend, and of the fastest of each type
-    (lower envelopes, with two backends or more), within one dtype and thread count."""
+    """Crossovers of each backend, and of the fastest of each type (lower envelopes, with two
+    backends or more), within one dtype and thread count."""
     rows = []
     settings = sorted({(c.causal, str(c.key.get("dtype")), str(c.key.get("threads")))
                        for c in curve_list})
@@ -455,11 +392,16 @@ def crossover_rows(curve_list):
     return rows
 
 
+def headline(rows):
+    """The crossovers a summary quotes: the fastest fastattn kernels', else each backend's."""
+    return [r for r in rows if r.kind == "fastattn"] or [
+        r for r in rows if r.kind == "backend" and not r.peer]
+
+
 @dataclass
 class Machine:
-    """What a section of one machine reads: its environment record (``{}`` if none), the
-    roof records of every machine (each section picks its own), its point records and its
-    :class:`Curve` s."""
+    """What a section of one machine reads: its environment record (``{}`` if none), every
+    machine's roof records, its point records and its :class:`Curve` s."""
 
     name: str | None
     env: dict
@@ -467,22 +409,16 @@ class Machine:
     points: list
     curves: list
 
-    @cached_property
-    def prefill(self):
-        """The prefill curves (the feature-map points at two n among them)."""
-        return [c for c in self.curves if c.key.get("regime") != "decode"]
-
-    @cached_property
-    def decode(self):
-        """The decode curves (time per generated token)."""
-        return [c for c in self.curves if c.key.get("regime") == "decode"]
-
+    prefill = cached_property(lambda self: [c for c in self.curves
+                                            if c.key.get("regime") != "decode"])
+    decode = cached_property(lambda self: [c for c in self.curves
+                                           if c.key.get("regime") == "decode"])
     scaling_curves = cached_property(lambda self: [c for c in self.prefill if len(c.n) >= 3])
     short_curves = cached_property(lambda self: [c for c in self.prefill if len(c.n) < 3])
 
     @cached_property
     def panels(self):
-        """``(title, curves)`` per mask of the scaling curves, for the scaling figures."""
+        """``(title, curves)`` per mask of the scaling curves."""
         panels = [(mask_name(causal), [c for c in self.scaling_curves if c.causal == causal])
                   for causal in (False, True)]
         return [p for p in panels if p[1]] or [("no measured points", [])]

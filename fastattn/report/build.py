@@ -1,8 +1,6 @@
-"""The HTML report: read the records, call each section in the page's order, fill the
-template.  A section is one module (``section(...)``: its finished object and figures,
-or None; ``NAV``: its link) and one partial ``templates/_<name>.html.j2``; adding one is
-that module, its partial and its name in :data:`MACHINE_SECTIONS` or
-:data:`PAGE_SECTIONS` and :data:`ORDER`.  Nothing here computes or draws."""
+"""The HTML report: read the records, call each section, fill the template.  A section is one
+module (``section(...)``: its finished object and figures, or None; ``NAV``: its link) and one
+partial ``templates/_<name>.html.j2``, named in :data:`ORDER`.  Nothing here computes or draws."""
 
 import datetime as _dt
 from dataclasses import dataclass
@@ -11,11 +9,11 @@ import jinja2
 
 from .. import __version__
 from ..bench.engine import MAX_PROBE_N, PEAK_PROBE_N
-from ..bench.table import format_number, mask_name
+from ..bench.table import format_number, format_seconds, mask_name
 from . import analysis, environment, frontier, generation, history, memory, quality, roof, scaling
 
-#: Marker written into every report; an existing file at the output path is
-#: only replaced when it carries it.
+#: Marker written into every report: an existing file at the output path is replaced only
+#: when it carries it.
 REPORT_MARKER = '<meta name="generator" content="fastattn report">'
 
 #: Sections of each machine (``section(machine)``: ``s.<name>`` in the templates).
@@ -29,8 +27,7 @@ ORDER = ("scaling", "generation", "quality", "frontier", "environment", "history
 
 @dataclass
 class Page:
-    """What a section of the page reads: the records' :class:`~.analysis.Curve` s of every
-    machine, the quality results and the asv history."""
+    """What a section of the page reads: every machine's curves, quality and asv history."""
 
     curves: list
     quality: object = None
@@ -40,16 +37,14 @@ class Page:
 
 @dataclass
 class Report:
-    """A built report: the self-contained ``html`` and the first machine's ``scaling_png``
-    (time against n, for the README)."""
+    """The self-contained ``html`` and the first machine's ``scaling_png`` (for the README)."""
 
     html: str
     scaling_png: bytes | None
 
 
 def _input_shapes(points):
-    """The inputs' batch and heads, as the methods text says them: "batch 1, one head", or
-    each (batch, heads) measured ("batch × heads 1 × 1, 1 × 2") for a run of several shapes."""
+    """The inputs' batch and heads: "batch 1, one head", or "batch × heads 1 × 1, 1 × 2"."""
     pairs = sorted({(p.get("batch") or 1, p.get("heads") or 1) for p in points})
     if pairs in ([], [(1, 1)]):
         return "batch 1, one head"
@@ -61,7 +56,8 @@ def _template():
         loader=jinja2.PackageLoader(__package__, "templates"),
         autoescape=jinja2.select_autoescape(default=True, default_for_string=True),
         undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
-    env.filters.update(num=format_number, mask=mask_name, kl=frontier.kl_text)
+    env.filters.update(num=format_number, mask=mask_name, kl=frontier.kl_text,
+                       seconds=format_seconds)
     return env.get_template("report.html.j2")
 
 
@@ -72,16 +68,16 @@ def build_report(records, *, source="", quality=None, history=None, history_benc
     Parameters
     ----------
     records : list of dict
-        Results records (:func:`fastattn.bench.results.read_records`, or the asv
-        adapter's :func:`~.asv_results.load_asv_points`).
+        Results records (:func:`fastattn.bench.results.read_records`, or
+        :func:`~.asv_results.load_asv_points`).
     source : str
         Where they came from, for the page's header.
     quality : fastattn.map_quality.QualityResults, optional
         Adds the Quality and Feature maps sections.
     history, history_benchmark : optional
-        ``load_asv_history`` rows of ``history_benchmark``: adds the asv history section.
+        ``load_asv_history`` rows of ``history_benchmark``: the asv history section.
     generated : datetime, optional
-        The time the page says it was generated (default now).
+        When the page says it was generated (default now).
 
     Raises
     ------
@@ -111,7 +107,8 @@ def build_report(records, *, source="", quality=None, history=None, history_benc
     html = _template().render(
         marker=REPORT_MARKER, version=__version__, source=source, sections=sections,
         generated=(generated or _dt.datetime.now(_dt.timezone.utc)).strftime("%Y-%m-%d %H:%M UTC"),
-        comparison_png=scaling.side_by_side(sections), summary=summary, order=ORDER, nav=nav, **parts,
+        comparison_png=scaling.side_by_side(sections), summary=summary, order=ORDER, nav=nav,
+        **parts,
         fit_min_n=analysis.FIT_MIN_N, max_probe_n=MAX_PROBE_N, peak_probe_n=PEAK_PROBE_N,
         from_asv=any(p.get("source") == "asv" for p in points), n_records=len(records),
         input_shapes=_input_shapes(points))

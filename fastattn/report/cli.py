@@ -1,5 +1,5 @@
-"""``fastattn report``: run the sweep into ``reports/fastattn-<time>.jsonl``, then write the
-HTML report beside it; ``--from`` only builds, ``--resume`` continues, ``--asv`` reads asv."""
+"""``fastattn report``: run the bench's sweep into ``reports/fastattn-<time>.jsonl``, then write
+the HTML report beside it; ``--from`` only builds, ``--resume`` continues, ``--asv`` reads asv."""
 
 import contextlib
 import datetime as _dt
@@ -12,14 +12,15 @@ from pathlib import Path
 
 from .._argtypes import positive_int, thread_count
 from .._threads import default_num_threads
+from ..bench import results as res
 from ..bench.results import ResultsFileError, point_key
 from ..bench.sweep import DEFAULT_NS
 
 DEFAULT_REPEATS = 5
 #: Seconds of timed repeats a point may take (slower calls get fewer, never under 3).
 MAX_POINT_S = 3.0
-#: Rounds the backends of one shape take turns in (see fastattn.bench.sweep.Options): two
-#: keep the default report within 5 minutes on 2 cores.
+#: Rounds the backends of one shape take turns in: two keep the default report within
+#: 5 minutes on 2 cores.
 ROUNDS = 2
 #: A point still running after this long is recorded as an error.
 POINT_TIMEOUT_S = 300.0
@@ -28,6 +29,8 @@ QUICK_NS = (128, 512, 1024, 2048)
 QUICK_REPEATS = 2
 QUICK_MAX_POINT_S = 0.5
 REPORTS_DIR = Path("reports")
+#: The first bytes of every PNG file.
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 class ReportError(Exception):
@@ -42,9 +45,8 @@ def add_parser(subparsers):
         description="Measure softmax and linear attention (every backend and peer, causal and "
                     "not, d=64, float32, n 128 to 8192; the fast backends' non-causal "
                     "attention also at 16384, with every feature map) into a JSON-lines "
-                    "results file, then "
-                    "write one self-contained HTML report (scaling, fits, crossover, roof, "
-                    "quality, environment) and print its path.")
+                    "results file, then write one self-contained HTML report (scaling, fits, "
+                    "crossover, roof, quality, environment) and print its path.")
     add = parser.add_argument
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--from", dest="from_", metavar="RESULTS", type=Path,
@@ -69,11 +71,11 @@ def add_parser(subparsers):
         help="threads for every backend and BLAS (default: the usable cores, or those "
              "other work leaves idle)")
     add("--repeats", metavar="R", type=positive_int,
-        help=f"timed repeats per point (default {DEFAULT_REPEATS}, {QUICK_REPEATS} with --quick; "
-             f"fewer for a call whose repeats would take over {MAX_POINT_S:g} s ({QUICK_MAX_POINT_S:g} s "
-             f"with --quick), never under 3 or R if smaller; more for a fast one, timed for "
-             f"0.25 s), "
-             f"the backends of one shape taking turns over {ROUNDS} rounds")
+        help=f"timed repeats per point (default {DEFAULT_REPEATS}, {QUICK_REPEATS} with "
+             f"--quick; fewer for a call whose repeats would take over {MAX_POINT_S:g} s "
+             f"({QUICK_MAX_POINT_S:g} s with --quick), never under 3 or R if smaller; more "
+             f"for a fast one, timed for 0.25 s), the backends of one shape taking turns "
+             f"over {ROUNDS} rounds")
     add("--quick", action="store_true",
         help=f"a tiny grid (n = {' '.join(map(str, QUICK_NS))}, {QUICK_REPEATS} repeats, no "
              "memory probe): for tests and CI")
@@ -81,42 +83,91 @@ def add_parser(subparsers):
         help="also write the time-against-n figure to this PNG (a copy is always written "
              "beside the report)")
     add("--minilm", metavar="NPZ", type=Path,
-        help="MiniLM activations for the quality section (default: ../shared/data/minilm "
-             "when found, else the shipped slice)")
+        help="MiniLM activations for the quality section (default: the full set when found, "
+             "else the shipped slice)")
     parser.set_defaults(func=run)
     return parser
 
 
-def _timestamp():
-    return _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+@contextlib.contextmanager
+def _as_report_error(prefix=""):
+    """Turn the bench's ResultsFileError into a ReportError starting with ``prefix``."""
+    try:
+        yield
+    except ResultsFileError as exc:
+        raise ReportError(f"{prefix}{exc}") from None
+
+
+def _check_folder(path, option):
+    """Refuse a path the user gave whose folder does not exist: nothing makes it."""
+    if path is not None and not path.parent.is_dir():
+        raise ReportError(f"{option} {path}: the folder {path.parent} does not exist; create "
+                          "it first, or give a path in an existing folder")
 
 
 def _check_output(out, protected=()):
     """Refuse to write over anything that is not an earlier fastattn report, before any work."""
-    from ..bench.results import check_replaceable
     from .build import REPORT_MARKER
 
-    out = Path(out)
-    for path in protected:
-        if path is not None and out.resolve() == Path(path).resolve():
-            raise ReportError(f"--out {out} is the results file; choose another path for the report")
+    if any(p is not None and out.resolve() == Path(p).resolve() for p in protected):
+        raise ReportError(f"--out {out} is the results file; choose another path for the report")
     if out.suffix.lower() not in (".html", ".htm"):   # rep.png would get HTML
         example = f", e.g. --out {out.with_suffix('.html')}" if out.name else ""
         raise ReportError(f"--out names the HTML report, got {str(out)!r}; give a name "
                           f"ending in .html{example}")
-    try:
-        check_replaceable(out, "report", REPORT_MARKER)
-    except ResultsFileError as exc:
-        raise ReportError(str(exc)) from None
-    # The figure written beside it, too: refused after the report was written, it was late.
+    with _as_report_error():
+        res.check_replaceable(out, "report", REPORT_MARKER)
     _check_image(_figure_beside(out), "the figure beside the report")
 
 
-def _read_results(path):
-    from ..bench.results import read_records
+def _check_image(path, label="--readme-image"):
+    """Refuse, before measuring, a figure path that cannot be written, or an existing file
+    there that is not a PNG (it would be replaced)."""
+    with _as_report_error(f"{label}: "):
+        res.check_writable(path, "figure")
+    if path.is_file() and path.stat().st_size:
+        with open(path, "rb") as handle:
+            if handle.read(len(PNG_SIGNATURE)) != PNG_SIGNATURE:
+                raise ReportError(f"{label} {path} exists and is not a PNG; not overwriting it")
 
+
+def _figure_beside(out):
+    """The scaling figure written beside the report ``out``."""
+    return out.with_name(out.stem + "-scaling.png")
+
+
+def _check_image_clash(image, out, results=None):
+    """Refuse a --readme-image that is the report, its results file or the figure beside it."""
+    if image is None:
+        return
+    taken = {out: "the report", _figure_beside(out): "the figure beside the report",
+             **({Path(results): "the results file"} if results is not None else {})}
+    for path, what in taken.items():
+        if image.resolve() == path.resolve():
+            raise ReportError(f"--readme-image {image} is {what}; give the figure a path of "
+                              "its own")
+    if image.suffix.lower() != ".png":
+        raise ReportError(f"--readme-image {image}: the figure is written as a PNG; give a "
+                          "path ending in .png")
+
+
+def _check_minilm(path):
+    """Refuse a file that is not an .npz of MiniLM activations, before measuring."""
+    from ..data import load_minilm
+
+    if path.is_file() and not zipfile.is_zipfile(path):
+        raise ReportError(f"--minilm {path}: not an .npz archive; --minilm expects NumPy's "
+                          ".npz of MiniLM activations (arrays q, k, v), or leave it out to "
+                          "use the slice shipped with fastattn")
     try:
-        records = read_records(path)
+        load_minilm(path)
+    except (OSError, ValueError) as exc:
+        raise ReportError(f"--minilm: {exc}") from None
+
+
+def _read_results(path):
+    try:
+        records = res.read_records(path)
     except FileNotFoundError:
         if Path(path).is_dir():
             raise ReportError(f"{path} is a directory, not a results file: give the .jsonl "
@@ -130,13 +181,10 @@ def _read_results(path):
 
 
 def sweep_points(ns, quick=False):
-    """The report's grid, d = 64: every backend and peer, softmax and linear, causal and not,
-    at ``ns`` (default :data:`~fastattn.bench.sweep.DEFAULT_NS`, :data:`QUICK_NS` if
-    ``quick``); the decode regime at :data:`~fastattn.bench.sweep.DECODE_NS` (``ns`` or
-    QUICK_NS if given); and, on the default grid, the fast backends' linear attention with
-    every feature map (:func:`~fastattn.bench.sweep.feature_map_grid`) and their non-causal
-    softmax attention at the same n (:data:`~fastattn.bench.sweep.FEATURE_MAP_NS`, 4096 and
-    16384), which the feature-map frontier times the maps against."""
+    """The report's grid of the bench's :class:`~fastattn.bench.sweep.Point`, d = 64: every
+    backend and peer, softmax and linear, causal and not, at ``ns`` (default ``DEFAULT_NS``,
+    :data:`QUICK_NS` if ``quick``); decode at ``DECODE_NS`` (or those); and, on the default
+    grid, the fast backends' every feature map and non-causal softmax at ``FEATURE_MAP_NS``."""
     from ..bench import sweep
 
     prefill = tuple(ns) if ns else (QUICK_NS if quick else DEFAULT_NS)
@@ -148,26 +196,44 @@ def sweep_points(ns, quick=False):
             ("softmax",), fast, sweep.FEATURE_MAP_NS, (False,)))))
 
 
-def _command():
-    """How this program was invoked, to print commands the user can paste."""
-    argv0 = sys.argv[0] if sys.argv and sys.argv[0] else "fastattn"
-    if argv0.endswith(".py") or argv0 == "-c" or argv0 == "-m":
-        return f"{shlex.quote(sys.executable)} -m fastattn.cli"
-    return shlex.quote(argv0)
-
-
 def _resume_command(args, results):
     """The command that finishes this run's grid, as the user invoked this one."""
+    argv0 = sys.argv[0] if sys.argv and sys.argv[0] else "fastattn"
+    command = (f"{shlex.quote(sys.executable)} -m fastattn.cli"
+               if argv0.endswith(".py") or argv0 in ("-c", "-m") else shlex.quote(argv0))
     options = [("--quick", args.quick), (f"--n {' '.join(map(str, args.n or ()))}", args.n),
                (f"--threads {args.threads}", args.threads),
                (f"--repeats {args.repeats}", args.repeats),
                (f"--out {shlex.quote(str(args.out))}", args.out)]
-    return " ".join([_command(), "report", "--resume", shlex.quote(str(results))]
+    return " ".join([command, "report", "--resume", shlex.quote(str(results))]
                     + [text for text, given in options if given])
 
 
+def _threads(args, earlier):
+    """The thread count of the run and why (the resumed file's, else the idle cores)."""
+    from ..bench import sweep
+    from ..bench.table import plural
+
+    if args.threads is not None:
+        return args.threads, "as asked (--threads)"
+    threads = next((r["threads"] for r in earlier if r["record"] == "point"), None)
+    if threads is not None:   # finish the grid on its own threads
+        first = next((r["threads_reason"] for r in earlier if r["record"] == "environment"
+                      and r.get("threads_reason")), None)
+        return threads, (f"{first} (when the resumed run started)" if first
+                         else "the thread count of the resumed results file")
+    threads, cores = sweep.idle_cores(), default_num_threads()
+    if threads >= cores:
+        return threads, f"every usable core ({cores})"
+    why = (f"other work kept {cores - threads} of {cores} cores busy when the run started, so "
+           f"it measured on the {plural(threads, 'idle one')}: no kernel waits for a thread "
+           "the scheduler put aside (--threads N to choose)")
+    print(f"fastattn report: {why}", file=sys.stderr)
+    return threads, why
+
+
 def _measure(args, results):
-    """Run (or resume) the sweep into ``results``; returns its path."""
+    """Run (or resume) the bench's sweep of :func:`sweep_points` into ``results``."""
     from ..bench import sweep
     from ..bench.table import plural
 
@@ -180,48 +246,28 @@ def _measure(args, results):
         print(f"fastattn report: measuring {todo} points into {results}"
               + (f" ({done} already there)" if done else "")
               + f" ({repeats} timed repeats each, more for fast calls, fewer for slow ones"
-              + f"{'; quick grid' if args.quick else ''})",
-              file=sys.stderr)
+              + f"{'; quick grid' if args.quick else ''})", file=sys.stderr)
         print(f"  interrupted? continue with: {resume}", file=sys.stderr)
 
-    threads, why = args.threads, "as asked (--threads)"
-    if threads is None and args.resume is not None:  # finish the grid on its own threads
-        earlier = _read_results(results)
-        threads = next((r["threads"] for r in earlier if r["record"] == "point"), None)
-        first_why = next((r["threads_reason"] for r in earlier if r["record"] == "environment"
-                          and r.get("threads_reason")), None)
-        why = (f"{first_why} (when the resumed run started)" if first_why
-               else "the thread count of the resumed results file")
-    if threads is None:
-        threads, cores = sweep.idle_cores(), default_num_threads()
-        why = f"every usable core ({cores})" if threads >= cores else (
-            f"other work kept {cores - threads} of {cores} cores busy when the run started, so "
-            f"it measured on the {plural(threads, 'idle one')}: no kernel waits for a thread the "
-            "scheduler put aside (--threads N to choose)")
-        if threads < cores:
-            print(f"fastattn report: {why}", file=sys.stderr)
+    earlier = _read_results(results) if args.resume is not None else []
+    threads, why = _threads(args, earlier)
     points = sweep_points(args.n, args.quick)
-    measured = [r for r in _read_results(results) if r["record"] == "point"] \
-        if args.resume is not None else []
-    if measured:  # a file of another grid is not finished by this one
-        grid = {point_key(p.record_fields(threads)) for p in points}
-        foreign = [r for r in measured if point_key(r) not in grid]
-        if foreign:
-            r = foreign[0]
-            raise ReportError(
-                f"--resume {results}: it holds {plural(len(foreign), 'point')} outside this run's grid "
-                f"(e.g. {r['attention']} n={r['n_k']} {r['backend']}), so it was measured with "
-                "other options (--quick, --n, --threads); resume it with the options it was "
-                "started with, or give a new results file")
+    grid = {point_key(p.record_fields(threads)) for p in points}
+    foreign = [r for r in earlier if r["record"] == "point" and point_key(r) not in grid]
+    if foreign:  # a file of another grid is not finished by this one
+        r = foreign[0]
+        raise ReportError(
+            f"--resume {results}: it holds {plural(len(foreign), 'point')} outside this run's "
+            f"grid (e.g. {r['attention']} n={r['n_k']} {r['backend']}), so it was measured "
+            "with other options (--quick, --n, --threads); resume it with the options it was "
+            "started with, or give a new results file")
     options = sweep.Options(repeats=repeats, rounds=ROUNDS, memory=not args.quick,
                             max_point_s=QUICK_MAX_POINT_S if args.quick else MAX_POINT_S,
                             point_timeout_s=POINT_TIMEOUT_S)
     try:
-        sweep.run_sweep(points, results, options,
-                        threads=threads, threads_reason=why, progress="fastattn report",
-                        announce=announce)
-    except ResultsFileError as exc:
-        raise ReportError(f"refusing {results}: {exc}") from None
+        with _as_report_error(f"refusing {results}: "):
+            sweep.run_sweep(points, results, options, threads=threads, threads_reason=why,
+                            progress="fastattn report", announce=announce)
     except KeyboardInterrupt:
         print(f"\ninterrupted: the points measured so far are in {results}; continue with\n"
               f"  {resume}", file=sys.stderr)
@@ -230,13 +276,16 @@ def _measure(args, results):
 
 
 def _asv_records(args):
-    try:
-        # import_module looks in sys.modules first, unlike `from . import`.
+    """The records, history and source text of ``--asv`` (the asv adapter's)."""
+    try:   # import_module looks in sys.modules first, unlike `from . import`
         asv_results = importlib.import_module("fastattn.report.asv_results")
     except ImportError as exc:
-        raise ReportError("--asv needs fastattn.report.asv_results (it comes with the asv "
-                          f"suite) and it cannot be imported here: {exc}") from None
+        raise ReportError("--asv needs fastattn.report.asv_results, which cannot be imported "
+                          f"here: {exc}") from None
     directory = args.asv
+    if Path(directory).is_file():
+        raise ReportError(f"--asv {directory} is a file; --asv expects an asv results "
+                          "directory (asv writes its results to .asv/results by default)")
     if not Path(directory).is_dir():
         raise ReportError(f"--asv {directory}: no such directory (asv writes its results to "
                           ".asv/results by default)")
@@ -248,11 +297,11 @@ def _asv_records(args):
         raise ReportError(f"cannot read asv results in {directory}: {exc}") from None
     if not records:
         raise ReportError(f"no asv results found in {directory}")
-    chosen = "; ".join(dict.fromkeys(f"{r.get('machine')}: {r['chosen']}" for r in records
-                                     if r.get("record") == "environment" and r.get("chosen")))
+    envs = [r for r in records if r.get("record") == "environment"]
+    chosen = "; ".join(dict.fromkeys(f"{r.get('machine')}: {r['chosen']}" for r in envs
+                                     if r.get("chosen")))
     print(f"fastattn report: {chosen}", file=sys.stderr)
-    left_out = [text for r in records if r.get("record") == "environment"
-                for text in r.get("left_out") or ()]
+    left_out = [text for r in envs for text in r.get("left_out") or ()]
     for text in left_out:
         print(f"fastattn report: note: {text}", file=sys.stderr)
     return records, history, f"asv results in {directory}; {chosen}" + (
@@ -269,88 +318,28 @@ def run(args):
         return 2
 
 
-def _check_minilm(path):
-    """Refuse a file that is not an .npz of MiniLM activations, before measuring."""
-    from ..data import load_minilm
-
-    if path.is_file() and not zipfile.is_zipfile(path):
-        raise ReportError(f"--minilm {path}: not an .npz archive (expected NumPy's .npz of "
-                          "MiniLM activations q, k, v, as in ../shared/data/minilm)")
-    try:
-        load_minilm(path)
-    except (OSError, ValueError) as exc:
-        raise ReportError(f"--minilm: {exc}") from None
-
-
-#: The first bytes of every PNG file.
-PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-
-
-def _check_image(path, label="--readme-image"):
-    """Refuse, before measuring, a figure path (``label`` names it) that cannot be written,
-    or an existing file there that is not a PNG (it would be replaced)."""
-    from ..bench.results import check_writable
-
-    try:
-        check_writable(path, "figure")
-    except ResultsFileError as exc:
-        raise ReportError(f"{label}: {exc}") from None
-    if path.is_file() and path.stat().st_size:
-        with open(path, "rb") as handle:
-            if handle.read(len(PNG_SIGNATURE)) != PNG_SIGNATURE:
-                raise ReportError(f"{label} {path} exists and is not a PNG; not overwriting it")
-
-
-def _figure_beside(out):
-    """The scaling figure written beside the report ``out``."""
-    return out.with_name(out.stem + "-scaling.png")
-
-
-def _check_image_clash(image, out, results=None):
-    """Refuse a --readme-image that is the report, its results file or the figure beside it."""
-    if image is None:
-        return
-    taken = {out: "the report", _figure_beside(out): "the figure beside the report"}
-    if results is not None:
-        taken[Path(results)] = "the results file"
-    for path, what in taken.items():
-        if image.resolve() == path.resolve():
-            raise ReportError(f"--readme-image {image} is {what}; give the figure a path of "
-                              "its own")
-    if image.suffix.lower() != ".png":
-        raise ReportError(f"--readme-image {image}: the figure is written as a PNG; give a "
-                          "path ending in .png")
-
-
 @contextlib.contextmanager
 def _noting_interrupts():
-    """Yield a function that says whether Ctrl-C came while inside; it still interrupts as
-    before (the handler in place is called), but code that turns the KeyboardInterrupt
-    into an error of its own (matplotlib's drawing does), or a KeyboardInterrupt raised
-    where Python can only print "Exception ignored in ..." (a finalizer, a callback), can
-    be told apart: the caller raises it again.  Those lost ones are not printed."""
-    seen = []
-    hook = sys.unraisablehook
+    """Yield a function that says whether Ctrl-C came while inside.  It still interrupts as
+    before (the handler in place is called), but a KeyboardInterrupt turned into an error of
+    its own (matplotlib's drawing does) or lost in a finalizer can be told apart, so the
+    caller raises it again; those lost ones are not printed."""
+    seen, hook, previous = [], sys.unraisablehook, signal.getsignal(signal.SIGINT)
 
     def unraisable(info):
         if not (seen and isinstance(info.exc_value, KeyboardInterrupt)):
             hook(info)
-    try:
-        previous = signal.getsignal(signal.SIGINT)
-    except ValueError:   # not the main thread: no handler can be set
-        yield lambda: False
-        return
-    if not callable(previous):   # SIG_IGN or SIG_DFL: leave them be
-        yield lambda: False
-        return
 
     def note(signum, frame):
         seen.append(signum)
         previous(signum, frame)
 
-    try:
-        signal.signal(signal.SIGINT, note)
+    try:   # SIG_IGN and SIG_DFL are left be; outside the main thread no handler can be set
+        if callable(previous):
+            signal.signal(signal.SIGINT, note)
     except ValueError:
+        previous = None
+    if not callable(previous):
         yield lambda: False
         return
     sys.unraisablehook = unraisable
@@ -362,7 +351,8 @@ def _noting_interrupts():
             sys.unraisablehook = hook
 
 
-def _run(args):
+def _check_args(args):
+    """Refuse, before any work, options that do not go together and paths that cannot be used."""
     if (args.history or args.asv_commit) is not None and args.asv is None:
         raise ReportError(f"{'--history' if args.history else '--asv-commit'} needs --asv DIR")
     source_flag = "--from" if args.from_ is not None else "--asv" if args.asv is not None else None
@@ -370,51 +360,50 @@ def _run(args):
                                           ("--threads", args.threads is not None),
                                           ("--repeats", args.repeats is not None)) if given]
     if source_flag and measuring:
-        raise ReportError(f"{', '.join(measuring)} set{'s' if len(measuring) == 1 else ''} what "
-                          f"is measured, and {source_flag} measures nothing: drop "
-                          f"{'it' if len(measuring) == 1 else 'them'}, or measure with "
-                          "--resume RESULTS or without a source")
+        one = len(measuring) == 1
+        raise ReportError(f"{', '.join(measuring)} set{'s' if one else ''} what is measured, "
+                          f"and {source_flag} measures nothing: drop {'it' if one else 'them'}"
+                          ", or measure with --resume RESULTS or without a source")
     if args.readme_image is not None:
         _check_image(args.readme_image)
+        _check_folder(args.readme_image, "--readme-image")
     if args.minilm is not None:
         _check_minilm(args.minilm)
-    protected = (args.from_, args.resume)
     if args.out is not None:
-        _check_output(args.out, protected)
+        _check_output(args.out, (args.from_, args.resume))
+        _check_folder(args.out, "--out")
     if args.resume is not None and args.resume.exists():
-        from ..bench.results import check_writable
+        _read_results(args.resume)
+        with _as_report_error("--resume: "):
+            res.check_writable(args.resume, "results file")
 
-        try:
-            _read_results(args.resume)
-            check_writable(args.resume, "results file")
-        except ResultsFileError as exc:
-            raise ReportError(f"--resume: {exc}") from None
-    history = None
+
+def _run(args):
+    from ..bench.table import plural
+
+    _check_args(args)
+    protected, history = (args.from_, args.resume), None
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     if args.asv is not None:
         records, history, source = _asv_records(args)
-        out = args.out or REPORTS_DIR / f"fastattn-asv-{_timestamp()}.html"
+        out = args.out or REPORTS_DIR / f"fastattn-asv-{stamp}.html"
         _check_image_clash(args.readme_image, out)
     else:
-        results = args.from_ or args.resume or REPORTS_DIR / f"fastattn-{_timestamp()}.jsonl"
+        results = args.from_ or args.resume or REPORTS_DIR / f"fastattn-{stamp}.jsonl"
         out = args.out or Path(results).with_suffix(".html")
         _check_output(out, protected)   # before measuring, whichever way out was named
         _check_image_clash(args.readme_image, out, results)
         if args.from_ is None:
             _measure(args, results)
         records, source = _read_results(results), str(results)
-        if args.from_ is not None:
-            from ..bench.results import cut_tail_bytes
-            from ..bench.table import plural
-
-            if cut := cut_tail_bytes(results):
-                print(f"fastattn report: note: the last line of {results} was cut short by an "
-                      f"interrupted write; its {plural(cut, 'byte')} {'is' if cut == 1 else 'are'} left out of the report",
-                      file=sys.stderr)
+        if args.from_ is not None and (cut := res.cut_tail_bytes(results)):
+            print(f"fastattn report: note: the last line of {results} was cut short by an "
+                  f"interrupted write; its {plural(cut, 'byte')} {'is' if cut == 1 else 'are'} "
+                  "left out of the report", file=sys.stderr)
     _check_output(out, protected)
 
-    from ..bench.results import atomic_write
-    from .build import build_report
     from ..map_quality import compute_quality
+    from .build import build_report
 
     with _noting_interrupts() as interrupted:
         try:
@@ -427,16 +416,14 @@ def _run(args):
             raise ReportError(str(exc)) from None
         if interrupted():   # Ctrl-C lost on the way (in a finalizer: "Exception ignored")
             raise KeyboardInterrupt
-    out.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(out, report.html)
+    out.parent.mkdir(parents=True, exist_ok=True)   # REPORTS_DIR, the default
+    res.atomic_write(out, report.html)
     beside = _figure_beside(out)
     for image in [beside] + ([args.readme_image] if args.readme_image else []):
-        try:
-            # (again for --readme-image: the file may have changed while measuring)
+        try:   # again for --readme-image: the file may have changed while measuring
             _check_image(image, "the figure beside the report" if image is beside
                          else "--readme-image")
-            image.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write(image, report.scaling_png)
+            res.atomic_write(image, report.scaling_png)
         except (OSError, ResultsFileError, ReportError) as exc:
             raise ReportError(f"the report is written ({out}), but not the figure {image}: "
                               f"{exc}") from None

@@ -1,17 +1,11 @@
-"""The Environment section of one machine: every field of its environment record
-(:func:`fastattn.bench.environment.collect`, or the asv adapter's), each value in words:
-the fields the schema labels, in its order, then every other one by its key."""
+"""The Environment section of one machine: every field of its environment record in words,
+those the schema labels (:data:`~fastattn.bench.schema.ENVIRONMENT_FIELDS`) first."""
 
 from ..bench import schema
 from ..bench.table import format_bytes
 
 #: ``{dotted path: label}`` of the schema's environment fields.
-LABELS = dict((path, label) for label, path in schema.ENVIRONMENT_FIELDS)
-
-#: Fields of the record that say what it is rather than where it was measured.
-_RECORD_FIELDS = ("schema", "record")
-
-#: The page's link to this section.
+LABELS = {path: label for label, path in schema.ENVIRONMENT_FIELDS}
 NAV = "Environment"
 
 
@@ -64,16 +58,11 @@ def _field_text(env, path, value):
 
 
 def environment_rows(env, labels=None):
-    """``rows, rest`` of the environment record ``env``.
-
-    ``rows``: ``(label, text)`` of each field of ``labels`` (``{dotted path:
-    label}``, default :data:`LABELS`) that ``env`` holds, in the labels' order (an
-    absent library "not installed"); ``rest``: ``(dotted path, text)`` of every
-    other field, a mapping's items one by one (but ``blas``).  Without any labelled
-    field, ``rest`` is given as ``rows``.
-    """
+    """``rows, rest`` of the environment record ``env``: ``(label, text)`` of each field of
+    ``labels`` (``{dotted path: label}``, default :data:`LABELS`) it holds, in their order,
+    and ``(dotted path, text)`` of every other field (``rest`` is ``rows`` without a label)."""
     labels = LABELS if labels is None else labels
-    rows, used = [], {"memory_available_bytes", *_RECORD_FIELDS}
+    rows, used = [], {"memory_available_bytes", "schema", "record"}
     for path, label in labels.items():
         value, present = _lookup(env, path)
         if present:
@@ -92,5 +81,4 @@ def environment_rows(env, labels=None):
 
 def section(m):
     """The Environment block of machine ``m`` (:class:`~.analysis.Machine`)."""
-    rows, rest = environment_rows(m.env)
-    return {"rows": rows, "rest": rest}
+    return dict(zip(("rows", "rest"), environment_rows(m.env)))

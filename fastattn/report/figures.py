@@ -1,6 +1,5 @@
-"""The report's matplotlib figures as PNG bytes (Agg), drawn from analysis objects as they
-are (nothing here measures, fits or labels).  Colour follows the backend, line style the
-attention type: softmax solid with circles, linear dashed with squares."""
+"""The report's shared drawing: PNG bytes (Agg) of analysis objects as they are.  Colour
+follows the backend, line style the attention: softmax solid, linear dashed."""
 
 import base64
 import io
@@ -28,7 +27,7 @@ _colours = dict(BACKEND_COLOURS)
 
 
 def colour(backend):
-    """The colour of ``backend``: fixed for fastattn's backends and torch, else assigned once."""
+    """The colour of ``backend``: fixed for the known ones, else assigned once."""
     extra = _EXTRA_COLOURS[(len(_colours) - len(BACKEND_COLOURS)) % len(_EXTRA_COLOURS)]
     return _colours.setdefault(backend, extra)
 
@@ -41,13 +40,11 @@ def style(curve):
                if curve.key.get("dtype") == "float64" else {})}
 
 
-#: Most legend entries drawn below a panel; a panel of more (a run of many shapes) names
-#: its curves in the page's tables instead, as a legend that long would crowd out the axes.
+#: Most legend entries drawn below a panel; the tables name the curves of a panel of more.
 LEGEND_MAX = 16
 #: Labels longer than this go one to a legend row, shorter ones two.
 LEGEND_WIDE_LABEL = 44
-#: Inches of figure height a legend row takes (fontsize 7.5), and the legend rows a panel
-#: of :func:`_panel_grid`'s height leaves room for below its axes.
+#: Inches a legend row takes, and the legend rows a panel leaves room for below its axes.
 LEGEND_ROW_IN, LEGEND_ROWS_IN_PANEL = 0.16, 6
 
 
@@ -69,7 +66,6 @@ def finish(ax, title, xlabel=None):
 
 
 def _fit_legends(fig):
-    """Make ``fig`` taller for legends of more rows than a panel leaves room for."""
     rows = [-(-len(labels) // _legend_columns(labels)) for ax in fig.axes
             if (legend := ax.get_legend()) is not None
             and (labels := [t.get_text() for t in legend.get_texts()])]
@@ -81,10 +77,9 @@ def _fit_legends(fig):
 
 
 def to_png(fig):
-    """Render ``fig`` to PNG bytes and close it."""
     _fit_legends(fig)
     buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=DPI)  # layout="constrained": one draw, no tight bbox pass
+    fig.savefig(buffer, format="png", dpi=DPI)
     plt.close(fig)
     return buffer.getvalue()
 
@@ -112,74 +107,70 @@ def panel_grid(panels, ncols, height=5.4, width=5.6):
     return fig, flat
 
 
-#: What each metric of :func:`scaling_figure` draws: the curve's values, fit and y label.
+#: What each metric of :func:`scaling_figure` draws: the values, fit and y label.
 METRICS = {"time": ("median_s", "time_fit", "median time per call"),
            "memory": ("peak_bytes", "memory_fit", "peak extra memory per call"),
-           "held": ("held_bytes", "held_fit", "memory held between tokens, per head")}
-
-
-#: The colour of a memory line that stands for several curves of equal values.
-SHARED_COLOUR = "#333333"
+           "held": ("held_bytes", "held_fit", "memory held between tokens, per head"),
+           "gflops": ("gflops", None, "achieved GFLOP/s (at the median time)")}
+ABOVE_ROOF = "above its roof (see the note)"
 
 
 def _equal_groups(curve_list, values):
-    """``(curve, members, use)`` per line to draw: curves of one attention type whose
-    ``values`` are equal at the same n are one line (``members`` all of them), as drawn
-    apart they would lie on one another and leave legend entries pointing at nothing."""
+    """``(curve, label, use)`` per line to draw: curves of one attention whose ``values`` are
+    equal at the same n are one line (drawn apart, they would lie on one another), labelled
+    "linear: reference, numba — equal"; a line per curve for the time."""
     groups = {}
     for c in curve_list:
         y = getattr(c, values)
-        use = np.isfinite(y) & (y > 0) if y is not None else np.zeros(len(c.n), bool)
-        if not use.any():
-            continue
-        key = (c.attention, tuple(c.n[use].tolist()), tuple(y[use].tolist()))
-        groups.setdefault(key, (c, [], use))[1].append(c)
-    return list(groups.values())
+        use = np.isfinite(y) & (y > 0)
+        key = (c.attention, tuple(c.n[use].tolist()), tuple(y[use].tolist()),
+               id(c) if values in ("median_s", "gflops") else 0)
+        if use.any():
+            groups.setdefault(key, (c, [], use))[1].append(c)
+    return [(c, c.label if len(members) == 1 else f"{c.attention}: " + ", ".join(
+        m.label.replace(f" {c.attention}", "", 1) for m in members) + " — equal", use)
+        for c, members, use in groups.values()]
 
 
-def _shared_label(members):
-    """"linear: reference, numba, numpy (peer) — equal" for curves drawn as one line."""
-    attention = members[0].attention
-    names = [c.label.replace(f" {attention}", "", 1) for c in members]
-    return f"{attention}: {', '.join(names)} — equal"
-
-
-def scaling_figure(panels, metric="time", ncols=2, title=None, xlabel=None, empty=None):
-    """PNG of log-log time (median, band from the 25th to the 75th percentile of the
-    repeats), peak extra memory or memory held (a
-    :data:`METRICS` key) against n, a panel per ``(title, curves)`` of ``panels``, each
-    curve's fitted exponent in the legend and drawn dotted.  Memory curves of one attention
-    type with equal values are drawn as one dark line naming them all.  A figure with
+def scaling_figure(panels, metric="time", ncols=2, title=None, xlabel=None, empty=None,
+                   roofs=()):
+    """PNG of log-log ``metric`` (a :data:`METRICS` key; time with the band of the middle half
+    of the repeats) against n, a panel per ``(title, curves)``, each fit in the legend and
+    dotted; GFLOP/s with the ``(label, n, gflops)`` of ``roofs`` as black lines (horizontal
+    when probed at one n) and the points above their roof ringed in red.  A figure with
     nothing to draw says so in words: ``empty``, else "no data"."""
     values, fit_name, ylabel = METRICS[metric]
     fig, axes = panel_grid(panels, ncols)
     drawn = False
     for ax, (panel_title, curve_list) in zip(axes, panels):
-        lines = ([(c, [c], None) for c in curve_list] if metric == "time"
-                 else _equal_groups(curve_list, values))
-        for c, members, use in lines:
-            y = getattr(c, values)
-            if use is None:
-                use = np.isfinite(y) & (y > 0) if y is not None else np.zeros(len(c.n), bool)
-            if not use.any():
-                continue
-            drawn = True
-            fit = getattr(c, fit_name)
-            label = c.label if len(members) == 1 else _shared_label(members)
+        for c, label, use in _equal_groups(curve_list, values):
+            drawn, y, fit = True, getattr(c, values), fit_name and getattr(c, fit_name)
             ax.plot(c.n[use], y[use], label=label + (f"  n^{fit.format()}" if fit else ""),
-                    **{**style(c), **({"color": SHARED_COLOUR} if len(members) > 1 else {})})
-            band = use & np.isfinite(c.q25_s) & np.isfinite(c.q75_s) if metric == "time" \
-                else None
-            if band is not None and band.any():   # the middle half of the repeats: a
-                # min-max band is as wide as the worst stall and merges with its neighbours'
+                    **{**style(c), **({"color": NO_BACKEND_COLOUR} if label != c.label else {})})
+            band = use & np.isfinite(c.q25_s) & np.isfinite(c.q75_s) & (metric == "time")
+            if band.any():   # not min-max: that is as wide as the worst stall
                 ax.fill_between(c.n[band], c.q25_s[band], c.q75_s[band],
                                 color=colour(c.backend), alpha=0.15, linewidth=0)
             if fit:
                 xs = np.array([fit.n_min, fit.n_max], dtype=float)
                 ax.plot(xs, fit.predict(xs), color="black", linewidth=0.8, linestyle=":",
                         alpha=0.7)
+            if metric == "gflops" and (over := use & c.above_roof).any():
+                ringed = ABOVE_ROOF in ax.get_legend_handles_labels()[1]
+                ax.plot(c.n[over], y[over], linestyle="none", marker="o", markersize=11,
+                        markerfacecolor="none", markeredgecolor="#d00000", markeredgewidth=1.6,
+                        label=None if ringed else ABOVE_ROOF)
+        for i, (label, ns, gflops) in enumerate(roofs):
+            line = {"color": "black", "linewidth": 2.2 - 0.6 * i,
+                    "linestyle": ["-", "-.", ":"][i % 3], "label": label}
+            if len(ns) == 1:
+                ax.axhline(gflops[0], **line)
+            else:
+                ax.plot(ns, gflops, **line)
         ax.set_yscale("log")
-        if metric == "time":
+        if metric == "gflops":
+            ax.yaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))
+        elif metric == "time":
             ax.yaxis.set_major_locator(LogLocator(base=10))
             ax.yaxis.set_major_formatter(FuncFormatter(lambda x, _: format_seconds(x)))
         else:  # powers of two read as whole KiB / MiB / GiB
@@ -187,7 +178,8 @@ def scaling_figure(panels, metric="time", ncols=2, title=None, xlabel=None, empt
             ax.yaxis.set_minor_locator(LogLocator(base=2, subs=(), numticks=8))
             ax.yaxis.set_major_formatter(FuncFormatter(lambda x, _: format_bytes(x)))
         finish(ax, panel_title, xlabel)
-        ax.axvspan(FIT_MIN_N, ax.get_xlim()[1], color="#f3f3f3", zorder=0)
+        if fit_name:
+            ax.axvspan(FIT_MIN_N, ax.get_xlim()[1], color="#f3f3f3", zorder=0)
     axes[0].set_ylabel(ylabel)
     if title:
         fig.suptitle(title, fontsize=12)
@@ -203,9 +195,8 @@ def scaling_figure(panels, metric="time", ncols=2, title=None, xlabel=None, empt
 
 
 def weights_figure(title, panels, ncols=4):
-    """PNG of attention weights ``(label, (n_q, n_k) array)`` per panel, rows queries and
-    columns keys, on one log colour scale from a hundredth of a uniform weight to the largest,
-    so peaked and nearly uniform rows both read."""
+    """PNG of attention weights ``(label, (n_q, n_k) array)`` per panel, on one log colour
+    scale from a hundredth of a uniform weight to the largest."""
     n_k = panels[0][1].shape[-1]
     vmax = float(max(w.max() for _, w in panels))
     norm = LogNorm(vmin=min(0.01 / n_k, vmax / 10), vmax=vmax, clip=True)

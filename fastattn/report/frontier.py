@@ -1,14 +1,6 @@
-"""The feature-map frontier: what a better approximation of softmax costs.
-
-For each feature map of linear attention (:data:`fastattn.map_quality.MAPS`) the section
-sets its quality, computed by :func:`fastattn.map_quality.compute_frontier_quality`
-(never timed), against its cost, read by :func:`frontier` from the measured points of
-the results file (records carrying ``feature_map`` and ``num_features``): time per call
-at :data:`COST_NS`, the state's bytes and the crossover length against softmax
-attention.  A map without a measured point says so; nothing is estimated in its place.
-:func:`frontier` returns the finished :class:`Frontier`, the figures draw it and
-``templates/_frontier.html.j2`` fills it in.
-"""
+"""The feature-map frontier: each map's quality (computed by
+:func:`fastattn.map_quality.compute_frontier_quality`, never timed) against its measured cost
+(time at :data:`COST_NS`, state bytes, crossover against softmax).  Nothing is estimated."""
 
 import math
 from dataclasses import astuple, dataclass
@@ -34,10 +26,9 @@ def kl_text(kl):
     return "∞" if math.isinf(kl) else f"{kl:.3f}"
 
 
-# --------------------------------------------------------------------- cost
 @dataclass(frozen=True)
 class TimeAt:
-    """The measured time per call of a map at one n: the fastest fastattn backend there."""
+    """The measured time per call at one n: the fastest fastattn backend there."""
 
     n: int
     seconds: float | None        # None: no point measured at this n
@@ -50,29 +41,10 @@ class TimeAt:
 
 @dataclass
 class FrontierRow:
-    """One map on the frontier: its quality (computed) beside its cost (measured).
-
-    Attributes
-    ----------
-    spec : MapSpec
-    num_features : int
-        ``D`` at the quality inputs' ``d_k``.
-    cost_num_features : int
-        ``D`` at the measured points' ``d_k``.
-    gaussian : MapQuality
-    minilm : MapQuality
-        Mean over the layers; ``minilm_layers`` holds each layer.
-    minilm_layers : list of MapQuality
-    times : list of TimeAt
-        One per :data:`COST_NS`.
-    state_bytes : int
-        ``(D · d_v + D) · itemsize`` per head at the measured points' shape and
-        dtype: the state ``(S, z)`` causal linear attention carries.
-    crossover : Crossover or None
-        Against softmax attention (same setting); None without a measured point.
-    measured : bool
-        Whether any point of this map was measured.
-    """
+    """One map: its quality (``gaussian``, ``minilm`` the mean of ``minilm_layers``) beside
+    its cost: ``times`` (a :class:`TimeAt` per :data:`COST_NS`), ``state_bytes`` (``(D·d_v +
+    D) · itemsize`` per head) and ``crossover`` against softmax (None: not measured).
+    ``num_features`` is D at the quality inputs' d_k, ``cost_num_features`` at the points'."""
 
     spec: object
     num_features: int
@@ -89,13 +61,12 @@ class FrontierRow:
     state_text = property(lambda self: format_bytes(self.state_bytes))
 
     def time_at(self, n):
-        """The :class:`TimeAt` of ``n``."""
         return next(t for t in self.times if t.n == n)
 
 
 @dataclass
 class Setting:
-    """The configuration the costs come from (the one most feature-map points share)."""
+    """The configuration the costs come from (the one most linear points share)."""
 
     machine: str | None = None
     dtype: str = "float32"
@@ -112,24 +83,9 @@ class Setting:
 
 @dataclass
 class Frontier:
-    """Everything the frontier section shows: final and labelled.
-
-    Attributes
-    ----------
-    rows : list of FrontierRow
-        In the order of :data:`MAPS`; :attr:`convergence` the FAVOR+ ones, by ``m``.
-    softmax_times : list of TimeAt
-        Softmax attention in the same setting, at :data:`COST_NS`.
-    setting : Setting
-    quality : FrontierQuality
-    missing : list of str
-        Maps without any measured point.
-    unmatched : list of str
-        Feature-map curves measured but not on the frontier (e.g. FAVOR+ at
-        another ``m``).
-    headline : list of str
-        Sentences quoting the per-map MiniLM cosine similarities and times.
-    """
+    """Everything the frontier section shows: a :class:`FrontierRow` per map of :data:`MAPS`,
+    softmax's times, the :class:`Setting`, the quality, the maps not measured (``missing``),
+    the feature-map curves not on the frontier (``unmatched``) and the opening sentences."""
 
     rows: list
     softmax_times: list
@@ -143,7 +99,7 @@ class Frontier:
 
 
 def _times(curve_list):
-    """:class:`TimeAt` per :data:`COST_NS`: the fastest curve (``fit_s``) measured at each n."""
+    """:class:`TimeAt` per :data:`COST_NS`: the fastest curve measured at each n."""
     found = [(n, *fastest_at(curve_list, n)) for n in COST_NS]
     return [TimeAt(n, t, c.backend if c else None) for n, t, c in found]
 
@@ -177,16 +133,12 @@ def frontier(fq, curve_list):
     ----------
     fq : fastattn.map_quality.FrontierQuality
     curve_list : list of Curve
-        :func:`fastattn.report.analysis.curves` of the results records.  Costs
-        come from the non-causal curves of fastattn's backends in one
-        :class:`Setting`: the one most non-causal linear curves share.
+        Costs come from the non-causal curves of fastattn's backends in the
+        :class:`Setting` most non-causal linear curves share.
 
     Returns
     -------
     Frontier
-        A map's time at ``n`` is the fastest repeat of the fastest fastattn
-        backend measured there; its crossover compares the lower envelopes of
-        its curves and of softmax's (:func:`fastattn.report.analysis.crossover`).
     """
     setting = _setting(curve_list)
     mine = [c for c in curve_list if _in_setting(c, setting)]
@@ -212,7 +164,7 @@ def frontier(fq, curve_list):
 
 
 def _headline(fr):
-    """The sentences the section opens with (and the closing note can quote)."""
+    """The sentences the section opens with."""
     n = fr.quality.minilm_shape[2]
     lines = [f"Output cosine similarity to softmax attention on the real MiniLM activations "
              f"(n = {n}, mean over layers): " + "; ".join(
@@ -233,21 +185,19 @@ def _headline(fr):
     return lines
 
 
-# ------------------------------------------------------------------ figures
 #: One colour per map: FAVOR+ from light to dark as m grows.
 MAP_COLOURS = {"favor-1": "#c9b3e6", "favor-4": "#a27fd1", "favor-16": "#7b4bb8",
                "favor-64": "#4b1d8c", "taylor": "#2ca02c", "elu": "#1f77b4", "relu": "#ff7f0e"}
 SOFTMAX_COLOUR = "#222222"
 
 
-#: A point whose label would start in the right part of its panel (this share of the
-#: log time range) is labelled on its left, so the label stays inside the plot.
+#: A point in the right part of its panel (this share of the log time range) is labelled
+#: on its left, so the label stays inside the plot.
 LABEL_LEFT_FROM = 0.7
 
 
 def _label_points(ax, labels):
-    """Write each ``(text, t, y, colour)`` of ``labels`` beside its point: on the right,
-    or on the left for the points furthest right (a label there ran out of the plot)."""
+    """Write each ``(text, t, y, colour)`` of ``labels`` beside its point."""
     if not labels:
         return
     logs = np.log10([t for _, t, _, _ in labels])
@@ -259,17 +209,8 @@ def _label_points(ax, labels):
 
 
 def frontier_figure(fr):
-    """Quality against time per call, one point per map, a panel per n of :data:`COST_NS`.
-
-    Filled markers: MiniLM (mean cosine similarity over layers); hollow: the
-    Gaussian case, joined by a thin line.  Softmax attention (exact: 1) is
-    the star.  Maps without a measured point at that n are named in the panel.
-
-    Returns
-    -------
-    bytes
-        The PNG.
-    """
+    """PNG of quality against time per call, a point per map, a panel per n of
+    :data:`COST_NS`: filled MiniLM, hollow Gaussian, softmax the star."""
     fig, axes = plt.subplots(1, len(COST_NS), figsize=(12, 5.2), sharey=True,
                              layout="constrained")
     for ax, n in zip(np.atleast_1d(axes), COST_NS):
@@ -316,14 +257,7 @@ def frontier_figure(fr):
 
 
 def convergence_figure(fr):
-    """FAVOR+'s quality against m: output cosine similarity and row KL, with the other maps as
-    lines.
-
-    Returns
-    -------
-    bytes
-        The PNG.
-    """
+    """PNG of FAVOR+'s cosine similarity and row KL against m, the other maps as lines."""
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.4), layout="constrained")
     ms = np.array([r.num_features for r in fr.convergence])
     for ax, part, metric, ylabel in (
@@ -357,16 +291,8 @@ def convergence_figure(fr):
     return to_png(fig)
 
 
-# --------------------------------------------------------------------- page
 def section(page):
-    """The frontier part of the page: the :class:`Frontier` of ``page.quality.frontier``
-    and ``page.curves``, and its figures as data URIs.
-
-    Returns
-    -------
-    dict or None
-        None when no frontier quality was computed.
-    """
+    """The :class:`Frontier` of ``page`` and its figures; None without frontier quality."""
     fq = page.quality and page.quality.frontier
     if fq is None:
         return None

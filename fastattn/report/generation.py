@@ -1,12 +1,6 @@
-"""The Generation section: what one generated token costs at context length n.
-
-From the ``regime="decode"`` curves (``fastattn bench --regime decode``): softmax
-attention's token reads a KV cache of n keys (``O(n d)`` time, ``2 n d`` values held per
-head), linear attention's is one recurrent step of its ``d_k x d_v`` state (``O(d_k d_v)``,
-constant memory).  Everything here is computed from measured points; the end-to-end table
-adds measured prefill times to measured per-token times (interpolated in log-log between
-the measured context lengths, never extrapolated).
-"""
+"""The Generation section: what one generated token costs at context length n, from the
+``regime="decode"`` curves; the end-to-end table adds measured prefill times to per-token
+times interpolated in log-log between measured context lengths (never extrapolated)."""
 
 from dataclasses import dataclass
 
@@ -15,19 +9,16 @@ import numpy as np
 from ..bench.table import format_bytes, format_number, format_seconds
 from . import analysis, figures
 
-EXPECTED_DECODE_EXPONENT = analysis.EXPECTED_DECODE_EXPONENT  # O(n) and O(1) per token
 #: Prompt lengths P and generated lengths T of the end-to-end table.
 PROMPTS = (1024, 8192)
 GENERATED = (128, 1024, 8192)
-
-#: The page's link to this section.
 NAV = "Generation"
 
 
 @dataclass(frozen=True)
 class EndToEnd:
     """A prompt of ``prompt`` tokens (one causal prefill call) then ``generated`` decode
-    steps, each at its own context length; seconds and the kernels that gave them."""
+    steps: seconds and the kernels that gave them."""
 
     attention: str
     prompt: int
@@ -37,14 +28,12 @@ class EndToEnd:
     prefill_kernel: str
     decode_kernel: str
 
-    @property
-    def total_s(self):
-        return self.prefill_s + self.decode_s
+    total_s = property(lambda self: self.prefill_s + self.decode_s)
 
 
 def per_token_seconds(curve, contexts):
-    """Seconds per token of ``curve`` (its ``fit_s``) at each of ``contexts``, interpolated in
-    log-log between its measured n; None when a context lies outside them."""
+    """Seconds per token of ``curve`` at each of ``contexts``, interpolated in log-log
+    between its measured n; None when a context lies outside them."""
     contexts = np.asarray(contexts, dtype=np.float64)
     ok = np.isfinite(curve.fit_s) & (curve.fit_s > 0)
     n, t = curve.n[ok].astype(np.float64), curve.fit_s[ok]
@@ -54,9 +43,8 @@ def per_token_seconds(curve, contexts):
 
 
 def end_to_end(prefill, decode, prompts=PROMPTS, generated=GENERATED):
-    """:class:`EndToEnd` rows for softmax and linear attention at each P and T: the fastest
-    fastattn causal prefill measured at n = P, plus the sum over the T tokens (contexts
-    P + 1 ... P + T) of the fastest fastattn decode curve's per-token time."""
+    """:class:`EndToEnd` rows per attention, P and T: the fastest fastattn causal prefill at
+    n = P plus the fastest fastattn decode curve's times summed over contexts P+1 ... P+T."""
     rows = []
     for attention in ("softmax", "linear"):
         pre = [c for c in prefill if c.attention == attention and c.causal and not c.peer]
@@ -75,33 +63,23 @@ def end_to_end(prefill, decode, prompts=PROMPTS, generated=GENERATED):
 
 def section(m):
     """The Generation block of machine ``m`` (:class:`~.analysis.Machine`; None without
-    decode curves): figures, fits, crossovers, the per-n table, the end-to-end rows and
-    summary sentences."""
+    decode curves)."""
     decode, prefill = m.decode, m.prefill
     if not decode:
         return None
     panels = [("time per generated token", decode)]
     label = "context length n (one query against n keys)"
-    fits = [{"label": c.label, "fit": c.time_fit.format() if c.time_fit else "–",
-             "expected": EXPECTED_DECODE_EXPONENT.get(c.attention),
-             "off": c.off,
-             "held_fit": c.held_fit.format() if c.held_fit else "–"} for c in decode]
     crossovers = analysis.crossover_rows(decode)
     rows = analysis.rows_by_n(decode, lambda c, i: {
         "time": format_seconds(c.measured_s[i]) + (" (stalled)" if c.stalled[i] else ""),
         "median": format_seconds(c.median_s[i]),
         "tokens_s": format_number(1 / c.measured_s[i]) if c.measured_s[i] > 0 else "–",
         "held": format_bytes(c.held_bytes[i])})
-    totals = end_to_end(prefill, decode)
-    summary = []
-    for attention, expected in EXPECTED_DECODE_EXPONENT.items():
-        text = analysis.exponent_range(
-            attention, [c.time_fit for c in decode if c.attention == attention and not c.peer],
-            expected)
-        if text:
-            summary.append(text)
-    head = [r for r in crossovers if r.kind == "fastattn"] or \
-        [r for r in crossovers if r.kind == "backend" and not r.peer]
+    summary = [text for attention, expected in analysis.EXPECTED_DECODE_EXPONENT.items()
+               if (text := analysis.exponent_range(attention, [
+                   c.time_fit for c in decode if c.attention == attention and not c.peer],
+                   expected))]
+    head = analysis.headline(crossovers)
     summary = ([f"Generation, time per token against context length n (n ≥ "
                 f"{analysis.FIT_MIN_N}): " + "; ".join(summary) + "."] if summary else []) + (
         ["A linear-attention token is cheaper than a softmax one: " + "; ".join(
@@ -111,12 +89,8 @@ def section(m):
         "time_png": figures.data_uri(figures.scaling_figure(panels, "time", 1, xlabel=label)),
         "held_png": figures.data_uri(figures.scaling_figure(
             [("memory held between tokens, per head", decode)], "held", 1, xlabel=label)),
-        "fits": fits, "crossovers": crossovers, "columns": [c.label for c in decode],
+        "fits": decode, "crossovers": crossovers, "columns": [c.label for c in decode],
         "rows": rows, "statistic": decode[0].statistic, "summary": summary,
-        "end_to_end": [{"attention": r.attention, "prompt": r.prompt, "generated": r.generated,
-                        "prefill": format_seconds(r.prefill_s),
-                        "decode": format_seconds(r.decode_s),
-                        "total": format_seconds(r.total_s),
-                        "kernels": f"{r.prefill_kernel}; {r.decode_kernel}"} for r in totals],
+        "end_to_end": end_to_end(prefill, decode),
         "prompts": PROMPTS, "generated": GENERATED,
     }

@@ -7,14 +7,11 @@ from . import figures
 from .figures import plt  # pyplot once figures has selected Agg
 from .environment import value_text
 
-#: The page's link to this section.
 NAV = "asv history"
 
 
 def series_colour(params):
-    """The colour of a history line: its backend's, from the report's one table
-    (:func:`figures.colour`); a benchmark without a backend parameter (threads, versions)
-    is drawn in :data:`figures.NO_BACKEND_COLOUR`."""
+    """The colour of a history line: its backend's, else :data:`figures.NO_BACKEND_COLOUR`."""
     backend = (params or {}).get("backend")
     return figures.colour(backend) if isinstance(backend, str) else figures.NO_BACKEND_COLOUR
 
@@ -53,8 +50,7 @@ def history_figure(history, title):
 
 
 def section(page):
-    """The history block of ``page.history``, the ``load_asv_history`` rows of
-    ``page.history_benchmark`` (None: no block)."""
+    """The history block of ``page.history``, ``load_asv_history`` rows (None: no block)."""
     history, benchmark = page.history, page.history_benchmark
     if history is None:
         return None

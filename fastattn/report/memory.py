@@ -8,9 +8,8 @@ from .scaling import joined
 
 
 def falling(curve_list):
-    """Sentences for the curves whose peak memory goes down as n grows: each n whose peak
-    is below the largest peak measured at a smaller n of the same curve (the probe cannot
-    resolve such a difference: a real call's memory does not shrink as n grows)."""
+    """Sentences for the curves whose peak memory goes down as n grows (below what the probe
+    resolves): each n whose peak is below the largest at a smaller n of the curve."""
     out = []
     for c in curve_list:
         drops, top, top_n = [], -np.inf, None
@@ -28,9 +27,7 @@ def falling(curve_list):
 
 
 def section(m):
-    """The memory block of machine ``m`` (:class:`~.analysis.Machine`): the figure (None when
-    no point recorded memory), the probes' methods and the curves whose peak falls as n
-    grows (:func:`falling`)."""
+    """The memory block of machine ``m`` (:class:`~.analysis.Machine`)."""
     curve_list = m.scaling_curves
     drawn = any(np.isfinite(c.peak_bytes).any() for c in curve_list)
     return {"png": figures.data_uri(figures.scaling_figure(m.panels, "memory")) if drawn else None,

@@ -1,12 +1,11 @@
-"""The Quality section: how far linear attention's output lands from softmax's, drawn and
-laid out from :class:`fastattn.map_quality.QualityResults` (computed there, never here)."""
+"""The Quality section: how far linear attention's output lands from softmax's, drawn from
+:class:`fastattn.map_quality.QualityResults` (computed there)."""
 
 import numpy as np
 
 from . import figures
 from .figures import plt  # pyplot once figures has selected Agg
 
-#: The page's link to this section.
 NAV = "Quality"
 
 
@@ -38,8 +37,7 @@ def quality_figure(gaussian, minilm):
 
 
 def section(page):
-    """The Quality block of ``page.quality`` (a :class:`~fastattn.map_quality.QualityResults`,
-    or None: no block), and the sentence it adds to the page's summary."""
+    """The Quality block of ``page.quality`` (None: no block) and its summary sentence."""
     quality = page.quality
     if quality is None:
         return None

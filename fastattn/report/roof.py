@@ -1,27 +1,39 @@
 """The roof part of a machine's Scaling block: GFLOP/s against n beside the GEMMs probed in
-the same run, the roof statements, the probes and the points above their roof."""
+the same run."""
 
 import numpy as np
-from matplotlib.ticker import FuncFormatter
 
+from ..bench.engine import gemm_probes
+from ..bench.schema import roof_library
 from ..bench.table import ABOVE_ROOF_WHY, mask_name, roof_statements
-from . import analysis, figures
+from . import figures
+
+
+def libraries(roofs, dtype, threads, d, machine=None):
+    """``{blas: (names, {n: gflops})}`` of the GEMM probes at this setting, the fastest library
+    (the roof) first; ``names`` as :func:`~fastattn.bench.schema.roof_library` reads them."""
+    found = {}
+    for r in gemm_probes(roofs, dtype, threads, machine):
+        if r["shape"][1] == d:
+            per_n = found.setdefault(r.get("blas") or r.get("library") or "NumPy's BLAS",
+                                     (roof_library(r), {}))[1]
+            per_n[r["shape"][0]] = max(per_n.get(r["shape"][0], 0.0), float(r["gflops"]))
+    return dict(sorted(found.items(), key=lambda kv: -max(kv[1][1].values())))
 
 
 def roof_lines(roofs, curve_list, machine):
-    """``(label, n, gflops)`` per GEMM line to draw: for each (dtype, threads, d) of the
-    curves, the roof first (one value: the fastest probe at this d, at any n), then each
-    library's probes against n, which fall below it where the GEMM's n x n output binds."""
+    """``(label, n, gflops)`` per GEMM line to draw: per (dtype, threads, d) of the curves, the
+    roof first (the fastest probe at this d), then each library's probes against n."""
     lines = []
     for dtype, threads, d in sorted({(str(c.key.get("dtype")), c.key.get("threads"),
                                       c.key.get("d_k")) for c in curve_list}, key=str):
-        for blas, is_roof, (library, via) in analysis.roof_libraries(roofs, dtype, threads, d,
-                                                                      machine):
-            ns, values = analysis.roof_curve(roofs, dtype, threads, d, machine, blas)
+        for i, ((library, via), per_n) in enumerate(
+                libraries(roofs, dtype, threads, d, machine).values()):
+            ns = np.array(sorted(per_n), dtype=np.int64)
+            values = np.array([per_n[n] for n in ns.tolist()])
             shape = f"n×{d} @ {d}×n" if len(ns) > 1 else f"{ns[0]}×{d} @ {d}×{ns[0]}"
-            # The library's name only (versions are in the roof statements): the legend fits.
             series = library + (f" via {via}" if via else "") + f", {dtype}"
-            if is_roof:
+            if i == 0:
                 best = int(np.argmax(values))
                 lines.insert(0, (f"roof: {values[best]:.0f} GFLOP/s ({series}, n = {ns[best]})",
                                  ns[best:best + 1], values[best:best + 1]))
@@ -30,44 +42,14 @@ def roof_lines(roofs, curve_list, machine):
     return lines
 
 
-def roofline_figure(panels, roofs, ncols=2):
-    """PNG of GFLOP/s against n per panel, with each ``(label, n, gflops)`` of ``roofs`` as a
-    line (horizontal when probed at one n); a point above its roof (``Curve.above_roof``) is
-    ringed in red."""
-    fig, axes = figures.panel_grid(panels, ncols)
-    for ax, (panel_title, curve_list) in zip(axes, panels):
-        for c in curve_list:
-            use = np.isfinite(c.gflops) & (c.gflops > 0)
-            if not use.any():
-                continue
-            ax.plot(c.n[use], c.gflops[use], label=c.label, **figures.style(c))
-            over = use & c.above_roof
-            if over.any():  # flagged: the page says why a kernel can pass its roof
-                ringed = "above its roof (see the note)" in ax.get_legend_handles_labels()[1]
-                ax.plot(c.n[over], c.gflops[over], linestyle="none", marker="o", markersize=11,
-                        markerfacecolor="none", markeredgecolor="#d00000", markeredgewidth=1.6,
-                        label=None if ringed else "above its roof (see the note)")
-        for i, (label, ns, values) in enumerate(roofs):
-            style = {"color": "black", "linewidth": 2.2 - 0.6 * i,
-                     "linestyle": ["-", "-.", ":"][i % 3]}
-            if len(ns) == 1:
-                ax.axhline(values[0], label=label, **style)
-            else:
-                ax.plot(ns, values, label=label, **style)
-        ax.set_yscale("log")
-        ax.yaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))
-        figures.finish(ax, panel_title)
-    axes[0].set_ylabel("achieved GFLOP/s (at the median time)")
-    return figures.to_png(fig)
-
-
 def section(m):
     """The roof block of machine ``m`` (:class:`~.analysis.Machine`)."""
     curve_list = m.scaling_curves
     roofs = [r for r in m.roofs if r.get("machine") in (None, m.name)]
     lines = roof_lines(m.roofs, curve_list, m.name)
     drawn = any(np.isfinite(c.gflops).any() for c in curve_list)
-    return {"png": figures.data_uri(roofline_figure(m.panels, lines)) if drawn else None,
+    return {"png": figures.data_uri(figures.scaling_figure(m.panels, "gflops", roofs=lines))
+            if drawn else None,
             "lines": [label for label, _, _ in lines], "statements": roof_statements(roofs),
             "above": [f"{c.label}, {mask_name(c.causal)}, at n = {n}" for c in curve_list
                       for n, flag in zip(c.n.tolist(), c.above_roof.tolist()) if flag],

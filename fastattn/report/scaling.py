@@ -1,5 +1,5 @@
-"""The Scaling section of one machine: time against n with fitted exponents, crossovers,
-the fastest kernels, every measured point, the points not measured and the peers."""
+"""The Scaling section of one machine: time against n, fits, crossovers, the fastest kernels,
+every measured point, the points not measured and the peers."""
 
 import numpy as np
 
@@ -13,24 +13,21 @@ PEER_HELP = ("No peer ran the prefill points: these results hold none (no peer w
              "attention beside fastattn's kernels, install them and run fastattn report again:")
 #: The peers the note above names when the results record no install hints of their own.
 PREFILL_PEERS = ("torch", "onnxruntime", "jax")
-
-#: The page's link to this section.
 NAV = "Scaling"
 
 
 def _exponent_rows(curve_list):
-    """One row per kernel: time and memory exponents, non-causal and causal."""
+    """One row per kernel: time and memory exponents, non-causal and causal, and the expected
+    time exponent ("non-causal 1, causal 2" where the masks differ)."""
     rows = {}
     for c in curve_list:
         row = rows.setdefault(c.label, {"label": c.label, "cells": {}, "by_mask": {}})
         row["by_mask"][mask_name(c.causal)] = c.expected
         row["cells"][mask_name(c.causal)] = {
-            "time": c.time_fit.format() if c.time_fit else "–",
-            "memory": c.memory_fit.format() if c.memory_fit else "–", "off": c.off,
+            "time": c.fit_text("time"), "memory": c.fit_text("memory"), "off": c.off,
             "points": (f"{c.time_fit.points} points, n {c.time_fit.n_min}–{c.time_fit.n_max}"
                        if c.time_fit else f"fewer than 2 points with n ≥ {analysis.FIT_MIN_N}")}
     for row in rows.values():
-        # "1", or "non-causal 1, causal 2" where the masks differ (the reference's causal linear)
         found = {mask: e for mask, e in row.pop("by_mask").items() if e is not None}
         row["expected"] = (next(iter(found.values())) if len(set(found.values())) == 1 else
                            ", ".join(f"{mask} {e}" for mask, e in found.items()) or None)
@@ -38,7 +35,7 @@ def _exponent_rows(curve_list):
 
 
 def point_cell(c, i):
-    """The table cell of curve ``c``'s ``i``-th point: time, throughput, memory, error."""
+    """The table cell of curve ``c``'s ``i``-th point."""
     return {"median": format_seconds(c.median_s[i]),
             "range": f"{format_seconds(c.min_s[i])}–{format_seconds(c.max_s[i])}",
             "repeats": int(c.repeats[i]), "gflops": format_number(c.gflops[i]),
@@ -57,7 +54,7 @@ def _point_tables(curve_list):
 
 
 def _fastest_lines(curve_list):
-    """For each mask: the fastest kernel of each type at the largest n measured."""
+    """Per mask: the fastest kernel of each type at the largest n measured."""
     lines = []
     for causal in (False, True):
         group = [c for c in curve_list if c.causal == causal]
@@ -77,23 +74,39 @@ def _fastest_lines(curve_list):
 def statistic_text(curve_list):
     """Which statistic the fits of ``curve_list`` used, in words."""
     stats_ = {c.statistic for c in curve_list}
-    if stats_ <= {"min"}:   # no curve: nothing fitted, and nothing to explain
+    if stats_ <= {"min"}:
         return "fastest repeat"
     return "median" if stats_ == {"median"} else (
         "fastest repeat; median where a point recorded none (asv keeps none without samples)")
 
 
-def joined(values):
-    """The distinct values joined by commas, sorted; None if none."""
-    return ", ".join(str(v) for v in sorted({v for v in values if v is not None})) or None
-
-
-def _span(values):
-    """A few distinct counts joined ("3, 5"), many as their range ("3 to 100"); None if none."""
+def joined(values, most=None):
+    """The distinct values sorted, joined by commas (more than ``most``: their range "3 to
+    100"); None if none."""
     distinct = sorted({v for v in values if v is not None})
-    if len(distinct) > 3:
+    if most is not None and len(distinct) > most:
         return f"{distinct[0]} to {distinct[-1]}"
     return ", ".join(str(v) for v in distinct) or None
+
+
+def not_measured(points):
+    """The points not measured, a row per kernel and reason: its masks, how many points and
+    their n ("256, 1024", or "128 to 65536")."""
+    groups = {}
+    for p in points:
+        if p.get("status") != "ok":
+            key = (p.get("attention"), p.get("backend"), p.get("status"), p.get("reason") or "")
+            groups.setdefault(key, []).append(p)
+    return [{"attention": a, "backend": b, "status": status, "reason": why, "points": len(ps),
+             "mask": ", ".join(dict.fromkeys(mask_name(p.get("causal")) for p in ps)),
+             "n": joined((p.get("n_k") for p in ps), most=3)}
+            for (a, b, status, why), ps in groups.items()]
+
+
+def only_n(points):
+    """The one n of a run whose every ok point has it (the asv suite's quick grid), else None."""
+    ns = {p.get("n_k") for p in points if p.get("status") == "ok"}
+    return ns.pop() if len(ns) == 1 and len(points) > len(ns) else None
 
 
 def _summary(curve_list, crossovers, statistic, load, busy, cores, threads, why, fastest):
@@ -109,10 +122,8 @@ def _summary(curve_list, crossovers, statistic, load, busy, cores, threads, why,
     if any(parts):
         out.append(f"Fitted time exponents (n ≥ {analysis.FIT_MIN_N}, causal and not, on the "
                    f"{statistic}): " + "; ".join(p for p in parts if p) + ".")
-    headline = [r for r in crossovers if r.kind == "fastattn"] or \
-        [r for r in crossovers if r.kind == "backend" and not r.peer]
     for causal in (False, True):
-        mine = [r for r in headline if r.causal == causal]
+        mine = [r for r in analysis.headline(crossovers) if r.causal == causal]
         if mine:
             out.append(f"Crossover ({mask_name(causal)}), where linear attention becomes "
                        "faster: " + "; ".join(f"{r.label}: {r.crossover.describe()}"
@@ -129,7 +140,7 @@ def _summary(curve_list, crossovers, statistic, load, busy, cores, threads, why,
 
 
 def no_curve_text(short):
-    """Why a machine has no scaling curve, in words (``short``: its curves of fewer than 3 n)."""
+    """Why a machine has no scaling curve (``short``: its curves of fewer than 3 n)."""
     if not short:
         return "No point was measured successfully: nothing to draw."
     ns = joined(int(n) for c in short for n in c.n)
@@ -138,9 +149,9 @@ def no_curve_text(short):
 
 
 def section(m):
-    """The Scaling block of machine ``m`` (:class:`~.analysis.Machine`): the prefill curves of
-    at least three n (shorter ones are listed as single points), figures, fits, crossovers,
-    tables and the sentences of the page's summary."""
+    """The Scaling block of machine ``m`` (:class:`~.analysis.Machine`): its prefill curves of
+    three n or more (shorter ones as single points), figures, fits, crossovers, tables and
+    summary."""
     env, curve_list, short = m.env, m.scaling_curves, m.short_curves
     loads = np.concatenate([c.load_avg for c in curve_list] or [np.array([])])
     loads = loads[np.isfinite(loads)]
@@ -155,10 +166,9 @@ def section(m):
                                             else "") + ")")
     return {
         "threads": threads, "threads_reason": env.get("threads_reason"), "dtypes": dtypes,
-        "repeats": _span(int(r) for c in curve_list for r in c.repeats if r),
+        "repeats": joined((int(r) for c in curve_list for r in c.repeats if r), most=3),
         "statistic": statistic, "load": load, "busy": busy, "cores": env.get("cores_logical"),
-        # no curve: no axes on the page (the text above says why); the figure written
-        # beside the report says it in words
+        # no curve: no axes on the page; the figure beside the report says why in words
         "time_png": (figures.data_uri(figures.scaling_figure(m.panels, "time"))
                      if curve_list else None),
         "readme_png": figures.scaling_figure(m.panels, "time", title=title,
@@ -168,14 +178,13 @@ def section(m):
         "other_points": [{"label": c.label, "attention": c.attention, "mask": mask_name(c.causal),
                           "n": int(n), **point_cell(c, i)}
                          for c in short for i, n in enumerate(c.n.tolist())],
-        "not_ok": [p for p in m.points if p.get("status") != "ok"],
+        "not_ok": not_measured(m.points), "only_n": only_n(m.points),
         "backends": sorted({c.backend for c in curve_list if not c.peer}),
         "peers": sorted({c.backend for c in curve_list if c.peer}),
         "all_peers": sorted({c.backend for c in m.curves if c.peer}),
         "peer_hints": env.get("absent_peers") or {k: INSTALL_HINT[k] for k in PREFILL_PEERS},
         "peer_help": PEER_HELP,
         "n_points": sum(len(c.n) for c in curve_list),
-        # Prefill points measured at fewer than three n: no curve, and said so (not "no point").
         "short": {"points": sum(len(c.n) for c in short),
                   "ns": joined(int(n) for c in short for n in c.n)},
         "check_failures": [f"{c.label} at n = {n}" for c in curve_list for n in c.check_failed],
@@ -188,10 +197,10 @@ def section(m):
 
 
 def side_by_side(sections):
-    """The time figure of every machine's scaling curves, a column per machine (a data
-    URI), or None unless two machines or more have a scaling curve."""
-    drawn = [s for s in sections if s["scaling"]["curves"]]  # a machine without a curve
-    if len(sections) < 2 or len(drawn) < 2:   # has no column: it would be empty axes
+    """The time figure of the machines with a scaling curve, a column each (a data URI), or
+    None unless two machines or more have one."""
+    drawn = [s for s in sections if s["scaling"]["curves"]]
+    if len(drawn) < 2:
         return None
     return figures.data_uri(figures.scaling_figure(
         [(f"{s['name']}: {mask_name(causal)}",
