@@ -10,7 +10,8 @@ import jinja2
 from .. import __version__
 from ..bench.engine import MAX_PROBE_N, PEAK_PROBE_N
 from ..bench.table import format_number, format_seconds, mask_name
-from . import analysis, environment, frontier, generation, history, memory, quality, roof, scaling
+from . import (analysis, environment, frontier, generation, history, memory, model, quality, roof,
+               scaling)
 
 #: Marker written into every report: an existing file at the output path is replaced only
 #: when it carries it.
@@ -20,19 +21,21 @@ REPORT_MARKER = '<meta name="generator" content="fastattn report">'
 MACHINE_SECTIONS = {"scaling": scaling, "memory": memory, "roof": roof,
                     "generation": generation, "environment": environment}
 #: Sections of the page (``section(page)``: ``<name>`` in the templates).
-PAGE_SECTIONS = {"quality": quality, "frontier": frontier, "history": history}
+PAGE_SECTIONS = {"quality": quality, "frontier": frontier, "model": model, "history": history}
 #: The page's order of the top-level sections (memory and roof sit inside scaling).
-ORDER = ("scaling", "generation", "quality", "frontier", "environment", "history")
+ORDER = ("scaling", "generation", "quality", "frontier", "model", "environment", "history")
 
 
 @dataclass
 class Page:
-    """What a section of the page reads: every machine's curves, quality and asv history."""
+    """What a section of the page reads: every machine's curves, quality, the whole-model
+    study and asv history."""
 
     curves: list
     quality: object = None
     history: list = None
     history_benchmark: str = None
+    model: object = None
 
 
 @dataclass
@@ -62,7 +65,7 @@ def _template():
 
 
 def build_report(records, *, source="", quality=None, history=None, history_benchmark=None,
-                 generated=None):
+                 model=None, generated=None):
     """The :class:`Report` of results ``records`` (grouped by ``machine``), from ``source``.
 
     Parameters
@@ -76,6 +79,8 @@ def build_report(records, *, source="", quality=None, history=None, history_benc
         Adds the Quality and Feature maps sections.
     history, history_benchmark : optional
         ``load_asv_history`` rows of ``history_benchmark``: the asv history section.
+    model : fastattn.model.study.ModelStudy or str, optional
+        The section "What a whole model keeps", or why it was not measured.
     generated : datetime, optional
         When the page says it was generated (default now).
 
@@ -97,7 +102,7 @@ def build_report(records, *, source="", quality=None, history=None, history_benc
     sections = [{"name": m.name or "this machine",
                  **{key: module.section(m) for key, module in MACHINE_SECTIONS.items()}}
                 for m in machines]
-    page = Page(all_curves, quality, history, history_benchmark)
+    page = Page(all_curves, quality, history, history_benchmark, model)
     parts = {key: module.section(page) for key, module in PAGE_SECTIONS.items()}
     nav = [(key, module.NAV) for key in ORDER
            for module in [MACHINE_SECTIONS.get(key) or PAGE_SECTIONS[key]]

@@ -378,6 +378,27 @@ def _check_args(args):
             res.check_writable(args.resume, "results file")
 
 
+def _model_study(args, records):
+    """The section "What a whole model keeps" (fastattn.model.study), or why it is not there:
+    measured with the model extra, not when a report is rebuilt (--from, --asv)."""
+    if args.from_ is not None or args.asv is not None:
+        return ("a rebuilt report (--from, --asv) measures nothing; fastattn report or "
+                "fastattn model measures the whole model")
+    from ..model import MissingExtraError
+    from ..model.study import report_study
+
+    threads = next((r["threads"] for r in records if r["record"] == "point"), None)
+    try:
+        print("fastattn report: what a whole model keeps (MiniLM, each attention)",
+              file=sys.stderr)
+        return report_study(quick=args.quick, threads=threads or default_num_threads())
+    except MissingExtraError as exc:
+        print(f"fastattn report: note: the whole-model section is left out: {exc}",
+              file=sys.stderr)
+        return ('the model extra is not installed; in the checkout of fastattn: '
+                'pip install -e ".[model]"')
+
+
 def _run(args):
     from ..bench.table import plural
 
@@ -405,11 +426,12 @@ def _run(args):
     from ..map_quality import compute_quality
     from .build import build_report
 
+    model = _model_study(args, records)
     with _noting_interrupts() as interrupted:
         try:
             quality = compute_quality("auto" if args.minilm is None else args.minilm)
             report = build_report(records, source=source, quality=quality, history=history,
-                                  history_benchmark=args.history)
+                                  history_benchmark=args.history, model=model)
         except (OSError, ValueError) as exc:
             if interrupted():   # Ctrl-C inside matplotlib's C code comes out as its ValueError
                 raise KeyboardInterrupt from None
