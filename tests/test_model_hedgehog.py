@@ -286,3 +286,15 @@ def test_identity_checks_its_arguments(kwargs, match):
 def test_identity_too_large_is_a_memory_error_before_allocating():
     with pytest.raises(MemoryError, match="HedgehogFeatures.identity"):
         HedgehogFeatures.identity(10**6)
+
+
+def test_load_of_a_file_that_is_no_npz_says_so(tmp_path):
+    """NumPy's message spoke of pickled data and allow_pickle."""
+    text = tmp_path / "notes.txt"
+    text.write_text("my notes\n")
+    with pytest.raises(ValueError, match=r"notes.txt: not a \.npz archive"):
+        HedgehogFeatures.load(text)
+    array = tmp_path / "w.npy"
+    np.save(array, np.eye(4))
+    with pytest.raises(ValueError, match=r"w.npy: a \.npy array, not the \.npz archive"):
+        HedgehogFeatures.load(array)

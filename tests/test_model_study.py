@@ -162,3 +162,29 @@ def test_forward_seconds_times_each_configuration_on_texts_of_n_tokens():
     seconds = forward_seconds(model, texts, {"softmax": "softmax", "elu+1": "elu"}, n=16,
                               count=2, rounds=1, repeats=1)
     assert {"softmax", "elu+1"} <= set(seconds) and all(s > 0 for s in seconds.values())
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--calibration", "0"], "--calibration: expected 1 to 150, got 0"),
+    (["--calibration", "-3"], "--calibration: expected 1 to 150, got -3"),
+    (["--maxiter", "0"], "--maxiter: expected 1 to 100000, got 0"),
+    (["--threads", "0"], "--threads"),
+    (["--maps", "/nonexistent/maps.npz"], "--maps /nonexistent/maps.npz: no such file"),
+    (["--save-maps", "/nonexistent/x.npz"], "the folder /nonexistent does not exist"),
+])
+def test_bad_options_are_usage_errors_before_any_fit(argv, message, capsys):
+    """They ended in tracebacks, or after minutes of fitting."""
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_cache_dir_that_is_a_file_and_maps_with_save_maps_are_refused(tmp_path, capsys):
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "m.npz").write_bytes(b"")
+    for argv, message in ((["--cache-dir", str(tmp_path / "afile")], "is a file; give a folder"),
+                          (["--maps", str(tmp_path / "m.npz"), "--save-maps",
+                            str(tmp_path / "o.npz")], "--maps reads them instead of fitting")):
+        with pytest.raises(SystemExit):
+            main(argv)
+        assert message in capsys.readouterr().err

@@ -215,7 +215,15 @@ class HedgehogFeatures(FeatureMap):
             wrong shape.
         """
         path = Path(path)
-        with np.load(path, allow_pickle=False) as f:
+        try:
+            archive = np.load(path, allow_pickle=False)
+        except ValueError:   # NumPy's words for a file that is no .npy or .npz: "pickled"
+            raise ValueError(f"{path}: not a .npz archive (HedgehogFeatures.save writes "
+                             "one)") from None
+        if not isinstance(archive, np.lib.npyio.NpzFile):
+            raise ValueError(f"{path}: a .npy array, not the .npz archive HedgehogFeatures.save "
+                             "writes")
+        with archive as f:
             missing = {"weight", "bias"} - set(f.files)
             if missing:
                 raise ValueError(f"{path}: not a HedgehogFeatures file (missing "

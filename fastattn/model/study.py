@@ -13,7 +13,9 @@ import sys
 import time
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 
+from .._argtypes import thread_count
 from .data import background_split, lee_documents
 from .evaluate import Agreement, agreement, human_spearman
 
@@ -179,6 +181,32 @@ def format_table(rows, first_column="attention in every layer"):
     return "\n".join(lines)
 
 
+def _count(low, high):
+    """argparse type: an int from ``low`` to ``high``."""
+    def parse(text):
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"expected {low} to {high}, got {value}")
+        return value
+    return parse
+
+
+def _check_paths(parser, args):
+    """Usage errors for paths that would fail after minutes of fitting."""
+    if args.maps is not None and not args.maps.is_file():
+        parser.error(f"--maps {args.maps}: no such file (a .npz of HedgehogFeatures.save)")
+    if args.save_maps is not None and not args.save_maps.parent.is_dir():
+        parser.error(f"--save-maps {args.save_maps}: the folder {args.save_maps.parent} does "
+                     "not exist")
+    if args.save_maps is not None and args.maps is not None:
+        parser.error("--save-maps writes fitted maps; --maps reads them instead of fitting")
+    if args.cache_dir is not None and args.cache_dir.exists() and not args.cache_dir.is_dir():
+        parser.error(f"--cache-dir {args.cache_dir} is a file; give a folder")
+
+
 def main(argv=None):
     """``fastattn model``: print the table (see :func:`run_study`)."""
     from .cost import forward_seconds
@@ -193,26 +221,30 @@ def main(argv=None):
     p.add_argument("--feature-map", action="append", default=None, metavar="NAME",
                    help=f"a configuration of the table to run (repeatable; default all): "
                    f"{', '.join(repr(k) for k in known)}")
-    p.add_argument("--maps", help="fitted Hedgehog maps (.npz of HedgehogFeatures.save); "
-                   "default: fit them on the calibration texts")
-    p.add_argument("--save-maps", help="write the fitted maps here (.npz)")
-    p.add_argument("--calibration", type=int, default=64,
-                   help="calibration texts for the fit (default 64)")
-    p.add_argument("--maxiter", type=int, default=50,
-                   help="L-BFGS-B iterations per layer of the fit (default 50)")
+    p.add_argument("--maps", type=Path,
+                   help="fitted Hedgehog maps (.npz of HedgehogFeatures.save) for the "
+                   "hedgehog configuration; default: fit them on the calibration texts")
+    p.add_argument("--save-maps", type=Path, help="write the fitted maps here (.npz)")
+    p.add_argument("--calibration", type=_count(1, 150), default=64,
+                   help="calibration texts for the fit, 1 to 150 (default 64)")
+    p.add_argument("--maxiter", type=_count(1, 100000), default=50,
+                   help="L-BFGS-B iterations per layer of the fit (default 50; 10 with --quick)")
     p.add_argument("--hybrid", action="append", default=None, metavar="CONFIGURATION",
                    help="also: the configuration (e.g. hedgehog, 'favor m=2048') in each layer "
                    "alone, then in the 2 to 5 layers whose single swap kept the most "
                    "(repeatable)")
-    p.add_argument("--cache-dir", help="where the fit is kept by its inputs (default "
-                   "$XDG_CACHE_HOME/fastattn or ~/.cache/fastattn)")
+    p.add_argument("--cache-dir", type=Path, help="where the fit is kept by its inputs "
+                   "(default $XDG_CACHE_HOME/fastattn or ~/.cache/fastattn)")
     p.add_argument("--no-cache", action="store_true", help="fit again, and keep nothing")
     p.add_argument("--cost", action="store_true",
                    help="also time each configuration's forward pass at 128 and 512 tokens "
                    "beside sentence-transformers' own (same texts and threads)")
-    p.add_argument("--threads", type=int, default=1, help="threads of --cost (default 1)")
-    p.add_argument("--quick", action="store_true", help="40 held-out texts, a short fit")
+    p.add_argument("--threads", type=thread_count, default=1,
+                   help="threads of --cost (default 1)")
+    p.add_argument("--quick", action="store_true",
+                   help="40 held-out texts, a short fit (10 iterations on 30 texts)")
     args = p.parse_args(argv)
+    _check_paths(p, args)
     model = MiniLM()
     calibration, held_out = background_split(150)
     calibration = calibration[:args.calibration]
@@ -227,7 +259,10 @@ def main(argv=None):
     maps = None
     if wanted is None or "hedgehog" in wanted or "hedgehog" in hybrid:
         if args.maps:
-            maps = HedgehogFeatures.load(args.maps, shape=(6, 2, 12, 32, 32))
+            try:
+                maps = HedgehogFeatures.load(args.maps, shape=(6, 2, 12, 32, 32))
+            except (OSError, ValueError) as exc:
+                p.error(f"--maps {args.maps}: {exc}")
         else:
             options = {"maxiter": 10 if args.quick else args.maxiter, "max_tokens": 256}
             if args.no_cache:
