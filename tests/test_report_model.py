@@ -45,3 +45,38 @@ def test_without_the_extra_the_section_says_how_to_add_it():
 
 def test_no_section_when_not_asked():
     assert 'id="model"' not in build_report(synthetic_records()).html
+
+
+def _real_study():
+    """A study with the fit's own dataclasses, as report_study returns it."""
+    from fastattn.model.hedgehog import HedgehogFit, LayerFit
+    study = _study()
+    study.fit = HedgehogFit([LayerFit(0, 0.7, 0.2, 50, False, "limit", 10.0, 20.0)],
+                            65.0, 126.0, num_texts=64)
+    return study
+
+
+def test_a_study_survives_its_json():
+    from fastattn.model.study import ModelStudy
+    study = _real_study()
+    assert ModelStudy.from_json(study.to_json()) == study
+
+
+def test_a_rebuild_reads_the_study_kept_beside_the_results(tmp_path, capsys):
+    """A rebuild (--from) replaced a measured section with 'not measured'."""
+    from fastattn.cli import main
+    from fastattn.report.cli import model_study_path
+    from test_report import write_jsonl
+
+    results = tmp_path / "run.jsonl"
+    write_jsonl(results, synthetic_records())
+    out = tmp_path / "a.html"
+    assert main(["report", "--from", str(results), "--out", str(out)]) == 0
+    assert "kept no whole-model study (run.model.json)" in out.read_text()
+    model_study_path(results).write_text(_real_study().to_json())
+    assert main(["report", "--from", str(results), "--out", str(out)]) == 0
+    text = re.sub(r">\s+<", "><", " ".join(out.read_text().split()))
+    assert "<td>hedgehog</td><td>0.513</td><td>0.930</td>" in text
+    model_study_path(results).write_text("{not json")
+    assert main(["report", "--from", str(results), "--out", str(out)]) == 2
+    assert "run.model.json: not a whole-model study" in capsys.readouterr().err

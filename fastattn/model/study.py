@@ -124,6 +124,31 @@ class ModelStudy:
     held_out: int
     threads: int
 
+    def to_json(self):
+        """The study as JSON text, kept beside a report's results (:meth:`from_json`)."""
+        import dataclasses
+        import json
+
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text):
+        """The study :meth:`to_json` wrote; ValueError if ``text`` is not one."""
+        import json
+
+        from .hedgehog import HedgehogFit, LayerFit
+
+        try:
+            d = json.loads(text)
+            rows = [StudyRow(r["name"], r["lee_spearman"], Agreement(**r["held_out"]),
+                             r["seconds"]) for r in d["rows"]]
+            fit = HedgehogFit(**{**d["fit"], "layers": [LayerFit(**f)
+                                                        for f in d["fit"]["layers"]]})
+            seconds = {int(n): times for n, times in d["seconds"].items()}
+            return cls(rows, seconds, fit, d["fit_cached"], d["held_out"], d["threads"])
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"not a whole-model study ({type(exc).__name__}: {exc})") from None
+
 
 def report_study(*, quick=False, threads=2, cache_dir=None, progress=None):
     """Measure the configurations of the report's section "What a whole model keeps".

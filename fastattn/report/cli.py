@@ -378,12 +378,29 @@ def _check_args(args):
             res.check_writable(args.resume, "results file")
 
 
-def _model_study(args, records):
+def model_study_path(results):
+    """Where the whole-model study of a report's run is kept: beside its results file."""
+    return Path(results).with_suffix(".model.json")
+
+
+def _model_study(args, records, results):
     """The section "What a whole model keeps" (fastattn.model.study), or why it is not there:
-    measured with the model extra, not when a report is rebuilt (--from, --asv)."""
-    if args.from_ is not None or args.asv is not None:
-        return ("a rebuilt report (--from, --asv) measures nothing; fastattn report or "
-                "fastattn model measures the whole model")
+    measured with the model extra and kept beside the results (``model_study_path``), which
+    a rebuild (--from) reads; an asv report has none."""
+    from ..model.study import ModelStudy
+
+    if args.asv is not None:
+        return "a report of asv results holds no whole-model study."
+    path = model_study_path(results)
+    if args.from_ is not None:
+        try:
+            return ModelStudy.from_json(path.read_text())
+        except FileNotFoundError:
+            return (f"the run of {Path(results).name} kept no whole-model study ({path.name}): "
+                    'fastattn report measures it when the model extra is installed (in the '
+                    'checkout of fastattn: pip install -e ".[model]").')
+        except (OSError, ValueError) as exc:
+            raise ReportError(f"{path}: {exc}") from None
     from ..model import MissingExtraError
     from ..model.study import report_study
 
@@ -391,12 +408,14 @@ def _model_study(args, records):
     try:
         print("fastattn report: what a whole model keeps (MiniLM, each attention)",
               file=sys.stderr)
-        return report_study(quick=args.quick, threads=threads or default_num_threads())
+        study = report_study(quick=args.quick, threads=threads or default_num_threads())
     except MissingExtraError as exc:
         print(f"fastattn report: note: the whole-model section is left out: {exc}",
               file=sys.stderr)
         return ('the model extra is not installed; in the checkout of fastattn: '
-                'pip install -e ".[model]"')
+                'pip install -e ".[model]".')
+    res.atomic_write(path, study.to_json())
+    return study
 
 
 def _run(args):
@@ -426,7 +445,7 @@ def _run(args):
     from ..map_quality import compute_quality
     from .build import build_report
 
-    model = _model_study(args, records)
+    model = _model_study(args, records, None if args.asv is not None else results)
     with _noting_interrupts() as interrupted:
         try:
             quality = compute_quality("auto" if args.minilm is None else args.minilm)
