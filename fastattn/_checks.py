@@ -196,6 +196,17 @@ def check_bool(value, name):
     return bool(value)
 
 
+def beyond_dtype(x, dtype):
+    """The largest finite ``|x|`` when it is inf in the narrower ``dtype`` (float64 values
+    bound for float32), else None."""
+    x = np.asarray(x)
+    if x.dtype.itemsize <= np.dtype(dtype).itemsize or not x.size:
+        return None
+    with np.errstate(invalid="ignore"):
+        top = float(np.max(np.abs(x), initial=0.0, where=np.isfinite(x)))
+    return top if top > LARGEST[np.dtype(dtype)] else None
+
+
 def check_state(initial_state, batch_shape, d_k, d_v, dtype, dim_name="d_k", fmap=None):
     """``initial_state`` as kernel arrays; ``d_k`` is the feature dimension, named ``dim_name``.
 
@@ -225,15 +236,12 @@ def check_state(initial_state, batch_shape, d_k, d_v, dtype, dim_name="d_k", fma
             f"of non-negative features; got min {float(np.min(z)):.6g}"
         )
     for x, name in ((S, "initial_state[0] (S)"), (z, "initial_state[1] (z)")):
-        x = np.asarray(x)
-        if x.dtype.itemsize > np.dtype(dtype).itemsize and x.size:
-            with np.errstate(invalid="ignore"):
-                top = np.max(np.abs(x), initial=0.0, where=np.isfinite(x))
-            if top > LARGEST[dtype]:
-                raise ValueError(
-                    f"{name} holds {top:.4g}, which is inf in the computation dtype {dtype} "
-                    f"(at most {LARGEST[dtype]:.8g}; q, k and v decide it): pass float64 q, k "
-                    f"and v to compute in float64")
+        top = beyond_dtype(x, dtype)
+        if top is not None:
+            raise ValueError(
+                f"{name} holds {top:.4g}, which is inf in the computation dtype {dtype} "
+                f"(at most {LARGEST[dtype]:.8g}; q, k and v decide it): pass float64 q, k "
+                f"and v to compute in float64")
     B = math.prod(batch_shape)
     S = np.require(np.asarray(S).reshape(B, d_k, d_v), dtype=dtype, requirements=["C", "A", "W"])
     z = np.require(np.asarray(z).reshape(B, d_k), dtype=dtype, requirements=["C", "A", "W"])

@@ -724,11 +724,10 @@ def _user_features(fn, x, batch_shape, dtype, which):
             f"with D >= 1 for "
             f"{which} of shape {shown.shape}, got {phi.shape}"
         )
-    if phi.dtype.itemsize > np.dtype(dtype).itemsize and phi.size:
-        top = np.max(np.abs(phi), initial=0.0, where=np.isfinite(phi))
-        if top > np.finfo(dtype).max:
-            raise ValueError(f"{what} returned {top:.4g}, beyond the computation dtype {dtype} "
-                             f"(at most {np.finfo(dtype).max:.4g}); pass float64 q, k and v")
+    top = _checks.beyond_dtype(phi, dtype)
+    if top is not None:
+        raise ValueError(f"{what} returned {top:.4g}, beyond the computation dtype {dtype} "
+                         f"(at most {np.finfo(dtype).max:.4g}); pass float64 q, k and v")
     phi = np.require(phi.reshape(x.shape[:2] + phi.shape[-1:]), dtype=dtype,
                      requirements=["C", "A", "W"])
     _check_feature_values(phi, what)
