@@ -82,6 +82,11 @@ class Features:
     def num_features(self):
         return self.q.shape[-1]
 
+    def widened(self):
+        """These features in float64 (no frame): for a map whose float32 features already
+        hold what its float64 call needs, and which is not formed again."""
+        return Features(self.q.astype(np.float64), self.k.astype(np.float64))
+
 
 class FeatureMap:
     """A feature map ``φ`` of linear attention, of ``d_k`` to ``D`` features.
@@ -570,7 +575,7 @@ class UserMap(FeatureMap):
 
     def _wide_features(self, module, feats, q, k, z0):
         # The features as the callable gave them (checked finite): it is not called again.
-        return Features(feats.q.astype(np.float64), feats.k.astype(np.float64))
+        return feats.widened()
 
     def features(self, module, q, k, batch_shape, z0=None):
         phi_q = _user_features(self.fn, q, batch_shape, q.dtype, "q")

@@ -168,7 +168,7 @@ class HedgehogFeatures(FeatureMap):
 
     def _wide_features(self, module, feats, q, k, z0):
         # Features in (0, 1): float32's are float64's to float32's precision.
-        return Features(feats.q.astype(np.float64), feats.k.astype(np.float64))
+        return feats.widened()
 
     def __getitem__(self, index):
         """The maps ``weight[index]`` (index into the leading dims only)."""
