@@ -10,14 +10,28 @@ from ._threads import check_num_threads
 MAX_COUNT = 2**53
 
 
-def _int_at_least(text, low, what):
+def _int(text, what):
     try:
-        value = int(text)
+        return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+
+
+def _int_at_least(text, low, what):
+    value = _int(text, what)
     if not low <= value <= MAX_COUNT:
         raise argparse.ArgumentTypeError(f"expected {what} up to 2**53, got {text}")
     return value
+
+
+def int_between(low, high):
+    """argparse type: an integer from ``low`` to ``high``, with a message naming the bad value."""
+    def parse(text):
+        value = _int(text, "an integer")
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"expected {low} to {high}, got {value}")
+        return value
+    return parse
 
 
 def positive_int(text):

@@ -15,7 +15,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from .._argtypes import thread_count
+from .._argtypes import int_between, thread_count
 from .data import background_split, lee_documents
 from .evaluate import Agreement, agreement, human_spearman
 
@@ -206,19 +206,6 @@ def format_table(rows, first_column="attention in every layer"):
     return "\n".join(lines)
 
 
-def _count(low, high):
-    """argparse type: an int from ``low`` to ``high``."""
-    def parse(text):
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"expected {low} to {high}, got {value}")
-        return value
-    return parse
-
-
 def _check_paths(parser, args):
     """Usage errors for paths that would fail after minutes of fitting."""
     if args.maps is not None and not args.maps.is_file():
@@ -250,9 +237,9 @@ def main(argv=None):
                    help="fitted Hedgehog maps (.npz of HedgehogFeatures.save) for the "
                    "hedgehog configuration; default: fit them on the calibration texts")
     p.add_argument("--save-maps", type=Path, help="write the fitted maps here (.npz)")
-    p.add_argument("--calibration", type=_count(1, 150), default=64,
+    p.add_argument("--calibration", type=int_between(1, 150), default=64,
                    help="calibration texts for the fit, 1 to 150 (default 64)")
-    p.add_argument("--maxiter", type=_count(1, 100000), default=50,
+    p.add_argument("--maxiter", type=int_between(1, 100000), default=50,
                    help="L-BFGS-B iterations per layer of the fit (default 50; 10 with --quick)")
     p.add_argument("--hybrid", action="append", default=None, metavar="CONFIGURATION",
                    help="also: the configuration (e.g. hedgehog, 'favor m=2048') in each layer "
