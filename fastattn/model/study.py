@@ -168,7 +168,7 @@ def report_study(*, quick=False, threads=2, cache_dir=None, progress=None):
         When a package of the model extra is not installed.
     """
     from .cost import forward_seconds
-    from .hedgehog import cached_fit_hedgehog, hedgehog_attention
+    from .hedgehog import cached_fit_hedgehog
     from .minilm import MiniLM
 
     model = MiniLM()
@@ -178,13 +178,11 @@ def report_study(*, quick=False, threads=2, cache_dir=None, progress=None):
     maps, fit, cached = cached_fit_hedgehog(model, calibration, cache_dir=cache_dir,
                                             maxiter=10 if quick else 50, max_tokens=256)
     configs = default_configurations(maps)
-    hybrid = hedgehog_attention(maps)
-    name, configs["hedgehog hybrid"] = with_linear_layers("hedgehog", hybrid,
-                                                          REPORT_HYBRID_LAYERS)
+    hybrid, spec = with_linear_layers("hedgehog", configs["hedgehog"], REPORT_HYBRID_LAYERS)
+    configs[hybrid] = spec
     if quick:
         configs = {k: configs[k] for k in ("softmax", "elu+1", "favor m=2048", "hedgehog",
-                                           "hedgehog hybrid")}
-    configs = {(name if k == "hedgehog hybrid" else k): v for k, v in configs.items()}
+                                           hybrid)}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)   # the truncation note: in the section
         rows = run_study(model, configs, held_out, progress=progress)
