@@ -245,30 +245,29 @@ class FeatureMap:
         return f"{type(self).__name__}()"
 
 
-class Elu(FeatureMap):
+class _Elementwise(FeatureMap):
+    """A map the kernels apply elementwise (:attr:`elementwise`): ``D = d_k``, its NumPy form
+    the reference's."""
+
+    def feature_dim(self, d_k, num_features=None):
+        return int(d_k)
+
+    def numpy_features(self, x):
+        return reference.feature_map(x, self.elementwise)
+
+
+class Elu(_Elementwise):
     """``φ(x) = elu(x) + 1`` elementwise (Katharopoulos et al. 2020), always > 0; ``D = d_k``."""
 
     name = "elu"
     elementwise = "elu"
 
-    def feature_dim(self, d_k, num_features=None):
-        return int(d_k)
 
-    def numpy_features(self, x):
-        return reference.feature_map(x, "elu")
-
-
-class Relu(FeatureMap):
+class Relu(_Elementwise):
     """``φ(x) = max(x, 0)`` elementwise, ``D = d_k``; a row may have a zero denominator."""
 
     name = "relu"
     elementwise = "relu"
-
-    def feature_dim(self, d_k, num_features=None):
-        return int(d_k)
-
-    def numpy_features(self, x):
-        return reference.feature_map(x, "relu")
 
 
 class Taylor(FeatureMap):
