@@ -144,6 +144,8 @@ def test_format_cost_gives_ms_per_text_and_the_ratio_to_sentence_transformers():
                         512: {"softmax": 0.050, "sentence-transformers": 0.040}})
     assert "| softmax | 10.0 (1.25x) | 50.0 (1.25x) |" in text
     assert "| sentence-transformers | 8.0 | 40.0 |" in text
+    text = format_cost({128: {"softmax": 0.010}}, {128: {"softmax": {"softmax": 0.004}}})
+    assert "| softmax | 10.0, attention 40% |" in text
 
 
 def test_forward_seconds_times_each_configuration_on_texts_of_n_tokens():
@@ -159,9 +161,16 @@ def test_forward_seconds_times_each_configuration_on_texts_of_n_tokens():
     assert [len(t) for t in ids] == [16, 16] and chosen == texts[1:]
     with pytest.raises(ValueError, match="only 2 of 3 texts have 16 tokens; 3 are needed"):
         texts_of_length(model, texts, 16, 3)
-    seconds = forward_seconds(model, texts, {"softmax": "softmax", "elu+1": "elu"}, n=16,
-                              count=2, rounds=1, repeats=1)
+    attention = {}
+    hybrid = ["softmax"] * 3 + ["elu"] * 3
+    seconds = forward_seconds(model, texts, {"softmax": "softmax", "elu+1": "elu",
+                                             "hybrid": hybrid}, n=16, count=2, rounds=1,
+                              repeats=1, attention_seconds=attention)
     assert {"softmax", "elu+1"} <= set(seconds) and all(s > 0 for s in seconds.values())
+    assert set(attention["softmax"]) == {"softmax"} and set(attention["elu+1"]) == {"linear"}
+    assert set(attention["hybrid"]) == {"softmax", "linear"}
+    for name, kinds in attention.items():   # the attention calls are part of the pass
+        assert 0 < sum(kinds.values()) < seconds[name]
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -22,7 +22,9 @@ def _study():
 
     class Fit:
         num_texts, seconds = 64, 212.0
-    return ModelStudy(rows, seconds, Fit(), True, 40, 2)
+    attention = {n: {r.name: {"softmax" if r.name == "softmax" else "linear":
+                              seconds[n][r.name] / 2} for r in rows} for n in seconds}
+    return ModelStudy(rows, seconds, Fit(), True, 40, 2, attention)
 
 
 def test_the_section_lists_what_stays_usable_and_the_costs():
@@ -35,6 +37,34 @@ def test_the_section_lists_what_stays_usable_and_the_costs():
     assert "<td>hedgehog</td><td>0.513</td><td>0.930</td>" in text
     assert "<td>sentence-transformers (PyTorch)</td>" in text
     assert "read from the cache, fitted on 64 calibration texts in 212 s" in text
+
+
+def test_the_attention_share_is_projected_by_each_kinds_exponent():
+    from fastattn.report.model import projected_shares
+    exponents = {"softmax": (2.0, ""), "linear": (1.0, "")}
+    # Half of a 1 s pass at n = 512 is attention; 4x the tokens: softmax 16x, the rest 4x.
+    assert projected_shares((512, 1.0), {"softmax": 0.5}, exponents, ns=(2048,)) == [0.8]
+    assert projected_shares((512, 1.0), {"linear": 0.5}, exponents, ns=(2048,)) == [0.5]
+    # A hybrid: 0.25 s of each kind; at 2048: 4 + 1 of attention, 2 of the rest.
+    assert projected_shares((512, 1.0), {"softmax": 0.25, "linear": 0.25}, exponents,
+                            ns=(2048,)) == [5 / 7]
+
+
+def test_the_section_shows_the_projection_with_the_exponents_it_used():
+    text = " ".join(build_report(synthetic_records(), model=_study()).html.split())
+    assert "The attention's share of the forward pass, projected to long n" in text
+    assert "<td>softmax</td><td>50%</td>" in text.replace("> <", "><")
+    # the exponent comes from the scaling section's fits of these records, and says so
+    assert re.search(r"softmax \d\.\d\d, fitted \(\d+ curves\)", text)
+
+
+def test_a_study_without_attention_seconds_still_loads():
+    import json
+    d = json.loads(_real_study().to_json())
+    del d["attention_seconds"]
+    study = ModelStudy.from_json(json.dumps(d))
+    assert study.attention_seconds == {}
+    assert "projected to long n" not in build_report(synthetic_records(), model=study).html
 
 
 def test_without_the_extra_the_section_says_how_to_add_it():

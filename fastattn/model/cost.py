@@ -29,17 +29,21 @@ def texts_of_length(model, texts, n, count):
     return [np.append(ids[i][:n - 1], ids[i][-1]) for i in chosen], [texts[i] for i in chosen]
 
 
-def _best_seconds(call, repeats):
-    best = np.inf
+def _fastest(call, repeats):
+    """Seconds of the fastest of ``repeats`` calls, and its attention's seconds by kind."""
+    best, attention = np.inf, {}
     for _ in range(repeats):
+        timings = {}
         t0 = time.perf_counter()
-        call()
-        best = min(best, time.perf_counter() - t0)
-    return best
+        call(timings)
+        seconds = time.perf_counter() - t0
+        if seconds < best:
+            best, attention = seconds, timings
+    return best, attention
 
 
 def forward_seconds(model, texts, configurations, *, n=128, count=16, threads=1, rounds=3,
-                    repeats=2, sentence_transformers=True):
+                    repeats=2, sentence_transformers=True, attention_seconds=None):
     """Seconds per text of the forward pass, fastest of ``rounds`` alternating rounds.
 
     Parameters
@@ -56,6 +60,10 @@ def forward_seconds(model, texts, configurations, *, n=128, count=16, threads=1,
     sentence_transformers : bool
         Also time ``SentenceTransformer.encode`` on the same texts (skipped,
         with None, when the package is not installed).
+    attention_seconds : dict, optional
+        Filled with ``{name: {kind: seconds per text}}``: the attention calls of each
+        kind (``"softmax"``, ``"linear"``) within each configuration's fastest call
+        (``MiniLM.encode_ids(timings=)``).
 
     Returns
     -------
@@ -67,27 +75,30 @@ def forward_seconds(model, texts, configurations, *, n=128, count=16, threads=1,
     import fastattn
 
     ids, chosen = texts_of_length(model, texts, n, count)
-    calls = {name: (lambda a=attention: model.encode_ids(ids, a))
+    calls = {name: (lambda timings, a=attention: model.encode_ids(ids, a, timings=timings))
              for name, attention in configurations.items()}
     if sentence_transformers:
         st = _sentence_transformer(model, n, threads)
         if st is not None:
-            calls["sentence-transformers"] = lambda: st.encode(
+            calls["sentence-transformers"] = lambda timings: st.encode(
                 chosen, batch_size=count, normalize_embeddings=True, convert_to_numpy=True)
-    best = dict.fromkeys(calls, np.inf)
+    best = {name: (np.inf, {}) for name in calls}
     previous = fastattn.get_num_threads()["requested"]
     with threadpoolctl.threadpool_limits(threads):
         fastattn.set_num_threads(threads)
         try:
             for call in calls.values():   # compile, load, warm the caches
-                call()
+                call({})
             for _ in range(rounds):
                 for name, call in calls.items():
-                    best[name] = min(best[name], _best_seconds(call, repeats))
+                    best[name] = min(best[name], _fastest(call, repeats), key=lambda b: b[0])
         finally:
             if previous is not None:
                 fastattn.set_num_threads(previous)
-    return {name: seconds / count for name, seconds in best.items()}
+    if attention_seconds is not None:
+        attention_seconds.update({name: {kind: s / count for kind, s in a.items()}
+                                  for name, (_, a) in best.items() if name in configurations})
+    return {name: seconds / count for name, (seconds, _) in best.items()}
 
 
 def _sentence_transformer(model, n, threads):

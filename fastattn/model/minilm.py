@@ -16,6 +16,7 @@ embedding does not depend on the texts beside it.
 """
 
 import math
+import time
 import warnings
 
 import numba
@@ -321,8 +322,12 @@ class MiniLM:
         return self.encode_ids(ids, attention, normalize=normalize)
 
     def encode_ids(self, ids, attention="softmax", *, normalize=True, hook=None,
-                   num_layers=NUM_LAYERS):
+                   num_layers=NUM_LAYERS, timings=None):
         """:meth:`encode` from token ids (a list of 1-d int arrays, each 1..512 long).
+
+        ``timings``, a dict if given, gets the seconds the attention calls took added to
+        its entry of their kind, ``"softmax"`` or ``"linear"`` (the rest of the forward
+        pass is the difference).
 
         ``hook(layer, index, q, k)``, if given, sees each attention call's
         queries and keys ``(B, 12, n, 32)`` of the texts ``index`` (an int
@@ -346,14 +351,15 @@ class MiniLM:
                 tokens += lengths[order[stop]]
                 stop += 1
             idx = order[start:stop]
-            out[idx] = self._forward_packed([ids[i] for i in idx], idx, specs, hook, num_layers)
+            out[idx] = self._forward_packed([ids[i] for i in idx], idx, specs, hook, num_layers,
+                                             timings)
             start = stop
         if normalize:
             norm = np.sqrt(np.sum(out * out, axis=1, keepdims=True))
             out /= np.maximum(norm, self.dtype.type(1e-12))
         return out
 
-    def _forward_packed(self, ids, index, specs, hook, num_layers):
+    def _forward_packed(self, ids, index, specs, hook, num_layers, timings=None):
         """Mean-pooled last hidden states of texts sorted by length, packed without padding."""
         lengths = np.array([len(t) for t in ids])
         flat = np.concatenate(ids)
@@ -381,7 +387,11 @@ class MiniLM:
                            for m in range(3))
                 if hook is not None:
                     hook(layer, index[first:first + count], q, k)
+                start = time.perf_counter()
                 ctx = run_attention(specs[layer], q, k, v)
+                if timings is not None:
+                    kind = specs[layer]["kind"]
+                    timings[kind] = timings.get(kind, 0.0) + time.perf_counter() - start
                 context[t0:t0 + count * n] = ctx.transpose(0, 2, 1, 3).reshape(count * n, HIDDEN)
             x = _layer_norm(x + (context @ p["out"][0] + p["out"][1]), *p["ln1"])
             h = _gelu_bias(x @ p["ffn_in"][0], p["ffn_in"][1])

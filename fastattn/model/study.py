@@ -12,7 +12,7 @@ import argparse
 import sys
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .._argtypes import int_between, thread_count
@@ -115,7 +115,8 @@ REPORT_HYBRID_LAYERS = (2, 3, 4, 5)
 @dataclass
 class ModelStudy:
     """What the report's section shows: the rows (softmax first), the forward pass's seconds
-    per text ``{n: {name: s}}``, and the fit of the Hedgehog maps."""
+    per text ``{n: {name: s}}`` and its attention calls' share of them
+    (``attention_seconds``, ``{n: {name: {kind: s}}}``), and the fit of the Hedgehog maps."""
 
     rows: list
     seconds: dict
@@ -123,6 +124,7 @@ class ModelStudy:
     fit_cached: bool
     held_out: int
     threads: int
+    attention_seconds: dict = field(default_factory=dict)
 
     def to_json(self):
         """The study as JSON text, kept beside a report's results (:meth:`from_json`)."""
@@ -144,8 +146,12 @@ class ModelStudy:
                              r["seconds"]) for r in d["rows"]]
             fit = HedgehogFit(**{**d["fit"], "layers": [LayerFit(**f)
                                                         for f in d["fit"]["layers"]]})
-            seconds = {int(n): times for n, times in d["seconds"].items()}
-            return cls(rows, seconds, fit, d["fit_cached"], d["held_out"], d["threads"])
+            seconds, attention = ({int(n): times for n, times in d.get(key, {}).items()}
+                                  for key in ("seconds", "attention_seconds"))
+            if not seconds:
+                raise KeyError("seconds")
+            return cls(rows, seconds, fit, d["fit_cached"], d["held_out"], d["threads"],
+                       attention)
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise ValueError(f"not a whole-model study ({type(exc).__name__}: {exc})") from None
 
@@ -187,9 +193,12 @@ def report_study(*, quick=False, threads=2, cache_dir=None, progress=None):
         warnings.simplefilter("ignore", UserWarning)   # the truncation note: in the section
         rows = run_study(model, configs, held_out, progress=progress)
     texts = calibration + held_out
-    seconds = {n: forward_seconds(model, texts, configs, n=n, count=4, threads=threads,
-                                  rounds=2, repeats=1) for n in ((128,) if quick else (128, 512))}
-    return ModelStudy(rows, seconds, fit, cached, len(held_out), threads)
+    seconds, attention = {}, {}
+    for n in (128,) if quick else (128, 512):
+        attention[n] = {}
+        seconds[n] = forward_seconds(model, texts, configs, n=n, count=4, threads=threads,
+                                     rounds=2, repeats=1, attention_seconds=attention[n])
+    return ModelStudy(rows, seconds, fit, cached, len(held_out), threads, attention)
 
 
 def format_table(rows, first_column="attention in every layer"):
@@ -303,16 +312,20 @@ def main(argv=None):
     if args.cost:
         print(f"\nForward pass, ms per text ({args.threads} thread(s) for BLAS, fastattn and "
               f"PyTorch; fastest of 3 alternating rounds)\n")
-        print(format_cost({n: forward_seconds(model, calibration + held_out, configs, n=n,
-                                              count=8 if args.quick else 16,
-                                              threads=args.threads)
-                           for n in (128, 512)}))
+        seconds, attention = {}, {}
+        for n in (128, 512):
+            attention[n] = {}
+            seconds[n] = forward_seconds(model, calibration + held_out, configs, n=n,
+                                         count=8 if args.quick else 16, threads=args.threads,
+                                         attention_seconds=attention[n])
+        print(format_cost(seconds, attention))
     return 0
 
 
-def format_cost(seconds):
-    """A Markdown table of ``{n: forward_seconds(...)}``: ms per text, and the ratio to
-    sentence-transformers' forward where it was timed."""
+def format_cost(seconds, attention=None):
+    """A Markdown table of ``{n: forward_seconds(...)}``: ms per text, the ratio to
+    sentence-transformers' forward where it was timed, and the attention calls' share
+    (``attention``: ``{n: {name: {kind: seconds}}}``, ``forward_seconds(attention_seconds=)``)."""
     ns = list(seconds)
     names = list(seconds[ns[0]])
     lines = ["| attention in every layer | " + " | ".join(f"n = {n}" for n in ns) + " |",
@@ -323,6 +336,9 @@ def format_cost(seconds):
             st = seconds[n].get("sentence-transformers")
             ratio = "" if st is None or name == "sentence-transformers" \
                 else f" ({seconds[n][name] / st:.2f}x)"
-            cells.append(f"{seconds[n][name] * 1e3:.1f}{ratio}")
+            share = (attention or {}).get(n, {}).get(name)
+            share = "" if share is None else \
+                f", attention {sum(share.values()) / seconds[n][name]:.0%}"
+            cells.append(f"{seconds[n][name] * 1e3:.1f}{ratio}{share}")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
