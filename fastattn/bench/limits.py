@@ -1,0 +1,124 @@
+"""The machine's physical limits, probed in the run beside its points, and how far a point is
+from the one that binds it.
+
+* **Compute peak**: GFLOP/s of the fastest large square GEMM (``n = PEAK_N``) through each
+  BLAS library probed (NumPy's, and torch's MKL in the peers' process), per dtype, at the
+  run's threads.
+* **Memory floor**: GB/s of a streaming read (a BLAS GEMV over an array of the bytes) at the
+  sizes of the run's points, from in cache to out of it.
+
+A point's limit is the roofline's: the larger of its flops at the peak and its bytes (its
+inputs read and its output written once, :func:`point_bytes`) at the floor measured nearest
+its size.  ``limit_fraction`` is that time over the point's median time (1 = at the limit).
+Softmax cannot reach the GEMM peak: besides the two products' ``2 d`` multiply-adds per
+score it takes the max, the exp and the rescale, about :data:`SOFTMAX_EXTRA_OPS` more
+(:func:`softmax_ceiling`)."""
+
+import math
+import time
+
+import numpy as np
+
+#: Size of the square GEMM of the compute peak (float32: 17 GFLOP a call).
+PEAK_N = 2048
+#: Sizes of the floor's reads: each point's bytes, clipped to this range.
+FLOOR_MIN_BYTES, FLOOR_MAX_BYTES = 2**16, 2**29
+#: Operations per score of online softmax besides the products' ``2 d`` multiply-adds: max,
+#: subtract, exp (a short polynomial), rescale and sum, counted in multiply-add slots.
+SOFTMAX_EXTRA_OPS = 12
+
+
+def softmax_ceiling(d):
+    """The fraction of the GEMM peak softmax attention can reach at head dimension ``d``:
+    ``2 d / (2 d + SOFTMAX_EXTRA_OPS)`` (91 % at d = 64)."""
+    return 2 * d / (2 * d + SOFTMAX_EXTRA_OPS)
+
+
+def point_bytes(spec, feature_dim=None):
+    """Bytes a point's call must move at least: ``q``, ``k``, ``v`` read and the output
+    written once; a linear decode step reads and writes its state (``D`` features) instead
+    of the keys before it."""
+    item = np.dtype(spec["dtype"]).itemsize
+    bh, n_q, n_k, d_k, d_v = (spec["batch"] * spec["heads"], spec["n_q"], spec["n_k"],
+                              spec["d_k"], spec["d_v"])
+    if spec["attention"] == "linear" and spec.get("regime") == "decode":
+        d = feature_dim or d_k
+        return bh * item * (2 * n_q * (d_k + d_v) + 2 * d * (d_v + 1))
+    return bh * item * (n_q * (d_k + d_v) + n_k * (d_k + d_v))
+
+
+def _fastest(call, work, budget_s, min_calls=3):
+    """Work per second of the fastest call: ``min_calls`` at least, more while ``budget_s``
+    lasts (after one untimed first touch)."""
+    call()
+    best, calls, deadline = 0.0, 0, time.perf_counter() + budget_s
+    while calls < min_calls or time.perf_counter() < deadline:
+        start = time.perf_counter()
+        call()
+        best = max(best, work / max(time.perf_counter() - start, 1e-12))
+        calls += 1
+    return best
+
+
+def _gemm(dtype, library):
+    rng = np.random.default_rng(0)
+    a, b = (rng.standard_normal((PEAK_N, PEAK_N)).astype(dtype) for _ in range(2))
+    out = np.empty_like(a)
+    if library == "torch":
+        import torch
+
+        ta, tb, tout = (torch.from_numpy(x) for x in (a, b, out))
+        return lambda: torch.matmul(ta, tb, out=tout)
+    return lambda: np.matmul(a, b, out=out)
+
+
+def _read(nbytes):
+    """A streaming read of ``nbytes``: float32 rows of 256 times a vector (BLAS GEMV, on the
+    BLAS threads), which writes 1/256 of what it reads."""
+    rows = max(1, int(nbytes) // 1024)
+    a = np.ones((rows, 256), dtype=np.float32)
+    x, out = np.ones(256, dtype=np.float32), np.empty(rows, dtype=np.float32)
+    return lambda: np.matmul(a, x, out=out), float(a.nbytes)
+
+
+def probe_limits(sizes, dtypes, library="numpy", budget_s=0.3, blas=None):
+    """Limit records: ``probe="peak"`` (``gflops`` of the square GEMM, per dtype, through
+    ``library``) and, for NumPy, ``probe="floor"`` (``gbs`` of a read of ``bytes``, for each
+    of ``sizes`` clipped to [FLOOR_MIN_BYTES, FLOOR_MAX_BYTES], rounded to a power of two).
+    ``blas``: the library's label fields, stored with each record."""
+    records = []
+    for dtype in sorted({np.dtype(d).name for d in dtypes}):
+        rate = _fastest(_gemm(dtype, library), 2.0 * PEAK_N ** 3, budget_s, min_calls=2)
+        records.append({"probe": "peak", "dtype": dtype, "library": library, **(blas or {}),
+                        "shape": [PEAK_N] * 3, "gflops": rate / 1e9})
+    if library == "numpy":
+        clipped = {2 ** round(math.log2(min(max(s, FLOOR_MIN_BYTES), FLOOR_MAX_BYTES)))
+                   for s in sizes if s > 0}
+        for nbytes in sorted(clipped):
+            call, work = _read(nbytes)
+            records.append({"probe": "floor", "library": library, "bytes": int(work),
+                            "gbs": _fastest(call, work, budget_s / 3) / 1e9})
+    return records
+
+
+def _nearest(records, probe, **match):
+    return [r for r in records if r.get("probe") == probe
+            and all(r.get(k) in (None, v) for k, v in match.items())]
+
+
+def limit_fields(spec, flops, nbytes, median_s, limits, threads=None):
+    """``peak_gflops``, ``floor_gbs``, ``limit`` (``"peak"`` or ``"floor"``: the one that
+    binds), ``limit_s`` and ``limit_fraction`` (``limit_s / median_s``) of a point, from the
+    run's ``limits`` records; {} when none was probed."""
+    peaks = _nearest(limits, "peak", dtype=spec["dtype"], threads=threads)
+    floors = _nearest(limits, "floor", threads=threads)
+    if not peaks or not floors or not median_s or median_s <= 0:
+        return {}
+    peak = max(r["gflops"] for r in peaks)
+    size = min(floors, key=lambda r: abs(math.log2(max(nbytes, 1) / r["bytes"])))["bytes"]
+    floor = max(r["gbs"] for r in floors if r["bytes"] == size)
+    compute_s, memory_s = flops / peak / 1e9, nbytes / floor / 1e9
+    limit_s = max(compute_s, memory_s)
+    return {"peak_gflops": peak, "floor_gbs": floor, "floor_bytes": size,
+            "limit": "peak" if compute_s >= memory_s else "floor", "limit_s": limit_s,
+            "limit_fraction": limit_s / median_s}

@@ -1,0 +1,63 @@
+"""The machine's limits (fastattn.bench.limits): the roofline arithmetic on records made by
+hand, and the probes' records (never their speed)."""
+
+import pytest
+
+from fastattn.bench import limits
+
+SOFTMAX_DECODE = dict(attention="softmax", regime="decode", dtype="float32", batch=1, heads=8,
+                      n_q=1, n_k=8192, d_k=64, d_v=64)
+RECORDS = [{"probe": "peak", "dtype": "float32", "gflops": 100.0},
+           {"probe": "peak", "dtype": "float32", "gflops": 80.0},   # the slower library
+           {"probe": "peak", "dtype": "float64", "gflops": 50.0},
+           {"probe": "floor", "bytes": 2**20, "gbs": 50.0},
+           {"probe": "floor", "bytes": 2**25, "gbs": 10.0}]
+
+
+def test_softmax_ceiling_counts_the_products_against_the_extra_operations():
+    assert limits.softmax_ceiling(64) == pytest.approx(128 / 140)
+    assert limits.softmax_ceiling(128) > limits.softmax_ceiling(64) > limits.softmax_ceiling(32)
+
+
+def test_point_bytes_are_the_inputs_and_the_output_once():
+    # decode: q (64) + out (64) + K and V of 8192 keys (8192 * 128), 8 heads, 4 bytes
+    assert limits.point_bytes(SOFTMAX_DECODE) == 8 * 4 * (128 + 8192 * 128)
+    prefill = dict(SOFTMAX_DECODE, regime="prefill", n_q=1024, n_k=1024, d_v=32)
+    assert limits.point_bytes(prefill) == 8 * 4 * (1024 * 96 + 1024 * 96)
+    # a linear decode step: one token in and out, its state of D = 128 features read and written
+    step = dict(SOFTMAX_DECODE, attention="linear")
+    assert limits.point_bytes(step, feature_dim=128) == 8 * 4 * (2 * 128 + 2 * 128 * 65)
+
+
+def test_a_decode_point_is_bound_by_the_floor_nearest_its_size():
+    nbytes = limits.point_bytes(SOFTMAX_DECODE)   # about 2**25
+    fields = limits.limit_fields(SOFTMAX_DECODE, 1e6, nbytes, 4e-3, RECORDS)
+    assert fields["limit"] == "floor" and fields["floor_bytes"] == 2**25
+    assert fields["limit_s"] == pytest.approx(nbytes / 10e9)
+    assert fields["limit_fraction"] == pytest.approx(nbytes / 10e9 / 4e-3)
+
+
+def test_a_prefill_point_is_bound_by_the_fastest_peak_of_its_dtype():
+    spec = dict(SOFTMAX_DECODE, regime="prefill", n_q=4096, n_k=4096, dtype="float64")
+    flops = 2 * 4096 * 4096 * 128 * 8
+    fields = limits.limit_fields(spec, flops, limits.point_bytes(spec), 1.0, RECORDS)
+    assert fields["limit"] == "peak" and fields["peak_gflops"] == 50.0
+    assert fields["limit_fraction"] == pytest.approx(flops / 50e9)
+
+
+def test_no_limit_without_both_probes_or_a_time():
+    assert limits.limit_fields(SOFTMAX_DECODE, 1e6, 100, 1e-3, RECORDS[:3]) == {}
+    assert limits.limit_fields(SOFTMAX_DECODE, 1e6, 100, 0.0, RECORDS) == {}
+
+
+def test_probe_limits_records_a_peak_per_dtype_and_a_floor_per_size(monkeypatch):
+    monkeypatch.setattr(limits, "FLOOR_MAX_BYTES", 2**22)
+    monkeypatch.setattr(limits, "PEAK_N", 256)
+    records = limits.probe_limits([3000, 2**40], ["float32"], budget_s=0.0)
+    peaks = [r for r in records if r["probe"] == "peak"]
+    floors = [r for r in records if r["probe"] == "floor"]
+    assert [r["dtype"] for r in peaks] == ["float32"] and peaks[0]["gflops"] > 0
+    assert peaks[0]["shape"] == [256, 256, 256]
+    # sizes clipped to the floor's range, as powers of two
+    assert [r["bytes"] for r in floors] == [2**16, 2**22]
+    assert all(r["gbs"] > 0 for r in floors)
