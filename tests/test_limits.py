@@ -45,6 +45,16 @@ def test_a_prefill_point_is_bound_by_the_fastest_peak_of_its_dtype():
     assert fields["limit_fraction"] == pytest.approx(flops / 50e9)
 
 
+def test_the_limits_of_the_points_thread_count_are_used():
+    records = [dict(r, threads=1) for r in RECORDS] + [dict(r, threads=2, gflops=200.0)
+                                                      for r in RECORDS if r["probe"] == "peak"]
+    spec = dict(SOFTMAX_DECODE, regime="prefill", n_q=4096, n_k=4096)
+    one = limits.limit_fields(spec, 1e12, 1, 10.0, records, threads=1)
+    assert one["peak_gflops"] == 100.0
+    assert limits.limit_fields(spec, 1e12, 1, 10.0, records)["peak_gflops"] == 200.0
+    assert limits.limit_fields(spec, 1e12, 1, 10.0, records, threads=2) == {}   # no floor at 2
+
+
 def test_no_limit_without_both_probes_or_a_time():
     assert limits.limit_fields(SOFTMAX_DECODE, 1e6, 100, 1e-3, RECORDS[:3]) == {}
     assert limits.limit_fields(SOFTMAX_DECODE, 1e6, 100, 0.0, RECORDS) == {}

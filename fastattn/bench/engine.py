@@ -19,7 +19,7 @@ import numpy as np
 from .. import _api, feature_maps, reference
 from ..compare import gaussian_qkv
 from ..feature_maps import FavorFeatures
-from . import environment, peers
+from . import environment, limits, peers
 from .flops import attention_flops
 
 #: Seed of every sweep's inputs (each point derives its own stream from it).
@@ -486,6 +486,8 @@ def finish_point(spec, fields, timings, roofs=(), paired_roof=None, rounds=()):
     out.update(flops=flops, gflops=gflops, roof_gflops=roof, roof_blas=probe and
                probe.get("blas"), roof_shape=probe and probe.get("shape"),
                roof_fraction=gflops / roof if gflops and roof else None)
+    out.update(limits.limit_fields(spec, flops, limits.point_bytes(spec, feature_dim(spec)),
+                                   out["median_s"], roofs, spec.get("threads")))
     pairs = [(flops / t["min_s"] / 1e9, paired_roof[r]) for r, t in zip(rounds, timings)
              if paired_roof and flops and t["min_s"] > 0 and paired_roof[r]]
     if pairs:

@@ -96,14 +96,15 @@ def probe_limits(sizes, dtypes, library="numpy", budget_s=0.3, blas=None):
                    for s in sizes if s > 0}
         for nbytes in sorted(clipped):
             call, work = _read(nbytes)
-            records.append({"probe": "floor", "library": library, "bytes": int(work),
+            records.append({"probe": "floor", "dtype": "float32", "library": library,
+                            "bytes": int(work),
                             "gbs": _fastest(call, work, budget_s / 3) / 1e9})
     return records
 
 
 def _nearest(records, probe, **match):
     return [r for r in records if r.get("probe") == probe
-            and all(r.get(k) in (None, v) for k, v in match.items())]
+            and all(v is None or r.get(k) in (None, v) for k, v in match.items())]
 
 
 def limit_fields(spec, flops, nbytes, median_s, limits, threads=None):

@@ -40,10 +40,12 @@ POINT_FIELDS = (
     ("rounds", None, "c"), ("roof_fraction_paired", None, "cs"),
     ("check_tol", AMOUNT, ""), ("load_avg_1m", AMOUNT, ""), ("started", AMOUNT, ""),
     ("warmup_s", AMOUNT, ""), ("times_s", AMOUNTS, ""),
+    ("limit", NAME, "cs"), ("limit_fraction", AMOUNT, "cs"), ("limit_s", AMOUNT, ""),
+    ("peak_gflops", AMOUNT, "c"), ("floor_gbs", AMOUNT, "c"), ("floor_bytes", COUNT, ""),
 )
 #: Fields of roof and startup records beyond a point's.
 OTHER_FIELDS = (("gelem_s", AMOUNT), ("shape", COUNTS), ("numpy_min_s", AMOUNT),
-                ("numpy_median_s", AMOUNT))
+                ("numpy_median_s", AMOUNT), ("gbs", AMOUNT), ("bytes", COUNT))
 
 #: What each known field of a point, roof or startup record must hold.
 FIELD_TYPES = {name: kind for name, kind, *_ in POINT_FIELDS + OTHER_FIELDS if kind}

@@ -16,7 +16,7 @@ from unittest import mock
 from .. import _api
 from ..feature_maps import NAMES as FEATURE_MAPS
 from .._threads import default_num_threads
-from . import engine, environment, peers
+from . import engine, environment, limits, peers
 from .environment import idle_cores  # noqa: F401  (fastattn report reads it here)
 from .results import ResultsWriter, point_key
 from .schema import (ATTENTIONS, DECODE_NS, DEFAULT_NS, DTYPES, FAVOR_MULTIPLES,  # noqa: F401
@@ -187,9 +187,11 @@ def _serve(task, state):
         env = environment.collect(threads=payload["threads"])
         env["thread_counts"].update(peers.peer_threads())
         return env
-    if kind == "roof":
+    if kind == "roof":  # the GEMM roof, then the machine's limits (fastattn.bench.limits)
         return engine.probe_roof(payload["shapes"], payload["dtypes"], payload["budget_s"],
-                                 library=payload["library"])
+                                 library=payload["library"]) + limits.probe_limits(
+            payload["sizes"], payload["dtypes"], payload["library"],
+            blas=environment.roof_blas(payload["library"]))
     if kind == "gemm":  # one round's roof, beside the points of a comparison
         return engine.time_gemm(payload["dtype"], payload["n"], payload["d"],
                                 payload["library"], cache=state.setdefault("gemms", {}))
@@ -365,6 +367,8 @@ def _write_header(writer, workers, todo, threads, why, options, run_id):
     if not options.roof:
         return []
     payload = {"shapes": sorted({(p.n, p.d_k) for p in todo}), "budget_s": options.roof_budget_s,
+               "sizes": sorted({limits.point_bytes(p.spec(), engine.feature_dim(p.spec()))
+                                for p in todo}),
                "dtypes": sorted({p.dtype for p in todo} | {"float32", "float64"})}
     records = []
     for library in options.libraries():

@@ -173,6 +173,12 @@ def _roof_cell(row):
     return format_roof_percent(row["roof_fraction"], row.get("roof_fraction_paired"))
 
 
+def _limit_cell(row):
+    """``"92% peak"`` or ``"97% floor"``: the fraction of the limit that binds the point."""
+    fraction = row.get("limit_fraction")
+    return MISSING if _missing(fraction) else f"{format_percent(fraction)} {row.get('limit')}"
+
+
 #: Columns of a configuration's table (a row of :func:`summarise`): header, right-aligned,
 #: and the cell; the ratio's header names the baseline.
 POINT_COLUMNS = (
@@ -180,7 +186,7 @@ POINT_COLUMNS = (
     ("median (min-max)", True, lambda r: f"{format_seconds(r['median_s'])} "
      f"({format_seconds(r['min_s'])}-{format_seconds(r['max_s'])})"),
     ("GFLOP/s", True, lambda r: format_number(r["gflops"])), ("% roof", True, _roof_cell),
-    ("peak extra", True, lambda r: format_bytes(r["peak_bytes"])),
+    ("% limit", True, _limit_cell), ("peak extra", True, lambda r: format_bytes(r["peak_bytes"])),
     ("ratio", True, lambda r: _ratio_cell(r["vs_baseline"], unit="x")),
     ("max err", True, _error_cell))
 #: Columns of the best fastattn / best peer table (a row of :func:`versus_rows`).
@@ -192,7 +198,8 @@ VERSUS_COLUMNS = (
     ("best peer", lambda r: r["peer"] or MISSING), ("time", lambda r: format_seconds(r["peer_s"])),
     ("fastattn / peer", lambda r: _ratio_cell(r["ratio"], r["note"] or MISSING)),
     ("paired", lambda r: _ratio_cell(r.get("paired"))),
-    ("GFLOP/s", lambda r: format_number(r["gflops"])), ("% roof", _roof_cell))
+    ("GFLOP/s", lambda r: format_number(r["gflops"])), ("% roof", _roof_cell),
+    ("% limit", _limit_cell))
 
 
 def text_table(header, rows, align=None, markdown=False):
@@ -216,15 +223,22 @@ def text_table(header, rows, align=None, markdown=False):
     return "\n".join(line.rstrip() for line in lines)
 
 
+def _with_limit(columns, rows):
+    """``columns`` without "% limit" when no row has one (a run before the limits probe)."""
+    return [c for c in columns if c[0] != "% limit"
+            or any(not _missing(r.get("limit_fraction")) for r in rows)]
+
+
 def format_tables(records, baseline=None, backend_order=()):
     """One text table per configuration, every backend at every n (in ``backend_order``),
     with the ratio ``baseline time / time`` (above 1: faster than ``baseline``)."""
     ratio_title = f"vs {baseline}" if baseline else "ratio"
-    header = [ratio_title if h == "ratio" else h for h, _, _ in POINT_COLUMNS]
-    align = ["right" if right else "left" for _, right, _ in POINT_COLUMNS]
+    columns = _with_limit(POINT_COLUMNS, records)
+    header = [ratio_title if h == "ratio" else h for h, _, _ in columns]
+    align = ["right" if right else "left" for _, right, _ in columns]
     out = []
     for config in summarise(records, baseline, backend_order)["configurations"]:
-        rows = [[cell(r) for _, _, cell in POINT_COLUMNS] if r["status"] == "ok" else
+        rows = [[cell(r) for _, _, cell in columns] if r["status"] == "ok" else
                 ([str(r["n"]), r["backend"]], f"{r['status']}: {r['reason'] or ''}")
                 for r in config["rows"]]
         out.append(config["title"] + "\n" + text_table(header, rows, align))
@@ -320,6 +334,9 @@ def versus_rows(records):
                      "ratio": ratio, "note": note, "gflops": gflops, "roof_fraction": fraction,
                      "paired": paired_ratio(best, peer) if ratio is not None else None,
                      "roof_fraction_paired": best and best.get("roof_fraction_paired"),
+                     "limit": best and best.get("limit"),
+                     "limit_fraction": best and best.get("limit_s") and
+                     best["limit_s"] / _fastest_s(best),
                      "roof_blas": best and best.get("roof_blas")})
     return rows
 
@@ -334,8 +351,9 @@ def _versus(rows, roof_text, markdown):
              "length n_k, one query. GFLOP/s and % roof: of the fastattn kernel at that time "
              "(its fastest repeat; the per-point tables take the median)."]
     notes += _roof_notes(rows) + list(roof_text)
-    header = [h for h, _ in VERSUS_COLUMNS]
-    table = text_table(header, [[cell(r) for _, cell in VERSUS_COLUMNS] for r in rows],
+    columns = _with_limit(VERSUS_COLUMNS, rows)
+    header = [h for h, _ in columns]
+    table = text_table(header, [[c[-1](r) for c in columns] for r in rows],
                        ["left"] * len(header), markdown)
     if markdown:
         return "\n".join([VERSUS_MARKER, "", table, ""] + [f"- {n}" for n in notes]) + "\n"
