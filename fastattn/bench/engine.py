@@ -470,7 +470,7 @@ def failure(exc):
             "traceback": traceback.format_exc(limit=6)}
 
 
-def finish_point(spec, fields, timings, roofs=(), paired_roof=None, rounds=()):
+def finish_point(spec, fields, timings, roofs=(), paired_roof=None, rounds=(), paired_floor=()):
     """``fields`` of :func:`prepare_point` with its turns' :func:`time_call` ``timings``
     merged, flops, GFLOP/s (at the median) and the fraction of the roof (:func:`roof_probe`
     of ``roofs``); given the roof GEMM's GFLOP/s in each round (``paired_roof``) and the round
@@ -486,8 +486,13 @@ def finish_point(spec, fields, timings, roofs=(), paired_roof=None, rounds=()):
     out.update(flops=flops, gflops=gflops, roof_gflops=roof, roof_blas=probe and
                probe.get("blas"), roof_shape=probe and probe.get("shape"),
                roof_fraction=gflops / roof if gflops and roof else None)
-    out.update(limits.limit_fields(spec, flops, limits.point_bytes(spec, feature_dim(spec)),
-                                   out["median_s"], roofs, spec.get("threads")))
+    nbytes = limits.point_bytes(spec, feature_dim(spec))
+    out.update(limits.limit_fields(spec, flops, nbytes, out["median_s"], roofs,
+                                   spec.get("threads")))
+    if paired_floor and out.get("limit") == "floor":   # the floor read beside it, each round
+        out["limit_fraction_paired"] = limits.paired_fraction(
+            out["limit_s"], nbytes, [paired_floor[r] for r in rounds],
+            [t["min_s"] for t in timings])
     pairs = [(flops / t["min_s"] / 1e9, paired_roof[r]) for r, t in zip(rounds, timings)
              if paired_roof and flops and t["min_s"] > 0 and paired_roof[r]]
     if pairs:

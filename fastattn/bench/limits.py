@@ -4,8 +4,8 @@ from the one that binds it.
 * **Compute peak**: GFLOP/s of the fastest large square GEMM (``n = PEAK_N``) through each
   BLAS library probed (NumPy's, and torch's MKL in the peers' process), per dtype, at the
   run's threads.
-* **Memory floor**: GB/s of a streaming read (a BLAS GEMV over an array of the bytes) at the
-  sizes of the run's points, from in cache to out of it.
+* **Memory floor**: GB/s of a streaming read (a parallel sum over an array of the bytes) at
+  the sizes of the run's points, from in cache to out of it.
 
 A point's limit is the roofline's: the larger of its flops at the peak and its bytes (its
 inputs read and its output written once, :func:`point_bytes`) at the floor measured nearest
@@ -17,7 +17,10 @@ score it takes the max, the exp and the rescale, about :data:`SOFTMAX_EXTRA_OPS`
 import math
 import time
 
+import numba
 import numpy as np
+
+from .._numba.config import JIT_PARALLEL
 
 #: Size of the square GEMM of the compute peak (float32: 17 GFLOP a call).
 PEAK_N = 2048
@@ -72,13 +75,24 @@ def _gemm(dtype, library):
     return lambda: np.matmul(a, b, out=out)
 
 
+@numba.njit(**JIT_PARALLEL)
+def _sum_rows(a):
+    """The sum of ``a``, a row per thread at a time, each row's sum in SIMD lanes: reads
+    ``a`` once, as fast as the cores and caches allow (faster here than NumPy's sum, a BLAS
+    GEMV or dot, measured side by side)."""
+    sums = np.zeros(a.shape[0], dtype=a.dtype)
+    for i in numba.prange(a.shape[0]):
+        acc = a.dtype.type(0)
+        for j in range(a.shape[1]):
+            acc += a[i, j]
+        sums[i] = acc
+    return sums.sum()
+
+
 def _read(nbytes):
-    """A streaming read of ``nbytes``: float32 rows of 256 times a vector (BLAS GEMV, on the
-    BLAS threads), which writes 1/256 of what it reads."""
-    rows = max(1, int(nbytes) // 1024)
-    a = np.ones((rows, 256), dtype=np.float32)
-    x, out = np.ones(256, dtype=np.float32), np.empty(rows, dtype=np.float32)
-    return lambda: np.matmul(a, x, out=out), float(a.nbytes)
+    """A streaming read of ``nbytes`` (float32 rows of 4 KiB summed, on fastattn's threads)."""
+    a = np.ones((max(1, int(nbytes) // 4096), 1024), dtype=np.float32)
+    return lambda: _sum_rows(a), float(a.nbytes)
 
 
 def probe_limits(sizes, dtypes, library="numpy", budget_s=0.3, blas=None):
@@ -100,6 +114,23 @@ def probe_limits(sizes, dtypes, library="numpy", budget_s=0.3, blas=None):
                             "bytes": int(work),
                             "gbs": _fastest(call, work, budget_s / 3) / 1e9})
     return records
+
+
+def time_read(nbytes, cache, budget_s=0.02):
+    """GB/s of the fastest of at least 3 streaming reads of ``nbytes`` within ``budget_s``:
+    one round's floor, timed beside the points of a memory-bound comparison.  ``cache`` (a
+    dict) keeps the array between rounds."""
+    if nbytes not in cache:
+        cache[nbytes] = _read(nbytes)
+    return _fastest(*cache[nbytes], budget_s) / 1e9
+
+
+def paired_fraction(limit_s, nbytes, round_floor, round_min_s):
+    """The median over rounds of ``nbytes`` at that round's floor (GB/s) over the point's
+    fastest repeat in the round: a fraction of the floor that a slow spell moves less."""
+    pairs = sorted(nbytes / g / 1e9 / t for g, t in zip(round_floor, round_min_s)
+                   if g and t and t > 0)
+    return float(np.median(pairs)) if pairs else None
 
 
 def _nearest(records, probe, **match):

@@ -42,6 +42,7 @@ POINT_FIELDS = (
     ("warmup_s", AMOUNT, ""), ("times_s", AMOUNTS, ""),
     ("limit", NAME, "cs"), ("limit_fraction", AMOUNT, "cs"), ("limit_s", AMOUNT, ""),
     ("peak_gflops", AMOUNT, "c"), ("floor_gbs", AMOUNT, "c"), ("floor_bytes", COUNT, ""),
+    ("limit_fraction_paired", None, "cs"),
 )
 #: Fields of roof and startup records beyond a point's.
 OTHER_FIELDS = (("gelem_s", AMOUNT), ("shape", COUNTS), ("numpy_min_s", AMOUNT),

@@ -195,6 +195,8 @@ def _serve(task, state):
     if kind == "gemm":  # one round's roof, beside the points of a comparison
         return engine.time_gemm(payload["dtype"], payload["n"], payload["d"],
                                 payload["library"], cache=state.setdefault("gemms", {}))
+    if kind == "floor":  # one round's memory floor, beside the points of a comparison
+        return limits.time_read(payload["bytes"], cache=state.setdefault("reads", {}))
     if kind == "prepare":  # warm-up, memory, check; the call is kept for "time"
         options = payload["options"]
         call, fields, n_repeats, estimate = engine.prepare_point(
@@ -431,11 +433,11 @@ class _Entry:
             return
         self.timings.append(timing)
 
-    def outcome(self, roofs, paired_roof):
+    def outcome(self, roofs, paired_roof, paired_floor=()):
         if not self.ok or not self.timings:
             return self.fields
         return {**engine.finish_point(self.spec, self.fields, self.timings, roofs, paired_roof,
-                                      self.rounds),
+                                      self.rounds, paired_floor),
                 "thread_counts": self.timings[-1]["thread_counts"]}
 
 
@@ -458,8 +460,17 @@ def _measure_group(points, workers, options, roofs, threads):
         turns = max(1, min(e.repeats, rounds))
         plan[e.key] = [e.repeats // turns + (t < e.repeats % turns) for t in range(turns)]
     probe = live and engine.roof_probe(roofs, points[0].dtype, points[0].d_k)
-    paired_roof = []
+    spec = points[0].spec(threads)
+    nbytes = limits.point_bytes(spec, engine.feature_dim(spec))
+    floor_bound = live and limits.limit_fields(spec, engine.point_flops(spec), nbytes, 1.0,
+                                               roofs, threads).get("limit") == "floor"
+    paired_roof, paired_floor = [], []
     for r in range(rounds):
+        if floor_bound:  # the memory floor at the points' bytes, its own turn each round
+            try:
+                paired_floor.append(workers[False].request("floor", {"bytes": nbytes}))
+            except RuntimeError:
+                paired_floor.append(None)
         if probe:  # the roof's GEMM, in the process of its library (None if it cannot run)
             if threads > 1:
                 time.sleep(engine.TURN_SETTLE_S)
@@ -479,7 +490,7 @@ def _measure_group(points, workers, options, roofs, threads):
             entry.rounds.append(r)
             entry.time(n, options.min_time_s * n / entry.repeats,
                        max(n, engine.MAX_REPEATS * n // entry.repeats))
-    outcomes = [entry.outcome(roofs, paired_roof) for entry in entries]
+    outcomes = [entry.outcome(roofs, paired_roof, paired_floor) for entry in entries]
     for entry in live:
         with contextlib.suppress(RuntimeError):
             entry.worker.request("release", {"key": entry.key})

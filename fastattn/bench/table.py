@@ -175,8 +175,11 @@ def _roof_cell(row):
 
 def _limit_cell(row):
     """``"92% peak"`` or ``"97% floor"``: the fraction of the limit that binds the point."""
-    fraction = row.get("limit_fraction")
-    return MISSING if _missing(fraction) else f"{format_percent(fraction)} {row.get('limit')}"
+    fraction, paired = row.get("limit_fraction"), row.get("limit_fraction_paired")
+    if _missing(fraction):
+        return MISSING
+    text = f"{format_percent(fraction)} {row.get('limit')}"
+    return text if _missing(paired) else f"{text} ({format_percent(paired)})"
 
 
 #: Columns of a configuration's table (a row of :func:`summarise`): header, right-aligned,
@@ -335,6 +338,7 @@ def versus_rows(records):
                      "paired": paired_ratio(best, peer) if ratio is not None else None,
                      "roof_fraction_paired": best and best.get("roof_fraction_paired"),
                      "limit": best and best.get("limit"),
+                     "limit_fraction_paired": best and best.get("limit_fraction_paired"),
                      "limit_fraction": best and best.get("limit_s") and
                      best["limit_s"] / _fastest_s(best),
                      "roof_blas": best and best.get("roof_blas")})
