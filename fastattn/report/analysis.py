@@ -317,6 +317,11 @@ def stalled_text(curve_list):
             "and re-measuring it (fastattn bench) is the remedy: " + "; ".join(named) + ".")
 
 
+def sentence(opening, parts):
+    """``[opening + "a; b."]`` of the ``parts``, or ``[]`` without any."""
+    return [opening + "; ".join(parts) + "."] if parts else []
+
+
 def exponent_range(attention, fits, expected):
     """``"<attention> lo to hi over N curves (expected about <expected>)"``, or None; fits of
     two points only when no curve has more, and said to be few."""

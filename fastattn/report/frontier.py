@@ -83,11 +83,14 @@ class Frontier:
     softmax_times: list
     setting: Setting
     quality: object
-    missing: list
     unmatched: list
-    headline: list
 
     convergence = property(lambda self: [r for r in self.rows if r.spec.factor])
+    missing = property(lambda self: [r.label for r in self.rows if not r.measured])
+    headline = property(lambda self: _headline(self))
+
+    def softmax_at(self, n):
+        return next(t for t in self.softmax_times if t.n == n)
 
 
 def _times(curve_list):
@@ -136,11 +139,8 @@ def frontier(fq, curve_list):
         rows.append(FrontierRow(spec, spec.num_features(fq.d_k), D, fq.gaussian[spec.key],
                                 mean_quality(layers), layers, _times(measured),
                                 (D * setting.d_v + D) * itemsize, cross, bool(measured)))
-    unmatched = sorted({c.label for c in linear if not any(s.measured_by(c.key) for s in MAPS)})
-    result = Frontier(rows, _times(softmax), setting, fq,
-                      [r.label for r in rows if not r.measured], unmatched, [])
-    result.headline = _headline(result)
-    return result
+    return Frontier(rows, _times(softmax), setting, fq, sorted(
+        {c.label for c in linear if not any(s.measured_by(c.key) for s in MAPS)}))
 
 
 def _headline(fr):
@@ -153,7 +153,7 @@ def _headline(fr):
                  f"{r.label} {r.gaussian.output.cosine_similarity:.3f}" for r in fr.rows) + ")."]
     for n_cost in COST_NS:
         timed = [r for r in fr.rows if r.time_at(n_cost).seconds is not None]
-        soft = next(t for t in fr.softmax_times if t.n == n_cost)
+        soft = fr.softmax_at(n_cost)
         if timed:
             lines.append(f"Time per call at n = {n_cost} ({fr.setting.describe()}): " + "; ".join(
                 f"{r.label} {format_seconds(r.time_at(n_cost).seconds)}" for r in timed)
@@ -204,7 +204,7 @@ def frontier_figure(fr):
             ax.plot(t, yg, "o", markerfacecolor="white", markeredgecolor=c, markersize=7)
             ax.plot(t, y, "o", color=c, markersize=8, label=r.label)
             labels.append((r.label, t, y, c))
-        soft = next(s for s in fr.softmax_times if s.n == n)
+        soft = fr.softmax_at(n)
         if soft.seconds is not None:
             ax.plot(soft.seconds, 1.0, "*", color=SOFTMAX_COLOUR, markersize=13,
                     label="softmax (exact)")

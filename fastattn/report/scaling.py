@@ -111,15 +111,13 @@ def _summary(curve_list, crossovers, statistic, load, busy, cores, threads, why,
         ("causal linear by the masked n×n form (reference)", "linear", 2)]
         if (part := analysis.exponent_range(name, [
             c.time_fit for c in curve_list if c.attention == a and c.expected == e], e))]
-    if parts:
-        out.append(f"Fitted time exponents (n ≥ {analysis.FIT_MIN_N}, causal and not, on the "
-                   f"{statistic}): " + "; ".join(parts) + ".")
+    out += analysis.sentence(f"Fitted time exponents (n ≥ {analysis.FIT_MIN_N}, causal and "
+                             f"not, on the {statistic}): ", parts)
     for causal in (False, True):
-        mine = [r for r in analysis.headline(crossovers) if r.causal == causal]
-        if mine:
-            out.append(f"Crossover ({mask_name(causal)}), where linear attention becomes "
-                       "faster: " + "; ".join(f"{r.label}: {r.crossover.describe()}"
-                                              for r in mine) + ".")
+        out += analysis.sentence(
+            f"Crossover ({mask_name(causal)}), where linear attention becomes faster: ",
+            [f"{r.label}: {r.crossover.describe()}" for r in analysis.headline(crossovers)
+             if r.causal == causal])
     if busy:
         out.append(f"The machine was busy while measuring (1-minute load average {load} on "
                    f"{cores} cores): times are inflated and noisy; compare the kernels side by "
