@@ -192,6 +192,14 @@ def scaling_figure(panels, metric="time", ncols=2, title=None, xlabel=None, empt
     return to_png(fig)
 
 
+def machine_figure(m, metric, **kwargs):
+    """Data URI of :func:`scaling_figure` of machine ``m``'s panels; None if no value to draw."""
+    values = METRICS[metric][0]
+    if any(np.isfinite(getattr(c, values)).any() for c in m.scaling_curves):
+        return data_uri(scaling_figure(m.panels, metric, **kwargs))
+    return None
+
+
 def weights_figure(title, panels, ncols=4):
     """PNG of attention weights ``(label, (n_q, n_k) array)`` per panel, on one log colour
     scale from a hundredth of a uniform weight to the largest."""
