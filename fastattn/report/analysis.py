@@ -190,8 +190,7 @@ def _label(key, peer, keys):
 
 
 def curves(points, roofs=()):
-    """The ok ``points`` as labelled :class:`Curve` s in page order; a point without
-    ``roof_fraction`` is matched to ``roofs``."""
+    """The ok ``points`` as labelled :class:`Curve` s in page order, matched to ``roofs``."""
     groups = {}
     for p in points:
         if p.get("status") == "ok" and p.get("median_s") is not None:
@@ -387,8 +386,7 @@ def headline(rows):
 
 @dataclass
 class Machine:
-    """What a section of one machine reads: its environment record (``{}`` if none), every
-    machine's roof records, its point records and its :class:`Curve` s."""
+    """One machine's environment (``{}`` if none), its points and :class:`Curve` s, all roofs."""
 
     name: str | None
     env: dict

@@ -67,8 +67,7 @@ def _cell(c, i):
 
 
 def section(m):
-    """The Generation block of machine ``m`` (:class:`~.analysis.Machine`); None without
-    decode curves."""
+    """The Generation block of machine ``m``; None without decode curves."""
     decode = m.decode
     if not decode:
         return None

@@ -8,8 +8,7 @@ from .scaling import joined
 
 
 def falling(curve_list):
-    """Sentences for the curves whose peak memory goes down as n grows (below what the probe
-    resolves): each n whose peak is below the largest at a smaller n of the curve."""
+    """Per curve whose peak memory falls as n grows (below what the probe resolves), its drops."""
     out = []
     for c in curve_list:
         drops, top, top_n = [], -np.inf, None
