@@ -1,5 +1,5 @@
-"""Numbers several sections state, from results records only: curves against ``n`` (``n_k``),
-exponent fits and crossovers, final and labelled: figures draw them, the page shows them."""
+"""What several sections state, from results records only: labelled curves against ``n``
+(``n_k``), exponent fits and crossovers, finished for figures and the page."""
 
 import math
 from dataclasses import dataclass
@@ -17,8 +17,7 @@ FIT_MIN_N = 1024
 
 
 def split_records(records):
-    """``environments, roofs, points`` of ``records``; ``points`` keeps the last record of
-    each identity (a resumed run re-measures a point that had failed)."""
+    """``environments, roofs, points``; a point re-measured (resumed run) keeps its last record."""
     environments, roofs, by_key = [], [], {}
     for record in records:
         kind = record.get("record")
@@ -31,17 +30,12 @@ def split_records(records):
     return environments, roofs, list(by_key.values())
 
 
-#: The statistic fits and crossovers use: the fastest repeat, the least dragged by load (as
-#: :mod:`timeit` advises); the median is shown beside it.
-FIT_STATISTIC = "min"
-
 #: The exponent each attention type should show on time (prefill; a decode token: 1 and 0).
 EXPECTED_TIME_EXPONENT = {"softmax": 2, "linear": 1}
 EXPECTED_DECODE_EXPONENT = {"softmax": 1, "linear": 0}
 #: A fitted time exponent further than this from the expected one is flagged.
 EXPONENT_SLACK = 0.35
-#: Backends whose causal linear attention is the masked n x n quadratic form (the
-#: specification), so its time grows as n**2, not n as the chunked kernels' does.
+#: Backends whose causal linear attention is the masked n x n form, so its time grows as n**2.
 QUADRATIC_CAUSAL_LINEAR = ("reference",)
 
 
@@ -58,8 +52,8 @@ def expected_exponent(key):
 
 @dataclass(frozen=True)
 class Fit:
-    """Power law ``y = exp(intercept) · n^slope`` fitted to ``points`` points in
-    ``[n_min, n_max]``; ``stderr`` of the slope is NaN for two points."""
+    """``y = exp(intercept) · n^slope`` fitted to ``points`` points in ``[n_min, n_max]``
+    (``stderr`` NaN for two)."""
 
     slope: float
     stderr: float
@@ -85,8 +79,8 @@ def fixed(value, digits=2):
 
 
 def fit_exponent(n, y, min_n=FIT_MIN_N):
-    """The :class:`Fit` (:func:`scipy.stats.linregress` of ``log y`` on ``log n``) of the
-    finite positive ``y`` with ``n >= min_n``; None with fewer than two distinct ``n``."""
+    """The :class:`Fit` of ``log y`` on ``log n`` (finite positive ``y``, ``n >= min_n``), or
+    None with fewer than two distinct ``n``."""
     n, y = np.asarray(n, dtype=np.float64), np.asarray(y, dtype=np.float64)
     use = (n >= min_n) & np.isfinite(y) & (y > 0)
     x, t = np.log(n[use]), np.log(y[use])
@@ -97,18 +91,15 @@ def fit_exponent(n, y, min_n=FIT_MIN_N):
                float(fit.intercept), len(x), round(math.exp(x.min())), round(math.exp(x.max())))
 
 
-#: A point whose fastest repeat is this many times slower than its curve's trend (the line
-#: through its neighbours in log-log, or any larger n's time) stalled on every repeat: it is
-#: kept out of fits and crossovers, and the page names it.
+#: A point this many times slower than its curve's trend stalled on every repeat: it is kept
+#: out of fits and crossovers, and the page names it.
 STALL_FACTOR = 4.0
 
 
 def stalled_points(n, t, factor=STALL_FACTOR):
-    """Per point of a curve (``n`` ascending), True where ``t`` is over ``factor`` times what
-    its neighbours say: slower than at a larger n, or above the log-log line through the
-    points on either side.  The largest n is never flagged: a jump there may be real."""
-    n = np.asarray(n, dtype=np.float64)
-    t = np.asarray(t, dtype=np.float64)
+    """True per point (``n`` ascending) over ``factor`` times slower than a larger n or the
+    log-log line through its neighbours; never the largest n (a jump there may be real)."""
+    n, t = np.asarray(n, dtype=np.float64), np.asarray(t, dtype=np.float64)
     out = np.zeros(len(n), dtype=bool)
     idx = np.flatnonzero(np.isfinite(t) & (t > 0) & (n > 0))
     x, y, limit = np.log(n[idx]), np.log(t[idx]), math.log(factor)
@@ -139,10 +130,9 @@ def _column(name):
 
 @dataclass
 class Curve:
-    """One backend's point records of one configuration (``key``: :data:`CURVE_KEYS`), by
-    ``n``; the arrays are their fields per n (NaN: not recorded).  ``fit_s`` (the
-    ``statistic``: ``"min"``, or ``"median"`` where asv kept no samples, stalled points
-    NaN) is what fits and crossovers use."""
+    """One configuration's (``key``: :data:`CURVE_KEYS`) point records by ``n``, their fields
+    as arrays (NaN: not recorded); fits and crossovers use ``fit_s``: the fastest repeat (the
+    median where asv kept none), stalled points NaN."""
 
     key: dict
     points: list
@@ -158,7 +148,7 @@ class Curve:
     median_s, min_s, max_s = _column("median_s"), _column("min_s"), _column("max_s")
     gflops, peak_bytes, held_bytes = _column("gflops"), _column("peak_bytes"), _column("held_bytes")
     max_abs_err, load_avg = _column("max_abs_err"), _column("load_avg_1m")
-    statistic = property(lambda self: FIT_STATISTIC if np.isfinite(self.min_s).all() else "median")
+    statistic = property(lambda self: "min" if np.isfinite(self.min_s).all() else "median")
     measured_s = property(lambda self: self.min_s if self.statistic == "min" else self.median_s)
     stalled = cached_property(lambda self: stalled_points(self.n, self.measured_s))
     fit_s = property(lambda self: np.where(self.stalled, np.nan, self.measured_s))
@@ -175,20 +165,18 @@ class Curve:
     time_fit = cached_property(lambda self: fit_exponent(self.n, self.fit_s))
     memory_fit = cached_property(lambda self: fit_exponent(self.n, self.peak_bytes))
     held_fit = cached_property(lambda self: fit_exponent(self.n, self.held_bytes))
-
     expected = property(lambda self: expected_exponent(self.key))
 
     def fit_text(self, which):
-        """The ``which`` (``"time"``, ``"memory"``, ``"held"``) fit as the page shows it."""
+        """The ``"time"``, ``"memory"`` or ``"held"`` fit as the page shows it."""
         fit = getattr(self, f"{which}_fit")
         return fit.format() if fit else "–"
 
     @property
     def off(self):
-        """True when the time exponent is further than :data:`EXPONENT_SLACK` from the expected."""
-        expected = self.expected
-        return bool(self.time_fit and expected is not None
-                    and abs(self.time_fit.slope - expected) > EXPONENT_SLACK)
+        """True when the time exponent is over :data:`EXPONENT_SLACK` from the expected."""
+        return bool(self.time_fit and self.expected is not None
+                    and abs(self.time_fit.slope - self.expected) > EXPONENT_SLACK)
 
 
 def _label(key, peer, keys):
@@ -202,8 +190,7 @@ def _label(key, peer, keys):
 
 
 def curves(points, roofs=()):
-    """The ok ``points`` as labelled :class:`Curve` s, by machine, attention, causal, then
-    backend (peers last); a point without ``roof_fraction`` is matched to ``roofs``."""
+    """The ok ``points`` as labelled :class:`Curve` s in page order, matched to ``roofs``."""
     groups = {}
     for p in points:
         if p.get("status") == "ok" and p.get("median_s") is not None:
@@ -228,8 +215,8 @@ def curves(points, roofs=()):
 
 @dataclass(frozen=True)
 class Crossover:
-    """Where linear attention becomes faster: ``n`` (None unless ``status`` is
-    ``"crossover"``), the common range ``n_lo..n_hi`` and how often the order flips there."""
+    """Where linear attention becomes faster (``n``: only with status ``"crossover"``), the
+    common range ``n_lo..n_hi`` and how often the order flips there."""
 
     n: float | None
     status: str
@@ -256,8 +243,8 @@ class Crossover:
 
 
 def crossover(n_softmax, t_softmax, n_linear, t_linear):
-    """The :class:`Crossover` of two time curves, interpolated in ``(log n, log t)`` on their
-    common range: where ``log t_linear - log t_softmax`` last turns negative."""
+    """The :class:`Crossover` of two time curves: where, interpolated in log-log on their
+    common range, ``log t_linear - log t_softmax`` last turns negative."""
     ns, ts = _positive(n_softmax, t_softmax)
     nl, tl = _positive(n_linear, t_linear)
     if len(ns) == 0 or len(nl) == 0 or max(ns[0], nl[0]) > min(ns[-1], nl[-1]):
@@ -266,7 +253,7 @@ def crossover(n_softmax, t_softmax, n_linear, t_linear):
     grid = np.unique(np.concatenate([ns, nl]))
     grid = grid[(grid >= lo) & (grid <= hi)]
     x = np.log(grid)
-    diff = (np.interp(x, np.log(nl), np.log(tl)) - np.interp(x, np.log(ns), np.log(ts)))
+    diff = np.interp(x, np.log(nl), np.log(tl)) - np.interp(x, np.log(ns), np.log(ts))
     faster = diff < 0  # linear faster
     crossings = int(np.count_nonzero(faster[1:] != faster[:-1]))
     lo, hi = int(lo), int(hi)
@@ -281,8 +268,7 @@ def crossover(n_softmax, t_softmax, n_linear, t_linear):
 
 
 def _positive(n, t):
-    n = np.asarray(n, dtype=np.float64)
-    t = np.asarray(t, dtype=np.float64)
+    n, t = np.asarray(n, dtype=np.float64), np.asarray(t, dtype=np.float64)
     use = np.isfinite(t) & (t > 0) & (n > 0)
     order = np.argsort(n[use])
     return n[use][order], t[use][order]
@@ -330,9 +316,14 @@ def stalled_text(curve_list):
             "and re-measuring it (fastattn bench) is the remedy: " + "; ".join(named) + ".")
 
 
+def sentence(opening, parts):
+    """``[opening + "a; b."]`` of the ``parts``, or ``[]`` without any."""
+    return [opening + "; ".join(parts) + "."] if parts else []
+
+
 def exponent_range(attention, fits, expected):
-    """``"<attention> lo to hi over N curves (expected about <expected>)"`` of ``fits``, or
-    None; fits of two points are quoted only when no curve has more, and said to be few."""
+    """``"<attention> lo to hi over N curves (expected about <expected>)"``, or None; fits of
+    two points only when no curve has more, and said to be few."""
     fits = [f for f in fits if f]
     fits = [f for f in fits if f.points >= 3] or fits
     if not fits:
@@ -362,33 +353,28 @@ class CrossoverRow:
 
 def crossover_rows(curve_list):
     """Crossovers of each backend, and of the fastest of each type (lower envelopes, with two
-    backends or more), within one dtype and thread count."""
-    rows = []
-    settings = sorted({(c.causal, str(c.key.get("dtype")), str(c.key.get("threads")))
-                       for c in curve_list})
+    backends or more), within one mask, dtype and thread count."""
+    def setting(c):
+        return c.causal, str(c.key.get("dtype")), str(c.key.get("threads"))
+    settings = sorted({setting(c) for c in curve_list})
     several = len({s[1:] for s in settings}) > 1
+    rows = []
     for causal, dtype, threads in settings:
-        same = [c for c in curve_list if (c.causal, str(c.key.get("dtype")),
-                                          str(c.key.get("threads"))) == (causal, dtype, threads)]
+        same = [c for c in curve_list if setting(c) == (causal, dtype, threads)]
         suffix = f" [{dtype}, {threads} threads]" if several else ""
-        soft = {c.backend: c for c in same if c.attention == "softmax"}
-        lin = {c.backend: c for c in same if c.attention == "linear"}
-        for backend in (b for b in soft if b in lin):
-            s, l_ = soft[backend], lin[backend]
-            rows.append(CrossoverRow(causal, "backend",
-                                     f"{backend}{' (peer)' if s.peer else ''}{suffix}",
-                                     crossover(s.n, s.fit_s, l_.n, l_.fit_s), s.peer))
-        for kind, pool in (("fastattn", [c for c in same if not c.peer]), ("all", same)):
-            if kind == "all" and not any(c.peer for c in same):
-                continue
-            s_list = [c for c in pool if c.attention == "softmax"]
-            l_list = [c for c in pool if c.attention == "linear"]
-            if len({c.backend for c in pool}) < 2 or not s_list or not l_list:
-                continue
-            label = ("fastest fastattn kernel of each type" if kind == "fastattn"
-                     else "fastest of all, peers included")
-            rows.append(CrossoverRow(causal, kind, label + suffix,
-                                     crossover(*envelope(s_list), *envelope(l_list))))
+        soft, lin = ({c.backend: c for c in same if c.attention == a}
+                     for a in ("softmax", "linear"))
+        rows += [CrossoverRow(causal, "backend", f"{b}{' (peer)' if s.peer else ''}{suffix}",
+                              crossover(s.n, s.fit_s, lin[b].n, lin[b].fit_s), s.peer)
+                 for b, s in soft.items() if b in lin]
+        peers = any(c.peer for c in same)
+        for kind, label, pool in (("fastattn", "fastest fastattn kernel of each type",
+                                   [c for c in same if not c.peer]),
+                                  ("all", "fastest of all, peers included", same if peers else [])):
+            s_list, l_list = ([c for c in pool if c.attention == a] for a in ("softmax", "linear"))
+            if len({c.backend for c in pool}) >= 2 and s_list and l_list:
+                rows.append(CrossoverRow(causal, kind, label + suffix,
+                                         crossover(*envelope(s_list), *envelope(l_list))))
     return rows
 
 
@@ -400,8 +386,7 @@ def headline(rows):
 
 @dataclass
 class Machine:
-    """What a section of one machine reads: its environment record (``{}`` if none), every
-    machine's roof records, its point records and its :class:`Curve` s."""
+    """One machine's environment (``{}`` if none), its points and :class:`Curve` s, all roofs."""
 
     name: str | None
     env: dict

@@ -1,5 +1,5 @@
-"""The report's shared drawing: PNG bytes (Agg) of analysis objects as they are.  Colour
-follows the backend, line style the attention: softmax solid, linear dashed."""
+"""The report's shared drawing: PNG bytes (Agg) of analysis objects as they are; colour by
+backend, line style by attention (softmax solid, linear dashed)."""
 
 import base64
 import io
@@ -40,12 +40,9 @@ def style(curve):
                if curve.key.get("dtype") == "float64" else {})}
 
 
-#: Most legend entries drawn below a panel; the tables name the curves of a panel of more.
-LEGEND_MAX = 16
-#: Labels longer than this go one to a legend row, shorter ones two.
-LEGEND_WIDE_LABEL = 44
-#: Inches a legend row takes, and the legend rows a panel leaves room for below its axes.
-LEGEND_ROW_IN, LEGEND_ROWS_IN_PANEL = 0.16, 6
+#: Most legend entries below a panel (the tables name more); labels over LEGEND_WIDE_LABEL
+#: characters go one to a row; a row's inches, and the rows a panel leaves room for.
+LEGEND_MAX, LEGEND_WIDE_LABEL, LEGEND_ROW_IN, LEGEND_ROWS_IN_PANEL = 16, 44, 0.16, 6
 
 
 def _legend_columns(labels):
@@ -53,7 +50,7 @@ def _legend_columns(labels):
 
 
 def finish(ax, title, xlabel=None):
-    """The n axis, the panel title and the legend below the panel (the curves stay visible)."""
+    """The n axis, the title and the legend below the panel (the curves stay visible)."""
     n_axis(ax, xlabel)
     ax.set_title(title, fontsize=11)
     labels = ax.get_legend_handles_labels()[1]
@@ -116,9 +113,8 @@ ABOVE_ROOF = "above its roof (see the note)"
 
 
 def _equal_groups(curve_list, values):
-    """``(curve, label, use)`` per line to draw: curves of one attention whose ``values`` are
-    equal at the same n are one line (drawn apart, they would lie on one another), labelled
-    "linear: reference, numba — equal"; a line per curve for the time."""
+    """``(curve, label, use)`` per line: a curve, or (memory only) the curves of one attention
+    with equal ``values`` as one line "linear: reference, numba — equal"."""
     groups = {}
     for c in curve_list:
         y = getattr(c, values)
@@ -132,19 +128,40 @@ def _equal_groups(curve_list, values):
         for c, members, use in groups.values()]
 
 
+def _y_axis(ax, metric):
+    """Log y, its ticks read as GFLOP/s, seconds or (powers of two) whole KiB / MiB / GiB."""
+    ax.set_yscale("log")
+    if metric == "gflops":
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))
+    elif metric == "time":
+        ax.yaxis.set_major_locator(LogLocator(base=10))
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda x, _: format_seconds(x)))
+    else:
+        ax.yaxis.set_major_locator(LogLocator(base=2, numticks=8))
+        ax.yaxis.set_minor_locator(LogLocator(base=2, subs=(), numticks=8))
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda x, _: format_bytes(x)))
+
+
 def scaling_figure(panels, metric="time", ncols=2, title=None, xlabel=None, empty=None,
                    roofs=()):
-    """PNG of log-log ``metric`` (a :data:`METRICS` key; time with the band of the middle half
-    of the repeats) against n, a panel per ``(title, curves)``, each fit in the legend and
-    dotted; GFLOP/s with the ``(label, n, gflops)`` of ``roofs`` as black lines (horizontal
-    when probed at one n) and the points above their roof ringed in red.  A figure with
-    nothing to draw says so in words: ``empty``, else "no data"."""
+    """PNG of log-log ``metric`` (:data:`METRICS`) against n, a panel per ``(title, curves)``:
+    fits in the legend and dotted, time with the band of the middle half of its repeats,
+    GFLOP/s with the ``(label, n, gflops)`` ``roofs`` in black and points above their roof
+    ringed in red; with nothing to draw, the words ``empty`` (else "no data")."""
     values, fit_name, ylabel = METRICS[metric]
     fig, axes = panel_grid(panels, ncols)
-    drawn = False
-    for ax, (panel_title, curve_list) in zip(axes, panels):
-        for c, label, use in _equal_groups(curve_list, values):
-            drawn, y, fit = True, getattr(c, values), fit_name and getattr(c, fit_name)
+    if title:
+        fig.suptitle(title, fontsize=12)
+    lines = [_equal_groups(curve_list, values) for _, curve_list in panels]
+    if not any(lines):   # words, not empty axes
+        for ax in axes:
+            ax.set_axis_off()
+        axes[0].text(0.5, 0.5, empty or "no data", transform=axes[0].transAxes, ha="center",
+                     va="center", wrap=True)
+        return to_png(fig)
+    for ax, (panel_title, _), groups in zip(axes, panels, lines):
+        for c, label, use in groups:
+            y, fit = getattr(c, values), fit_name and getattr(c, fit_name)
             ax.plot(c.n[use], y[use], label=label + (f"  n^{fit.format()}" if fit else ""),
                     **{**style(c), **({"color": NO_BACKEND_COLOUR} if label != c.label else {})})
             band = use & np.isfinite(c.q25_s) & np.isfinite(c.q75_s) & (metric == "time")
@@ -160,38 +177,27 @@ def scaling_figure(panels, metric="time", ncols=2, title=None, xlabel=None, empt
                 ax.plot(c.n[over], y[over], linestyle="none", marker="o", markersize=11,
                         markerfacecolor="none", markeredgecolor="#d00000", markeredgewidth=1.6,
                         label=None if ringed else ABOVE_ROOF)
-        for i, (label, ns, gflops) in enumerate(roofs):
+        for i, (label, ns, gflops) in enumerate(roofs):   # one n: a horizontal line
             line = {"color": "black", "linewidth": 2.2 - 0.6 * i,
                     "linestyle": ["-", "-.", ":"][i % 3], "label": label}
             if len(ns) == 1:
                 ax.axhline(gflops[0], **line)
             else:
                 ax.plot(ns, gflops, **line)
-        ax.set_yscale("log")
-        if metric == "gflops":
-            ax.yaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))
-        elif metric == "time":
-            ax.yaxis.set_major_locator(LogLocator(base=10))
-            ax.yaxis.set_major_formatter(FuncFormatter(lambda x, _: format_seconds(x)))
-        else:  # powers of two read as whole KiB / MiB / GiB
-            ax.yaxis.set_major_locator(LogLocator(base=2, numticks=8))
-            ax.yaxis.set_minor_locator(LogLocator(base=2, subs=(), numticks=8))
-            ax.yaxis.set_major_formatter(FuncFormatter(lambda x, _: format_bytes(x)))
+        _y_axis(ax, metric)
         finish(ax, panel_title, xlabel)
         if fit_name:
             ax.axvspan(FIT_MIN_N, ax.get_xlim()[1], color="#f3f3f3", zorder=0)
     axes[0].set_ylabel(ylabel)
-    if title:
-        fig.suptitle(title, fontsize=12)
-    if not drawn:   # words, not empty axes
-        for ax in axes:
-            ax.set_axis_off()
-            for patch in list(ax.patches):   # the shaded fit region
-                patch.remove()
-        axes[0].set_title("")
-        axes[0].text(0.5, 0.5, empty or "no data", transform=axes[0].transAxes, ha="center",
-                     va="center", wrap=True)
     return to_png(fig)
+
+
+def machine_figure(m, metric, **kwargs):
+    """Data URI of :func:`scaling_figure` of machine ``m``'s panels; None if no value to draw."""
+    values = METRICS[metric][0]
+    if any(np.isfinite(getattr(c, values)).any() for c in m.scaling_curves):
+        return data_uri(scaling_figure(m.panels, metric, **kwargs))
+    return None
 
 
 def weights_figure(title, panels, ncols=4):

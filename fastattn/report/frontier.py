@@ -1,6 +1,5 @@
-"""The feature-map frontier: each map's quality (computed by
-:func:`fastattn.map_quality.compute_frontier_quality`, never timed) against its measured cost
-(time at :data:`COST_NS`, state bytes, crossover against softmax).  Nothing is estimated."""
+"""The feature-map frontier: each map's computed quality against its measured cost (time at
+:data:`COST_NS`, state bytes, crossover against softmax); nothing is estimated."""
 
 import math
 from dataclasses import astuple, dataclass
@@ -14,21 +13,18 @@ from ..map_quality import MAPS, MapQuality, mean_quality
 from .analysis import crossover, envelope, fastest_at
 from .figures import data_uri, plt, to_png, weights_figure  # figures selects Agg first
 
-#: Sequence lengths whose measured time per call the frontier shows.
-COST_NS = FEATURE_MAP_NS
-
-#: The page's link to this section.
+COST_NS = FEATURE_MAP_NS   # the n whose time per call the frontier shows
 NAV = "Feature maps"
 
 
 def kl_text(kl):
-    """A row KL divergence for the page: 3 decimals, ``"∞"`` when infinite."""
+    """A row KL divergence: 3 decimals, or ``"∞"``."""
     return "∞" if math.isinf(kl) else f"{kl:.3f}"
 
 
 @dataclass(frozen=True)
 class TimeAt:
-    """The measured time per call at one n: the fastest fastattn backend there."""
+    """The time per call at ``n`` of the fastest fastattn backend there."""
 
     n: int
     seconds: float | None        # None: no point measured at this n
@@ -41,10 +37,8 @@ class TimeAt:
 
 @dataclass
 class FrontierRow:
-    """One map: its quality (``gaussian``, ``minilm`` the mean of ``minilm_layers``) beside
-    its cost: ``times`` (a :class:`TimeAt` per :data:`COST_NS`), ``state_bytes`` (``(D·d_v +
-    D) · itemsize`` per head) and ``crossover`` against softmax (None: not measured).
-    ``num_features`` is D at the quality inputs' d_k, ``cost_num_features`` at the points'."""
+    """One map's quality (``minilm``: the mean of ``minilm_layers``) and cost: a :class:`TimeAt`
+    per :data:`COST_NS`, state bytes per head and the crossover (None: not measured)."""
 
     spec: object
     num_features: int
@@ -66,7 +60,7 @@ class FrontierRow:
 
 @dataclass
 class Setting:
-    """The configuration the costs come from (the one most linear points share)."""
+    """The configuration the costs come from."""
 
     machine: str | None = None
     dtype: str = "float32"
@@ -77,35 +71,36 @@ class Setting:
     def describe(self):
         return (f"non-causal, d_k = {self.d_k}, d_v = {self.d_v}, {self.dtype}, "
                 f"{plural(self.threads if self.threads is not None else '?', 'thread')}, "
-                "batch 1, "
-                "one head" + (f", machine {self.machine}" if self.machine else ""))
+                "batch 1, one head" + (f", machine {self.machine}" if self.machine else ""))
 
 
 @dataclass
 class Frontier:
-    """Everything the frontier section shows: a :class:`FrontierRow` per map of :data:`MAPS`,
-    softmax's times, the :class:`Setting`, the quality, the maps not measured (``missing``),
-    the feature-map curves not on the frontier (``unmatched``) and the opening sentences."""
+    """The section: a :class:`FrontierRow` per map of :data:`MAPS`, softmax's times, the maps not
+    measured, the feature-map curves not on the frontier and the opening sentences."""
 
     rows: list
     softmax_times: list
     setting: Setting
     quality: object
-    missing: list
     unmatched: list
-    headline: list
 
     convergence = property(lambda self: [r for r in self.rows if r.spec.factor])
+    missing = property(lambda self: [r.label for r in self.rows if not r.measured])
+    headline = property(lambda self: _headline(self))
+
+    def softmax_at(self, n):
+        return next(t for t in self.softmax_times if t.n == n)
 
 
 def _times(curve_list):
-    """:class:`TimeAt` per :data:`COST_NS`: the fastest curve measured at each n."""
+    """A :class:`TimeAt` per :data:`COST_NS`."""
     found = [(n, *fastest_at(curve_list, n)) for n in COST_NS]
     return [TimeAt(n, t, c.backend if c else None) for n, t, c in found]
 
 
 def _setting(curve_list):
-    """The setting most non-causal linear curves of fastattn's backends share (float32 first)."""
+    """The setting most non-causal linear fastattn curves share (float32 first)."""
     linear = [c for c in curve_list if c.attention == "linear" and not c.causal and not c.peer]
     pool = linear or [c for c in curve_list if not c.causal and not c.peer]
     if not pool:
@@ -120,26 +115,15 @@ def _setting_of(c):
 
 
 def _in_setting(c, setting):
-    """Whether ``c`` is a non-causal single-head prefill curve of fastattn's in ``setting``."""
+    """Whether ``c`` is a non-causal single-head fastattn prefill curve in ``setting``."""
     return (not c.causal and not c.peer and _setting_of(c) == astuple(setting)
             and c.key.get("batch", 1) == 1 and c.key.get("heads", 1) == 1
             and c.key.get("regime") in (None, "prefill"))
 
 
 def frontier(fq, curve_list):
-    """The frontier of :data:`MAPS` from computed quality and measured curves.
-
-    Parameters
-    ----------
-    fq : fastattn.map_quality.FrontierQuality
-    curve_list : list of Curve
-        Costs come from the non-causal curves of fastattn's backends in the
-        :class:`Setting` most non-causal linear curves share.
-
-    Returns
-    -------
-    Frontier
-    """
+    """The :class:`Frontier` of quality ``fq`` (a ``FrontierQuality``) and the curves of one
+    :class:`Setting`."""
     setting = _setting(curve_list)
     mine = [c for c in curve_list if _in_setting(c, setting)]
     softmax = [c for c in mine if c.attention == "softmax"]
@@ -155,12 +139,8 @@ def frontier(fq, curve_list):
         rows.append(FrontierRow(spec, spec.num_features(fq.d_k), D, fq.gaussian[spec.key],
                                 mean_quality(layers), layers, _times(measured),
                                 (D * setting.d_v + D) * itemsize, cross, bool(measured)))
-    unmatched = sorted({c.label for c in linear if not any(s.measured_by(c.key) for s in MAPS)})
-    softmax_times = _times(softmax)
-    result = Frontier(rows, softmax_times, setting, fq,
-                      [r.label for r in rows if not r.measured], unmatched, [])
-    result.headline = _headline(result)
-    return result
+    return Frontier(rows, _times(softmax), setting, fq, sorted(
+        {c.label for c in linear if not any(s.measured_by(c.key) for s in MAPS)}))
 
 
 def _headline(fr):
@@ -173,7 +153,7 @@ def _headline(fr):
                  f"{r.label} {r.gaussian.output.cosine_similarity:.3f}" for r in fr.rows) + ")."]
     for n_cost in COST_NS:
         timed = [r for r in fr.rows if r.time_at(n_cost).seconds is not None]
-        soft = next(t for t in fr.softmax_times if t.n == n_cost)
+        soft = fr.softmax_at(n_cost)
         if timed:
             lines.append(f"Time per call at n = {n_cost} ({fr.setting.describe()}): " + "; ".join(
                 f"{r.label} {format_seconds(r.time_at(n_cost).seconds)}" for r in timed)
@@ -185,14 +165,13 @@ def _headline(fr):
     return lines
 
 
-#: One colour per map: FAVOR+ from light to dark as m grows.
+#: FAVOR+ from light to dark as m grows.
 MAP_COLOURS = {"favor-1": "#c9b3e6", "favor-4": "#a27fd1", "favor-16": "#7b4bb8",
                "favor-64": "#4b1d8c", "taylor": "#2ca02c", "elu": "#1f77b4", "relu": "#ff7f0e"}
 SOFTMAX_COLOUR = "#222222"
 
 
-#: A point in the right part of its panel (this share of the log time range) is labelled
-#: on its left, so the label stays inside the plot.
+#: A point past this share of its panel's log time range is labelled on its left.
 LABEL_LEFT_FROM = 0.7
 
 
@@ -209,8 +188,7 @@ def _label_points(ax, labels):
 
 
 def frontier_figure(fr):
-    """PNG of quality against time per call, a point per map, a panel per n of
-    :data:`COST_NS`: filled MiniLM, hollow Gaussian, softmax the star."""
+    """PNG of quality (filled MiniLM, hollow Gaussian) against time, a panel per n."""
     fig, axes = plt.subplots(1, len(COST_NS), figsize=(12, 5.2), sharey=True,
                              layout="constrained")
     for ax, n in zip(np.atleast_1d(axes), COST_NS):
@@ -226,7 +204,7 @@ def frontier_figure(fr):
             ax.plot(t, yg, "o", markerfacecolor="white", markeredgecolor=c, markersize=7)
             ax.plot(t, y, "o", color=c, markersize=8, label=r.label)
             labels.append((r.label, t, y, c))
-        soft = next(s for s in fr.softmax_times if s.n == n)
+        soft = fr.softmax_at(n)
         if soft.seconds is not None:
             ax.plot(soft.seconds, 1.0, "*", color=SOFTMAX_COLOUR, markersize=13,
                     label="softmax (exact)")
@@ -257,7 +235,7 @@ def frontier_figure(fr):
 
 
 def convergence_figure(fr):
-    """PNG of FAVOR+'s cosine similarity and row KL against m, the other maps as lines."""
+    """PNG of FAVOR+'s cosine similarity and row KL against m, other maps as lines."""
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.4), layout="constrained")
     ms = np.array([r.num_features for r in fr.convergence])
     for ax, part, metric, ylabel in (
@@ -292,7 +270,7 @@ def convergence_figure(fr):
 
 
 def section(page):
-    """The :class:`Frontier` of ``page`` and its figures; None without frontier quality."""
+    """The :class:`Frontier` and its figures; None without frontier quality."""
     fq = page.quality and page.quality.frontier
     if fq is None:
         return None

@@ -1,6 +1,5 @@
-"""The Generation section: what one generated token costs at context length n, from the
-``regime="decode"`` curves; the end-to-end table adds measured prefill times to per-token
-times interpolated in log-log between measured context lengths (never extrapolated)."""
+"""The Generation section: what one generated token costs at context length n (the
+``regime="decode"`` curves), and a prompt plus generated tokens end to end."""
 
 from dataclasses import dataclass
 
@@ -17,8 +16,7 @@ NAV = "Generation"
 
 @dataclass(frozen=True)
 class EndToEnd:
-    """A prompt of ``prompt`` tokens (one causal prefill call) then ``generated`` decode
-    steps: seconds and the kernels that gave them."""
+    """A prompt of ``prompt`` tokens (one causal prefill) then ``generated`` decode steps."""
 
     attention: str
     prompt: int
@@ -32,8 +30,8 @@ class EndToEnd:
 
 
 def per_token_seconds(curve, contexts):
-    """Seconds per token of ``curve`` at each of ``contexts``, interpolated in log-log
-    between its measured n; None when a context lies outside them."""
+    """Seconds per token of ``curve`` at ``contexts``, interpolated in log-log between its
+    measured n; None when a context lies outside them."""
     contexts = np.asarray(contexts, dtype=np.float64)
     ok = np.isfinite(curve.fit_s) & (curve.fit_s > 0)
     n, t = curve.n[ok].astype(np.float64), curve.fit_s[ok]
@@ -43,8 +41,8 @@ def per_token_seconds(curve, contexts):
 
 
 def end_to_end(prefill, decode, prompts=PROMPTS, generated=GENERATED):
-    """:class:`EndToEnd` rows per attention, P and T: the fastest fastattn causal prefill at
-    n = P plus the fastest fastattn decode curve's times summed over contexts P+1 ... P+T."""
+    """:class:`EndToEnd` per attention, P and T: the fastest fastattn causal prefill at n = P
+    plus the fastest fastattn decode curve's times summed over contexts P+1 ... P+T."""
     rows = []
     for attention in ("softmax", "linear"):
         pre = [c for c in prefill if c.attention == attention and c.causal and not c.peer]
@@ -61,36 +59,35 @@ def end_to_end(prefill, decode, prompts=PROMPTS, generated=GENERATED):
     return rows
 
 
+def _cell(c, i):
+    return {"time": format_seconds(c.measured_s[i]) + (" (stalled)" if c.stalled[i] else ""),
+            "median": format_seconds(c.median_s[i]),
+            "tokens_s": format_number(1 / c.measured_s[i]) if c.measured_s[i] > 0 else "–",
+            "held": format_bytes(c.held_bytes[i])}
+
+
 def section(m):
-    """The Generation block of machine ``m`` (:class:`~.analysis.Machine`; None without
-    decode curves)."""
-    decode, prefill = m.decode, m.prefill
+    """The Generation block of machine ``m``; None without decode curves."""
+    decode = m.decode
     if not decode:
         return None
-    panels = [("time per generated token", decode)]
     label = "context length n (one query against n keys)"
     crossovers = analysis.crossover_rows(decode)
-    rows = analysis.rows_by_n(decode, lambda c, i: {
-        "time": format_seconds(c.measured_s[i]) + (" (stalled)" if c.stalled[i] else ""),
-        "median": format_seconds(c.median_s[i]),
-        "tokens_s": format_number(1 / c.measured_s[i]) if c.measured_s[i] > 0 else "–",
-        "held": format_bytes(c.held_bytes[i])})
-    summary = [text for attention, expected in analysis.EXPECTED_DECODE_EXPONENT.items()
-               if (text := analysis.exponent_range(attention, [
-                   c.time_fit for c in decode if c.attention == attention and not c.peer],
-                   expected))]
-    head = analysis.headline(crossovers)
-    summary = ([f"Generation, time per token against context length n (n ≥ "
-                f"{analysis.FIT_MIN_N}): " + "; ".join(summary) + "."] if summary else []) + (
-        ["A linear-attention token is cheaper than a softmax one: " + "; ".join(
-            f"{r.label}: {r.crossover.describe()}" for r in head) + "."] if head else []) + [
-        text for text in [analysis.stalled_text(decode)] if text]
+    fits = [text for attention, expected in analysis.EXPECTED_DECODE_EXPONENT.items()
+            if (text := analysis.exponent_range(attention, [
+                c.time_fit for c in decode if c.attention == attention and not c.peer],
+                expected))]
+    summary = analysis.sentence(f"Generation, time per token against context length n (n ≥ "
+                                f"{analysis.FIT_MIN_N}): ", fits) + analysis.sentence(
+        "A linear-attention token is cheaper than a softmax one: ",
+        [f"{r.label}: {r.crossover.describe()}" for r in analysis.headline(crossovers)])
     return {
-        "time_png": figures.data_uri(figures.scaling_figure(panels, "time", 1, xlabel=label)),
+        "time_png": figures.data_uri(figures.scaling_figure(
+            [("time per generated token", decode)], "time", 1, xlabel=label)),
         "held_png": figures.data_uri(figures.scaling_figure(
             [("memory held between tokens, per head", decode)], "held", 1, xlabel=label)),
         "fits": decode, "crossovers": crossovers, "columns": [c.label for c in decode],
-        "rows": rows, "statistic": decode[0].statistic, "summary": summary,
-        "end_to_end": end_to_end(prefill, decode),
-        "prompts": PROMPTS, "generated": GENERATED,
+        "rows": analysis.rows_by_n(decode, _cell), "statistic": decode[0].statistic,
+        "summary": summary + [text for text in [analysis.stalled_text(decode)] if text],
+        "end_to_end": end_to_end(m.prefill, decode), "prompts": PROMPTS, "generated": GENERATED,
     }

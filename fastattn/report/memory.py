@@ -8,8 +8,7 @@ from .scaling import joined
 
 
 def falling(curve_list):
-    """Sentences for the curves whose peak memory goes down as n grows (below what the probe
-    resolves): each n whose peak is below the largest at a smaller n of the curve."""
+    """Per curve whose peak memory falls as n grows (below what the probe resolves), its drops."""
     out = []
     for c in curve_list:
         drops, top, top_n = [], -np.inf, None
@@ -28,8 +27,6 @@ def falling(curve_list):
 
 def section(m):
     """The memory block of machine ``m`` (:class:`~.analysis.Machine`)."""
-    curve_list = m.scaling_curves
-    drawn = any(np.isfinite(c.peak_bytes).any() for c in curve_list)
-    return {"png": figures.data_uri(figures.scaling_figure(m.panels, "memory")) if drawn else None,
-            "methods": joined(meth for c in curve_list for meth in c.memory_method),
-            "falling": falling(curve_list) if drawn else []}
+    png, curve_list = figures.machine_figure(m, "memory"), m.scaling_curves
+    return {"png": png, "methods": joined(meth for c in curve_list for meth in c.memory_method),
+            "falling": falling(curve_list) if png else []}

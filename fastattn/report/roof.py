@@ -47,9 +47,7 @@ def section(m):
     curve_list = m.scaling_curves
     roofs = [r for r in m.roofs if r.get("machine") in (None, m.name)]
     lines = roof_lines(m.roofs, curve_list, m.name)
-    drawn = any(np.isfinite(c.gflops).any() for c in curve_list)
-    return {"png": figures.data_uri(figures.scaling_figure(m.panels, "gflops", roofs=lines))
-            if drawn else None,
+    return {"png": figures.machine_figure(m, "gflops", roofs=lines),
             "lines": [label for label, _, _ in lines], "statements": roof_statements(roofs),
             "above": [f"{c.label}, {mask_name(c.causal)}, at n = {n}" for c in curve_list
                       for n, flag in zip(c.n.tolist(), c.above_roof.tolist()) if flag],

@@ -1,5 +1,5 @@
-"""The Scaling section of one machine: time against n, fits, crossovers, the fastest kernels,
-every measured point, the points not measured and the peers."""
+"""The Scaling section of one machine: time against n, fits, crossovers, every point measured
+or not, and the peers."""
 
 import numpy as np
 
@@ -8,17 +8,14 @@ from ..bench.table import (format_bytes, format_number, format_percent, format_s
                            plural)
 from . import analysis, figures
 
-PEER_HELP = ("No peer ran the prefill points: these results hold none (no peer was installed "
-             "where they were measured). To put PyTorch's SDPA, onnxruntime's and JAX's "
-             "attention beside fastattn's kernels, install them and run fastattn report again:")
-#: The peers the note above names when the results record no install hints of their own.
+#: The peers the page says to install when the results record no install hints of their own.
 PREFILL_PEERS = ("torch", "onnxruntime", "jax")
 NAV = "Scaling"
 
 
 def _exponent_rows(curve_list):
-    """One row per kernel: time and memory exponents, non-causal and causal, and the expected
-    time exponent ("non-causal 1, causal 2" where the masks differ)."""
+    """A row per kernel: time and memory exponents per mask and the expected time exponent
+    ("non-causal 1, causal 2" where the masks differ)."""
     rows = {}
     for c in curve_list:
         row = rows.setdefault(c.label, {"label": c.label, "cells": {}, "by_mask": {}})
@@ -45,7 +42,7 @@ def point_cell(c, i):
 
 
 def _point_tables(curve_list):
-    """One wide table per (attention, causal): rows n, a column group per curve."""
+    """A table per (attention, mask): a row per n, a column group per curve."""
     groups = [(f"{a} attention, {mask_name(causal)}",
                [c for c in curve_list if c.attention == a and c.causal == causal])
               for a in ("softmax", "linear") for causal in (False, True)]
@@ -54,7 +51,7 @@ def _point_tables(curve_list):
 
 
 def _fastest_lines(curve_list):
-    """Per mask: the fastest kernel of each type at the largest n measured."""
+    """Per mask, the fastest kernel of each type at the largest n measured."""
     lines = []
     for causal in (False, True):
         group = [c for c in curve_list if c.causal == causal]
@@ -81,8 +78,7 @@ def statistic_text(curve_list):
 
 
 def joined(values, most=None):
-    """The distinct values sorted, joined by commas (more than ``most``: their range "3 to
-    100"); None if none."""
+    """The distinct values sorted and joined by commas (over ``most``: "3 to 100"), or None."""
     distinct = sorted({v for v in values if v is not None})
     if most is not None and len(distinct) > most:
         return f"{distinct[0]} to {distinct[-1]}"
@@ -90,8 +86,7 @@ def joined(values, most=None):
 
 
 def not_measured(points):
-    """The points not measured, a row per kernel and reason: its masks, how many points and
-    their n ("256, 1024", or "128 to 65536")."""
+    """The points not measured, a row per kernel and reason: masks, count and n."""
     groups = {}
     for p in points:
         if p.get("status") != "ok":
@@ -104,30 +99,25 @@ def not_measured(points):
 
 
 def only_n(points):
-    """The one n of a run whose every ok point has it (the asv suite's quick grid), else None."""
+    """The one n every ok point has (the asv suite's quick grid), else None."""
     ns = {p.get("n_k") for p in points if p.get("status") == "ok"}
     return ns.pop() if len(ns) == 1 and len(points) > len(ns) else None
 
 
 def _summary(curve_list, crossovers, statistic, load, busy, cores, threads, why, fastest):
     """The sentences this section adds to the page's "In short"."""
-    out, parts = [], []
-    for attention, expected in analysis.EXPECTED_TIME_EXPONENT.items():
-        parts.append(analysis.exponent_range(attention, [
-            c.time_fit for c in curve_list if c.attention == attention and c.expected == expected
-        ], expected))
-    parts.append(analysis.exponent_range(
-        "causal linear by the masked n×n form (reference)",
-        [c.time_fit for c in curve_list if c.attention == "linear" and c.expected == 2], 2))
-    if any(parts):
-        out.append(f"Fitted time exponents (n ≥ {analysis.FIT_MIN_N}, causal and not, on the "
-                   f"{statistic}): " + "; ".join(p for p in parts if p) + ".")
+    out, kinds = [], [(a, a, e) for a, e in analysis.EXPECTED_TIME_EXPONENT.items()]
+    parts = [part for name, a, e in kinds + [
+        ("causal linear by the masked n×n form (reference)", "linear", 2)]
+        if (part := analysis.exponent_range(name, [
+            c.time_fit for c in curve_list if c.attention == a and c.expected == e], e))]
+    out += analysis.sentence(f"Fitted time exponents (n ≥ {analysis.FIT_MIN_N}, causal and "
+                             f"not, on the {statistic}): ", parts)
     for causal in (False, True):
-        mine = [r for r in analysis.headline(crossovers) if r.causal == causal]
-        if mine:
-            out.append(f"Crossover ({mask_name(causal)}), where linear attention becomes "
-                       "faster: " + "; ".join(f"{r.label}: {r.crossover.describe()}"
-                                              for r in mine) + ".")
+        out += analysis.sentence(
+            f"Crossover ({mask_name(causal)}), where linear attention becomes faster: ",
+            [f"{r.label}: {r.crossover.describe()}" for r in analysis.headline(crossovers)
+             if r.causal == causal])
     if busy:
         out.append(f"The machine was busy while measuring (1-minute load average {load} on "
                    f"{cores} cores): times are inflated and noisy; compare the kernels side by "
@@ -149,9 +139,7 @@ def no_curve_text(short):
 
 
 def section(m):
-    """The Scaling block of machine ``m`` (:class:`~.analysis.Machine`): its prefill curves of
-    three n or more (shorter ones as single points), figures, fits, crossovers, tables and
-    summary."""
+    """The Scaling block of machine ``m`` (:class:`~.analysis.Machine`)."""
     env, curve_list, short = m.env, m.scaling_curves, m.short_curves
     loads = np.concatenate([c.load_avg for c in curve_list] or [np.array([])])
     loads = loads[np.isfinite(loads)]
@@ -183,7 +171,6 @@ def section(m):
         "peers": sorted({c.backend for c in curve_list if c.peer}),
         "all_peers": sorted({c.backend for c in m.curves if c.peer}),
         "peer_hints": env.get("absent_peers") or {k: INSTALL_HINT[k] for k in PREFILL_PEERS},
-        "peer_help": PEER_HELP,
         "n_points": sum(len(c.n) for c in curve_list),
         "short": {"points": sum(len(c.n) for c in short),
                   "ns": joined(int(n) for c in short for n in c.n)},
@@ -197,8 +184,8 @@ def section(m):
 
 
 def side_by_side(sections):
-    """The time figure of the machines with a scaling curve, a column each (a data URI), or
-    None unless two machines or more have one."""
+    """The time figure (data URI) of the machines with a scaling curve, a column each; None
+    unless two or more have one."""
     drawn = [s for s in sections if s["scaling"]["curves"]]
     if len(drawn) < 2:
         return None
