@@ -7,6 +7,7 @@ asv 0.6 keeps ``benchmarks.json``, ``<machine>/machine.json`` and per commit
 value per combination of ``itertools.product(*params)`` (NaN: skipped, null: failed)."""
 
 import ast
+import contextlib
 import datetime
 import itertools
 import json
@@ -29,13 +30,12 @@ _METHOD_FIELDS = {"time_forward": "median_s", "time_token": "median_s",
                   "track_bytes_per_head": "held_bytes"}
 #: Modules of the suite whose benchmarks are points (benchmarks/).
 POINT_MODULES = ("softmax", "linear", "decode", "feature_maps")
-_THREADS_BENCHMARK = "threads.Threads.track_threads"
-_VERSIONS_BENCHMARK = "threads.Versions.track_version"
+_THREADS_BENCHMARK, _VERSIONS_BENCHMARK = ("threads.Threads.track_threads",
+                                           "threads.Versions.track_version")
 #: The suite's default bound on n of the quadratic reference kernels (benchmarks/common.py
 #: REFERENCE_MAX_N), which FASTATTN_ASV_REFERENCE_MAX_N in a run's env_vars overrides.
 SUITE_REFERENCE_MAX_N = 4096
-#: Why asv skipped a combination (NaN) when nothing more is known: asv does not record
-#: FASTATTN_ASV_QUICK, and the suite skips in setup for several reasons.
+#: Why asv skipped a combination (NaN) when nothing more is known (FASTATTN_ASV_QUICK is not kept).
 SKIPPED_BY_SUITE = "skipped by the asv suite (its quick grid, or a combination it does not run)"
 _STATS = ("stats_q_25", "stats_q_75", "samples")
 #: The order of a file's points.
@@ -278,16 +278,11 @@ def _choose(runs, commit, branch, on_branch):
 
 def load_asv_points(results_dir, commit=None):
     """Per machine of asv's ``results_dir``, an environment record (``chosen``: which commit
-    and why) and point records of one commit: ``commit`` (a hash or prefix), else the newest
-    on the configured branch (:func:`branch_commits`), else the newest of all.
-
-    Points carry the schema's fields and ``machine``, ``commit``, ``date``, ``env_name``,
-    ``source`` "asv", ``benchmarks``; ``times_s``/``min_s``/``max_s`` only where asv kept
-    samples.  Benchmarks whose parameters cannot be placed (benchmarks.json missing, or of
-    another version of the suite) are left out, named in the environment record's
-    ``left_out``.  Raises AsvResultsError for no ``<machine>/machine.json``, a foreign file,
-    an unknown commit, or when no point at all can be placed (naming the files).
-    """
+    and why; ``left_out``: benchmarks whose parameters cannot be placed) and the point records
+    of one commit: ``commit`` (a hash or prefix), else the newest on the configured branch
+    (:func:`branch_commits`), else the newest.  Points carry the schema's fields, ``source``
+    "asv", ``machine``, ``commit``, ``date``, ``env_name`` and ``benchmarks``.  Raises
+    AsvResultsError for no machine.json, a foreign file, an unknown commit, or no point."""
     root, meta, machines = _machines(results_dir)
     branch, on_branch = (None, None) if commit is not None else branch_commits(root)
     records, refused = [], []
@@ -341,8 +336,6 @@ def _select(names, benchmark):
     """The benchmarks of ``names`` that ``benchmark`` names or matches (None: all)."""
     if benchmark is None or benchmark in names:
         return list(names) if benchmark is None else [benchmark]
-    try:
-        pattern = re.compile(benchmark)
-    except re.error:
-        return []
-    return [name for name in names if pattern.search(name)]
+    with contextlib.suppress(re.error):
+        return [name for name in names if re.search(benchmark, name)]
+    return []

@@ -164,22 +164,23 @@ def _check_args(args, out, results):
     if image is not None:
         _check_image(image)
         _check_folder(image, "--readme-image")
+        taken = {out: "the report", _figure_beside(out): "the figure beside the report",
+                 **({Path(results): "the results file"} if results is not None else {})}
+        what = next((what for path, what in taken.items() if image.resolve() == path.resolve()),
+                    None)
+        if what:
+            raise ReportError(f"--readme-image {image} is {what}; give the figure a path of "
+                              "its own")
+        if image.suffix.lower() != ".png":
+            raise ReportError(f"--readme-image {image}: the figure is written as a PNG; give a "
+                              "path ending in .png")
     if args.minilm is not None:
         _check_minilm(args.minilm)
     _check_output(out, results)
     _check_folder(args.out, "--out")
-    taken = {out: "the report", _figure_beside(out): "the figure beside the report",
-             **({Path(results): "the results file"} if results is not None else {})}
-    for path, what in taken.items() if image is not None else ():
-        if image.resolve() == path.resolve():
-            raise ReportError(f"--readme-image {image} is {what}; give the figure a path of "
-                              "its own")
-    if image is not None and image.suffix.lower() != ".png":
-        raise ReportError(f"--readme-image {image}: the figure is written as a PNG; give a "
-                          "path ending in .png")
-    if args.resume is not None and not args.resume.exists():
-        raise ReportError(f"--resume {results}: no such results file")
     if args.resume is not None:
+        if not args.resume.exists():
+            raise ReportError(f"--resume {results}: no such results file")
         _read_results(args.resume)
         with _as_report_error("--resume: "):
             res.check_writable(args.resume, "results file")
