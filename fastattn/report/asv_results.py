@@ -7,6 +7,7 @@ asv 0.6 keeps ``benchmarks.json``, ``<machine>/machine.json`` and per commit
 value per combination of ``itertools.product(*params)`` (NaN: skipped, null: failed)."""
 
 import ast
+import contextlib
 import datetime
 import itertools
 import json
@@ -15,9 +16,11 @@ import re
 import subprocess
 from pathlib import Path
 
+from ..bench.engine import point_flops
 from ..bench.results import SCHEMA, is_number
 from ..bench.schema import (ASV_BATCH, ASV_D, ASV_DECODE_HEADS as SUITE_DECODE_HEADS,
                             ASV_HEADS, POINT_FIELDS, point_key)
+from ..bench.sweep import Point
 
 #: The suite's feature map of each attention (asv results do not carry it).
 SUITE_FEATURE_MAP = {"softmax": None, "linear": "elu"}
@@ -27,13 +30,12 @@ _METHOD_FIELDS = {"time_forward": "median_s", "time_token": "median_s",
                   "track_bytes_per_head": "held_bytes"}
 #: Modules of the suite whose benchmarks are points (benchmarks/).
 POINT_MODULES = ("softmax", "linear", "decode", "feature_maps")
-_THREADS_BENCHMARK = "threads.Threads.track_threads"
-_VERSIONS_BENCHMARK = "threads.Versions.track_version"
+_THREADS_BENCHMARK, _VERSIONS_BENCHMARK = ("threads.Threads.track_threads",
+                                           "threads.Versions.track_version")
 #: The suite's default bound on n of the quadratic reference kernels (benchmarks/common.py
 #: REFERENCE_MAX_N), which FASTATTN_ASV_REFERENCE_MAX_N in a run's env_vars overrides.
 SUITE_REFERENCE_MAX_N = 4096
-#: Why asv skipped a combination (NaN) when nothing more is known: asv does not record
-#: FASTATTN_ASV_QUICK, and the suite skips in setup for several reasons.
+#: Why asv skipped a combination (NaN) when nothing more is known (FASTATTN_ASV_QUICK is not kept).
 SKIPPED_BY_SUITE = "skipped by the asv suite (its quick grid, or a combination it does not run)"
 _STATS = ("stats_q_25", "stats_q_75", "samples")
 #: The order of a file's points.
@@ -69,139 +71,108 @@ def _iso(ms):
         datetime.datetime.fromtimestamp(ms / 1000, tz=datetime.timezone.utc).isoformat()
 
 
-def _machines(results_dir):
-    """The results root, its ``benchmarks.json`` (without its version key; empty when
-    missing) and its machine folders."""
-    root = Path(results_dir)
-    if not root.is_dir():
-        raise AsvResultsError(f"no asv results directory at {root}")
-    machines = sorted(p for p in root.iterdir() if (p / "machine.json").is_file())
-    if not machines:
-        raise AsvResultsError(f"{root} holds no asv machine directory (<machine>/machine.json); "
-                              "run `asv run` first, or pass asv's results_dir (.asv/results)")
-    meta = _read_json(root / "benchmarks.json") if (root / "benchmarks.json").is_file() else {}
-    return root, {k: v for k, v in meta.items() if isinstance(v, dict)}, machines
-
-
-def _result_files(machine_dir):
-    """Every result file of a machine as (data, path), oldest commit first."""
-    runs = []
-    for path in sorted(machine_dir.glob("*.json")):
-        if path.name != "machine.json":
-            data = _read_json(path)
-            if not isinstance(data, dict) or "results" not in data or "commit_hash" not in data:
-                raise AsvResultsError(f"{path} is not an asv result file (no results/commit_hash)")
-            runs.append((data, path))
-    return sorted(runs, key=lambda run: (run[0].get("date") or 0, run[1].name))
-
-
-def _param_names(data, name, meta):
-    """``(names, None)``: the parameter names benchmarks.json gives benchmark ``name``, when
-    they fit its row in the result file ``data``; else ``(None, why not)``."""
-    row = data["results"].get(name)
-    columns = data.get("result_columns") or ["result", "params"]
-    params = (dict(zip(columns, row)).get("params") if isinstance(row, list) else None) or []
-    names = (meta.get(name) or {}).get("param_names")
-    if not meta:
-        return None, "benchmarks.json is missing, so nothing names their parameters"
-    if names is None:
-        return None, "benchmarks.json does not describe them"
-    if len(names) != len(params):
-        return None, ("their parameters are not the ones benchmarks.json gives (a result "
-                      "file of another version of the suite)")
-    return list(names), None
-
-
-def _rows(data, name, meta):
-    """``(params, value, stats)`` per combination of a benchmark; a missing value is None,
-    with ``stats["failed"]`` True for asv's null (NaN: skipped)."""
-    if data["results"].get(name) is None:
-        return []
-    cells = dict(zip(data.get("result_columns") or ["result", "params"], data["results"][name]))
-    param_lists = cells.get("params") or []
-    names = _param_names(data, name, meta)[0] or [f"param{i + 1}"
-                                                  for i in range(len(param_lists))]
-    values = cells.get("result") if isinstance(cells.get("result"), list) else [cells.get("result")]
-    out = []
-    for i, combo in enumerate(itertools.product(*param_lists) if param_lists else [()]):
-        value = values[i] if i < len(values) else None
-        stats = {c: cells[c][i] for c in _STATS if isinstance(cells.get(c), list)
-                 and i < len(cells[c])}
-        if not (is_number(value) and math.isfinite(value)):
-            value, stats["failed"] = None, value is None
-        out.append(({p: _decode_param(v) for p, v in zip(names, combo)}, value, stats))
-    return out
-
-
-def _by_param(data, name, meta, param):
-    return {p[param]: v for p, v, _ in _rows(data, name, meta) if v is not None and param in p}
-
-
-def _environment_record(machine, info, data, meta, chosen):
-    """An environment record; key names follow fastattn.bench.environment.collect()."""
-    threads = _by_param(data, _THREADS_BENCHMARK, meta, "component")
-    versions = {lib: f"{v // 10**6}.{v % 10**6 // 1000}.{v % 1000}" for lib, v in (
-        (lib, round(value * 1e6)) for lib, value in
-        _by_param(data, _VERSIONS_BENCHMARK, meta, "library").items())}
-    return {"schema": SCHEMA, "record": "environment", "source": "asv", "machine": machine,
-            "commit": data.get("commit_hash"), "git_commit": data.get("commit_hash"),
-            "date": _iso(data.get("date")), "env_name": data.get("env_name"),
-            "cpu_model": info.get("cpu"), "arch": info.get("arch"), "platform": info.get("os"),
-            "cores_logical": _count(info.get("num_cpu")),
-            "memory_total_bytes": _count(info.get("ram")), "python": data.get("python"),
-            "versions": {**(data.get("requirements") or {}), **versions},
-            "env_vars": data.get("env_vars") or {}, "threads": _threads(data, meta),
-            "thread_counts": threads, "chosen": chosen}
-
-
 def _count(value):
     return int(value) if str(value).isdigit() or is_number(value) and value == int(value) \
         else None
 
 
-def _threads(data, meta):
-    """The thread count the suite ran with: its threads benchmark's, else OMP_NUM_THREADS."""
-    threads = _by_param(data, _THREADS_BENCHMARK, meta, "component")
-    return _count(threads.get("requested", (data.get("env_vars") or {}).get("OMP_NUM_THREADS")))
+def _machines(results_dir):
+    """The results root, its ``benchmarks.json`` (empty when missing) and, per machine
+    folder, its name, ``machine.json`` and result files as (data, path), oldest first."""
+    root = Path(results_dir)
+    if not root.is_dir():
+        raise AsvResultsError(f"no asv results directory at {root}")
+    folders = sorted(p for p in root.iterdir() if (p / "machine.json").is_file())
+    if not folders:
+        raise AsvResultsError(f"{root} holds no asv machine directory (<machine>/machine.json); "
+                              "run `asv run` first, or pass asv's results_dir (.asv/results)")
+    meta = _read_json(root / "benchmarks.json") if (root / "benchmarks.json").is_file() else {}
+    machines = []
+    for folder in folders:
+        runs = [(_read_json(path), path) for path in sorted(folder.glob("*.json"))
+                if path.name != "machine.json"]
+        for data, path in runs:
+            if not isinstance(data, dict) or "results" not in data or "commit_hash" not in data:
+                raise AsvResultsError(f"{path} is not an asv result file (no results/commit_hash)")
+        runs.sort(key=lambda run: (run[0].get("date") or 0, run[1].name))
+        machines.append((folder.name, _read_json(folder / "machine.json"), runs))
+    return root, {k: v for k, v in meta.items() if isinstance(v, dict)}, machines
+
+
+def _rows(data, name, meta):
+    """``(rows, why)`` of benchmark ``name``: ``(params, value, stats)`` per combination (a
+    missing value None, ``stats["failed"]`` True for asv's null, False for NaN), and why
+    benchmarks.json cannot name its parameters (then ``param1``, ... by position)."""
+    row = data["results"].get(name)
+    cells = dict(zip(data.get("result_columns") or ["result", "params"], row)) \
+        if isinstance(row, list) else {}
+    param_lists = cells.get("params") or []
+    names = (meta.get(name) or {}).get("param_names")
+    why = ("benchmarks.json is missing, so nothing names their parameters" if not meta
+           else "benchmarks.json does not describe them" if names is None
+           else "their parameters are not the ones benchmarks.json gives (a result file of "
+                "another version of the suite)" if len(names) != len(param_lists) else None)
+    names = [f"param{i + 1}" for i in range(len(param_lists))] if why else names
+    values = cells.get("result") if isinstance(cells.get("result"), list) else [cells.get("result")]
+    rows = []
+    for i, combo in enumerate(itertools.product(*param_lists) if row is not None else ()):
+        value = values[i] if i < len(values) else None
+        stats = {c: cells[c][i] for c in _STATS if isinstance(cells.get(c), list)
+                 and i < len(cells[c])}
+        if not (is_number(value) and math.isfinite(value)):
+            value, stats["failed"] = None, value is None
+        rows.append(({p: _decode_param(v) for p, v in zip(names, combo)}, value, stats))
+    return rows, why
+
+
+def _by_param(data, name, meta, param):
+    return {p[param]: v for p, v, _ in _rows(data, name, meta)[0]
+            if v is not None and param in p}
+
+
+def _environment_record(info, data, meta, run, counts, threads, chosen):
+    """An environment record; key names follow fastattn.bench.environment.collect()."""
+    codes = {lib: round(value * 1e6) for lib, value in
+             _by_param(data, _VERSIONS_BENCHMARK, meta, "library").items()}
+    versions = {lib: f"{c // 10**6}.{c // 1000 % 1000}.{c % 1000}" for lib, c in codes.items()}
+    return {"schema": SCHEMA, "record": "environment", **run, "git_commit": run["commit"],
+            "cpu_model": info.get("cpu"), "arch": info.get("arch"), "platform": info.get("os"),
+            "cores_logical": _count(info.get("num_cpu")),
+            "memory_total_bytes": _count(info.get("ram")), "python": data.get("python"),
+            "versions": {**(data.get("requirements") or {}), **versions},
+            "env_vars": data.get("env_vars") or {}, "threads": threads, "thread_counts": counts,
+            "chosen": chosen}
 
 
 def _fields(module, cls, params):
-    """The point fields a benchmark's combination names, or None where it cannot be placed
-    (no backend, no positive int n, or an attention the report does not know)."""
-    n, attention = params.get("n"), params.get("attention")
-    if not (isinstance(params.get("backend"), str) and isinstance(n, int)
-            and not isinstance(n, bool) and n > 0):
+    """The point fields of a benchmark's combination (the bench's :class:`Point`), or None
+    where it is no point of the report (no backend or n, or a value Point refuses)."""
+    regime = "decode" if module == "decode" else "prefill"
+    attention = params.get("attention") if regime == "decode" else module
+    fmap, m = SUITE_FEATURE_MAP.get(attention), None
+    if module == "feature_maps":
+        attention, fmap = "linear", "favor" if cls == "Favor" else params.get("feature_map")
+        m = params.get("m") if cls == "Favor" else None
+    try:
+        return Point(attention, params.get("backend"),
+                     True if regime == "decode" else params.get("causal"), params.get("n"),
+                     ASV_D, ASV_D, ASV_BATCH, SUITE_DECODE_HEADS if regime == "decode"
+                     else ASV_HEADS, params.get("dtype"), fmap, regime, m).record_fields()
+    except (TypeError, ValueError):
         return None
-    if module in SUITE_FEATURE_MAP:
-        attention, regime, fmap, m = module, "prefill", SUITE_FEATURE_MAP[module], None
-    elif module == "decode" and attention in SUITE_FEATURE_MAP:
-        regime, fmap, m = "decode", SUITE_FEATURE_MAP[attention], None
-    elif module == "feature_maps":
-        attention, regime = "linear", "prefill"
-        fmap, m = ("favor", params.get("m")) if cls == "Favor" else (params.get("feature_map"),
-                                                                     None)
-    else:
-        return None
-    return {"attention": attention, "regime": regime, "feature_map": fmap, "num_features": m,
-            "backend": params["backend"], "peer": False, "dtype": params.get("dtype"),
-            "causal": True if regime == "decode" else params.get("causal"),
-            "batch": ASV_BATCH, "heads": SUITE_DECODE_HEADS if regime == "decode" else ASV_HEADS,
-            "n_q": 1 if regime == "decode" else n, "n_k": n, "d_k": ASV_D, "d_v": ASV_D}
 
 
-def _points_of(machine, data, meta):
+def _points_of(data, meta, run, threads):
     """The point records of one result file, and ``{reason: [benchmark, ...]}`` of the point
     benchmarks left out because their parameters cannot be placed."""
-    from ..bench.engine import point_flops
-
-    threads, points, unplaced = _threads(data, meta), {}, {}
+    points, unplaced = {}, {}
     for name in sorted(data["results"]):
         module, _, rest = name.partition(".")
         field = _METHOD_FIELDS.get(name.rsplit(".", 1)[-1])
         if field is None or module not in POINT_MODULES:
             continue
-        why = _param_names(data, name, meta)[1]
-        for params, value, stats in [] if why else _rows(data, name, meta):
+        rows, why = _rows(data, name, meta)
+        for params, value, stats in [] if why else rows:
             fields = _fields(module, rest.partition(".")[0], params)
             if fields is None:
                 why = ("a combination without a backend or an n, or an attention the report "
@@ -213,9 +184,7 @@ def _points_of(machine, data, meta):
             point = points.setdefault(key, {
                 "schema": SCHEMA, "record": "point", **dict.fromkeys(f for f, *_ in POINT_FIELDS),
                 **fields, "threads": threads, "flops": point_flops(fields),
-                "memory_method": "rss-hwm", "source": "asv", "machine": machine,
-                "commit": data.get("commit_hash"), "date": _iso(data.get("date")),
-                "env_name": data.get("env_name"), "benchmarks": {}, "failed": []})
+                "memory_method": "rss-hwm", **run, "benchmarks": {}, "failed": []})
             if value is None:
                 point["failed"] += [name] if stats["failed"] else []
                 continue
@@ -309,25 +278,24 @@ def _choose(runs, commit, branch, on_branch):
 
 def load_asv_points(results_dir, commit=None):
     """Per machine of asv's ``results_dir``, an environment record (``chosen``: which commit
-    and why) and point records of one commit: ``commit`` (a hash or prefix), else the newest
-    on the configured branch (:func:`branch_commits`), else the newest of all.
-
-    Points carry the schema's fields and ``machine``, ``commit``, ``date``, ``env_name``,
-    ``source`` "asv", ``benchmarks``; ``times_s``/``min_s``/``max_s`` only where asv kept
-    samples.  Benchmarks whose parameters cannot be placed (benchmarks.json missing, or of
-    another version of the suite) are left out, named in the environment record's
-    ``left_out``.  Raises AsvResultsError for no ``<machine>/machine.json``, a foreign file,
-    an unknown commit, or when no point at all can be placed (naming the files).
-    """
+    and why; ``left_out``: benchmarks whose parameters cannot be placed) and the point records
+    of one commit: ``commit`` (a hash or prefix), else the newest on the configured branch
+    (:func:`branch_commits`), else the newest.  Points carry the schema's fields, ``source``
+    "asv", ``machine``, ``commit``, ``date``, ``env_name`` and ``benchmarks``.  Raises
+    AsvResultsError for no machine.json, a foreign file, an unknown commit, or no point."""
     root, meta, machines = _machines(results_dir)
     branch, on_branch = (None, None) if commit is not None else branch_commits(root)
     records, refused = [], []
-    for machine_dir in machines:
-        info, runs = _read_json(machine_dir / "machine.json"), _result_files(machine_dir)
+    for machine, info, runs in machines:
         latest, chosen = _choose(runs, commit, branch, on_branch) if runs else ([], None)
         for data, path in latest:
-            env = _environment_record(machine_dir.name, info, data, meta, chosen)
-            points, unplaced = _points_of(machine_dir.name, data, meta)
+            run = {"source": "asv", "machine": machine, "commit": data.get("commit_hash"),
+                   "date": _iso(data.get("date")), "env_name": data.get("env_name")}
+            counts = _by_param(data, _THREADS_BENCHMARK, meta, "component")
+            threads = _count(counts.get("requested",
+                                        (data.get("env_vars") or {}).get("OMP_NUM_THREADS")))
+            env = _environment_record(info, data, meta, run, counts, threads, chosen)
+            points, unplaced = _points_of(data, meta, run, threads)
             if unplaced:
                 env["left_out"] = [f"{path}: {len(names)} benchmark{'' if len(names) == 1 else 's'}"
                                    f" left out, {why}: " + ", ".join(names)
@@ -348,28 +316,26 @@ def load_asv_history(results_dir, benchmark=None):
     ``params``, ``value``, ``unit``, sorted by machine, benchmark, params and date.
     Raises AsvResultsError as :func:`load_asv_points`, or when nothing matches."""
     root, meta, machines = _machines(results_dir)
-    history, seen = [], set()
-    for machine_dir in machines:
-        for data, _ in _result_files(machine_dir):
-            seen.update(data["results"])
-            history += [{"machine": machine_dir.name, "commit": data.get("commit_hash"),
-                         "date": _iso(data.get("date")), "env_name": data.get("env_name"),
-                         "benchmark": name, "params": params, "value": value,
-                         "unit": (meta.get(name) or {}).get("unit")}
-                        for name in _select(data["results"], benchmark)
-                        for params, value, _ in _rows(data, name, meta) if value is not None]
-    if benchmark is not None and not history and not _select(sorted(seen), benchmark):
+    seen = {name for _, _, runs in machines for data, _ in runs for name in data["results"]}
+    names = _select(sorted(seen), benchmark)
+    if benchmark is not None and not names:
         raise AsvResultsError(f"no benchmark named or matching {benchmark!r} in {root}; "
                               f"benchmarks there: {sorted(seen)}")
+    history = [{"machine": machine, "commit": data.get("commit_hash"),
+                "date": _iso(data.get("date")), "env_name": data.get("env_name"),
+                "benchmark": name, "params": params, "value": value,
+                "unit": (meta.get(name) or {}).get("unit")}
+               for machine, _, runs in machines for data, _ in runs
+               for name in names if name in data["results"]
+               for params, value, _ in _rows(data, name, meta)[0] if value is not None]
     return sorted(history, key=lambda h: (h["machine"], h["benchmark"], json.dumps(
         h["params"], sort_keys=True, default=str), h["date"] or ""))
 
 
 def _select(names, benchmark):
+    """The benchmarks of ``names`` that ``benchmark`` names or matches (None: all)."""
     if benchmark is None or benchmark in names:
         return list(names) if benchmark is None else [benchmark]
-    try:
-        pattern = re.compile(benchmark)
-    except re.error:
-        return []
-    return [name for name in names if pattern.search(name)]
+    with contextlib.suppress(re.error):
+        return [name for name in names if re.search(benchmark, name)]
+    return []

@@ -13,8 +13,7 @@ from ..bench.table import format_number, format_seconds, mask_name
 from . import (analysis, environment, frontier, generation, history, memory, model, quality, roof,
                scaling)
 
-#: Marker written into every report: an existing file at the output path is replaced only
-#: when it carries it.
+#: Written into every report: an existing file at the output path is replaced only if it has it.
 REPORT_MARKER = '<meta name="generator" content="fastattn report">'
 
 #: Sections of each machine (``section(machine)``: ``s.<name>`` in the templates).
@@ -66,28 +65,12 @@ def _template():
 
 def build_report(records, *, source="", quality=None, history=None, history_benchmark=None,
                  model=None, generated=None):
-    """The :class:`Report` of results ``records`` (grouped by ``machine``), from ``source``.
-
-    Parameters
-    ----------
-    records : list of dict
-        Results records (:func:`fastattn.bench.results.read_records`, or
-        :func:`~.asv_results.load_asv_points`).
-    source : str
-        Where they came from, for the page's header.
-    quality : fastattn.map_quality.QualityResults, optional
-        Adds the Quality and Feature maps sections.
-    history, history_benchmark : optional
-        ``load_asv_history`` rows of ``history_benchmark``: the asv history section.
-    model : fastattn.model.study.ModelStudy or str, optional
-        The section "What a whole model keeps", or why it was not measured.
-    generated : datetime, optional
-        When the page says it was generated (default now).
-
-    Raises
-    ------
-    ValueError
-        For records of no known type.
+    """The :class:`Report` of results ``records`` (a results file's or
+    :func:`~.asv_results.load_asv_points`', grouped by ``machine``) from ``source`` (for the
+    header); ``quality`` (:class:`fastattn.map_quality.QualityResults`) adds the Quality and
+    Feature maps sections, ``history`` (``load_asv_history`` rows of ``history_benchmark``)
+    the asv history, ``model`` (a ``ModelStudy``, or why there is none) the whole-model
+    study; ``generated`` (default now) dates the page.  ValueError: no record of a known type.
     """
     environments, roofs, points = analysis.split_records(records)
     if not (environments or roofs or points):

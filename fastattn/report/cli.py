@@ -26,10 +26,8 @@ ROUNDS = 2
 POINT_TIMEOUT_S = 300.0
 #: ``--quick``: a tiny grid for tests and CI (two points at n >= 1024 for every fit).
 QUICK_NS = (128, 512, 1024, 2048)
-QUICK_REPEATS = 2
-QUICK_MAX_POINT_S = 0.5
+QUICK_REPEATS, QUICK_MAX_POINT_S = 2, 0.5
 REPORTS_DIR = Path("reports")
-#: The first bytes of every PNG file.
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
@@ -90,7 +88,7 @@ def add_parser(subparsers):
 
 
 @contextlib.contextmanager
-def _as_report_error(prefix=""):
+def _as_report_error(prefix):
     """Turn the bench's ResultsFileError into a ReportError starting with ``prefix``."""
     try:
         yield
@@ -105,50 +103,33 @@ def _check_folder(path, option):
                           "it first, or give a path in an existing folder")
 
 
-def _check_output(out, protected=()):
+def _figure_beside(out):
+    """The scaling figure written beside the report ``out``."""
+    return out.with_name(out.stem + "-scaling.png")
+
+
+def _check_output(out, results):
     """Refuse to write over anything that is not an earlier fastattn report, before any work."""
     from .build import REPORT_MARKER
 
-    if any(p is not None and out.resolve() == Path(p).resolve() for p in protected):
+    if results is not None and out.resolve() == Path(results).resolve():
         raise ReportError(f"--out {out} is the results file; choose another path for the report")
     if out.suffix.lower() not in (".html", ".htm"):   # rep.png would get HTML
         example = f", e.g. --out {out.with_suffix('.html')}" if out.name else ""
         raise ReportError(f"--out names the HTML report, got {str(out)!r}; give a name "
                           f"ending in .html{example}")
-    with _as_report_error():
-        res.check_replaceable(out, "report", REPORT_MARKER)
+    res.check_replaceable(out, "report", REPORT_MARKER)
     _check_image(_figure_beside(out), "the figure beside the report")
 
 
 def _check_image(path, label="--readme-image"):
-    """Refuse, before measuring, a figure path that cannot be written, or an existing file
-    there that is not a PNG (it would be replaced)."""
+    """Refuse a figure path that cannot be written, or a file there that is not a PNG."""
     with _as_report_error(f"{label}: "):
         res.check_writable(path, "figure")
     if path.is_file() and path.stat().st_size:
         with open(path, "rb") as handle:
             if handle.read(len(PNG_SIGNATURE)) != PNG_SIGNATURE:
                 raise ReportError(f"{label} {path} exists and is not a PNG; not overwriting it")
-
-
-def _figure_beside(out):
-    """The scaling figure written beside the report ``out``."""
-    return out.with_name(out.stem + "-scaling.png")
-
-
-def _check_image_clash(image, out, results=None):
-    """Refuse a --readme-image that is the report, its results file or the figure beside it."""
-    if image is None:
-        return
-    taken = {out: "the report", _figure_beside(out): "the figure beside the report",
-             **({Path(results): "the results file"} if results is not None else {})}
-    for path, what in taken.items():
-        if image.resolve() == path.resolve():
-            raise ReportError(f"--readme-image {image} is {what}; give the figure a path of "
-                              "its own")
-    if image.suffix.lower() != ".png":
-        raise ReportError(f"--readme-image {image}: the figure is written as a PNG; give a "
-                          "path ending in .png")
 
 
 def _check_minilm(path):
@@ -163,6 +144,46 @@ def _check_minilm(path):
         load_minilm(path)
     except (OSError, ValueError) as exc:
         raise ReportError(f"--minilm: {exc}") from None
+
+
+def _check_args(args, out, results):
+    """Refuse, before any work, options that do not go together and paths that cannot be
+    used: the report ``out``, the figures, --minilm and the ``results`` file resumed."""
+    if (args.history or args.asv_commit) is not None and args.asv is None:
+        raise ReportError(f"{'--history' if args.history else '--asv-commit'} needs --asv DIR")
+    source_flag = "--from" if args.from_ is not None else "--asv" if args.asv is not None else None
+    measuring = [flag for flag, given in (("--quick", args.quick), ("--n", args.n is not None),
+                                          ("--threads", args.threads is not None),
+                                          ("--repeats", args.repeats is not None)) if given]
+    if source_flag and measuring:
+        one = len(measuring) == 1
+        raise ReportError(f"{', '.join(measuring)} set{'s' if one else ''} what is measured, "
+                          f"and {source_flag} measures nothing: drop {'it' if one else 'them'}"
+                          ", or measure with --resume RESULTS or without a source")
+    image = args.readme_image
+    if image is not None:
+        _check_image(image)
+        _check_folder(image, "--readme-image")
+        taken = {out: "the report", _figure_beside(out): "the figure beside the report",
+                 **({Path(results): "the results file"} if results is not None else {})}
+        what = next((what for path, what in taken.items() if image.resolve() == path.resolve()),
+                    None)
+        if what:
+            raise ReportError(f"--readme-image {image} is {what}; give the figure a path of "
+                              "its own")
+        if image.suffix.lower() != ".png":
+            raise ReportError(f"--readme-image {image}: the figure is written as a PNG; give a "
+                              "path ending in .png")
+    if args.minilm is not None:
+        _check_minilm(args.minilm)
+    _check_output(out, results)
+    _check_folder(args.out, "--out")
+    if args.resume is not None:
+        if not args.resume.exists():
+            raise ReportError(f"--resume {results}: no such results file")
+        _read_results(args.resume)
+        with _as_report_error("--resume: "):
+            res.check_writable(args.resume, "results file")
 
 
 def _read_results(path):
@@ -237,8 +258,6 @@ def _measure(args, results):
     from ..bench import sweep
     from ..bench.table import plural
 
-    if args.resume is not None and not results.is_file():
-        raise ReportError(f"--resume {results}: no such results file")
     repeats = args.repeats or (QUICK_REPEATS if args.quick else DEFAULT_REPEATS)
     resume = _resume_command(args, results)
 
@@ -272,7 +291,6 @@ def _measure(args, results):
         print(f"\ninterrupted: the points measured so far are in {results}; continue with\n"
               f"  {resume}", file=sys.stderr)
         raise
-    return results
 
 
 def _asv_records(args):
@@ -283,12 +301,11 @@ def _asv_records(args):
         raise ReportError("--asv needs fastattn.report.asv_results, which cannot be imported "
                           f"here: {exc}") from None
     directory = args.asv
-    if Path(directory).is_file():
-        raise ReportError(f"--asv {directory} is a file; --asv expects an asv results "
-                          "directory (asv writes its results to .asv/results by default)")
-    if not Path(directory).is_dir():
-        raise ReportError(f"--asv {directory}: no such directory (asv writes its results to "
-                          ".asv/results by default)")
+    if not directory.is_dir():
+        why = (" is a file; --asv expects an asv results directory" if directory.is_file()
+               else ": no such directory")
+        raise ReportError(f"--asv {directory}{why} (asv writes its results to .asv/results by "
+                          "default)")
     try:
         records = asv_results.load_asv_points(directory, commit=args.asv_commit)
         history = (None if args.history is None
@@ -313,17 +330,16 @@ def run(args):
     """Carry out ``fastattn report``; returns the exit code."""
     try:
         return _run(args)
-    except ReportError as exc:
+    except (ReportError, ResultsFileError) as exc:
         print(f"fastattn report: error: {exc}", file=sys.stderr)
         return 2
 
 
 @contextlib.contextmanager
 def _noting_interrupts():
-    """Yield a function that says whether Ctrl-C came while inside.  It still interrupts as
-    before (the handler in place is called), but a KeyboardInterrupt turned into an error of
-    its own (matplotlib's drawing does) or lost in a finalizer can be told apart, so the
-    caller raises it again; those lost ones are not printed."""
+    """Yield a function that says whether Ctrl-C came while inside, so the caller can raise
+    a KeyboardInterrupt that matplotlib turned into its own error, or that a finalizer lost
+    (not printed); the handler in place still runs."""
     seen, hook, previous = [], sys.unraisablehook, signal.getsignal(signal.SIGINT)
 
     def unraisable(info):
@@ -351,33 +367,6 @@ def _noting_interrupts():
             sys.unraisablehook = hook
 
 
-def _check_args(args):
-    """Refuse, before any work, options that do not go together and paths that cannot be used."""
-    if (args.history or args.asv_commit) is not None and args.asv is None:
-        raise ReportError(f"{'--history' if args.history else '--asv-commit'} needs --asv DIR")
-    source_flag = "--from" if args.from_ is not None else "--asv" if args.asv is not None else None
-    measuring = [flag for flag, given in (("--quick", args.quick), ("--n", args.n is not None),
-                                          ("--threads", args.threads is not None),
-                                          ("--repeats", args.repeats is not None)) if given]
-    if source_flag and measuring:
-        one = len(measuring) == 1
-        raise ReportError(f"{', '.join(measuring)} set{'s' if one else ''} what is measured, "
-                          f"and {source_flag} measures nothing: drop {'it' if one else 'them'}"
-                          ", or measure with --resume RESULTS or without a source")
-    if args.readme_image is not None:
-        _check_image(args.readme_image)
-        _check_folder(args.readme_image, "--readme-image")
-    if args.minilm is not None:
-        _check_minilm(args.minilm)
-    if args.out is not None:
-        _check_output(args.out, (args.from_, args.resume))
-        _check_folder(args.out, "--out")
-    if args.resume is not None and args.resume.exists():
-        _read_results(args.resume)
-        with _as_report_error("--resume: "):
-            res.check_writable(args.resume, "results file")
-
-
 def model_study_path(results):
     """Where the whole-model study of a report's run is kept: beside its results file."""
     return Path(results).with_suffix(".model.json")
@@ -385,8 +374,7 @@ def model_study_path(results):
 
 def _model_study(args, records, results):
     """The section "What a whole model keeps" (fastattn.model.study), or why it is not there:
-    measured with the model extra and kept beside the results (``model_study_path``), which
-    a rebuild (--from) reads; an asv report has none."""
+    measured with the model extra and kept at :func:`model_study_path`, which --from reads."""
     from ..model.study import ModelStudy
 
     if args.asv is not None:
@@ -421,31 +409,28 @@ def _model_study(args, records, results):
 def _run(args):
     from ..bench.table import plural
 
-    _check_args(args)
-    protected, history = (args.from_, args.resume), None
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    results = None if args.asv is not None else (
+        args.from_ or args.resume or REPORTS_DIR / f"fastattn-{stamp}.jsonl")
+    out = args.out or (REPORTS_DIR / f"fastattn-asv-{stamp}.html" if results is None
+                       else Path(results).with_suffix(".html"))
+    _check_args(args, out, results)   # before measuring, whichever way out was named
     if args.asv is not None:
         records, history, source = _asv_records(args)
-        out = args.out or REPORTS_DIR / f"fastattn-asv-{stamp}.html"
-        _check_image_clash(args.readme_image, out)
     else:
-        results = args.from_ or args.resume or REPORTS_DIR / f"fastattn-{stamp}.jsonl"
-        out = args.out or Path(results).with_suffix(".html")
-        _check_output(out, protected)   # before measuring, whichever way out was named
-        _check_image_clash(args.readme_image, out, results)
         if args.from_ is None:
             _measure(args, results)
-        records, source = _read_results(results), str(results)
+        records, history, source = _read_results(results), None, str(results)
         if args.from_ is not None and (cut := res.cut_tail_bytes(results)):
             print(f"fastattn report: note: the last line of {results} was cut short by an "
                   f"interrupted write; its {plural(cut, 'byte')} {'is' if cut == 1 else 'are'} "
                   "left out of the report", file=sys.stderr)
-    _check_output(out, protected)
+    _check_output(out, results)
 
     from ..map_quality import compute_quality
     from .build import build_report
 
-    model = _model_study(args, records, None if args.asv is not None else results)
+    model = _model_study(args, records, results)
     with _noting_interrupts() as interrupted:
         try:
             quality = compute_quality("auto" if args.minilm is None else args.minilm)

@@ -37,14 +37,6 @@ def value_text(value):
     return "–" if value is None else str(value)
 
 
-def _lookup(record, path):
-    for part in path.split("."):
-        if not isinstance(record, dict) or part not in record:
-            return None, False
-        record = record[part]
-    return record, True
-
-
 def _field_text(env, path, value):
     if path == "blas":
         return blas_text(value)
@@ -61,13 +53,13 @@ def environment_rows(env, labels=None):
     """``rows, rest`` of the environment record ``env``: ``(label, text)`` of each field of
     ``labels`` (``{dotted path: label}``, default :data:`LABELS`) it holds, in their order,
     and ``(dotted path, text)`` of every other field (``rest`` is ``rows`` without a label)."""
-    labels = LABELS if labels is None else labels
     rows, used = [], {"memory_available_bytes", "schema", "record"}
-    for path, label in labels.items():
-        value, present = _lookup(env, path)
-        if present:
+    for path, label in (LABELS if labels is None else labels).items():
+        key, _, sub = path.partition(".")
+        holder = env.get(key) if sub else env
+        if isinstance(holder, dict) and (sub or key) in holder:
             used.add(path)
-            rows.append((label, _field_text(env, path, value)))
+            rows.append((label, _field_text(env, path, holder[sub or key])))
     rest = []
     for key, value in env.items():
         items = value.items() if isinstance(value, dict) and key != "blas" else [(None, value)]

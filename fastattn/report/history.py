@@ -10,14 +10,9 @@ from .environment import value_text
 NAV = "asv history"
 
 
-def series_colour(params):
-    """The colour of a history line: its backend's, else :data:`figures.NO_BACKEND_COLOUR`."""
-    backend = (params or {}).get("backend")
-    return figures.colour(backend) if isinstance(backend, str) else figures.NO_BACKEND_COLOUR
-
-
 def history_figure(history, title):
-    """PNG of ``load_asv_history`` rows across commits, a line per machine and parameters."""
+    """PNG of ``load_asv_history`` rows across commits, a line per machine and parameters,
+    coloured by backend (else :data:`figures.NO_BACKEND_COLOUR`)."""
     series = {}
     for row in history:
         params = ", ".join(f"{k}={v}" for k, v in sorted((row.get("params") or {}).items()))
@@ -29,7 +24,8 @@ def history_figure(history, title):
     seen = {}   # series drawn so far per colour: they differ by marker and line style
     for (machine, params), rows in sorted(series.items(), key=lambda kv: str(kv[0])):
         rows = sorted(rows, key=lambda r: r.get("date") or "")
-        colour = series_colour(rows[0].get("params"))
+        backend = (rows[0].get("params") or {}).get("backend")
+        colour = figures.colour(backend) if isinstance(backend, str) else figures.NO_BACKEND_COLOUR
         i = seen[colour] = seen.get(colour, -1) + 1
         ax.plot([position[r.get("date") or ""] for r in rows],
                 [np.nan if r.get("value") is None else r["value"] for r in rows],
@@ -51,15 +47,14 @@ def history_figure(history, title):
 
 def section(page):
     """The history block of ``page.history``, ``load_asv_history`` rows (None: no block)."""
-    history, benchmark = page.history, page.history_benchmark
-    if history is None:
+    if page.history is None:
         return None
-    title = benchmark or "asv benchmark history"
-    rows = sorted(history, key=lambda r: (str(r.get("benchmark")), str(r.get("machine")),
-                                          str(r.get("params")), r.get("date") or ""))
+    title = page.history_benchmark or "asv benchmark history"
+    rows = sorted(page.history, key=lambda r: (str(r.get("benchmark")), str(r.get("machine")),
+                                               str(r.get("params")), r.get("date") or ""))
     value = {"seconds": format_seconds, "bytes": format_bytes}
     return {"benchmark": title,
-            "png": figures.data_uri(history_figure(history, title)) if history else None,
+            "png": figures.data_uri(history_figure(page.history, title)) if rows else None,
             "rows": [{**r, "commit": str(r.get("commit") or "")[:8],
                       "params": value_text(r.get("params") or {}),
                       "value": value.get(r.get("unit"), format_number)(r.get("value"))}
