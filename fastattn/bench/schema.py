@@ -40,6 +40,7 @@ POINT_FIELDS = (
     ("rounds", None, "c"), ("roof_fraction_paired", None, "cs"),
     ("check_tol", AMOUNT, ""), ("load_avg_1m", AMOUNT, ""), ("started", AMOUNT, ""),
     ("warmup_s", AMOUNT, ""), ("times_s", AMOUNTS, ""),
+    ("compile_s", AMOUNT, ""), ("peer_path", NAME, ""),  # a peer's compile, what it ran
 )
 #: Fields of roof and startup records beyond a point's.
 OTHER_FIELDS = (("gelem_s", AMOUNT), ("shape", COUNTS), ("numpy_min_s", AMOUNT),
