@@ -4,6 +4,7 @@ Every test that runs a peer skips when that peer is not installed; the
 registry tests run everywhere and import no peer.
 """
 
+import gc
 import json
 import os
 import re
@@ -225,8 +226,14 @@ def test_flex_attention_compiles_when_built_and_not_again():
 def test_openvino_says_which_path_its_graph_took():
     pytest.importorskip("openvino")
     q, k, v = make_qkv((2, 24, 8), dtype=np.float32)
-    fields = peers.openvino_softmax_call(q, k, v, True, 0.4).fields
-    assert fields["compile_s"] > 0
+    call = peers.openvino_softmax_call(q.copy(), k.copy(), v.copy(), True, 0.4)
+    gc.collect()
+    garbage = [np.full(x.shape, 1e3, np.float32) for x in (q, k, v) for _ in range(4)]
+    # the request reads inputs whose only owner is the call
+    ref = reference64(fastattn.softmax_attention, q, k, v, causal=True, scale=0.4)
+    np.testing.assert_allclose(call(), ref, **TOLERANCES[np.dtype(np.float32)])
+    fields = call.fields
+    assert fields["compile_s"] > 0 and garbage
     path = fields["peer_path"]
     assert path.startswith(("SDPA node: ", "SDPA decomposed: ")) and "/" in path
 

@@ -251,6 +251,7 @@ def openvino_softmax_call(q, k, v, causal, scale, heads=1):
 
     call.fields = {"compile_s": compile_s, "peer_path": ("SDPA node: " if kept else
                                                          "SDPA decomposed: ") + ", ".join(ran)}
+    call.inputs = arrays  # what the request reads: an ov.Tensor does not keep it alive
     return call
 
 
