@@ -1,16 +1,13 @@
 """Peers: what a user would otherwise call, measured on the same inputs and checked against
-the float64 reference like any backend.  A peer is one :class:`Peer` record in :data:`PEERS`
-(adding one is a record and a test), optional (``pip install -e ".[peers]"``) and found
-without being imported.
-
-A call builder takes ``(q, k, v, causal, option, heads=1)``: C-contiguous ``q (B, n_q, d_k)``,
-``k (B, n_k, d_k)``, ``v (B, n_k, d_v)``, ``B = batch * heads``, ``option`` the scale (softmax)
-or the feature map (linear); it returns a no-argument callable whose result is the output
-``(B, n_q, d_v)`` as an ndarray, and whose ``fields``, if any, go into the point's record
-(``compile_s``: seconds of the builder's compile, never timed; ``peer_path``: what ran).  It
-raises ValueError for what it cannot compute as fastattn does (a causal mask aligned
-otherwise when ``n_q != n_k``, heads that do not divide ``B``), TypeError for a dtype it does
-not run."""
+the float64 reference like any backend; each one :class:`Peer` record in :data:`PEERS`,
+optional (``pip install -e ".[peers]"``) and found without being imported.  A call builder
+takes ``(q, k, v, causal, option, heads=1)``: C-contiguous ``q (B, n_q, d_k)``, ``k (B, n_k,
+d_k)``, ``v (B, n_k, d_v)``, ``B = batch * heads``, ``option`` the scale (softmax) or the
+feature map (linear); it returns a no-argument callable whose result is the output ``(B, n_q,
+d_v)`` ndarray, and whose ``fields``, if any, go into the point's record (``compile_s``: the
+builder's compile, untimed; ``peer_path``: what ran).  It raises ValueError for what it cannot
+compute as fastattn does (a causal mask aligned otherwise when ``n_q != n_k``, heads that do
+not divide ``B``), TypeError for a dtype it does not run."""
 
 import importlib.metadata
 import importlib.util
@@ -215,13 +212,11 @@ def torch_flex_call(q, k, v, causal, scale, heads=1):
 
 
 def openvino_softmax_call(q, k, v, causal, scale, heads=1):
-    """Softmax attention by one opset13 ScaledDotProductAttention node (``causal``; ``scale`` a
-    constant) in a graph of these shapes, compiled for OpenVINO's CPU plugin on the peers'
-    threads, one stream, f32; float32 only.  The request shares the inputs; each call copies
-    its output out.  ``fields``: the compile's seconds, and the path its runtime graph took:
-    ``"SDPA node"`` when it kept the plugin's ScaledDotProductAttention node, else ``"SDPA
-    decomposed"``, then its computing nodes as layer/primitive type (``Subgraph``: a Snippets
-    kernel; ``+Softmax``: the node the softmax went into)."""
+    """Softmax attention by one opset13 ScaledDotProductAttention node in a graph of these
+    shapes, compiled for OpenVINO's CPU plugin (peers' threads, one stream, f32), float32 only;
+    the request reads the inputs in place.  ``peer_path``: "SDPA node" if the runtime graph
+    kept the plugin's node, else "SDPA decomposed", then its computing nodes' layer/primitive
+    types (``Subgraph``: a Snippets kernel; ``+Softmax``: the one holding the softmax)."""
     out_shape = _check_inputs("openvino", q, k, v, causal, heads,
                               "its CPU plugin computes f64 inputs in f32")
     import openvino as ov
@@ -274,8 +269,7 @@ def onnxruntime_softmax_call(q, k, v, causal, scale, heads=1):
     import onnxruntime
     from onnx import TensorProto, helper
 
-    feeds = {name: _heads_moved(x, heads) for name, x in zip(("query", "key", "value"),
-                                                              (q, k, v))}
+    feeds = dict(zip(("query", "key", "value"), (_heads_moved(x, heads) for x in (q, k, v))))
     node = helper.make_node("MultiHeadAttention", list(feeds), ["output"],
                             domain="com.microsoft", num_heads=int(heads), scale=float(scale),
                             unidirectional=int(bool(causal)))
