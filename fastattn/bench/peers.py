@@ -325,22 +325,19 @@ def torch_linear_call(q, k, v, causal, feature_map="elu", eps=1e-6, heads=1):
     tq, tk, tv = _as_4d(torch, (q, k, v), heads)
     out_shape = q.shape[:-1] + v.shape[-1:]
 
-    def product_form():
+    def call():
         with torch.inference_mode():
             pq, pk = phi(tq), phi(tk)
-            numerator = pq @ (pk.transpose(-2, -1) @ tv)                  # S: (..., d_k, d_v)
-            denominator = (pq @ pk.sum(dim=-2).unsqueeze(-1)) + eps      # (..., n, 1)
+            if causal:  # S_i of every position, (..., n, d_k, d_v)
+                states = torch.cumsum(pk.unsqueeze(-1) * tv.unsqueeze(-2), dim=-3)
+                numerator = torch.einsum("...nk,...nkv->...nv", pq, states)
+                denominator = (pq * torch.cumsum(pk, dim=-2)).sum(dim=-1, keepdim=True) + eps
+            else:
+                numerator = pq @ (pk.transpose(-2, -1) @ tv)                  # S: (..., d_k, d_v)
+                denominator = (pq @ pk.sum(dim=-2).unsqueeze(-1)) + eps      # (..., n, 1)
             return (numerator / denominator).numpy().reshape(out_shape)
 
-    def cumsum_form():
-        with torch.inference_mode():
-            pq, pk = phi(tq), phi(tk)
-            states = torch.cumsum(pk.unsqueeze(-1) * tv.unsqueeze(-2), dim=-3)  # (..., n, d_k, d_v)
-            numerator = torch.einsum("...nk,...nkv->...nv", pq, states)
-            denominator = (pq * torch.cumsum(pk, dim=-2)).sum(dim=-1, keepdim=True) + eps
-            return (numerator / denominator).numpy().reshape(out_shape)
-
-    return cumsum_form if causal else product_form
+    return call
 
 
 def numpy_linear_decode_call(q, k, v, causal, feature_map="elu", eps=1e-6, heads=1):
