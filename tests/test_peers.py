@@ -28,6 +28,11 @@ SOFTMAX_PEERS = {
     "openvino": ("openvino", (np.float32,)),  # its CPU plugin computes f64 in f32
 }
 
+def _softmax(name):
+    """Peer ``name``'s builder of prefill softmax attention."""
+    return peers.PEERS[name].calls["softmax", "prefill"]
+
+
 CASES = [
     pytest.param(name, np.dtype(dtype), causal, batch, heads, n, d_k, d_v,
                  id=f"{name}-{np.dtype(dtype).name}-{'causal' if causal else 'full'}"
@@ -45,14 +50,14 @@ def test_peer_softmax_agrees_with_the_reference(name, dtype, causal, batch, head
     pytest.importorskip(SOFTMAX_PEERS[name][0])
     q, k, v = make_qkv((batch * heads, n, d_k), d_v=d_v, dtype=dtype, seed=batch + heads)
     scale = 0.3
-    out = peers.SOFTMAX_CALLS[name](q, k, v, causal, scale, heads=heads)()
+    out = _softmax(name)(q, k, v, causal, scale, heads=heads)()
     ref = reference64(fastattn.softmax_attention, q, k, v, causal=causal, scale=scale)
     assert out.shape == (batch * heads, n, d_v) and out.dtype == dtype
     tol = TOLERANCES[dtype]
     np.testing.assert_allclose(out, ref, rtol=tol["rtol"], atol=tol["atol"])
     # heads are kept apart: the same inputs as one head per batch entry agree too
     if heads > 1:
-        single = peers.SOFTMAX_CALLS[name](q, k, v, causal, scale, heads=1)()
+        single = _softmax(name)(q, k, v, causal, scale, heads=1)()
         np.testing.assert_allclose(single, ref, rtol=tol["rtol"], atol=tol["atol"])
 
 
@@ -61,7 +66,7 @@ def test_peer_softmax_refuses_a_causal_mask_it_aligns_differently(name):
     pytest.importorskip(SOFTMAX_PEERS[name][0])
     q, k, v = make_qkv((1, 4, 8), n_k=6, dtype=np.float32)
     with pytest.raises(ValueError, match="n_q == n_k"):
-        peers.SOFTMAX_CALLS[name](q, k, v, True, 0.5)
+        _softmax(name)(q, k, v, True, 0.5)
 
 
 @pytest.mark.parametrize("name", list(SOFTMAX_PEERS))
@@ -69,7 +74,7 @@ def test_peer_softmax_refuses_heads_that_do_not_divide_the_batch(name):
     pytest.importorskip(SOFTMAX_PEERS[name][0])
     q, k, v = make_qkv((4, 8, 8), dtype=np.float32)
     with pytest.raises(ValueError, match="heads"):
-        peers.SOFTMAX_CALLS[name](q, k, v, False, 0.5, heads=3)
+        _softmax(name)(q, k, v, False, 0.5, heads=3)
 
 
 def test_jax_refuses_d_v_other_than_d_k():
@@ -84,13 +89,14 @@ def test_float32_only_peers_refuse_float64(name):
     pytest.importorskip(SOFTMAX_PEERS[name][0])
     q, k, v = make_qkv((1, 8, 8), dtype=np.float64)
     with pytest.raises(TypeError, match="float32"):
-        peers.SOFTMAX_CALLS[name](q, k, v, False, 0.5)
+        _softmax(name)(q, k, v, False, 0.5)
 
 
 def test_every_peer_has_an_install_hint_and_a_builder():
     assert set(peers.INSTALL_HINT) == set(peers.PEERS)
     assert all(peer.calls and peer.install for peer in peers.PEERS.values())
-    assert set(peers.SOFTMAX_CALLS) == set(SOFTMAX_PEERS)
+    assert {name for name, peer in peers.PEERS.items()
+            if ("softmax", "prefill") in peer.calls} == set(SOFTMAX_PEERS)
     assert peers.why_not("numpy", "linear", regime="decode") is None
     assert "float32 only" in peers.why_not("onnxruntime", "softmax", "float64", 64, 64)
     assert "no feature map" in peers.why_not("torch", "linear", feature_map="favor")
@@ -128,7 +134,7 @@ import json, numpy as np
 from fastattn.bench import peers
 peers.set_peer_threads({n_threads})
 q = np.random.default_rng(0).standard_normal((2, 16, 8)).astype(np.float32)
-out = peers.SOFTMAX_CALLS[{name!r}](q, q, q, False, 0.5, heads=2)()
+out = peers.PEERS[{name!r}].calls["softmax", "prefill"](q, q, q, False, 0.5, heads=2)()
 print(json.dumps(peers.peer_threads()[{name!r}]))
 """
     env = dict(os.environ)

@@ -397,9 +397,6 @@ PEERS = {peer.name: peer for peer in (
 
 #: How to add a missing peer, by name: a command to paste in the fastattn checkout.
 INSTALL_HINT = {name: peer.install for name, peer in PEERS.items()}
-#: The prefill softmax builders, by peer.
-SOFTMAX_CALLS = {name: peer.calls["softmax", "prefill"] for name, peer in PEERS.items()
-                 if ("softmax", "prefill") in peer.calls}
 
 
 def available_peers():
