@@ -4,6 +4,7 @@ Every test that runs a peer skips when that peer is not installed; the
 registry tests run everywhere and import no peer.
 """
 
+import gc
 import json
 import os
 import re
@@ -23,7 +24,14 @@ SOFTMAX_PEERS = {
     "torch": ("torch", (np.float32, np.float64)),
     "onnxruntime": ("onnxruntime", (np.float32,)),
     "jax": ("jax", (np.float32,)),  # its softmax is always float32
+    "torch_flex": ("torch", (np.float32,)),  # FlexAttention on the CPU: no float64
+    "openvino": ("openvino", (np.float32,)),  # its CPU plugin computes f64 in f32
 }
+
+def _softmax(name):
+    """Peer ``name``'s builder of prefill softmax attention."""
+    return peers.PEERS[name].calls["softmax", "prefill"]
+
 
 CASES = [
     pytest.param(name, np.dtype(dtype), causal, batch, heads, n, d_k, d_v,
@@ -42,14 +50,14 @@ def test_peer_softmax_agrees_with_the_reference(name, dtype, causal, batch, head
     pytest.importorskip(SOFTMAX_PEERS[name][0])
     q, k, v = make_qkv((batch * heads, n, d_k), d_v=d_v, dtype=dtype, seed=batch + heads)
     scale = 0.3
-    out = peers.SOFTMAX_CALLS[name](q, k, v, causal, scale, heads=heads)()
+    out = _softmax(name)(q, k, v, causal, scale, heads=heads)()
     ref = reference64(fastattn.softmax_attention, q, k, v, causal=causal, scale=scale)
     assert out.shape == (batch * heads, n, d_v) and out.dtype == dtype
     tol = TOLERANCES[dtype]
     np.testing.assert_allclose(out, ref, rtol=tol["rtol"], atol=tol["atol"])
     # heads are kept apart: the same inputs as one head per batch entry agree too
     if heads > 1:
-        single = peers.SOFTMAX_CALLS[name](q, k, v, causal, scale, heads=1)()
+        single = _softmax(name)(q, k, v, causal, scale, heads=1)()
         np.testing.assert_allclose(single, ref, rtol=tol["rtol"], atol=tol["atol"])
 
 
@@ -58,7 +66,7 @@ def test_peer_softmax_refuses_a_causal_mask_it_aligns_differently(name):
     pytest.importorskip(SOFTMAX_PEERS[name][0])
     q, k, v = make_qkv((1, 4, 8), n_k=6, dtype=np.float32)
     with pytest.raises(ValueError, match="n_q == n_k"):
-        peers.SOFTMAX_CALLS[name](q, k, v, True, 0.5)
+        _softmax(name)(q, k, v, True, 0.5)
 
 
 @pytest.mark.parametrize("name", list(SOFTMAX_PEERS))
@@ -66,7 +74,7 @@ def test_peer_softmax_refuses_heads_that_do_not_divide_the_batch(name):
     pytest.importorskip(SOFTMAX_PEERS[name][0])
     q, k, v = make_qkv((4, 8, 8), dtype=np.float32)
     with pytest.raises(ValueError, match="heads"):
-        peers.SOFTMAX_CALLS[name](q, k, v, False, 0.5, heads=3)
+        _softmax(name)(q, k, v, False, 0.5, heads=3)
 
 
 def test_jax_refuses_d_v_other_than_d_k():
@@ -76,28 +84,31 @@ def test_jax_refuses_d_v_other_than_d_k():
         peers.jax_softmax_call(q, k, v, False, 0.5)
 
 
-@pytest.mark.parametrize("name", ["onnxruntime", "jax"])
+@pytest.mark.parametrize("name", ["onnxruntime", "jax", "torch_flex", "openvino"])
 def test_float32_only_peers_refuse_float64(name):
-    pytest.importorskip(name)
+    pytest.importorskip(SOFTMAX_PEERS[name][0])
     q, k, v = make_qkv((1, 8, 8), dtype=np.float64)
     with pytest.raises(TypeError, match="float32"):
-        peers.SOFTMAX_CALLS[name](q, k, v, False, 0.5)
+        _softmax(name)(q, k, v, False, 0.5)
 
 
 def test_every_peer_has_an_install_hint_and_a_builder():
     assert set(peers.INSTALL_HINT) == set(peers.PEERS)
     assert all(peer.calls and peer.install for peer in peers.PEERS.values())
-    assert set(peers.SOFTMAX_CALLS) == {"torch", "onnxruntime", "jax"}
+    assert {name for name, peer in peers.PEERS.items()
+            if ("softmax", "prefill") in peer.calls} == set(SOFTMAX_PEERS)
     assert peers.why_not("numpy", "linear", regime="decode") is None
     assert "float32 only" in peers.why_not("onnxruntime", "softmax", "float64", 64, 64)
     assert "no feature map" in peers.why_not("torch", "linear", feature_map="favor")
 
 
 def test_absent_peers_name_the_command_that_adds_them(monkeypatch):
-    monkeypatch.setattr(peers, "_findable", lambda module: module not in ("onnx", "jax"))
-    assert peers.available_peers() == ("torch", "numpy")
+    monkeypatch.setattr(peers, "_findable", lambda module: module not in ("onnx", "jax",
+                                                                           "openvino"))
+    assert peers.available_peers() == ("torch", "torch_flex", "numpy")
     absent = peers.absent_peers()
-    assert set(absent) == {"onnxruntime", "jax"}  # onnxruntime needs onnx to build its graph
+    # onnxruntime needs onnx to build its graph
+    assert set(absent) == {"onnxruntime", "jax", "openvino"}
     assert "install onnxruntime onnx" in absent["onnxruntime"] and "jax" in absent["jax"]
 
 
@@ -106,7 +117,8 @@ def test_listing_the_peers_imports_none_of_them():
             "peers.set_peer_threads(1); "
             "print(json.dumps([peers.available_peers(), peers.absent_peers(), peers.peer_threads(), "
             "{n: p.version() for n, p in peers.PEERS.items()}, "
-            "[m for m in ('torch', 'onnxruntime', 'onnx', 'jax') if m in sys.modules]]))")
+            "[m for m in ('torch', 'onnxruntime', 'onnx', 'jax', 'openvino') "
+            "if m in sys.modules]]))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     available, absent, threads, versions, imported = json.loads(out.stdout)
     assert imported == []
@@ -122,7 +134,7 @@ import json, numpy as np
 from fastattn.bench import peers
 peers.set_peer_threads({n_threads})
 q = np.random.default_rng(0).standard_normal((2, 16, 8)).astype(np.float32)
-out = peers.SOFTMAX_CALLS[{name!r}](q, q, q, False, 0.5, heads=2)()
+out = peers.PEERS[{name!r}].calls["softmax", "prefill"](q, q, q, False, 0.5, heads=2)()
 print(json.dumps(peers.peer_threads()[{name!r}]))
 """
     env = dict(os.environ)
@@ -132,7 +144,8 @@ print(json.dumps(peers.peer_threads()[{name!r}]))
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("name", list(SOFTMAX_PEERS))
+# torch_flex has torch's thread count (the same functions), and compiles for a while
+@pytest.mark.parametrize("name", [name for name in SOFTMAX_PEERS if name != "torch_flex"])
 def test_peer_threads_reports_the_count_set(name):
     pytest.importorskip(SOFTMAX_PEERS[name][0])
     assert _threads_in_a_fresh_process(name, 1) == 1
@@ -161,7 +174,7 @@ def test_every_extra_pins_torch_and_the_hints_name_the_venvs_pip():
         "optional-dependencies"]
     torch_pins = [req for reqs in extras.values() for req in reqs if req.startswith("torch")]
     assert torch_pins and all(req.startswith("torch==") for req in torch_pins)
-    for name in ("torch", "onnxruntime", "jax"):
+    for name in ("torch", "torch_flex", "onnxruntime", "jax", "openvino"):
         hint = peers.INSTALL_HINT[name]
         assert hint.startswith(".venv/bin/pip install ") and "[peers]" not in hint
         assert all(p == ".venv/bin/pip" for p in re.findall(r"\S*pip(?= install)", hint))
@@ -199,3 +212,48 @@ def test_a_new_peer_is_one_record_and_an_absent_one_says_how_to_install_it(monke
 def test_install_hints_are_commands_to_paste_as_they_are():
     for hint in peers.INSTALL_HINT.values():
         assert "(" not in hint and "checkout" not in hint, hint
+
+
+def test_flex_attention_compiles_when_built_and_not_again():
+    torch = pytest.importorskip("torch")
+    q, k, v = make_qkv((2, 24, 8), dtype=np.float32)
+    first = peers.torch_flex_call(q, k, v, True, 0.4)
+    assert first.fields["compile_s"] > 0 and "dynamic=False" in first.fields["peer_path"]
+    q2, k2, v2 = make_qkv((2, 40, 8), dtype=np.float32)
+    second = peers.torch_flex_call(q2, k2, v2, True, 0.4)  # another shape, compiled apart
+    assert second.fields["compile_s"] > 0
+    with torch.compiler.set_stance("fail_on_recompile"):  # the timed calls compile nothing
+        out, out2 = first(), second()
+    ref = reference64(fastattn.softmax_attention, q, k, v, causal=True, scale=0.4)
+    np.testing.assert_allclose(out, ref, **TOLERANCES[np.dtype(np.float32)])
+    assert out2.shape == (2, 40, 8)
+
+
+def test_openvino_says_which_path_its_graph_took():
+    pytest.importorskip("openvino")
+    q, k, v = make_qkv((2, 24, 8), dtype=np.float32)
+    call = peers.openvino_softmax_call(q.copy(), k.copy(), v.copy(), True, 0.4)
+    gc.collect()
+    garbage = [np.full(x.shape, 1e3, np.float32) for x in (q, k, v) for _ in range(4)]
+    # the request reads inputs whose only owner is the call
+    ref = reference64(fastattn.softmax_attention, q, k, v, causal=True, scale=0.4)
+    np.testing.assert_allclose(call(), ref, **TOLERANCES[np.dtype(np.float32)])
+    fields = call.fields
+    assert fields["compile_s"] > 0 and garbage
+    path = fields["peer_path"]
+    assert path.startswith(("SDPA node: ", "SDPA decomposed: ")) and "/" in path
+
+
+@pytest.mark.parametrize("name, regime", [("torch_flex", "prefill"), ("torch_flex", "decode"),
+                                          ("openvino", "prefill")])
+def test_new_peers_pass_the_bench_check_and_record_their_compile(name, regime):
+    from fastattn.bench import engine, results
+    from fastattn.bench.sweep import Point
+
+    pytest.importorskip(SOFTMAX_PEERS[name][0])
+    spec = Point("softmax", name, True, 40, d_k=8, d_v=8, heads=2, regime=regime).spec(1)
+    call, fields, _, _ = engine.prepare_point(spec, memory=False)
+    assert call is not None, fields
+    assert fields["check_ok"] and fields["compile_s"] > 0 and fields["peer_path"]
+    record = {"schema": results.SCHEMA, "record": "point", **spec, **fields, "median_s": 1.0}
+    assert results.check_record(record) is None

@@ -435,7 +435,7 @@ def prepare_point(spec, repeats=5, memory=True, check=True, seed=DEFAULT_SEED,
         fields = {"status": "ok", "reason": None, "seed": seed,
                   "load_avg_1m": environment.load_avg_1m(),
                   "warmup_s": time.perf_counter() - start, "peak_bytes": None,
-                  "memory_method": None}
+                  "memory_method": None, **getattr(call, "fields", {})}  # a peer's compile_s
         peak, method, estimate = peak_extra_bytes(call)
         if memory:
             fields.update(peak_bytes=peak, memory_method=method)

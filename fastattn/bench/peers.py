@@ -1,22 +1,20 @@
 """Peers: what a user would otherwise call, measured on the same inputs and checked against
-the float64 reference like any backend.  A peer is one :class:`Peer` record in
-:data:`PEERS` (adding a peer is a record and a test); each is optional (``pip install -e
-".[peers]"``) and found without being imported: **torch** (SDPA, and linear attention in
-its two usual PyTorch forms), **onnxruntime** (the ``com.microsoft`` MultiHeadAttention
-operator), **jax** (``jax.nn.dot_product_attention``) and **numpy** (the plain recurrent
-step of linear attention, decode only).
-
-A call builder takes ``(q, k, v, causal, option, heads=1)``: C-contiguous ``q (B, n_q,
-d_k)``, ``k (B, n_k, d_k)``, ``v (B, n_k, d_v)``, ``B = batch * heads``, ``option`` the scale
-(softmax) or the feature map (linear), and returns a no-argument callable whose result is
-the output ``(B, n_q, d_v)`` as an ndarray.  It raises ValueError for what it cannot compute
-as fastattn does (a causal mask aligned otherwise when ``n_q != n_k``, heads that do not
-divide ``B``) and TypeError for a dtype it does not run."""
+the float64 reference like any backend; each one :class:`Peer` record in :data:`PEERS`,
+optional (``pip install -e ".[peers]"``) and found without being imported.  A call builder
+takes ``(q, k, v, causal, option, heads=1)``: C-contiguous ``q (B, n_q, d_k)``, ``k (B, n_k,
+d_k)``, ``v (B, n_k, d_v)``, ``B = batch * heads``, ``option`` the scale (softmax) or the
+feature map (linear); it returns a no-argument callable whose result is the output ``(B, n_q,
+d_v)`` ndarray, and whose ``fields``, if any, go into the point's record (``compile_s``: the
+builder's compile, untimed; ``peer_path``: what ran).  It raises ValueError for what it cannot
+compute as fastattn does (a causal mask aligned otherwise when ``n_q != n_k``, heads that do
+not divide ``B``), TypeError for a dtype it does not run."""
 
 import importlib.metadata
 import importlib.util
 import os
 import sys
+import time
+import types
 from dataclasses import dataclass
 from typing import Callable
 
@@ -30,30 +28,14 @@ _threads = None
 
 @dataclass(frozen=True)
 class Peer:
-    """Everything the bench knows of one peer.
-
-    Attributes
-    ----------
-    name : str
-    modules : tuple of str
-        Modules it needs: it is available when all are findable (none is imported).
-    install : str
-        The command that adds it, to paste as it is in the fastattn checkout.
-    calls : dict of (str, str) to callable
-        Call builders by ``(attention, regime)``.
-    set_threads, threads : callable
-        ``set_threads(n)`` fixes its intra-op threads now, or on its import; ``threads()``
-        the count in force (or to be).
-    distributions : tuple of str
-        Distributions whose versions the environment record keeps (default ``modules``).
-    float32_only, same_d : bool
-        Its softmax attention runs in float32 only; needs ``d_v == d_k``.
-    feature_maps : tuple
-        Feature maps its linear attention implements (None: the default, elu).
-    square_arrays, layouts, causal_states : int
-        Memory a call needs beyond its inputs and output (so what cannot fit is skipped):
-        ``n x n`` and ``n x d`` arrays; causal linear attention instead ``n x d_k x d_v``.
-    """
+    """One peer: the ``modules`` it needs (available when all are findable; none is imported),
+    the ``install`` command to paste in the fastattn checkout, its call builders by
+    ``(attention, regime)``, ``set_threads(n)`` (now, or on its import) and ``threads()`` (the
+    count in force, or to be), the ``distributions`` whose versions the environment record
+    keeps (default ``modules``), its limits (softmax in float32 only, ``d_v == d_k``, the
+    linear feature maps it has) and the memory a call needs beyond its inputs and output, so
+    what cannot fit is skipped: ``n x n`` arrays (more when causal) and ``n x d`` arrays; causal
+    linear attention ``n x d_k x d_v`` arrays instead."""
 
     name: str
     modules: tuple
@@ -68,13 +50,12 @@ class Peer:
     square_arrays: int = 0
     layouts: int = 4
     causal_states: int = 0
+    causal_squares: int = 0
 
     def available(self):
-        """True if every module it needs is findable here (without importing it)."""
         return all(_findable(m) for m in self.modules)
 
     def version(self):
-        """Its installed version, or None."""
         return _version((self.distributions or self.modules)[0])
 
     def why_not(self, attention, dtype=None, d_k=None, d_v=None, regime="prefill",
@@ -87,14 +68,14 @@ class Peer:
         if self.float32_only and dtype is not None and np.dtype(dtype) != np.float32:
             return f"{self.name}'s softmax attention runs in float32 only"
         if self.same_d and d_k is not None and d_k != d_v:
-            return "jax.nn.dot_product_attention needs d_v == d_k"
+            return f"{self.name}'s softmax attention needs d_v == d_k"
         return None
 
     def extra_bytes(self, attention, causal, batch, n, d_k, d_v, itemsize):
-        """Bytes a call needs beyond its inputs and output."""
         if attention == "linear" and causal and self.causal_states:
             return self.causal_states * batch * n * d_k * d_v * itemsize
-        return (self.square_arrays * n * n + self.layouts * n * max(d_k, d_v)) * batch * itemsize
+        squares = self.square_arrays + (self.causal_squares if causal else 0)
+        return (squares * n * n + self.layouts * n * max(d_k, d_v)) * batch * itemsize
 
 
 def _findable(name):
@@ -131,6 +112,11 @@ def _torch_threads():
     return torch.get_num_threads() if torch is not None else _threads
 
 
+def _threads_set():
+    """The count of a peer that is given it when a call is built."""
+    return _threads if _threads is not None else default_num_threads()
+
+
 #: XLA flags that keep JAX's CPU computations on one thread.
 _XLA_ONE_THREAD = ("--xla_cpu_multi_thread_eigen=false", "intra_op_parallelism_threads=1")
 
@@ -154,8 +140,9 @@ def _set_blas_threads(n):
     threadpool_limits(n, user_api="blas")
 
 
-def _check_peer_inputs(name, q, k, v, causal, heads):
-    """Refuse what a peer's softmax kernel cannot compute as fastattn does."""
+def _check_inputs(name, q, k, v, causal, heads, float32_why=None):
+    """Refuse what a peer's softmax cannot compute as fastattn does; given ``float32_why``,
+    any dtype but float32.  Returns the output's shape."""
     if q.ndim != 3 or k.ndim != 3 or v.ndim != 3:
         raise ValueError(f"q, k, v must be (B, n, d) arrays, got shapes {q.shape}, {k.shape}, "
                          f"{v.shape}")
@@ -163,6 +150,9 @@ def _check_peer_inputs(name, q, k, v, causal, heads):
         raise ValueError(f"heads must divide B = {q.shape[0]}, got {heads}")
     if causal and q.shape[-2] != k.shape[-2]:
         raise ValueError(f"{name}'s causal mask equals fastattn's only when n_q == n_k")
+    if float32_why and not all(x.dtype == np.float32 for x in (q, k, v)):
+        raise TypeError(f"{name} runs float32 only ({float32_why}), got {q.dtype}")
+    return q.shape[:-1] + v.shape[-1:]
 
 
 def _as_4d(torch, arrays, heads):
@@ -172,13 +162,12 @@ def _as_4d(torch, arrays, heads):
 
 
 def torch_softmax_call(q, k, v, causal, scale, heads=1):
-    """Softmax attention by PyTorch's SDPA, float32 or float64; its ``is_causal`` mask is
-    aligned at the top left (so ``n_q == n_k`` when causal)."""
-    _check_peer_inputs("torch", q, k, v, causal, heads)
+    """Softmax attention by PyTorch's SDPA, float32 or float64, ``is_causal`` aligned at the
+    top left."""
+    out_shape = _check_inputs("torch", q, k, v, causal, heads)
     torch = _torch()
     tq, tk, tv = _as_4d(torch, (q, k, v), heads)
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    out_shape = q.shape[:-1] + v.shape[-1:]
 
     def call():
         with torch.inference_mode():
@@ -188,16 +177,90 @@ def torch_softmax_call(q, k, v, causal, scale, heads=1):
     return call
 
 
+def torch_flex_call(q, k, v, causal, scale, heads=1):
+    """Softmax attention by PyTorch's FlexAttention under ``torch.compile(dynamic=False)``
+    (inductor's C++ template on the CPU), float32 only, causal by a block mask aligned at the
+    top left.  The first call, here, compiles it for these shapes (``fields["compile_s"]``,
+    shorter when inductor's on-disk cache has the code: ``peer_path`` says); its code object is
+    its own, as dynamo keeps graphs per code object: no other build's shapes count against its
+    recompile limit or replace its graph."""
+    out_shape = _check_inputs("torch_flex", q, k, v, causal, heads,
+                              "FlexAttention on the CPU takes float32, float16, bfloat16")
+    torch = _torch()
+    from torch._dynamo.utils import counters
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    def attend(q4, k4, v4, block_mask):
+        return flex_attention(q4, k4, v4, block_mask=block_mask, scale=float(scale))
+
+    own = types.FunctionType(attend.__code__.replace(), attend.__globals__, None, None,
+                             attend.__closure__)  # a new code object: see above
+    attend = torch.compile(own, dynamic=False)
+    tq, tk, tv = _as_4d(torch, (q, k, v), heads)
+    with torch.inference_mode():
+        mask = create_block_mask(lambda b, h, i, j: i >= j, None, None, q.shape[1], k.shape[1],
+                                 device="cpu") if causal else None
+        start, hits = time.perf_counter(), counters["inductor"]["fxgraph_cache_hit"]
+        attend(tq, tk, tv, mask)
+        compile_s = time.perf_counter() - start
+    cached = counters["inductor"]["fxgraph_cache_hit"] > hits
+
+    def call():
+        with torch.inference_mode():
+            return attend(tq, tk, tv, mask).numpy().reshape(out_shape)
+
+    call.fields = {"compile_s": compile_s, "peer_path": "torch.compile(flex_attention, dynamic="
+                   "False), compiled per shape: inductor's C++ flex template" + (
+                       ", its code from inductor's FX graph cache" if cached else "")}
+    return call
+
+
+def openvino_softmax_call(q, k, v, causal, scale, heads=1):
+    """Softmax attention by one opset13 ScaledDotProductAttention node in a graph of these
+    shapes, compiled for OpenVINO's CPU plugin (peers' threads, one stream, f32), float32 only;
+    the request reads the inputs in place.  ``peer_path``: "SDPA node" if the runtime graph
+    kept the plugin's node, else "SDPA decomposed", then its computing nodes' layer/primitive
+    types (``Subgraph``: a Snippets kernel; ``+Softmax``: the one holding the softmax)."""
+    out_shape = _check_inputs("openvino", q, k, v, causal, heads,
+                              "its CPU plugin computes f64 inputs in f32")
+    import openvino as ov
+    import openvino.opset13 as ops
+
+    arrays = [x.reshape(-1, heads, *x.shape[1:]) for x in (q, k, v)]
+    params = [ops.parameter(x.shape, ov.Type.f32, name=n) for n, x in zip("qkv", arrays)]
+    sdpa = ops.scaled_dot_product_attention(*params, None, ops.constant(np.float32(scale)),
+                                            causal=bool(causal))
+    config = {"INFERENCE_PRECISION_HINT": "f32", "NUM_STREAMS": 1,
+              "INFERENCE_NUM_THREADS": _threads_set()}
+    start = time.perf_counter()
+    compiled = ov.Core().compile_model(ov.Model([sdpa], params, "fastattn_peer"), "CPU", config)
+    compile_s, request = time.perf_counter() - start, compiled.create_infer_request()
+    for i, x in enumerate(arrays):
+        request.set_input_tensor(i, ov.Tensor(x, shared_memory=True))
+    ran = [{key: value.astype(str) for key, value in op.get_rt_info().items()}
+           for op in compiled.get_runtime_model().get_ordered_ops()]
+    ran = [f"{r['layerType']}/{r['primitiveType']}" + ("+Softmax" if "Softmax" in
+           r.get("originalLayersNames", "") else "") for r in ran
+           if r["layerType"] not in ("Input", "Output", "Const")]
+    kept = any(node.startswith("ScaledDotProductAttention/") for node in ran)
+
+    def call():
+        request.infer()
+        return request.get_output_tensor().data.reshape(out_shape).copy()
+
+    call.fields = {"compile_s": compile_s, "peer_path": ("SDPA node: " if kept else
+                                                         "SDPA decomposed: ") + ", ".join(ran)}
+    call.inputs = arrays  # what the request reads: an ov.Tensor does not keep it alive
+    return call
+
+
 def _heads_moved(x, heads, last=True):
     """``(batch * heads, n, d)`` as ``(batch, n, heads * d)`` (a copy when heads > 1), or back
     when not ``last``."""
-    if last:
-        B, n, d = x.shape
-        return np.ascontiguousarray(x.reshape(B // heads, heads, n, d).transpose(0, 2, 1, 3)
-                                    ).reshape(B // heads, n, heads * d)
-    batch, n, hd = x.shape
-    return np.ascontiguousarray(x.reshape(batch, n, heads, hd // heads).transpose(0, 2, 1, 3)
-                                ).reshape(batch * heads, n, hd // heads)
+    b, n, d = x.shape
+    moved = np.ascontiguousarray(x.reshape((b // heads, heads, n, d) if last else
+                                           (b, n, heads, d // heads)).transpose(0, 2, 1, 3))
+    return moved.reshape(b // heads, n, heads * d) if last else moved.reshape(b * heads, n, -1)
 
 
 def onnxruntime_softmax_call(q, k, v, causal, scale, heads=1):
@@ -205,31 +268,24 @@ def onnxruntime_softmax_call(q, k, v, causal, scale, heads=1):
     ``scale``, ``unidirectional=1`` when causal) in a CPU ``InferenceSession`` on the peers'
     threads, float32 only.  Its ``(batch, n, heads * d)`` layout is made once, before any
     timing; each call moves its output back, ``O(B n d_v)`` beside the attention's work."""
-    _check_peer_inputs("onnxruntime", q, k, v, causal, heads)
-    if not all(x.dtype == np.float32 for x in (q, k, v)):
-        raise TypeError(f"onnxruntime's MultiHeadAttention runs float32 only, got {q.dtype}")
+    _check_inputs("onnxruntime", q, k, v, causal, heads, "MultiHeadAttention")
     import onnx
     import onnxruntime
     from onnx import TensorProto, helper
 
-    feeds = {name: _heads_moved(x, heads) for name, x in zip(("query", "key", "value"),
-                                                              (q, k, v))}
-    node = helper.make_node("MultiHeadAttention", ["query", "key", "value"], ["output"],
+    feeds = dict(zip(("query", "key", "value"), (_heads_moved(x, heads) for x in (q, k, v))))
+    node = helper.make_node("MultiHeadAttention", list(feeds), ["output"],
                             domain="com.microsoft", num_heads=int(heads), scale=float(scale),
                             unidirectional=int(bool(causal)))
-    graph = helper.make_graph(
-        [node], "fastattn_peer",
-        [helper.make_tensor_value_info(name, TensorProto.FLOAT, list(x.shape))
-         for name, x in feeds.items()],
-        [helper.make_tensor_value_info("output", TensorProto.FLOAT,
-                                       [q.shape[0] // heads, q.shape[1], heads * v.shape[2]])])
+    info = helper.make_tensor_value_info
+    graph = helper.make_graph([node], "fastattn_peer", [
+        info(name, TensorProto.FLOAT, list(x.shape)) for name, x in feeds.items()],
+        [info("output", TensorProto.FLOAT, [q.shape[0] // heads, q.shape[1], heads * v.shape[2]])])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
                                                     helper.make_opsetid("com.microsoft", 1)])
     onnx.checker.check_model(model)
     options = onnxruntime.SessionOptions()
-    if _threads is not None:
-        options.intra_op_num_threads = _threads
-    options.inter_op_num_threads = 1
+    options.intra_op_num_threads, options.inter_op_num_threads = _threads_set(), 1
     options.execution_mode = onnxruntime.ExecutionMode.ORT_SEQUENTIAL
     session = onnxruntime.InferenceSession(model.SerializeToString(), options,
                                            providers=["CPUExecutionProvider"])
@@ -238,19 +294,13 @@ def onnxruntime_softmax_call(q, k, v, causal, scale, heads=1):
 
 def jax_softmax_call(q, k, v, causal, scale, heads=1):
     """Softmax attention by ``jax.nn.dot_product_attention`` (XLA) under ``jax.jit``, compiled
-    here by one warm-up call; float32 only (its softmax is float32 whatever the inputs) and
-    ``d_v == d_k``.  The inputs go to the device once; the operator's ``(batch, n, heads, d)``
-    layout is formed inside the jitted function.  Its causal mask is aligned at the top left."""
-    _check_peer_inputs("jax", q, k, v, causal, heads)
+    here by one warm-up call; float32 only, ``d_v == d_k``, causal aligned at the top left.
+    The inputs go to the device once; the ``(batch, n, heads, d)`` layout is formed inside."""
+    out_shape = _check_inputs("jax", q, k, v, causal, heads, "its softmax is float32 always")
     if v.shape[-1] != q.shape[-1]:
         raise ValueError(f"jax.nn.dot_product_attention needs d_v == d_k, got d_k={q.shape[-1]}, "
                          f"d_v={v.shape[-1]}")
-    if not all(x.dtype == np.float32 for x in (q, k, v)):
-        raise TypeError("jax.nn.dot_product_attention computes the softmax in float32 whatever "
-                        f"the inputs' dtype; give it float32, got {q.dtype}")
     import jax
-
-    batch, out_shape = q.shape[0] // heads, q.shape[:-1] + v.shape[-1:]
 
     @jax.jit
     def attend(q4, k4, v4):
@@ -259,17 +309,16 @@ def jax_softmax_call(q, k, v, causal, scale, heads=1):
                                            implementation="xla")
         return out.transpose(0, 2, 1, 3)
 
-    args = [jax.device_put(x.reshape(batch, heads, *x.shape[1:])) for x in (q, k, v)]
+    args = [jax.device_put(x.reshape(-1, heads, *x.shape[1:])) for x in (q, k, v)]
     attend(*args).block_until_ready()  # compile outside the timing
     return lambda: np.asarray(attend(*args).block_until_ready()).reshape(out_shape)
 
 
 def torch_linear_call(q, k, v, causal, feature_map="elu", eps=1e-6, heads=1):
-    """Linear attention in its two usual plain PyTorch forms (Katharopoulos et al. 2020;
-    ``feature_map`` elu or relu): non-causal, the product form ``φ(q) (φ(k)ᵀ v) / (φ(q)
-    Σ_j φ(k_j) + eps)``, ``O(n d_k d_v)`` time, ``O(n d + d_k d_v)`` memory; causal (``n_q ==
-    n_k``), the cumulative-sum form with ``S_i`` stored for every position, ``O(n d_k d_v)``
-    time and memory."""
+    """Linear attention in its two usual plain PyTorch forms (Katharopoulos et al. 2020):
+    non-causal, the product form ``φ(q) (φ(k)ᵀ v) / (φ(q) Σ_j φ(k_j) + eps)``, ``O(n d_k
+    d_v)`` time, ``O(n d + d_k d_v)`` memory; causal (``n_q == n_k``), the cumulative-sum form
+    with ``S_i`` stored for every position, ``O(n d_k d_v)`` time and memory."""
     torch = _torch()
     F = torch.nn.functional
     if causal and q.shape[-2] != k.shape[-2]:
@@ -280,29 +329,25 @@ def torch_linear_call(q, k, v, causal, feature_map="elu", eps=1e-6, heads=1):
     tq, tk, tv = _as_4d(torch, (q, k, v), heads)
     out_shape = q.shape[:-1] + v.shape[-1:]
 
-    def product_form():
+    def call():
         with torch.inference_mode():
             pq, pk = phi(tq), phi(tk)
-            numerator = pq @ (pk.transpose(-2, -1) @ tv)                  # S: (..., d_k, d_v)
-            denominator = (pq @ pk.sum(dim=-2).unsqueeze(-1)) + eps      # (..., n, 1)
+            if causal:  # S_i of every position, (..., n, d_k, d_v)
+                states = torch.cumsum(pk.unsqueeze(-1) * tv.unsqueeze(-2), dim=-3)
+                numerator = torch.einsum("...nk,...nkv->...nv", pq, states)
+                denominator = (pq * torch.cumsum(pk, dim=-2)).sum(dim=-1, keepdim=True) + eps
+            else:
+                numerator = pq @ (pk.transpose(-2, -1) @ tv)                  # S: (..., d_k, d_v)
+                denominator = (pq @ pk.sum(dim=-2).unsqueeze(-1)) + eps      # (..., n, 1)
             return (numerator / denominator).numpy().reshape(out_shape)
 
-    def cumsum_form():
-        with torch.inference_mode():
-            pq, pk = phi(tq), phi(tk)
-            states = torch.cumsum(pk.unsqueeze(-1) * tv.unsqueeze(-2), dim=-3)  # (..., n, d_k, d_v)
-            numerator = torch.einsum("...nk,...nkv->...nv", pq, states)
-            denominator = (pq * torch.cumsum(pk, dim=-2)).sum(dim=-1, keepdim=True) + eps
-            return (numerator / denominator).numpy().reshape(out_shape)
-
-    return cumsum_form if causal else product_form
+    return call
 
 
 def numpy_linear_decode_call(q, k, v, causal, feature_map="elu", eps=1e-6, heads=1):
-    """The plain NumPy recurrent step of linear attention, returning ``(B, 1, d_v)``: the state
-    ``S = φ(k)ᵀ v``, ``z = Σ φ(k)`` of the first ``n - 1`` keys is built once; each call adds
-    the newest key in place (``S += φ(k)ᵀ v; z += φ(k)``) and returns ``φ(q) S / (φ(q) · z +
-    eps)``."""
+    """The plain NumPy recurrent step of linear attention, ``(B, 1, d_v)``: the state ``S =
+    φ(k)ᵀ v``, ``z = Σ φ(k)`` of the first ``n - 1`` keys is built once; each call adds the
+    newest key in place and returns ``φ(q) S / (φ(q) · z + eps)``."""
     if feature_map not in ("elu", "relu"):
         raise ValueError(f"feature_map must be 'elu' or 'relu', got {feature_map!r}")
     phi = (lambda x: np.where(x > 0, x + 1, np.exp(np.minimum(x, 0)))) \
@@ -320,20 +365,29 @@ def numpy_linear_decode_call(q, k, v, causal, feature_map="elu", eps=1e-6, heads
     return step
 
 
-#: Every peer, by name (in the order of the tables).  SDPA's decode step is SDPA without a
-#: mask: fastattn's bottom-right causal mask lets the newest token see every key.  torch
-#: comes from PyTorch's CPU index at the ``peers`` extra's pin (PyPI's is a CUDA build).
+def _unmasked(build):
+    """``build``'s softmax decode step: no mask, as fastattn's bottom-right causal mask lets
+    the newest token see every key."""
+    return lambda q, k, v, causal, scale, heads=1: build(q, k, v, False, scale, heads)
+
+
+#: torch at the ``peers`` extra's pin, from PyTorch's CPU index (PyPI's is a CUDA build).
+_TORCH = ".venv/bin/pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
+#: Every peer, by name (in the order of the tables).
 PEERS = {peer.name: peer for peer in (
-    Peer("torch", ("torch",),
-         ".venv/bin/pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu",
+    Peer("torch", ("torch",), _TORCH,
          {("softmax", "prefill"): torch_softmax_call, ("linear", "prefill"): torch_linear_call,
-          ("softmax", "decode"): lambda q, k, v, causal, scale, heads=1:
-          torch_softmax_call(q, k, v, False, scale, heads)},
+          ("softmax", "decode"): _unmasked(torch_softmax_call)},
          _set_torch_threads, _torch_threads, causal_states=2),
+    Peer("torch_flex", ("torch",), _TORCH, {("softmax", "prefill"): torch_flex_call,
+                                            ("softmax", "decode"): _unmasked(torch_flex_call)},
+         _set_torch_threads, _torch_threads, float32_only=True, layouts=2),
     Peer("onnxruntime", ("onnxruntime", "onnx"), ".venv/bin/pip install onnxruntime onnx",
-         {("softmax", "prefill"): onnxruntime_softmax_call}, lambda n: None,
-         lambda: _threads if _threads is not None else default_num_threads(),
+         {("softmax", "prefill"): onnxruntime_softmax_call}, lambda n: None, _threads_set,
          float32_only=True, square_arrays=1, layouts=8),  # the weights; the layouts
+    Peer("openvino", ("openvino",), ".venv/bin/pip install openvino",
+         {("softmax", "prefill"): openvino_softmax_call}, lambda n: None, _threads_set,
+         float32_only=True, causal_squares=1),  # its decomposition's causal mask
     Peer("jax", ("jax",), ".venv/bin/pip install jax", {("softmax", "prefill"): jax_softmax_call},
          _set_jax_threads, _jax_threads, ("jax", "jaxlib"), float32_only=True, same_d=True,
          square_arrays=3, layouts=0),  # XLA forms the scores, their exp and the weights
@@ -343,9 +397,6 @@ PEERS = {peer.name: peer for peer in (
 
 #: How to add a missing peer, by name: a command to paste in the fastattn checkout.
 INSTALL_HINT = {name: peer.install for name, peer in PEERS.items()}
-#: The prefill softmax builders, by peer.
-SOFTMAX_CALLS = {name: peer.calls["softmax", "prefill"] for name, peer in PEERS.items()
-                 if ("softmax", "prefill") in peer.calls}
 
 
 def available_peers():
