@@ -71,3 +71,13 @@ def test_probe_limits_records_a_peak_per_dtype_and_a_floor_per_size(monkeypatch)
     # sizes clipped to the floor's range, as powers of two
     assert [r["bytes"] for r in floors] == [2**16, 2**22]
     assert all(r["gbs"] > 0 for r in floors)
+
+
+def test_the_statements_name_each_limit_and_the_softmax_ceiling():
+    records = [dict(r, threads=1, blas="OpenBLAS") for r in RECORDS]
+    text = "\n".join(limits.statements(records))
+    assert "compute peak, float32, 1 thread: 100.0 GFLOP/s, GEMM 2048³, OpenBLAS (also " \
+           "probed: OpenBLAS 80.0)" in text
+    assert "memory floor, 1 thread: 50 GB/s at 1 MiB, 10 GB/s at 32 MiB" in text
+    assert "about 91% of the peak at d = 64" in text
+    assert limits.statements([]) == []

@@ -154,3 +154,34 @@ def limit_fields(spec, flops, nbytes, median_s, limits, threads=None):
     return {"peak_gflops": peak, "floor_gbs": floor, "floor_bytes": size,
             "limit": "peak" if compute_s >= memory_s else "floor", "limit_s": limit_s,
             "limit_fraction": limit_s / median_s}
+
+
+def _threads(count):
+    return f"{count} thread" + ("" if count == 1 else "s")
+
+
+def statements(records):
+    """Sentences naming the limits probed in a run: the peak per dtype and threads (and which
+    library), the floor per size, and softmax's ceiling at the run's d."""
+    lines = []
+    for (dtype, threads) in sorted({(r.get("dtype"), r.get("threads")) for r in records
+                                    if r.get("probe") == "peak"}, key=str):
+        peaks = _nearest(records, "peak", dtype=dtype, threads=threads)
+        best = max(peaks, key=lambda r: r["gflops"])
+        others = ", ".join(f"{r.get('blas') or r.get('library')} {r['gflops']:.1f}"
+                           for r in peaks if r is not best)
+        lines.append(f"compute peak, {dtype}, {_threads(threads)}: {best['gflops']:.1f} GFLOP/s, "
+                     f"GEMM {PEAK_N}³, {best.get('blas') or best.get('library')}"
+                     + (f" (also probed: {others})" if others else ""))
+    for threads in sorted({r.get("threads") for r in records if r.get("probe") == "floor"},
+                          key=str):
+        floors = sorted(_nearest(records, "floor", threads=threads), key=lambda r: r["bytes"])
+        lines.append(f"memory floor, {_threads(threads)}: " + ", ".join(
+            f"{r['gbs']:.0f} GB/s at {r['bytes'] / 2**20:.3g} MiB" for r in floors))
+    if lines:
+        lines.append(f"A point's limit is the larger of its flops at the peak and its bytes at "
+                     f"the floor nearest its size. Softmax attention can reach about "
+                     f"{softmax_ceiling(64):.0%} of the peak at d = 64 ({softmax_ceiling(128):.0%} "
+                     f"at 128): its two products cost 2·d multiply-adds per score, the max, exp "
+                     f"and rescale about {SOFTMAX_EXTRA_OPS} more.")
+    return lines

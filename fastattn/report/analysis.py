@@ -10,7 +10,7 @@ from scipy import stats
 
 from ..bench.engine import roof_for
 from ..bench.schema import CURVE_KEYS, DEFAULT_REGIME, point_key
-from ..bench.table import above_roof as _above_roof, format_seconds, mask_name
+from ..bench.table import above_roof as _above_roof, format_percent, format_seconds, mask_name
 
 #: Scaling exponents are fitted on the points with ``n >= FIT_MIN_N``.
 FIT_MIN_N = 1024
@@ -148,6 +148,16 @@ class Curve:
     median_s, min_s, max_s = _column("median_s"), _column("min_s"), _column("max_s")
     gflops, peak_bytes, held_bytes = _column("gflops"), _column("peak_bytes"), _column("held_bytes")
     max_abs_err, load_avg = _column("max_abs_err"), _column("load_avg_1m")
+    limit_fraction, limit_paired = _column("limit_fraction"), _column("limit_fraction_paired")
+    limit = property(lambda self: [p.get("limit") for p in self.points])
+
+    def limit_text(self, i):
+        """``"92% peak"``, ``"97% floor (95%)"`` (paired in brackets) of point ``i``, or ``""``."""
+        fraction, paired = self.limit_fraction[i], self.limit_paired[i]
+        if not np.isfinite(fraction):
+            return ""
+        text = f"{format_percent(fraction)} {self.limit[i]}"
+        return text + (f" ({format_percent(paired)})" if np.isfinite(paired) else "")
     statistic = property(lambda self: "min" if np.isfinite(self.min_s).all() else "median")
     measured_s = property(lambda self: self.min_s if self.statistic == "min" else self.median_s)
     stalled = cached_property(lambda self: stalled_points(self.n, self.measured_s))

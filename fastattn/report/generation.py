@@ -63,7 +63,7 @@ def _cell(c, i):
     return {"time": format_seconds(c.measured_s[i]) + (" (stalled)" if c.stalled[i] else ""),
             "median": format_seconds(c.median_s[i]),
             "tokens_s": format_number(1 / c.measured_s[i]) if c.measured_s[i] > 0 else "–",
-            "held": format_bytes(c.held_bytes[i])}
+            "held": format_bytes(c.held_bytes[i]), "limit": c.limit_text(i)}
 
 
 def section(m):

@@ -3,6 +3,7 @@ the same run."""
 
 import numpy as np
 
+from ..bench import limits
 from ..bench.engine import gemm_probes
 from ..bench.schema import roof_library
 from ..bench.table import ABOVE_ROOF_WHY, mask_name, roof_statements
@@ -51,4 +52,4 @@ def section(m):
             "lines": [label for label, _, _ in lines], "statements": roof_statements(roofs),
             "above": [f"{c.label}, {mask_name(c.causal)}, at n = {n}" for c in curve_list
                       for n, flag in zip(c.n.tolist(), c.above_roof.tolist()) if flag],
-            "above_why": ABOVE_ROOF_WHY, "probes": roofs}
+            "above_why": ABOVE_ROOF_WHY, "probes": roofs, "limits": limits.statements(roofs)}

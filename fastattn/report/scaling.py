@@ -37,6 +37,7 @@ def point_cell(c, i):
             "range": f"{format_seconds(c.min_s[i])}–{format_seconds(c.max_s[i])}",
             "repeats": int(c.repeats[i]), "gflops": format_number(c.gflops[i]),
             "roof_pct": format_percent(c.roof_fraction[i]), "above_roof": bool(c.above_roof[i]),
+            "limit": c.limit_text(i),
             "check_failed": int(c.n[i]) in c.check_failed, "stalled": bool(c.stalled[i]),
             "memory": format_bytes(c.peak_bytes[i]), "err": format_number(c.max_abs_err[i], 2)}
 
