@@ -3,13 +3,14 @@ or not, and the peers."""
 
 import numpy as np
 
-from ..bench.peers import INSTALL_HINT
+from ..bench.peers import INSTALL_HINT, PEERS
 from ..bench.table import (format_bytes, format_number, format_percent, format_seconds, mask_name,
                            plural)
 from . import analysis, figures
 
 #: The peers the page says to install when the results record no install hints of their own.
-PREFILL_PEERS = ("torch", "onnxruntime", "jax")
+PREFILL_PEERS = tuple(name for name, peer in PEERS.items()
+                      if ("softmax", "prefill") in peer.calls)
 NAV = "Scaling"
 
 
