@@ -160,7 +160,7 @@ def report_study(*, quick=False, threads=2, cache_dir=None, progress=None):
     """Measure the configurations of the report's section "What a whole model keeps".
 
     Softmax, elu+1, relu, Taylor, FAVOR+ at m = 128 and 2048, Hedgehog (the
-    cached fit of :func:`~fastattn.model.hedgehog.cached_fit_hedgehog`, 50
+    cached fit of :func:`~fastattn.model.hedgehog.cached_fit_hedgehog`, 100
     iterations on 64 calibration texts) and Hedgehog in the layers of
     :data:`REPORT_HYBRID_LAYERS`, on 40 held-out texts and the 50 Lee
     documents, and each forward pass at 128 and 512 tokens (4 texts, beside
@@ -182,7 +182,7 @@ def report_study(*, quick=False, threads=2, cache_dir=None, progress=None):
     calibration = calibration[:30 if quick else 64]
     held_out = held_out[:16 if quick else 40]
     maps, fit, cached = cached_fit_hedgehog(model, calibration, cache_dir=cache_dir,
-                                            maxiter=10 if quick else 50, max_tokens=256)
+                                            maxiter=10 if quick else 100, max_tokens=256)
     configs = default_configurations(maps)
     hybrid, spec = with_linear_layers("hedgehog", configs["hedgehog"], REPORT_HYBRID_LAYERS)
     configs[hybrid] = spec
@@ -246,8 +246,8 @@ def main(argv=None):
     p.add_argument("--save-maps", type=Path, help="write the fitted maps here (.npz)")
     p.add_argument("--calibration", type=int_between(1, 150), default=64,
                    help="calibration texts for the fit, 1 to 150 (default 64)")
-    p.add_argument("--maxiter", type=int_between(1, 100000), default=50,
-                   help="L-BFGS-B iterations per layer of the fit (default 50; 10 with --quick)")
+    p.add_argument("--maxiter", type=int_between(1, 100000), default=100,
+                   help="L-BFGS-B iterations per layer of the fit (default 100; 10 with --quick)")
     p.add_argument("--hybrid", action="append", default=None, metavar="CONFIGURATION",
                    help="also: the configuration (e.g. hedgehog, 'favor m=2048') in each layer "
                    "alone, then in the 2 to 5 layers whose single swap kept the most "
