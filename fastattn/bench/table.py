@@ -1,5 +1,5 @@
-"""Units, text and Markdown tables (by tabulate), CSV (:mod:`csv`) and the JSON summary of
-point records: fastattn's only formatting."""
+"""Units, text and Markdown tables (by tabulate), CSV and the JSON summary of point records:
+fastattn's only formatting."""
 
 import csv
 import io
@@ -73,12 +73,11 @@ def mask_name(causal):
 #: Why a kernel can run above its roof, said wherever one is shown above it.
 ABOVE_ROOF_WHY = (
     "the roof is the fastest measured GEMM n x d @ d x n at the kernel's d (the fastest BLAS "
-    "probed, at the run's n and where that GEMM runs fastest), not a bound on the machine: "
-    "a kernel's own register-blocked products can come closer to the cores' FMA peak than "
-    "that BLAS call does, and a probe slowed by other work lowers the roof (the load of "
-    "each probe and point is in the results file); a paired fraction divides by one round's "
-    "GEMM, a few calls after an idle turn (with 2 threads, pools waking), which runs "
-    "slower than the best probe")
+    "probed), not a bound on the machine: a kernel's own register-blocked products can come "
+    "closer to the cores' FMA peak than that BLAS call, and a probe slowed by other work "
+    "lowers the roof (each probe's and point's load is in the results file); a paired "
+    "fraction divides by one round's GEMM, a few calls after an idle turn, slower than the "
+    "best probe")
 #: The footnote of a table with a ``!`` in its % roof column.
 ABOVE_ROOF_NOTE = f"!: above the roof. Why a kernel can be there: {ABOVE_ROOF_WHY}."
 #: What the bracketed % roof is, said under every table that shows one.
@@ -102,8 +101,8 @@ def far_above_roof(records):
 
 
 def format_roof_percent(fraction, paired=None):
-    """:func:`format_percent` (``"–"`` for missing), ``"!"`` after a value above the roof,
-    and the ``paired`` fraction in brackets when there is one."""
+    """:func:`format_percent` (``"–"`` for missing) with ``"!"`` above the roof, and the
+    ``paired`` fraction in brackets when there is one."""
     text = (format_percent(fraction) or MISSING) + ("!" if above_roof(fraction) else "")
     if _missing(paired):
         return text
@@ -132,7 +131,7 @@ def config_title(record):
 
 def summarise(records, baseline=None, backend_order=()):
     """The tables of :func:`format_tables` as data: ``schema``, ``baseline`` and
-    ``configurations``, each ``{"title", "config", "rows"}``, a row per point with ``n``,
+    ``configurations`` (``title``, ``config``, ``rows``), a row per point with ``n``,
     ``vs_baseline`` (baseline median / median) and :data:`~.schema.SUMMARY_FIELDS`."""
     configurations, groups = [], {}
     for record in records:
@@ -160,9 +159,8 @@ def _error_cell(row):
 def _attention_cell(row):
     fmap = "" if row["attention"] == "softmax" or row["feature_map"] in (None, "elu") \
         else f" {row['feature_map']}"
-    return (row["attention"] + fmap + (f" m={row['num_features']}" if row.get("num_features")
-                                       else "") + (" decode" if row.get("regime") == "decode"
-                                                   else ""))
+    m = f" m={row['num_features']}" if row.get("num_features") else ""
+    return row["attention"] + fmap + m + (" decode" if row.get("regime") == "decode" else "")
 
 
 def _ratio_cell(value, text=MISSING, unit=""):
@@ -196,11 +194,10 @@ VERSUS_COLUMNS = (
 
 
 def text_table(header, rows, align=None, markdown=False):
-    """``header`` and ``rows`` (lists of str) laid out by tabulate: plain text, columns aligned
-    as ``align`` says (``"left"`` or ``"right"`` each), or Markdown (``|`` escaped).  A row of
-    ``(cells, text)`` with ``text`` has its first cells, then ``text`` across the rest."""
+    """``header`` and ``rows`` (lists of str) laid out by tabulate: plain text aligned as
+    ``align`` says (``"left"``/``"right"`` each), or Markdown (``|`` escaped).  A row
+    ``(cells, text)`` has its first cells, then ``text`` across the rest."""
     from tabulate import tabulate
-
     if markdown:
         cells = [[c.replace("|", "\\|") for c in row] for row in rows]
         return tabulate(cells, header, tablefmt="github", disable_numparse=True)
@@ -236,8 +233,8 @@ def format_tables(records, baseline=None, backend_order=()):
 
 
 def check_target(path, kind):
-    """Refuse (ResultsFileError) to replace a ``kind`` file (:data:`SIDE_FILES`) this module
-    did not write, or a read-only one."""
+    """Refuse (ResultsFileError) to replace a ``kind`` file (:data:`SIDE_FILES`) fastattn did
+    not write, or a read-only one."""
     _, what, marker = SIDE_FILES[kind]
     check_replaceable(path, what, marker, empty_ok=kind == "csv")
 
@@ -277,9 +274,8 @@ def shape_text(record):
 
 
 def paired_ratio(ours, theirs):
-    """The median over rounds of ``ours``' fastest repeat of a round over ``theirs``' of the
-    same round (``round_min_s``), or None unless both took the same two or more turns (a
-    slow spell of the machine then slows both sides of a pair alike)."""
+    """The median over rounds of ``ours``' fastest repeat of a round over ``theirs``' in the
+    same round, or None unless both took the same two or more turns."""
     a, b = ours.get("round_min_s"), theirs.get("round_min_s")
     if not a or not b or len(a) != len(b) or len(a) < 2:
         return None
@@ -288,11 +284,10 @@ def paired_ratio(ours, theirs):
 
 
 def versus_rows(records):
-    """Per :data:`VERSUS_KEYS`, the fastest fastattn backend and the fastest peer by their
-    fastest repeat, and ``ratio`` = fastattn time / peer time, only when both were measured in
-    one run (``run_id``; else ``note`` says why there is none); ``gflops`` and
-    ``roof_fraction`` of the fastattn kernel at that time, and ``paired``
-    (:func:`paired_ratio`).  In the records' order."""
+    """Per :data:`VERSUS_KEYS`, in the records' order: the fastest fastattn backend and the
+    fastest peer by their fastest repeat, ``ratio`` = fastattn time / peer time when both
+    were measured in one run (else ``note`` says why not), the fastattn kernel's ``gflops``
+    and ``roof_fraction`` at that time, and ``paired`` (:func:`paired_ratio`)."""
     groups = {}
     for r in records:
         if r.get("record", "point") == "point" and r.get("status") == "ok" \
@@ -324,16 +319,19 @@ def versus_rows(records):
     return rows
 
 
+#: What the versus table shows, said under it.
+VERSUS_NOTE = (
+    "Times: the fastest repeat of each (other work only slows a call down). fastattn / peer "
+    "below 1: fastattn's fastest backend is faster; given only for points measured side by "
+    "side in one run. paired: the median of that ratio taken round by round, which a slow "
+    "spell of the machine moves less. Decode: N is the context length n_k, one query. "
+    "GFLOP/s and % roof: of the fastattn kernel at its fastest repeat (the per-point tables "
+    "take the median).")
+
+
 def _versus(rows, roof_text, markdown):
     """The table of :func:`versus_rows` with its notes, as text or as Markdown."""
-    notes = ["Times: the fastest repeat of each (other work only slows a call down). "
-             "fastattn / peer below 1: fastattn's fastest backend is faster; only ratios of "
-             "points measured side by side in one run are given. paired: the median over the "
-             "rounds of the same ratio taken round by round (each round's fastest repeat "
-             "of both), which a slow spell of the machine moves less. Decode: N is the context "
-             "length n_k, one query. GFLOP/s and % roof: of the fastattn kernel at that time "
-             "(its fastest repeat; the per-point tables take the median)."]
-    notes += _roof_notes(rows) + list(roof_text)
+    notes = [VERSUS_NOTE] + _roof_notes(rows) + list(roof_text)
     header = [h for h, _ in VERSUS_COLUMNS]
     table = text_table(header, [[cell(r) for _, cell in VERSUS_COLUMNS] for r in rows],
                        ["left"] * len(header), markdown)
@@ -353,16 +351,14 @@ def versus_markdown(rows, roof_text=()):
 
 
 def write_versus_markdown(rows, path, roof_text=()):
-    """Write :func:`versus_markdown` atomically; refuse a file this module did not write."""
+    """Write :func:`versus_markdown` atomically; refuse a file fastattn did not write."""
     return _write("markdown", path, versus_markdown(rows, roof_text))
 
 
 def roof_statements(roofs):
-    """Sentences saying which GEMM was probed: per dtype, threads, d and library, the shape
-    ``n x d @ d x n`` and every n probed, when, the best GFLOP/s (and at which n), and which
-    library is the roof (the fastest)."""
+    """Sentences saying which GEMM was probed: per dtype, threads, d and library, every n
+    probed, when, the best GFLOP/s (at which n), and which library is the roof."""
     from .engine import MAX_PROBE_N, PEAK_PROBE_N, gemm_probes
-
     groups = {}
     for r in gemm_probes(roofs):
         key = (str(r.get("dtype")), r.get("threads"), r["shape"][1])
