@@ -1,7 +1,5 @@
-"""The measuring engine of ``fastattn bench``, ``fastattn report`` and ``benchmarks/``: one
-input factory, call builder, timing loop, memory probe, roof rule and check, run for one
-point (its record's fields) by :func:`prepare_point`, :func:`time_call` and
-:func:`finish_point`."""
+"""The measuring engine of ``fastattn bench``, ``fastattn report`` and ``benchmarks/``: inputs,
+call, timing, memory probe, roof and check of one point (a record's fields)."""
 
 import ctypes
 import ctypes.util
@@ -26,8 +24,7 @@ from .flops import attention_flops
 DEFAULT_SEED = 20260
 #: A point is flagged when ``max_abs_err > CHECK_TOL[dtype] * max(1, max |reference|)``.
 CHECK_TOL = {"float32": 1e-4, "float64": 1e-9}
-#: Bytes the check's float64 reference may take (and at most a quarter of the available
-#: memory); above it the point is checked at a smaller n.
+#: Bytes (and at most a quarter of the free memory) the check's reference may take.
 CHECK_MAX_BYTES = 5 * 2**29
 #: Fraction of the available memory a measured call may be predicted to need.
 MEMORY_HEADROOM = 0.7
@@ -35,19 +32,16 @@ MEMORY_HEADROOM = 0.7
 SETTLE_S = 0.2
 #: Idle seconds before each turn when the backends of one shape take turns on 2+ threads.
 TURN_SETTLE_S = 0.1
-#: A turn of a call estimated below TURN_WARM_S starts with TURN_WARMUP_S of untimed calls,
-#: so its timed calls find their own inputs in the caches on a core up to speed.
+#: A turn of a call under TURN_WARM_S starts with TURN_WARMUP_S of untimed calls (warm caches).
 TURN_WARM_S, TURN_WARMUP_S = 0.05, 0.01
 #: A timed repeat lasts at least this long (``number`` calls of a fast kernel).
 MIN_REPEAT_S = 2e-4
-#: A fast call is repeated for MIN_TIME_S at least (at most MAX_REPEATS times), so one
-#: repeat likely escapes load from other processes; the minimum finds it.
+#: A fast call is repeated for MIN_TIME_S (at most MAX_REPEATS times): one may escape load.
 MIN_TIME_S, MAX_REPEATS = 0.25, 100
 
 
 def make_inputs(spec, seed=DEFAULT_SEED):
-    """Seeded Gaussian ``q (B, n_q, d_k)``, ``k, v (B, n_k, d)``, ``B = batch * heads``, keyed
-    by the seed and the shape: every backend and dtype sees the same numbers."""
+    """Seeded Gaussian ``q, k, v`` of a point, the same for every backend and dtype."""
     b = spec["batch"] * spec["heads"]
     shape = (b, spec["n_q"], spec["n_k"], spec["d_k"], spec["d_v"])
     return gaussian_qkv((b, spec["n_q"], spec["d_k"]), spec["n_k"], spec["d_v"],
@@ -55,8 +49,7 @@ def make_inputs(spec, seed=DEFAULT_SEED):
 
 
 def make_call(spec, q, k, v):
-    """The no-argument call of point ``spec``: the public function, or the peer's builder.  A
-    linear decode point is one step from the (untimed) state of the first n - 1 keys."""
+    """The no-argument call of point ``spec`` (a linear decode point: one step)."""
     attention, backend, causal = spec["attention"], spec["backend"], spec["causal"]
     feature_map, decode = _feature_map(spec), spec.get("regime") == "decode"
     scale = reference.default_scale(q.shape[-1])
@@ -93,8 +86,7 @@ def feature_dim(spec):
 
 
 def held_bytes(spec):
-    """Bytes per head a decode step keeps between tokens: the KV cache (softmax), or the
-    state ``S, z`` (linear)."""
+    """Bytes per head a decode step keeps: the KV cache, or the state ``S, z``."""
     item = np.dtype(spec["dtype"]).itemsize
     if spec["attention"] == "softmax":
         return (spec["d_k"] + spec["d_v"]) * spec["n_k"] * item
@@ -111,8 +103,7 @@ def point_flops(spec):
 
 
 def warm_up(call, seconds=TURN_WARMUP_S):
-    """One untimed ``call()``, then more for ``seconds`` (timed from the first's end, which
-    may stall alone); returns how many were made."""
+    """Untimed calls for ``seconds`` after the first (which may stall); returns how many."""
     call()
     made, deadline = 1, time.perf_counter() + seconds
     while time.perf_counter() < deadline:
@@ -122,8 +113,8 @@ def warm_up(call, seconds=TURN_WARMUP_S):
 
 
 def time_call(call, repeats, estimate_s, min_time_s=None, max_repeats=None):
-    """Timing of a warmed-up ``call()``: ``repeats`` or more (up to ``max_repeats``, while
-    under ``min_time_s``), ``number`` calls a repeat when faster than :data:`MIN_REPEAT_S`."""
+    """Timing of ``repeats`` or more (up to ``max_repeats``, for ``min_time_s``) repeats of a
+    warmed-up ``call()``, each of ``number`` calls."""
     min_time_s = MIN_TIME_S if min_time_s is None else min_time_s
     max_repeats = max(repeats, MAX_REPEATS if max_repeats is None else max_repeats)
     number = 1
@@ -148,10 +139,8 @@ try:
 except (OSError, AttributeError, TypeError):
     _LIBC = None
 
-#: glibc's mallopt (M_MMAP_THRESHOLD, M_TRIM_THRESHOLD).  In the memory probe every block
-#: >= 64 KiB gets its own mmap, so a call's arrays are fresh pages in the peak RSS; outside
-#: it, a timed call reuses heap pages as in a user's process (fresh pages made fast kernels
-#: look several times slower).
+#: glibc's M_MMAP_THRESHOLD, M_TRIM_THRESHOLD: the probe's arrays are fresh pages (in the peak
+#: RSS), a timed call's reuse the heap as in a user's process (fresh pages are slower).
 _PROBE_MALLOC = {-3: 64 * 1024, -1: 128 * 1024}
 _TIMING_MALLOC = {-3: 32 * 2**20, -1: 64 * 2**20}
 
@@ -181,9 +170,8 @@ def hwm_available():
 
 
 def peak_extra_bytes(call, method="auto"):
-    """``(bytes >= 0, method, seconds)``: the peak a warmed-up ``call()`` adds, output
-    included.  ``"hwm"`` (Linux; ``"auto"`` where it works): ``VmHWM - VmRSS`` after ``gc``
-    and ``malloc_trim`` (every library alike); ``"tracemalloc"``: Python-tracked only."""
+    """``(bytes, method, seconds)``: the peak a warmed-up ``call()`` adds, by the peak RSS
+    (``"hwm"``, Linux) or ``"tracemalloc"`` (Python-tracked only)."""
     gc.collect(1)
     _mallopt(_PROBE_MALLOC)
     if _LIBC is not None:
@@ -209,11 +197,9 @@ def peak_extra_bytes(call, method="auto"):
 
 
 # --------------------------------------------------------------------- roof
-#: GEMM shapes above this n are probed at this n (the rate is flat beyond it, and the
-#: n x n output would take many GiBs).
+#: GEMM shapes above this n are probed at this n (the rate is flat, the output huge).
 MAX_PROBE_N = 16384
-#: Lengths probed at every d besides the run's own n, where the GEMM runs fastest (its output
-#: in cache): the roof is the machine's GEMM rate, not a memory-bound one.
+#: Lengths probed at every d besides the run's n, where the GEMM runs fastest (not memory-bound).
 PEAK_PROBE_N = (512, 1024)
 #: BLAS libraries the roof may be probed through (torch's in the peers' process).
 ROOF_LIBRARIES = ("numpy", "torch")
@@ -241,8 +227,7 @@ def _task(kind, dtype, n, d, library="numpy"):
 
 
 def _fastest_rate(fn, work, budget_s, min_calls, max_calls):
-    """``(work / fastest call's seconds, calls)``: at least ``min_calls``, then more while
-    ``budget_s`` lasts, at most ``max_calls``."""
+    """``(work / fastest call's seconds, calls)`` of ``min_calls`` to ``max_calls`` calls."""
     best, calls, deadline = 0.0, 0, time.perf_counter() + budget_s
     while calls < max_calls and (calls < min_calls or time.perf_counter() <= deadline):
         start = time.perf_counter()
@@ -253,10 +238,9 @@ def _fastest_rate(fn, work, budget_s, min_calls, max_calls):
 
 
 def probe_roof(shapes, dtypes=("float32", "float64"), budget_s=0.1, rounds=3, library="numpy"):
-    """Roof records per dtype: GEMM GFLOP/s of ``n x d @ d x n`` at each ``(n, d)`` of
-    ``shapes`` (n at most :data:`MAX_PROBE_N`) and at :data:`PEAK_PROBE_N` through
-    ``library``, and for NumPy its serial exp rate; each the best over ``rounds`` rounds
-    visiting every task in turn (``budget_s`` seconds a task)."""
+    """Roof records: GEMM GFLOP/s of ``n x d @ d x n`` at each ``(n, d)`` of ``shapes`` and
+    :data:`PEAK_PROBE_N` through ``library`` (and NumPy's exp rate), per dtype, each the best
+    of ``rounds`` rounds over every task."""
     if library not in ROOF_LIBRARIES:
         raise ValueError(f"library must be one of {ROOF_LIBRARIES}, got {library!r}")
     sizes = sorted({(max(1, min(int(n), MAX_PROBE_N)), int(d)) for n, d in shapes}
@@ -286,8 +270,7 @@ def probe_roof(shapes, dtypes=("float32", "float64"), budget_s=0.1, rounds=3, li
 
 
 def time_gemm(dtype, n, d, library, cache):
-    """GFLOP/s of the fastest of 3+ calls of the GEMM ``n x d @ d x n`` within
-    :data:`PAIRED_ROOF_BUDGET_S` (one round's roof); ``cache`` keeps its arrays."""
+    """One round's roof: GFLOP/s of the fastest of 3+ GEMM calls; ``cache`` keeps arrays."""
     key = (np.dtype(dtype).name, int(n), int(d), library)
     if key not in cache:
         cache[key] = _task("gemm", *key[:3], library=library)
@@ -304,8 +287,7 @@ def gemm_probes(roofs, dtype=None, threads=None, machine=None):
 
 
 def roof_probe(roofs, dtype, d, threads=None, machine=None):
-    """The one roof rule: the fastest GEMM probe at the nearest ``d`` over every n and
-    library, or None.  Its ``gflops`` is the roof."""
+    """The one roof rule: the fastest GEMM probe at the nearest ``d``, or None."""
     found = gemm_probes(roofs, dtype, threads, machine)
     if not found:
         return None
@@ -382,8 +364,7 @@ class ReferenceCache:
 
 
 def check_accuracy(spec, out, references, seed=DEFAULT_SEED, max_bytes=None):
-    """``max_abs_err``, ``check_n``, ``check_tol`` and ``check_ok`` of ``out`` against the
-    float64 reference, at the point's n halved until the reference fits ``max_bytes``."""
+    """The check of ``out`` against the float64 reference, at n halved until it fits."""
     if max_bytes is None:
         max_bytes = min(CHECK_MAX_BYTES, available_bytes() // 4)
     small = dict(spec)
@@ -404,11 +385,8 @@ def check_accuracy(spec, out, references, seed=DEFAULT_SEED, max_bytes=None):
 
 def prepare_point(spec, repeats=5, memory=True, check=True, seed=DEFAULT_SEED,
                   references=None, max_point_s=None):
-    """All of one point but its timed repeats: ``(call, fields, n_repeats, estimate_s)``.
-
-    The warm-up call, the memory probe (also an estimate of one call), the check and the
-    repeats the point gets (``repeats``, fewer when that would pass ``max_point_s``, at
-    least 3).  ``call`` is None when the point is skipped or failed; ``fields`` says why."""
+    """All of one point but its timed repeats (warm-up, memory, check): ``(call, fields,
+    n_repeats, estimate_s)``, ``call`` None when skipped or failed."""
     reason = why_skip(spec)
     if reason:
         return None, {"status": "skipped", "reason": reason}, 0, 0.0
@@ -425,8 +403,7 @@ def prepare_point(spec, repeats=5, memory=True, check=True, seed=DEFAULT_SEED,
         if memory:
             fields.update(peak_bytes=peak, memory_method=method)
             if spec["backend"] == "reference" and method == "hwm" and estimate < 1.0:
-                # Linux counts a thread's pages into VmRSS in steps of 64 page faults, so
-                # the peak RSS can miss a few hundred KiB; NumPy's allocations are traced.
+                # The peak RSS counts a thread's pages in steps (may miss a few 100 KiB).
                 traced = peak_extra_bytes(call, "tracemalloc")[0]
                 fields["peak_bytes_tracemalloc"] = traced
                 if traced > peak:
@@ -446,8 +423,7 @@ def prepare_point(spec, repeats=5, memory=True, check=True, seed=DEFAULT_SEED,
 
 
 def failure(exc):
-    """The outcome of a point whose call raised ``exc`` (in the handler): MemoryError is a
-    skip, anything else an error with its traceback."""
+    """The outcome of a point whose call raised ``exc``: MemoryError is a skip."""
     if isinstance(exc, MemoryError):
         return {"status": "skipped", "reason": f"MemoryError: {exc}"}
     return {"status": "error", "reason": f"{type(exc).__name__}: {exc}",
@@ -455,10 +431,8 @@ def failure(exc):
 
 
 def finish_point(spec, fields, timings, roofs=(), paired_roof=None, rounds=()):
-    """``fields`` with the turns' ``timings`` merged, flops, GFLOP/s (at the median) and the
-    fraction of the roof; given each round's roof GFLOP/s (``paired_roof``) and each timing's
-    round, ``roof_fraction_paired``: the median over rounds of the kernel's GFLOP/s (its
-    fastest repeat there) over the roof's."""
+    """``fields`` with the ``timings`` merged, GFLOP/s and the fraction of the roof, also
+    paired (the median over ``rounds`` of the kernel's fastest GFLOP/s over the round's roof)."""
     times = [t for timing in timings for t in timing["times_s"]]
     out = {**fields, **_timing(times, timings[0]["number"]), "rounds": len(timings),
            "round_min_s": [t["min_s"] for t in timings]}

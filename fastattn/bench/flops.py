@@ -17,12 +17,9 @@ def visible_pairs(n_q, n_k, causal):
 
 def attention_flops(attention, n_q, n_k, d_k, d_v, causal, batch=1, heads=1,
                     chunk=CAUSAL_LINEAR_CHUNK):
-    """Flops of one attention call, counting a multiply-add as 2.
-
-    Per head (times ``batch * heads``), ``P`` the visible pairs: softmax ``2 P (d_k + d_v)``;
-    linear ``2 (n_k + n_q) d_k d_v``, plus when causal (chunked as flash-linear-attention)
-    ``2 P_c (d_k + d_v)``, ``P_c`` the visible pairs in each query's own key chunk.  Exp,
-    feature map and denominators are lower order, not counted."""
+    """Flops of one call (a multiply-add is 2) per head times heads: softmax ``2 P (d_k +
+    d_v)``, ``P`` the visible pairs; linear ``2 (n_k + n_q) d_k d_v``, causal (chunked) plus
+    ``2 P_c (d_k + d_v)`` within chunks.  Exp, maps and denominators are not counted."""
     if attention == "softmax":
         per_head = 2 * visible_pairs(n_q, n_k, causal) * (d_k + d_v)
     elif attention == "linear":

@@ -1,5 +1,4 @@
-"""The one results format: JSON lines appended as each record is measured (``"schema":
-SCHEMA``, a ``"record"`` type, the fields and types of :mod:`.schema`)."""
+"""The one results format: JSON lines of the records of :mod:`.schema`, appended as measured."""
 
 import json
 import math
@@ -73,9 +72,7 @@ def _shown(value):
 
 
 def read_records(path):
-    """All records of a results file, in order, each checked by :func:`check_record`;
-    ResultsFileError (``file:line``) for an unsound line but a last one cut short, which is
-    ignored."""
+    """All records of a results file, each checked (a last line cut short ignored)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no results file at {path}")
@@ -105,8 +102,7 @@ def read_records(path):
 
 
 def cut_tail_bytes(path, data=None):
-    """Bytes of a last line of ``path`` (or ``data``) cut short by an interrupted write, which
-    :func:`read_records` leaves out (0 when the last line is whole)."""
+    """Bytes of a last line of ``path`` (or ``data``) cut short by an interrupted write."""
     data = Path(path).read_bytes() if data is None else data
     if not data or data.endswith(b"\n"):
         return 0
@@ -145,8 +141,7 @@ def to_json(value, **kwargs):
 
 
 def check_writable(path, what="file"):
-    """Raise ResultsFileError if ``path`` cannot be written (read-only, a folder, a device or
-    pipe), or no file can be made there."""
+    """Raise ResultsFileError if ``path`` cannot be written."""
     path = Path(path)
     if path.is_dir():
         raise ResultsFileError(f"{path} is a directory; give a file name, e.g. {path / 'out'}")
@@ -177,8 +172,7 @@ def _check_creatable(path, what):
 
 
 def check_replaceable(path, what, marker, empty_ok=False):
-    """Refuse (ResultsFileError) to replace a ``path`` that is read-only or lacks ``marker``
-    (not a ``what`` fastattn wrote; empty is ok if ``empty_ok``)."""
+    """Refuse to replace a ``path`` that is read-only or lacks ``marker``."""
     path = Path(path)
     check_writable(path, what)
     text = path.read_text(encoding="utf-8", errors="replace") if path.exists() else None
@@ -187,8 +181,7 @@ def check_replaceable(path, what, marker, empty_ok=False):
 
 
 def atomic_write(path, data):
-    """Replace ``path`` by ``data`` (str or bytes) in one step: an fsynced temporary file
-    renamed over the symlink-followed target, which keeps its mode (unchanged on OSError)."""
+    """Replace ``path`` by ``data`` in one step (a temporary file renamed over it)."""
     target = Path(os.path.realpath(path))
     check_writable(target)
     tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex}.tmp")
@@ -207,9 +200,8 @@ def atomic_write(path, data):
 
 
 class ResultsWriter:
-    """Append records to a results file, one fsynced line each.  An existing file is read
-    first (a foreign, corrupt or read-only one refused untouched, a partial last line cut
-    off); ``resume`` keeps its records (:attr:`existing`), else it is emptied."""
+    """Append records to a results file (refused untouched if unsound), one fsynced line
+    each; ``resume`` keeps its records (:attr:`existing`)."""
 
     def __init__(self, path, resume=True):
         self.path = Path(path)

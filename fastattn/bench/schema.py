@@ -76,8 +76,7 @@ def point_key(record):
 
 
 def roof_library(probe):
-    """``(blas, via)`` of a roof record: the BLAS (``"OpenBLAS"``) and the package that called
-    it (``"NumPy"``), from ``blas_name`` and ``library``, or an older file's ``blas`` label."""
+    """``(blas, via)`` of a roof record, e.g. ``("OpenBLAS", "NumPy")`` (old files too)."""
     label = probe.get("blas") or ""
     via = {"numpy": "NumPy", "torch": "torch"}.get(probe.get("library"), "")
     if " through " in label:

@@ -1,9 +1,5 @@
-"""``fastattn bench --startup``: what a first call costs in a new process, beside ``import numpy``.
-
-Each measurement is a new Python process (an untimed one per backend first warms the file
-and Numba caches) timing ``import fastattn; fastattn.set_num_threads(T)`` and one trivial
-call beyond ``import numpy``, written as ``"startup"`` records, which the reports pass over.
-"""
+"""``fastattn bench --startup``: ``import fastattn``, ``set_num_threads`` and a first call
+in a new process beyond ``import numpy``, as ``"startup"`` records."""
 
 import json
 import statistics
@@ -57,8 +53,7 @@ def _child(args):
 
 
 def measure_startup(backends, threads, repeats):
-    """Seconds of ``repeats`` new processes per backend, interleaved round by round, by name:
-    :data:`BASELINE`'s ``import numpy``, each backend's time beyond it."""
+    """Seconds of ``repeats`` new processes per name (:data:`BASELINE` and each backend)."""
     for name in backends:           # warm the caches (Numba's, the file system's)
         _child([name, str(threads)])
     times = {BASELINE: [], **{name: [] for name in backends}}

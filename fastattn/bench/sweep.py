@@ -1,7 +1,6 @@
 """The sweep: a grid of :class:`Point` measured in ``spawn`` worker processes (a crash costs
-one point; peers get their own, as PyTorch runs ~5x slower once Numba's OpenMP pool has
-started), the backends of one shape timed in turns, each record appended as its shape
-finishes, so a run resumes."""
+one point; peers get their own, as PyTorch runs ~5x slower beside Numba's OpenMP pool),
+each record appended as its shape finishes, so a run resumes."""
 
 import contextlib
 import multiprocessing
@@ -37,12 +36,9 @@ def check_count(name, value):
 
 @dataclass(frozen=True)
 class Point:
-    """One measurement: an attention call of one shape on one backend or peer.
-
-    ``regime`` ``"prefill"``: ``n_q = n_k = n``; ``"decode"`` (causal): ``n_q = 1``,
-    ``n_k = n``.  ``feature_map`` (linear only, default ``"elu"``) and ``num_features``
-    (FAVOR+'s m) are None for softmax.  A bad field raises ValueError (TypeError: causal).
-    """
+    """One measurement: an attention call of one shape on one backend or peer; ``"prefill"``
+    has ``n_q = n_k = n``, ``"decode"`` (causal) ``n_q = 1``, ``n_k = n``.  A bad field raises
+    ValueError (TypeError: causal)."""
 
     attention: str
     backend: str
@@ -86,8 +82,7 @@ class Point:
     peer = property(lambda self: self.backend in peers.PEERS, doc="True for a peer (torch).")
 
     def record_fields(self, threads=None):
-        """The point as its record holds it (:data:`~.schema.POINT_KEYS`, ``peer``, and
-        ``threads`` when given)."""
+        """The point's fields as its record holds them (``threads`` when given)."""
         fields = asdict(self)
         n = fields.pop("n")
         return {**fields, "n_q": 1 if self.regime == "decode" else n, "n_k": n,
@@ -107,11 +102,8 @@ class Point:
 
 @dataclass(frozen=True)
 class Options:
-    """How each point is measured: ``repeats`` after a warm-up (``min_time_s``, ``max_point_s``
-    as in :mod:`.engine`), the ``memory`` probe, the ``check``, ``point_timeout_s`` (then an
-    error), the GEMM ``roof`` probe (``roof_budget_s`` each, through ``roof_libraries``,
-    default NumPy and torch if installed); the backends of a shape take turns over ``rounds``
-    rounds (default one a repeat)."""
+    """How each point is measured (see :mod:`.engine`); ``rounds`` of turns of the backends of
+    a shape (default: one a repeat); ``roof_libraries`` default to NumPy and torch if there."""
 
     repeats: int = 5
     rounds: int | None = None
@@ -154,9 +146,8 @@ def known_backends():
 def default_grid(attentions=ATTENTIONS, backends=None, ns=DEFAULT_NS, causal=(False, True),
                  d_k=64, d_v=64, batch=1, heads=1, dtype="float32", feature_map=None,
                  regime="prefill", num_features=None):
-    """Every combination as Points, ordered by attention, causal, dtype, n, then backend
-    (default :func:`default_backends`; a peer only where it has the call), so the backends
-    of one shape are measured one after another.  A decode grid is causal only."""
+    """Every combination as Points (a peer only where it has the call), the backends of one
+    shape one after another.  A decode grid is causal only."""
     backends = default_backends() if backends is None else list(backends)
     dtypes = [dtype] if isinstance(dtype, str) else list(dtype)
     causal = (True,) if regime == "decode" else causal
@@ -257,8 +248,8 @@ class Terminated(KeyboardInterrupt):
 
 @contextlib.contextmanager
 def _terminate_as_interrupt():
-    """Within: SIGTERM raises :class:`Terminated` in the main thread (once; a second one ends
-    the process).  A handler set by the caller, or no main thread, is left be."""
+    """Within: SIGTERM raises :class:`Terminated` in the main thread, once (unless the caller
+    set a handler)."""
     def terminated(signum, frame):
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         raise Terminated()
@@ -347,8 +338,7 @@ class _Worker:
 
 
 def _write_header(writer, workers, todo, threads, why, options, run_id):
-    """Write the environment and roof records; return the GEMM roof records, probed at every
-    (n, d_k) of ``todo`` through each library (torch's in the peers' process)."""
+    """Write the environment and roof records; return the roof records (every (n, d_k))."""
     writer.write("environment", run_id=run_id, threads_reason=why,
                  **workers[False].request("environment", {"threads": threads}))
     if not options.roof:
@@ -372,8 +362,7 @@ def _write_header(writer, workers, todo, threads, why, options, run_id):
 
 
 class _Entry:
-    """One point of a comparison as it is measured: its worker, its fields, its timings and
-    their rounds, and the seconds its requests took."""
+    """One point of a comparison as it is measured."""
 
     def __init__(self, point, worker, threads, options):
         self.worker, self.options, self.key = worker, options, point.label()
@@ -424,13 +413,9 @@ class _Entry:
 
 
 def _measure_group(points, workers, options, roofs, threads):
-    """Outcomes of the points of one shape on several backends, timed side by side.
-
-    Each point is prepared in its worker, then round ``r`` times one turn of each point still
-    owed repeats (``options.rounds`` caps the rounds, a turn then timing several), starting
-    one point further on each round, so a spell of load falls on every point alike.  The
-    roof's GEMM takes a turn of its own each round; with more than one thread, each turn
-    starts after :data:`~.engine.TURN_SETTLE_S` idle."""
+    """Outcomes of the points of one shape, prepared, then timed in rounds of one turn each
+    (and one of the roof's GEMM), starting one point further on each round so a spell of load
+    falls on every point alike; on 2+ threads each turn starts after TURN_SETTLE_S idle."""
     entries = [_Entry(point, workers[point.peer], threads, options) for point in points]
     for entry in entries:
         entry.fields = entry.prepare()
@@ -471,17 +456,11 @@ def _measure_group(points, workers, options, roofs, threads):
 
 def run_sweep(points, results_path, options=Options(), *, threads=None, threads_reason=None,
               resume=True, isolate=True, progress="fastattn bench", announce=None, run_id=None):
-    """Measure ``points``, appending a record per point to ``results_path`` as each finishes;
-    return their records in order, measured now or found in the file.
-
-    ``threads`` (default: usable cores) holds for every backend, BLAS and peer, and
-    ``threads_reason`` says why in the environment record.  ``resume`` skips the points in
-    the file (ok or skipped, same threads); False starts it afresh.  ``announce(to_measure,
-    done)`` is called once the file is read; ``run_id`` (default: a new one) tags every
-    record written.  Raises ResultsFileError for a foreign or read-only file (left
-    unchanged); on KeyboardInterrupt, or SIGTERM (:class:`Terminated`), finished points are
-    in the file and the measuring processes are stopped quietly.
-    """
+    """Measure ``points`` on ``threads`` (default: usable cores; ``threads_reason`` says why),
+    appending a record per point to ``results_path`` as each finishes; return their records,
+    measured now or (``resume``) found in the file.  ``announce(to_measure, done)`` is called
+    once the file is read.  On KeyboardInterrupt or SIGTERM (:class:`Terminated`) finished
+    points stay in the file and the measuring processes are stopped quietly."""
     points = list(points)
     for point in points:
         if not isinstance(point, Point):

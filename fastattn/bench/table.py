@@ -14,8 +14,7 @@ from .schema import CONFIG_KEYS, CSV_COLUMNS, SUMMARY_FIELDS, VERSUS_KEYS
 SUMMARY_SCHEMA = "fastattn.bench-summary/1"
 #: Marker on the first line of the Markdown table ``fastattn bench`` writes beside its CSV.
 VERSUS_MARKER = "<!-- fastattn bench: best fastattn / best peer -->"
-#: The files written beside a results file, by kind: suffix, what it is, and the marker a
-#: file of it holds (so a file fastattn did not write is never replaced).
+#: The files written beside a results file: suffix, what it is, the marker it holds.
 SIDE_FILES = {"csv": (".csv", "results CSV", ",".join(CSV_COLUMNS[:31])),
               "summary": (".summary.json", "bench summary", f'"schema": "{SUMMARY_SCHEMA}"'),
               "markdown": (".md", "best-vs-peer table", VERSUS_MARKER)}
@@ -101,8 +100,7 @@ def far_above_roof(records):
 
 
 def format_roof_percent(fraction, paired=None):
-    """:func:`format_percent` (``"–"`` for missing) with ``"!"`` above the roof, and the
-    ``paired`` fraction in brackets when there is one."""
+    """:func:`format_percent`, ``"!"`` above the roof, and ``paired`` in brackets."""
     text = (format_percent(fraction) or MISSING) + ("!" if above_roof(fraction) else "")
     if _missing(paired):
         return text
@@ -130,9 +128,7 @@ def config_title(record):
 
 
 def summarise(records, baseline=None, backend_order=()):
-    """The tables of :func:`format_tables` as data: ``schema``, ``baseline`` and
-    ``configurations`` (``title``, ``config``, ``rows``), a row per point with ``n``,
-    ``vs_baseline`` (baseline median / median) and :data:`~.schema.SUMMARY_FIELDS`."""
+    """The tables of :func:`format_tables` as data (the JSON summary)."""
     configurations, groups = [], {}
     for record in records:
         groups.setdefault(tuple(record.get(k) for k in CONFIG_KEYS), []).append(record)
@@ -171,8 +167,7 @@ def _roof_cell(row):
     return format_roof_percent(row["roof_fraction"], row.get("roof_fraction_paired"))
 
 
-#: Columns of a configuration's table (a row of :func:`summarise`): header, right-aligned,
-#: and the cell; the ratio's header names the baseline.
+#: Columns of a configuration's table: header, right-aligned, cell of a summary row.
 POINT_COLUMNS = (
     ("n", True, lambda r: str(r["n"])), ("backend", False, lambda r: r["backend"]),
     ("median (min-max)", True, lambda r: f"{format_seconds(r['median_s'])} "
@@ -194,9 +189,7 @@ VERSUS_COLUMNS = (
 
 
 def text_table(header, rows, align=None, markdown=False):
-    """``header`` and ``rows`` (lists of str) laid out by tabulate: plain text aligned as
-    ``align`` says (``"left"``/``"right"`` each), or Markdown (``|`` escaped).  A row
-    ``(cells, text)`` has its first cells, then ``text`` across the rest."""
+    """A table by tabulate, as text or Markdown; a row ``(cells, text)`` ends in ``text``."""
     from tabulate import tabulate
     if markdown:
         cells = [[c.replace("|", "\\|") for c in row] for row in rows]
@@ -214,8 +207,7 @@ def text_table(header, rows, align=None, markdown=False):
 
 
 def format_tables(records, baseline=None, backend_order=()):
-    """One text table per configuration, every backend at every n (in ``backend_order``),
-    with the ratio ``baseline time / time`` (above 1: faster than ``baseline``)."""
+    """One text table per configuration, with the ratio ``baseline time / time``."""
     ratio_title = f"vs {baseline}" if baseline else "ratio"
     header = [ratio_title if h == "ratio" else h for h, _, _ in POINT_COLUMNS]
     align = ["right" if right else "left" for _, right, _ in POINT_COLUMNS]
@@ -233,8 +225,7 @@ def format_tables(records, baseline=None, backend_order=()):
 
 
 def check_target(path, kind):
-    """Refuse (ResultsFileError) to replace a ``kind`` file (:data:`SIDE_FILES`) fastattn did
-    not write, or a read-only one."""
+    """Refuse to replace a ``kind`` file fastattn did not write, or a read-only one."""
     _, what, marker = SIDE_FILES[kind]
     check_replaceable(path, what, marker, empty_ok=kind == "csv")
 
@@ -274,8 +265,7 @@ def shape_text(record):
 
 
 def paired_ratio(ours, theirs):
-    """The median over rounds of ``ours``' fastest repeat of a round over ``theirs``' in the
-    same round, or None unless both took the same two or more turns."""
+    """The median over 2+ shared rounds of ``ours``' fastest repeat over ``theirs``'."""
     a, b = ours.get("round_min_s"), theirs.get("round_min_s")
     if not a or not b or len(a) != len(b) or len(a) < 2:
         return None
@@ -284,10 +274,8 @@ def paired_ratio(ours, theirs):
 
 
 def versus_rows(records):
-    """Per :data:`VERSUS_KEYS`, in the records' order: the fastest fastattn backend and the
-    fastest peer by their fastest repeat, ``ratio`` = fastattn time / peer time when both
-    were measured in one run (else ``note`` says why not), the fastattn kernel's ``gflops``
-    and ``roof_fraction`` at that time, and ``paired`` (:func:`paired_ratio`)."""
+    """Per :data:`VERSUS_KEYS`: the fastest fastattn backend and peer, and their ``ratio``
+    when measured in one run (else a ``note``)."""
     groups = {}
     for r in records:
         if r.get("record", "point") == "point" and r.get("status") == "ok" \
@@ -329,8 +317,11 @@ VERSUS_NOTE = (
     "take the median).")
 
 
-def _versus(rows, roof_text, markdown):
-    """The table of :func:`versus_rows` with its notes, as text or as Markdown."""
+def format_versus(rows, roof_text=(), markdown=False):
+    """The table of :func:`versus_rows` with its notes: the text ``fastattn bench`` prints
+    (empty without rows), or Markdown for the README (marker first)."""
+    if not rows and not markdown:
+        return ""
     notes = [VERSUS_NOTE] + _roof_notes(rows) + list(roof_text)
     header = [h for h, _ in VERSUS_COLUMNS]
     table = text_table(header, [[cell(r) for _, cell in VERSUS_COLUMNS] for r in rows],
@@ -340,14 +331,8 @@ def _versus(rows, roof_text, markdown):
     return "\n".join(["best fastattn / best peer", table, ""] + [f"  {n}" for n in notes])
 
 
-def format_versus(rows, roof_text=()):
-    """The text table of :func:`versus_rows` (what ``fastattn bench`` prints)."""
-    return _versus(rows, roof_text, markdown=False) if rows else ""
-
-
 def versus_markdown(rows, roof_text=()):
-    """The Markdown table of :func:`versus_rows`, ready for the README (marker first)."""
-    return _versus(rows, roof_text, markdown=True)
+    return format_versus(rows, roof_text, markdown=True)
 
 
 def write_versus_markdown(rows, path, roof_text=()):
@@ -356,8 +341,7 @@ def write_versus_markdown(rows, path, roof_text=()):
 
 
 def roof_statements(roofs):
-    """Sentences saying which GEMM was probed: per dtype, threads, d and library, every n
-    probed, when, the best GFLOP/s (at which n), and which library is the roof."""
+    """Sentences saying which GEMM was probed, when, how fast, and which is the roof."""
     from .engine import MAX_PROBE_N, PEAK_PROBE_N, gemm_probes
     groups = {}
     for r in gemm_probes(roofs):
