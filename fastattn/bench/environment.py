@@ -72,6 +72,7 @@ def collect(threads=None):
     """This machine and software, as an environment record with the run's ``threads``."""
     import numpy as np
     import psutil
+
     import fastattn
     memory = psutil.virtual_memory()
     return {
