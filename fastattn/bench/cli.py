@@ -17,22 +17,19 @@ from .schema import ATTENTIONS, DECODE_NS, DEFAULT_NS, DTYPES, REGIMES
 def add_parser(subparsers):
     """Register ``fastattn bench`` and its options."""
     from ..feature_maps import NAMES as FEATURE_MAPS
-
     parser = subparsers.add_parser(
         "bench",
         help="time every kernel side by side with its peers and the GEMM roof",
         description="Measure attention on every available backend and peer over a grid of n: "
-                    "time (median, min-max), GFLOP/s and % of the GEMM roof (also paired "
-                    "with the roof's GEMM timed in every round), peak extra "
-                    "memory, the ratio to a baseline and the error against the float64 "
-                    "reference, appended to a JSON-lines file as each point finishes (the "
-                    "same --out resumes).")
+                    "time (median, min-max), GFLOP/s and % of the GEMM roof (also paired with "
+                    "the roof's GEMM timed each round), peak extra memory, the ratio to a "
+                    "baseline and the error against the float64 reference, appended to a "
+                    "JSON-lines file as each point finishes (the same --out resumes).")
     add = parser.add_argument
     add("--kind", nargs="+", choices=ATTENTIONS + ("both",), default=["both"],
         help="attention type(s) (default both)")
     add("--backends", nargs="+", metavar="NAME",
-        help="fastattn backends and peers to measure (default: every available backend "
-             "and installed peer)")
+        help="backends and peers to measure (default: every available one)")
     add("--regime", nargs="+", choices=REGIMES, default=["prefill"],
         help="prefill: a whole sequence, n_q = n_k = n; decode: one generated token, one "
              "query against n keys (causal) (default prefill)")
@@ -40,10 +37,9 @@ def add_parser(subparsers):
         help=f"sequence lengths (default {' '.join(map(str, DEFAULT_NS))}; decode: "
              f"{' '.join(map(str, DECODE_NS))})")
     add("--shape", nargs="+", type=shape_arg, metavar="[KIND:][REGIME:]BxHxNxD",
-        help="shapes to measure, e.g. 1x8x2048x64 (batch x heads x n x d_k); each overrides "
-             "--batch, --heads, --n and --d-k for its points, in every --regime and --kind, "
-             "or in one when prefixed (decode:1x8x32768x64, linear:1x8x16384x64); in the "
-             "decode regime N is the context length n_k")
+        help="shapes, e.g. 1x8x2048x64 (batch x heads x n x d_k), overriding --batch, "
+             "--heads, --n and --d-k, in every --regime and --kind or in the one prefixed "
+             "(decode:1x8x32768x64, linear:1x8x16384x64); in decode N is the context n_k")
     add("--d-k", type=positive_int, default=64, help="key head dim (default 64)")
     add("--d-v", type=positive_int, default=None, help="value head dim (default: d_k)")
     add("--batch", type=positive_int, default=1, help="batch size (default 1)")
@@ -57,40 +53,37 @@ def add_parser(subparsers):
     add("--num-features", nargs="+", type=positive_int, metavar="M",
         help="FAVOR+ feature counts m, with --feature-map favor (default: FavorFeatures')")
     add("--threads", nargs="+", type=thread_count, default=None, metavar="N",
-        help="threads for every backend, BLAS and peers (default: usable cores); several "
-             "(e.g. --threads 1 2) measure every point at each, in one run")
+        help="threads for every backend, BLAS and peer (default: usable cores); several "
+             "(--threads 1 2) measure every point at each")
     add("--repeats", type=positive_int, default=5, metavar="R",
-        help="timed repeats per point after a warm-up (default 5; fewer for a call whose "
-             "repeats would take over 5 s, never under 3 or R if smaller; a fast call is "
-             "repeated for 0.25 s, up to 100 times); the backends of one shape take turns "
-             "over R rounds, one repeat each a round (a fast call: its share of the 0.25 s); "
-             "when one call takes under 50 ms, each turn starts with 10 ms of untimed calls")
+        help="timed repeats per point after a warm-up (default 5; fewer if they would take "
+             "over 5 s, never under 3 or R if smaller; a fast call is repeated for 0.25 s, "
+             "up to 100 times); the backends of a shape take turns over R rounds (a call "
+             "under 50 ms starts each turn with 10 ms of untimed calls)")
     add("--baseline", default=None, metavar="NAME",
         help="backend the ratio column compares with (default reference)")
     add("--out", type=Path, default=None,
         help="results file (JSON lines; default results/bench-<time>.jsonl; resumed if it "
-             "exists: its points of this command are kept, not measured again), with a CSV "
-             "(.csv), a JSON summary (.summary.json) and a Markdown table (.md) of this "
-             "command's points beside it")
+             "exists), with a CSV (.csv), JSON summary (.summary.json) and Markdown table "
+             "(.md) of this command's points beside it")
     add("--fresh", action="store_true", help="start --out afresh instead of resuming it")
     add("--no-memory", action="store_true", help="skip the memory probe")
     add("--no-check", action="store_true", help="skip the check against the float64 reference")
     add("--no-progress", action="store_true", help="no progress bar")
     add("--versus", type=Path, metavar="RESULTS",
-        help="instead of the sweep: print the best fastattn / best peer table of the points "
-             "in the results file RESULTS (as a run prints it), and its roof")
+        help="instead of the sweep: print the best fastattn / best peer table and the roof "
+             "of the results file RESULTS")
     add("--startup", action="store_true",
-        help="instead of the sweep: time --repeats new processes per fastattn backend "
-             "(--backends, default all and auto), import numpy alone against import "
-             "fastattn, set_num_threads and a first call (min and median)")
+        help="instead of the sweep: time import fastattn, set_num_threads and a first call "
+             "beyond import numpy in --repeats new processes per backend (--backends, "
+             "default all and auto)")
     parser.set_defaults(func=run)
     return parser
 
 
 def shape_arg(text):
-    """argparse type: ``[KIND:][REGIME:]BxHxNxD`` as ``(batch, heads, n, d_k, regime,
-    kind)``: four positive ints, ``"prefill"``, ``"decode"`` or None (every ``--regime``),
-    and ``"softmax"``, ``"linear"`` or None (every ``--kind``); the prefixes in either order."""
+    """argparse type: ``[KIND:][REGIME:]BxHxNxD`` (prefixes in either order) as ``(batch,
+    heads, n, d_k, regime, kind)``, regime and kind None where not given."""
     *prefixes, dims = text.lower().split(":")
     try:
         values = tuple(positive_int(p) for p in dims.replace("×", "x").split("x"))
@@ -117,9 +110,8 @@ class BenchUsageError(ValueError):
 
 
 def backend_names(requested, known=None, available=()):
-    """The names of ``--backends`` (each item may hold several, split by commas), in order and
-    once each; None when the option was not given.  BenchUsageError when it names none, or,
-    given the ``known`` names, one that is unknown or not ``available``, listing these."""
+    """The names of ``--backends`` (split by commas too), once each, or None when not given;
+    BenchUsageError for none, or (given ``known``) one unknown or not ``available``."""
     if requested is None:
         return None
     names = list(dict.fromkeys(n.strip() for item in requested for n in item.split(",")
@@ -131,7 +123,6 @@ def backend_names(requested, known=None, available=()):
     if known is None:
         return names
     from .peers import absent_peers
-
     here, absent = f"available here: {', '.join(available)}", absent_peers()
     for name in names:
         if name not in known:
@@ -148,12 +139,10 @@ def backend_names(requested, known=None, available=()):
 
 
 def _out(args, kind):
-    """The results file: ``--out``, refused when its folder is missing (nothing makes it), or
-    ``results/<kind>-<time>.jsonl``."""
+    """``--out`` (refused when its folder is missing), or ``results/<kind>-<time>.jsonl``."""
     if args.out is None:
         return Path("results") / time.strftime(f"{kind}-%Y%m%d-%H%M%S.jsonl")
     from .results import check_writable
-
     check_writable(args.out, "results file")
     if not args.out.parent.is_dir():
         raise BenchUsageError(f"--out {args.out}: the folder {args.out.parent} does not exist; "
@@ -168,7 +157,6 @@ def run(args):
             return print_versus(args.versus)
         if args.startup:
             from .startup import run_startup, startup_backends
-
             try:
                 backends = startup_backends(backend_names(args.backends))
             except ValueError as exc:
@@ -184,7 +172,6 @@ def print_versus(path):
     """``fastattn bench --versus RESULTS``: the versus table and the roof of a results file."""
     from .results import read_records
     from .table import format_versus, roof_statements, versus_rows
-
     if path.is_dir():
         raise BenchUsageError(f"--versus {path} is a directory; a results file (the JSON "
                               "lines a run writes, e.g. results/bench-<time>.jsonl) was expected")
@@ -200,14 +187,12 @@ def print_versus(path):
 
 
 def _plan(args):
-    """``(points, out, backends, baseline, absent)``: the grid, the results path, the backends,
-    the baseline and the absent peers (when none were named); refuses what cannot be written,
-    first."""
+    """``(points, out, backends, baseline, absent peers)``, refusing first what cannot be
+    written."""
     from . import peers
     from .results import read_records
     from .sweep import default_backends, default_grid, known_backends
     from .table import SIDE_FILES, check_target
-
     available = default_backends()
     backends = backend_names(args.backends, known_backends(), available) or available
     absent = {} if args.backends else peers.absent_peers()  # peers not asked for: not news
@@ -280,7 +265,6 @@ def _run(args):
     from .results import point_key, read_records
     from .sweep import Options, Terminated, new_run_id, run_sweep
     from . import table
-
     points, out, backends, baseline, absent = _plan(args)
     for name, hint in absent.items():
         print(f"{name} is not installed, so it is not compared; add it, in the fastattn "
@@ -315,35 +299,32 @@ def _run(args):
               f"--out {shlex.quote(str(out))}" + (" and without --fresh" if args.fresh else ""),
               file=sys.stderr)
         return 128 + signal.SIGTERM if isinstance(exc, Terminated) else 130
-    print()
-    print(table.format_tables(records, baseline=baseline, backend_order=backends))
+    print("\n" + table.format_tables(records, baseline=baseline, backend_order=backends))
     runs, stored = {r.get("run_id") for r in records}, read_records(out)
     roof_text = table.roof_statements([r for r in stored if r.get("record") == "roof"
                                        and r.get("run_id") in runs])
     if roof_text:
         print("\nroof (the GEMM probed in this run, on the same threads):\n  "
               + "\n  ".join(roof_text))
-    far = table.far_above_roof(records)
-    if far:
+    if far := table.far_above_roof(records):
         print(f"\nwarning: {len(far)} point(s) ran at more than {table.FAR_ABOVE_ROOF:g}x the "
-              "GEMM roof probed beside them: the probe was most likely slowed by other work on "
-              "the machine (each probe's load is in the results file), so their % roof means "
-              "little; measure again on a quiet machine.", file=sys.stderr)
+              "GEMM roof probed beside them: the probe was most likely slowed by other work "
+              "(each probe's load is in the results file), so their % roof means little; "
+              "measure again on a quiet machine.", file=sys.stderr)
     rows = table.versus_rows(records)
     if any(r["peer"] for r in rows):
         print("\n" + table.format_versus(rows))
-    loads = [r["load_avg_1m"] for r in records if r.get("load_avg_1m") is not None]
-    cores = default_num_threads()
-    if loads and max(loads) > cores:
+    load = max((r["load_avg_1m"] for r in records if r.get("load_avg_1m") is not None),
+               default=0)
+    if load > (cores := default_num_threads()):
         print(f"\nnote: the machine was busy while measuring (1-minute load average up to "
-              f"{max(loads):.1f} on {cores} usable cores): times are noisy; compare the "
-              "ratios measured side by side in one run (and the min column), and repeat."
+              f"{load:.1f} on {cores} usable cores): times are noisy; compare the ratios "
+              "measured side by side in one run (and the min column), and repeat."
               + (" With more threads than idle cores, multi-threaded BLAS and OpenMP wait "
                  "for descheduled threads: --threads 1 gives steadier numbers."
                  if max(args.threads or [cores]) > 1 else ""))
-    mismatched = [r for r in records if r.get("check_ok") is False]
-    if mismatched:
-        print(f"\n{len(mismatched)} point(s) disagree with the float64 reference (MISMATCH).")
+    if mismatched := sum(r.get("check_ok") is False for r in records):
+        print(f"\n{mismatched} point(s) disagree with the float64 reference (MISMATCH).")
     csv_path = table.write_csv(records, out.with_suffix(".csv"))
     summary_path = table.write_summary(records, out.with_suffix(".summary.json"), baseline,
                                        backends)
@@ -351,8 +332,7 @@ def _run(args):
     print(f"\nresults: {out}\ncsv:     {csv_path}\nsummary: {summary_path}\n"
           f"table:   {table_path}")
     mine = {point_key(r) for r in records}
-    others = sum(1 for r in stored if r.get("record") == "point" and point_key(r) not in mine)
-    if others:
+    if others := sum(r.get("record") == "point" and point_key(r) not in mine for r in stored):
         print(f"note: {out} also holds {others} point(s) of earlier commands with other "
               "options; the csv, summary and table above are this command's points only "
               "(every point stays in the results file)")

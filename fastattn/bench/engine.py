@@ -1,7 +1,5 @@
-"""The measuring engine of ``fastattn bench``, ``fastattn report`` and ``benchmarks/``: one
-input factory, call builder, timing loop, memory probe, roof rule and check, run for one
-point (its record's fields, :meth:`~fastattn.bench.sweep.Point.record_fields`) by
-:func:`prepare_point`, :func:`time_call` and :func:`finish_point`."""
+"""The measuring engine of ``fastattn bench``, ``fastattn report`` and ``benchmarks/``: inputs,
+call, timing, memory probe, roof and check of one point (a record's fields)."""
 
 import ctypes
 import ctypes.util
@@ -26,30 +24,24 @@ from .flops import attention_flops
 DEFAULT_SEED = 20260
 #: A point is flagged when ``max_abs_err > CHECK_TOL[dtype] * max(1, max |reference|)``.
 CHECK_TOL = {"float32": 1e-4, "float64": 1e-9}
-#: Bytes of intermediates the check's float64 reference may take (and at most a quarter of
-#: the available memory); above it the point is checked at a smaller n.
+#: Bytes (and at most a quarter of the free memory) the check's reference may take.
 CHECK_MAX_BYTES = 5 * 2**29
 #: Fraction of the available memory a measured call may be predicted to need.
 MEMORY_HEADROOM = 0.7
 #: Idle seconds before each point, so spinning pools (OpenBLAS ~0.1 s) are asleep.
 SETTLE_S = 0.2
-#: Idle seconds before each turn when the backends of one shape take turns on more than
-#: one thread: the previous turn's pool is then asleep or nearly so.
+#: Idle seconds before each turn when the backends of one shape take turns on 2+ threads.
 TURN_SETTLE_S = 0.1
-#: A turn of a call estimated below this many seconds starts with TURN_WARMUP_S of untimed
-#: calls, so its timed calls find their own inputs in the caches, not the previous turn's,
-#: on a core up to speed after the idle of TURN_SETTLE_S.
+#: A turn of a call under TURN_WARM_S starts with TURN_WARMUP_S of untimed calls (warm caches).
 TURN_WARM_S, TURN_WARMUP_S = 0.05, 0.01
 #: A timed repeat lasts at least this long (``number`` calls of a fast kernel).
 MIN_REPEAT_S = 2e-4
-#: A fast call is repeated for this long at least (at most MAX_REPEATS times), so one
-#: repeat likely escapes load from other processes; the minimum finds it.
+#: A fast call is repeated for MIN_TIME_S (at most MAX_REPEATS times): one may escape load.
 MIN_TIME_S, MAX_REPEATS = 0.25, 100
 
 
 def make_inputs(spec, seed=DEFAULT_SEED):
-    """Seeded Gaussian ``q (B, n_q, d_k)``, ``k, v (B, n_k, d)``, ``B = batch * heads``, keyed
-    by the seed and the shape: every backend and dtype sees the same numbers."""
+    """Seeded Gaussian ``q, k, v`` of a point, the same for every backend and dtype."""
     b = spec["batch"] * spec["heads"]
     shape = (b, spec["n_q"], spec["n_k"], spec["d_k"], spec["d_v"])
     return gaussian_qkv((b, spec["n_q"], spec["d_k"]), spec["n_k"], spec["d_v"],
@@ -57,9 +49,7 @@ def make_inputs(spec, seed=DEFAULT_SEED):
 
 
 def make_call(spec, q, k, v):
-    """The no-argument call of point ``spec``: the public function (as a user calls it), or
-    the peer's builder (:attr:`~.peers.Peer.calls`).  A linear decode point is one step,
-    ``initial_state`` the state of the first n - 1 keys (built once, untimed)."""
+    """The no-argument call of point ``spec`` (a linear decode point: one step)."""
     attention, backend, causal = spec["attention"], spec["backend"], spec["causal"]
     feature_map, decode = _feature_map(spec), spec.get("regime") == "decode"
     scale = reference.default_scale(q.shape[-1])
@@ -96,8 +86,7 @@ def feature_dim(spec):
 
 
 def held_bytes(spec):
-    """Bytes per head a decode step keeps between tokens: the KV cache, ``(d_k + d_v) n``
-    values (softmax), or the state ``S, z``, ``D d_v + D`` values (linear, ``D`` features)."""
+    """Bytes per head a decode step keeps: the KV cache, or the state ``S, z``."""
     item = np.dtype(spec["dtype"]).itemsize
     if spec["attention"] == "softmax":
         return (spec["d_k"] + spec["d_v"]) * spec["n_k"] * item
@@ -105,8 +94,7 @@ def held_bytes(spec):
 
 
 def point_flops(spec):
-    """Flops of a point's call (:func:`~.flops.attention_flops`): linear with its ``D``
-    features, a linear decode step over one key."""
+    """Flops of a point's call: linear with its ``D`` features, a decode step over one key."""
     linear = spec["attention"] == "linear"
     n_k = 1 if linear and spec.get("regime") == "decode" else spec["n_k"]
     return attention_flops(spec["attention"], spec["n_q"], n_k,
@@ -115,8 +103,7 @@ def point_flops(spec):
 
 
 def warm_up(call, seconds=TURN_WARMUP_S):
-    """One untimed ``call()``, then more for ``seconds``; returns how many were made.  The
-    clock starts after the first call, which right after an idle turn may stall alone."""
+    """Untimed calls for ``seconds`` after the first (which may stall); returns how many."""
     call()
     made, deadline = 1, time.perf_counter() + seconds
     while time.perf_counter() < deadline:
@@ -126,9 +113,8 @@ def warm_up(call, seconds=TURN_WARMUP_S):
 
 
 def time_call(call, repeats, estimate_s, min_time_s=None, max_repeats=None):
-    """``times_s``, ``median_s``, ``min_s``, ``max_s``, ``number``, ``repeats`` of a warmed-up
-    ``call()`` by :class:`timeit.Timer`: ``repeats`` or more (up to ``max_repeats``, while under
-    ``min_time_s``), ``number`` calls a repeat when faster than :data:`MIN_REPEAT_S`."""
+    """Timing of ``repeats`` or more (up to ``max_repeats``, for ``min_time_s``) repeats of a
+    warmed-up ``call()``, each of ``number`` calls."""
     min_time_s = MIN_TIME_S if min_time_s is None else min_time_s
     max_repeats = max(repeats, MAX_REPEATS if max_repeats is None else max_repeats)
     number = 1
@@ -153,13 +139,10 @@ try:
 except (OSError, AttributeError, TypeError):
     _LIBC = None
 
-#: glibc's mallopt parameters.  In the memory probe every block >= 64 KiB gets its own mmap,
-#: so a call's arrays are fresh pages counted in the peak RSS.  Outside it, glibc's steady
-#: state in a process that has freed large arrays: a timed call reuses heap pages as in a
-#: user's process (fresh pages each call made fast kernels look several times slower).
-_M_MMAP_THRESHOLD, _M_TRIM_THRESHOLD = -3, -1
-_PROBE_MALLOC = {_M_MMAP_THRESHOLD: 64 * 1024, _M_TRIM_THRESHOLD: 128 * 1024}
-_TIMING_MALLOC = {_M_MMAP_THRESHOLD: 32 * 2**20, _M_TRIM_THRESHOLD: 64 * 2**20}
+#: glibc's M_MMAP_THRESHOLD, M_TRIM_THRESHOLD: the probe's arrays are fresh pages (in the peak
+#: RSS), a timed call's reuse the heap as in a user's process (fresh pages are slower).
+_PROBE_MALLOC = {-3: 64 * 1024, -1: 128 * 1024}
+_TIMING_MALLOC = {-3: 32 * 2**20, -1: 64 * 2**20}
 
 
 def _mallopt(settings):
@@ -187,10 +170,8 @@ def hwm_available():
 
 
 def peak_extra_bytes(call, method="auto"):
-    """``(bytes >= 0, method, seconds)``: the peak a warmed-up ``call()`` adds to this process,
-    output included.  ``"hwm"`` (Linux; ``"auto"`` where it works): reset the peak RSS after
-    ``gc`` and ``malloc_trim``, read ``VmHWM - VmRSS`` (NumPy, Numba, OpenMP, PyTorch
-    alike); ``"tracemalloc"``: Python-tracked allocations only."""
+    """``(bytes, method, seconds)``: the peak a warmed-up ``call()`` adds, by the peak RSS
+    (``"hwm"``, Linux) or ``"tracemalloc"`` (Python-tracked only)."""
     gc.collect(1)
     _mallopt(_PROBE_MALLOC)
     if _LIBC is not None:
@@ -216,15 +197,11 @@ def peak_extra_bytes(call, method="auto"):
 
 
 # --------------------------------------------------------------------- roof
-#: GEMM shapes above this n are probed at this n (the rate is flat beyond it, and a larger
-#: probe's n x n output would take many GiBs).
+#: GEMM shapes above this n are probed at this n (the rate is flat, the output huge).
 MAX_PROBE_N = 16384
-#: Lengths probed at every d besides the run's own n: where the GEMM ``n x d @ d x n`` runs
-#: fastest (its output still in cache), so the roof is the machine's GEMM rate at that d,
-#: not a memory-bound GEMM, even in a run of long sequences alone.
+#: Lengths probed at every d besides the run's n, where the GEMM runs fastest (not memory-bound).
 PEAK_PROBE_N = (512, 1024)
-#: BLAS libraries the roof may be probed through: NumPy's, and torch's (MKL; in the peers'
-#: process, when torch is installed).
+#: BLAS libraries the roof may be probed through (torch's in the peers' process).
 ROOF_LIBRARIES = ("numpy", "torch")
 #: Calls a probe times at most (over all its rounds).
 MAX_PROBE_CALLS = 1000
@@ -242,14 +219,15 @@ def _task(kind, dtype, n, d, library="numpy"):
     out = np.empty((n, n), dtype=dtype)
     if library == "torch":
         torch = peers._torch()  # imported with the peers' thread count
-        ta, tb, tout = torch.from_numpy(a), torch.from_numpy(b), torch.from_numpy(out)
-        return (lambda: torch.matmul(ta, tb, out=tout)), 2.0 * n * n * d
-    return (lambda: np.matmul(a, b, out=out)), 2.0 * n * n * d
+        a, b, out, matmul = torch.from_numpy(a), torch.from_numpy(b), torch.from_numpy(out), \
+            torch.matmul
+    else:
+        matmul = np.matmul
+    return (lambda: matmul(a, b, out=out)), 2.0 * n * n * d
 
 
 def _fastest_rate(fn, work, budget_s, min_calls, max_calls):
-    """``(work / fastest call's seconds, calls)`` over calls of ``fn``: at least ``min_calls``,
-    then more while ``budget_s`` lasts, at most ``max_calls`` in all."""
+    """``(work / fastest call's seconds, calls)`` of ``min_calls`` to ``max_calls`` calls."""
     best, calls, deadline = 0.0, 0, time.perf_counter() + budget_s
     while calls < max_calls and (calls < min_calls or time.perf_counter() <= deadline):
         start = time.perf_counter()
@@ -260,11 +238,9 @@ def _fastest_rate(fn, work, budget_s, min_calls, max_calls):
 
 
 def probe_roof(shapes, dtypes=("float32", "float64"), budget_s=0.1, rounds=3, library="numpy"):
-    """Roof records: GEMM GFLOP/s of ``n x d @ d x n`` (``shape [n, d, n]``, ``gflops``) at
-    each attention shape ``(n, d)`` (n at most :data:`MAX_PROBE_N`) and at
-    :data:`PEAK_PROBE_N`, through ``library`` (``blas`` its label, ``probed_at`` UTC), and for
-    NumPy its serial exp rate (``gelem_s``), per dtype; each the best repeat over ``rounds``
-    rounds visiting every task in turn (``budget_s`` seconds a task)."""
+    """Roof records: GEMM GFLOP/s of ``n x d @ d x n`` at each ``(n, d)`` of ``shapes`` and
+    :data:`PEAK_PROBE_N` through ``library`` (and NumPy's exp rate), per dtype, each the best
+    of ``rounds`` rounds over every task."""
     if library not in ROOF_LIBRARIES:
         raise ValueError(f"library must be one of {ROOF_LIBRARIES}, got {library!r}")
     sizes = sorted({(max(1, min(int(n), MAX_PROBE_N)), int(d)) for n, d in shapes}
@@ -282,8 +258,7 @@ def probe_roof(shapes, dtypes=("float32", "float64"), budget_s=0.1, rounds=3, li
                 fn()  # first touch, thread pool start
             rate, calls = _fastest_rate(fn, work, budget_s / rounds, 1,
                                         MAX_PROBE_CALLS - count[task])
-            best[task] = max(best[task], rate)
-            count[task] += calls
+            best[task], count[task] = max(best[task], rate), count[task] + calls
     blas = environment.roof_blas(library)
     exp_label = f"np.exp of NumPy {np.__version__}, one thread"  # not the GEMMs' BLAS
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
@@ -295,9 +270,7 @@ def probe_roof(shapes, dtypes=("float32", "float64"), budget_s=0.1, rounds=3, li
 
 
 def time_gemm(dtype, n, d, library, cache):
-    """GFLOP/s of the fastest of at least 3 calls of the GEMM ``n x d @ d x n`` through
-    ``library`` within :data:`PAIRED_ROOF_BUDGET_S`: one round's roof, for the paired
-    fraction.  ``cache`` (a dict) keeps the call's arrays between rounds."""
+    """One round's roof: GFLOP/s of the fastest of 3+ GEMM calls; ``cache`` keeps arrays."""
     key = (np.dtype(dtype).name, int(n), int(d), library)
     if key not in cache:
         cache[key] = _task("gemm", *key[:3], library=library)
@@ -306,8 +279,7 @@ def time_gemm(dtype, n, d, library, cache):
 
 
 def gemm_probes(roofs, dtype=None, threads=None, machine=None):
-    """The GEMM probes of ``roofs`` (of ``dtype``, ``threads``, ``machine`` if given): the one
-    reader of roof records, :func:`roof_probe` the one roof rule."""
+    """The GEMM probes of ``roofs`` (of ``dtype``, ``threads``, ``machine`` if given)."""
     return [r for r in roofs if r.get("probe", "gemm") == "gemm" and r.get("gflops")
             and dtype in (None, r.get("dtype")) and len(r.get("shape") or ()) == 3
             and (threads is None or r.get("threads") in (None, threads))
@@ -315,8 +287,7 @@ def gemm_probes(roofs, dtype=None, threads=None, machine=None):
 
 
 def roof_probe(roofs, dtype, d, threads=None, machine=None):
-    """The one roof rule: the fastest GEMM probe of :func:`gemm_probes` at the nearest ``d``,
-    over every probed n and BLAS library, or None.  Its ``gflops`` is the roof."""
+    """The one roof rule: the fastest GEMM probe at the nearest ``d``, or None."""
     found = gemm_probes(roofs, dtype, threads, machine)
     if not found:
         return None
@@ -333,9 +304,7 @@ def roof_for(roofs, dtype, d, threads=None, machine=None):
 
 # -------------------------------------------------------------------- check
 def quadratic_need(spec, itemsize):
-    """Bytes of n_q x n_k intermediates a reference call makes (0 if it makes none): softmax's
-    scores, weights, their products and the where(); causal linear's kernel matrix, its
-    mask copy and the result."""
+    """Bytes of n_q x n_k intermediates a reference call makes (0 if none)."""
     if spec["attention"] == "linear" and not spec["causal"]:
         return 0
     return reference.quadratic_bytes(spec["batch"] * spec["heads"], spec["n_q"], spec["n_k"],
@@ -343,8 +312,7 @@ def quadratic_need(spec, itemsize):
 
 
 def available_bytes():
-    """The memory free for a point (:func:`fastattn.reference.available_memory`, the figure
-    the reference's own checks use; infinite where the system does not say)."""
+    """The memory free for a point, as the reference's own checks see it (else infinite)."""
     available = reference.available_memory()
     return math.inf if available is None else available
 
@@ -396,8 +364,7 @@ class ReferenceCache:
 
 
 def check_accuracy(spec, out, references, seed=DEFAULT_SEED, max_bytes=None):
-    """``max_abs_err``, ``check_n``, ``check_tol`` and ``check_ok`` of ``out`` against the
-    float64 reference, at the point's n halved until the reference fits ``max_bytes``."""
+    """The check of ``out`` against the float64 reference, at n halved until it fits."""
     if max_bytes is None:
         max_bytes = min(CHECK_MAX_BYTES, available_bytes() // 4)
     small = dict(spec)
@@ -418,12 +385,8 @@ def check_accuracy(spec, out, references, seed=DEFAULT_SEED, max_bytes=None):
 
 def prepare_point(spec, repeats=5, memory=True, check=True, seed=DEFAULT_SEED,
                   references=None, max_point_s=None):
-    """Everything of one point but its timed repeats: ``(call, fields, n_repeats, estimate_s)``.
-
-    The warm-up call, the memory probe (also an estimate of one call), the check and the
-    repeats the point gets (``repeats``, fewer when that would pass ``max_point_s``, at
-    least 3).  ``call`` is None when the point is skipped or failed; ``fields`` then says
-    why.  Time the call with :func:`time_call` and finish with :func:`finish_point`."""
+    """All of one point but its timed repeats (warm-up, memory, check): ``(call, fields,
+    n_repeats, estimate_s)``, ``call`` None when skipped or failed."""
     reason = why_skip(spec)
     if reason:
         return None, {"status": "skipped", "reason": reason}, 0, 0.0
@@ -440,8 +403,7 @@ def prepare_point(spec, repeats=5, memory=True, check=True, seed=DEFAULT_SEED,
         if memory:
             fields.update(peak_bytes=peak, memory_method=method)
             if spec["backend"] == "reference" and method == "hwm" and estimate < 1.0:
-                # Linux counts a thread's pages into VmRSS in steps of 64 page faults, so
-                # the peak RSS can miss a few hundred KiB; NumPy's allocations are traced.
+                # The peak RSS counts a thread's pages in steps (may miss a few 100 KiB).
                 traced = peak_extra_bytes(call, "tracemalloc")[0]
                 fields["peak_bytes_tracemalloc"] = traced
                 if traced > peak:
@@ -451,7 +413,6 @@ def prepare_point(spec, repeats=5, memory=True, check=True, seed=DEFAULT_SEED,
             n_repeats = max(min(3, repeats), min(repeats, int(max_point_s / estimate)))
         if check:
             from threadpoolctl import threadpool_limits
-
             with threadpool_limits(1):  # the float64 reference leaves no spinning pool
                 fields.update(check_accuracy(spec, out, references or ReferenceCache(), seed))
         if spec.get("regime") == "decode":
@@ -462,8 +423,7 @@ def prepare_point(spec, repeats=5, memory=True, check=True, seed=DEFAULT_SEED,
 
 
 def failure(exc):
-    """The outcome of a point whose call raised ``exc`` (in the handler): MemoryError is a
-    skip (the machine is too small), anything else an error with its traceback."""
+    """The outcome of a point whose call raised ``exc``: MemoryError is a skip."""
     if isinstance(exc, MemoryError):
         return {"status": "skipped", "reason": f"MemoryError: {exc}"}
     return {"status": "error", "reason": f"{type(exc).__name__}: {exc}",
@@ -471,20 +431,18 @@ def failure(exc):
 
 
 def finish_point(spec, fields, timings, roofs=(), paired_roof=None, rounds=(), paired_floor=()):
-    """``fields`` of :func:`prepare_point` with its turns' :func:`time_call` ``timings``
-    merged, flops, GFLOP/s (at the median) and the fraction of the roof (:func:`roof_probe`
-    of ``roofs``); given the roof GEMM's GFLOP/s in each round (``paired_roof``) and the round
-    of each timing, ``roof_fraction_paired``: the median over the rounds of the kernel's
-    GFLOP/s in the round (its fastest repeat there) over the roof's."""
+    """``fields`` with the ``timings`` merged, GFLOP/s and the fraction of the roof, also
+    paired (the median over ``rounds`` of the kernel's fastest GFLOP/s over the round's roof),
+    and of the limit that binds it (paired with ``paired_floor``, the floor read each round)."""
     times = [t for timing in timings for t in timing["times_s"]]
     out = {**fields, **_timing(times, timings[0]["number"]), "rounds": len(timings),
            "round_min_s": [t["min_s"] for t in timings]}
     flops = point_flops(spec)
     gflops = flops / out["median_s"] / 1e9 if out["median_s"] > 0 else None
-    probe = roof_probe(roofs, spec["dtype"], spec["d_k"])
-    roof = probe and probe["gflops"]
-    out.update(flops=flops, gflops=gflops, roof_gflops=roof, roof_blas=probe and
-               probe.get("blas"), roof_shape=probe and probe.get("shape"),
+    probe = roof_probe(roofs, spec["dtype"], spec["d_k"]) or {}
+    roof = probe.get("gflops")
+    out.update(flops=flops, gflops=gflops, roof_gflops=roof, roof_blas=probe.get("blas"),
+               roof_shape=probe.get("shape"),
                roof_fraction=gflops / roof if gflops and roof else None)
     nbytes = limits.point_bytes(spec, feature_dim(spec))
     out.update(limits.limit_fields(spec, flops, nbytes, out["median_s"], roofs,

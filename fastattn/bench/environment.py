@@ -1,5 +1,4 @@
-"""What a measurement ran on: CPU, cores, load, threads, BLAS, library versions (the one
-place the bench reads the machine)."""
+"""What a measurement ran on: CPU, cores, load, threads, BLAS, library versions."""
 
 import os
 import platform
@@ -18,10 +17,8 @@ def load_avg_1m():
 
 
 def idle_cores(interval_s=0.5):
-    """Usable cores other work left idle over ``interval_s`` seconds (at least 1): with more
-    threads than idle cores, each parallel region waits for a descheduled thread."""
+    """Usable cores other work left idle over ``interval_s`` seconds (at least 1)."""
     import psutil
-
     busy = sum(psutil.cpu_percent(interval=interval_s, percpu=True)) / 100
     return max(1, min(default_num_threads(), round(psutil.cpu_count() - busy)))
 
@@ -56,7 +53,6 @@ def _git_commit():
 def blas_info():
     """BLAS libraries loaded here, as threadpoolctl describes them."""
     from threadpoolctl import threadpool_info
-
     keys = ("internal_api", "version", "architecture", "threading_layer", "num_threads",
             "filepath", "prefix")
     return [{key: info.get(key) for key in keys}
@@ -73,13 +69,11 @@ def _cython_products():
 
 
 def collect(threads=None):
-    """This machine and software, as an environment record (:data:`~.schema.ENVIRONMENT_KEYS`)
-    with the run's ``threads``; a library's version is None when it is absent."""
+    """This machine and software, as an environment record with the run's ``threads``."""
     import numpy as np
     import psutil
 
     import fastattn
-
     memory = psutil.virtual_memory()
     return {
         "cpu_model": _cpuinfo("model name") or platform.processor() or platform.machine(),
@@ -113,11 +107,9 @@ def collect(threads=None):
 
 
 def roof_blas(library="numpy"):
-    """``{"blas": label, "blas_name": name}`` of the BLAS a roof probe's ``library`` runs on,
-    e.g. ``"OpenBLAS 0.3.27 (Haswell) through NumPy 2.1.3"`` and ``"OpenBLAS"``."""
+    """``{"blas": label, "blas_name": name}`` of the BLAS ``library`` runs on."""
     if library == "torch":
         import torch
-
         line = next((x for x in torch.__config__.show().splitlines()
                      if "Math Kernel Library Version" in x), "")
         version = line.split("Version", 1)[1].split("-")[0].strip() if line else ""
@@ -125,7 +117,6 @@ def roof_blas(library="numpy"):
         return {"blas": f"{name} {version}".strip() + f" through torch {torch.__version__}",
                 "blas_name": name}
     import numpy as np
-
     found = [b for b in blas_info() if "numpy" in str(b.get("filepath") or "")] or blas_info()
     info = found[0] if found else {}
     name = {"openblas": "OpenBLAS", "mkl": "MKL", "blis": "BLIS"}.get(

@@ -12,31 +12,21 @@ def visible_pairs(n_q, n_k, causal):
     n_q, n_k = int(n_q), int(n_k)
     if not causal:
         return n_q * n_k
-    seen = np.clip(np.arange(n_q, dtype=np.int64) + (n_k - n_q + 1), 0, n_k)
-    return int(seen.sum())
-
-
-def _intra_chunk_pairs(n_q, n_k, chunk):
-    """Visible pairs in each query's own key chunk: ``p % c + 1``, ``p = i + n_k - n_q >= 0``."""
-    p = np.arange(n_q, dtype=np.int64) + (n_k - n_q)
-    p = p[p >= 0]
-    return int((p % chunk + 1).sum())
+    return int(np.clip(np.arange(n_q, dtype=np.int64) + (n_k - n_q + 1), 0, n_k).sum())
 
 
 def attention_flops(attention, n_q, n_k, d_k, d_v, causal, batch=1, heads=1,
                     chunk=CAUSAL_LINEAR_CHUNK):
-    """Flops of one attention call, counting a multiply-add as 2.
-
-    Per head (times ``batch * heads``), ``P`` the visible pairs: softmax ``2 P (d_k + d_v)``;
-    linear ``2 (n_k + n_q) d_k d_v``, plus when causal (chunked as flash-linear-attention)
-    ``2 P_c (d_k + d_v)`` inside the chunks.  Exp, feature map and denominators are lower
-    order, not counted.  ValueError for another ``attention``."""
+    """Flops of one call (a multiply-add is 2) per head times heads: softmax ``2 P (d_k +
+    d_v)``, ``P`` the visible pairs; linear ``2 (n_k + n_q) d_k d_v``, causal (chunked) plus
+    ``2 P_c (d_k + d_v)`` within chunks.  Exp, maps and denominators are not counted."""
     if attention == "softmax":
         per_head = 2 * visible_pairs(n_q, n_k, causal) * (d_k + d_v)
     elif attention == "linear":
         per_head = 2 * (n_k + n_q) * d_k * d_v
-        if causal:
-            per_head += 2 * _intra_chunk_pairs(n_q, n_k, int(chunk)) * (d_k + d_v)
+        if causal:  # query i at key position p = i + n_k - n_q >= 0 sees p % chunk + 1 keys
+            p = np.arange(n_q, dtype=np.int64) + (n_k - n_q)
+            per_head += 2 * int((p[p >= 0] % int(chunk) + 1).sum()) * (d_k + d_v)
     else:
         raise ValueError(f"attention must be 'softmax' or 'linear', got {attention!r}")
     return int(per_head) * int(batch) * int(heads)

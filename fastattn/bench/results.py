@@ -1,5 +1,4 @@
-"""The one results format: JSON lines appended as each record is measured (``"schema":
-SCHEMA``, ``run_id``, a ``"record"`` type, the fields and types of :mod:`.schema`)."""
+"""The one results format: JSON lines of the records of :mod:`.schema`, appended as measured."""
 
 import json
 import math
@@ -13,8 +12,7 @@ from .schema import (AMOUNT, AMOUNTS, COUNT, COUNTS, DEFAULT_REGIME,  # noqa: F4
 
 
 class ResultsFileError(ValueError):
-    """A results file that is not fastattn's, is corrupt, or cannot be written (never
-    overwritten)."""
+    """A results file that is not fastattn's, is corrupt, or cannot be written."""
 
 
 def is_number(value):
@@ -74,10 +72,7 @@ def _shown(value):
 
 
 def read_records(path):
-    """All records of a results file, in order, each checked by :func:`check_record`.
-    Raises FileNotFoundError for a missing file and ResultsFileError (``file:line``) for a
-    line that is not JSON or not a sound record; a last line cut short (no newline) is
-    ignored."""
+    """All records of a results file, each checked (a last line cut short ignored)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no results file at {path}")
@@ -106,13 +101,9 @@ def read_records(path):
     return records
 
 
-def cut_tail_bytes(path):
-    """Bytes of a last line of ``path`` cut short by an interrupted write, which
-    :func:`read_records` leaves out (0 when the last line is whole)."""
-    return _cut_tail(Path(path).read_bytes())
-
-
-def _cut_tail(data):
+def cut_tail_bytes(path, data=None):
+    """Bytes of a last line of ``path`` (or ``data``) cut short by an interrupted write."""
+    data = Path(path).read_bytes() if data is None else data
     if not data or data.endswith(b"\n"):
         return 0
     tail = data[data.rfind(b"\n") + 1:]
@@ -150,8 +141,7 @@ def to_json(value, **kwargs):
 
 
 def check_writable(path, what="file"):
-    """Raise ResultsFileError if an existing ``path`` cannot be written (read-only, a folder,
-    a device or pipe), or if no file can be made there."""
+    """Raise ResultsFileError if ``path`` cannot be written."""
     path = Path(path)
     if path.is_dir():
         raise ResultsFileError(f"{path} is a directory; give a file name, e.g. {path / 'out'}")
@@ -182,8 +172,7 @@ def _check_creatable(path, what):
 
 
 def check_replaceable(path, what, marker, empty_ok=False):
-    """Refuse (ResultsFileError) to replace an existing ``path`` that is read-only, or that
-    does not hold ``marker`` (so is not a ``what`` fastattn wrote; empty is ok if ``empty_ok``)."""
+    """Refuse to replace a ``path`` that is read-only or lacks ``marker``."""
     path = Path(path)
     check_writable(path, what)
     text = path.read_text(encoding="utf-8", errors="replace") if path.exists() else None
@@ -192,9 +181,7 @@ def check_replaceable(path, what, marker, empty_ok=False):
 
 
 def atomic_write(path, data):
-    """Replace ``path`` by ``data`` (str or bytes) in one step (an fsynced temporary file
-    renamed over the symlink-followed target, which keeps its mode).  Raises
-    ResultsFileError for a read-only ``path``, OSError if the write fails (then unchanged)."""
+    """Replace ``path`` by ``data`` in one step (a temporary file renamed over it)."""
     target = Path(os.path.realpath(path))
     check_writable(target)
     tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex}.tmp")
@@ -213,9 +200,8 @@ def atomic_write(path, data):
 
 
 class ResultsWriter:
-    """Append records to a results file, one fsynced line each; an existing one is read first,
-    so a foreign, corrupt or read-only file is refused (ResultsFileError) untouched, and a
-    partial last line is cut off.  ``resume`` keeps its records (:attr:`existing`)."""
+    """Append records to a results file (refused untouched if unsound), one fsynced line
+    each; ``resume`` keeps its records (:attr:`existing`)."""
 
     def __init__(self, path, resume=True):
         self.path = Path(path)
@@ -231,7 +217,7 @@ class ResultsWriter:
         elif exists:
             data = self.path.read_bytes()
             if data and not data.endswith(b"\n"):  # a last record whole but its newline: kept
-                self.dropped_tail = _cut_tail(data)
+                self.dropped_tail = cut_tail_bytes(self.path, data)
                 atomic_write(self.path, data[:len(data) - self.dropped_tail]
                              if self.dropped_tail else data + b"\n")
 

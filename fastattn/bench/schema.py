@@ -1,7 +1,6 @@
 """The one schema of a measured point (its fields, their types and the keys derived from
-them), the grids and the environment record; the bench, the report and the asv suite read
-these names from here.  A results file is JSON lines (:data:`SCHEMA`), each a record of one
-of :data:`RECORD_TYPES`; a point record holds :data:`POINT_FIELDS`."""
+them), the grids and the environment record, for the bench, the report and the asv suite.
+A results file is JSON lines (:data:`SCHEMA`), each a record of one of :data:`RECORD_TYPES`."""
 
 SCHEMA = "fastattn.results/1"
 RECORD_TYPES = ("environment", "roof", "point", "startup")
@@ -13,8 +12,8 @@ ATTENTIONS = ("softmax", "linear")
 DTYPES = ("float32", "float64")
 REGIMES = ("prefill", "decode")
 
-#: The largest count (n, d, batch, ...) a record may hold: 2**53, below which a float64
-#: holds every integer exactly; a larger one is refused on reading, so no reader overflows.
+#: The largest count (n, d, batch, ...) a record may hold: every int below 2**53 is exact in
+#: a float64, so no reader overflows.
 MAX_COUNT = 2**53
 COUNT, AMOUNT = "a positive int <= 2**53", "a finite number >= 0"
 NAME, FLAG = "a name", "true or false"
@@ -22,15 +21,16 @@ STATUS = "one of " + ", ".join(STATUSES)
 AMOUNTS, COUNTS = "a list of numbers >= 0", "a list of positive ints <= 2**53"
 
 #: Every field of a point record, in the CSV's order: ``(name, type, roles)``; ``type`` is
-#: what a results file must hold there (None: not checked; null unless :data:`REQUIRED`);
-#: roles: ``k`` a key (:data:`POINT_KEYS`), ``c`` a CSV column, ``s`` a summary field.
+#: what a results file must hold there (None: not checked); roles: ``k`` a key
+#: (:data:`POINT_KEYS`), ``c`` a CSV column, ``s`` a summary field, ``r`` required.
 POINT_FIELDS = (
-    ("attention", NAME, "kc"), ("backend", NAME, "kcs"), ("peer", FLAG, "c"),
-    ("causal", FLAG, "kc"), ("dtype", NAME, "kc"), ("batch", COUNT, "kc"),
-    ("heads", COUNT, "kc"), ("n_q", COUNT, "kc"), ("n_k", COUNT, "kc"), ("d_k", COUNT, "kc"),
-    ("d_v", COUNT, "kc"), ("feature_map", NAME, "kc"), ("threads", COUNT, "kc"),
-    ("status", STATUS, "cs"), ("reason", None, "cs"), ("median_s", AMOUNT, "cs"),
-    ("min_s", AMOUNT, "cs"), ("max_s", AMOUNT, "cs"), ("repeats", COUNT, "c"),
+    ("attention", NAME, "kcr"), ("backend", NAME, "kcsr"), ("peer", FLAG, "c"),
+    ("causal", FLAG, "kcr"), ("dtype", NAME, "kcr"), ("batch", COUNT, "kcr"),
+    ("heads", COUNT, "kcr"), ("n_q", COUNT, "kcr"), ("n_k", COUNT, "kcr"),
+    ("d_k", COUNT, "kcr"), ("d_v", COUNT, "kcr"), ("feature_map", NAME, "kc"),
+    ("threads", COUNT, "kcr"), ("status", STATUS, "csr"), ("reason", None, "cs"),
+    ("median_s", AMOUNT, "cs"), ("min_s", AMOUNT, "cs"), ("max_s", AMOUNT, "cs"),
+    ("repeats", COUNT, "c"),
     ("number", COUNT, "c"), ("flops", AMOUNT, "c"), ("gflops", AMOUNT, "cs"),
     ("roof_gflops", AMOUNT, "c"), ("roof_fraction", AMOUNT, "cs"), ("peak_bytes", AMOUNT, "cs"),
     ("memory_method", None, "c"), ("peak_bytes_tracemalloc", AMOUNT, "c"),
@@ -64,13 +64,10 @@ VERSUS_KEYS = tuple(k for k in POINT_KEYS if k != "backend")
 #: What one curve of the report shares: the machine and a point's keys but n.
 CURVE_KEYS = ("machine",) + tuple(k for k in POINT_KEYS if k not in ("n_q", "n_k"))
 
-REQUIRED = {
-    "point": ("attention", "backend", "causal", "dtype", "batch", "heads", "n_q", "n_k",
-              "d_k", "d_v", "threads", "status"),
-    "roof": ("dtype",),
-    "startup": ("backend", "threads", "min_s", "median_s"),
-    "environment": (),
-}
+#: Fields each record type must hold (not null).
+REQUIRED = {"point": tuple(name for name, _, roles in POINT_FIELDS if "r" in roles),
+            "roof": ("dtype",), "startup": ("backend", "threads", "min_s", "median_s"),
+            "environment": ()}
 #: Fields a point with status "ok" must hold.
 REQUIRED_OK = ("median_s",)
 #: The regime of a point record that does not say (files written before regimes).
@@ -83,8 +80,7 @@ def point_key(record):
 
 
 def roof_library(probe):
-    """``(blas, via)`` of a roof record: the BLAS (``"OpenBLAS"``) and the package that called
-    it (``"NumPy"``), from ``blas_name`` and ``library``, or an older file's ``blas`` label."""
+    """``(blas, via)`` of a roof record, e.g. ``("OpenBLAS", "NumPy")`` (old files too)."""
     label = probe.get("blas") or ""
     via = {"numpy": "NumPy", "torch": "torch"}.get(probe.get("library"), "")
     if " through " in label:
@@ -102,16 +98,14 @@ FEATURE_MAP_NS = (4096, 16384)
 #: FAVOR+ feature counts of the feature-map grid, as multiples of d_k.
 FAVOR_MULTIPLES = (1, 4, 16, 64)
 
-#: The asv suite's grid (benchmarks/): n in powers of 4 (each step multiplies an O(n^2) cost
-#: by 16); the feature maps at ASV_FEATURE_MAP_NS; decode at DECODE_NS, ASV_DECODE_HEADS
-#: heads; head dimension ASV_D, batch ASV_BATCH, one head in prefill.
+#: The asv suite's grid (benchmarks/): n in powers of 4, the feature maps at
+#: ASV_FEATURE_MAP_NS, decode at DECODE_NS with ASV_DECODE_HEADS heads.
 ASV_NS = (256, 1024, 4096, 16384)
 ASV_FEATURE_MAP_NS = (1024, 4096, 16384)
 ASV_D, ASV_BATCH, ASV_HEADS, ASV_DECODE_HEADS = 64, 1, 1, 8
 
 # ------------------------------------------------------------------ environment record
-#: The fields of an environment record (:func:`~.environment.collect`, the sweep's, the asv
-#: reader's) as ``(label, dotted path)``, in the order a report lists them.
+#: The fields of an environment record as ``(label, dotted path)``, in a report's order.
 ENVIRONMENT_FIELDS = (
     ("CPU", "cpu_model"), ("CPU features", "cpu_flags"), ("Cores (logical)", "cores_logical"),
     ("Cores usable by this process", "cores_usable"), ("Threads used", "threads"),

@@ -1,10 +1,5 @@
-"""``fastattn bench --startup``: what a first call costs in a new process, beside ``import numpy``.
-
-Each measurement is a new Python process (one untimed process per backend first warms the
-file and Numba caches) timing ``import fastattn; fastattn.set_num_threads(T)`` and one
-trivial call (softmax, n=1, d=64, float32) beyond ``import numpy``; written to the results
-file as ``"startup"`` records, which the reports pass over.
-"""
+"""``fastattn bench --startup``: ``import fastattn``, ``set_num_threads`` and a first call
+in a new process beyond ``import numpy``, as ``"startup"`` records."""
 
 import json
 import statistics
@@ -38,16 +33,14 @@ class StartupError(RuntimeError):
 
 
 def startup_backends(names):
-    """The fastattn backends to time, from the names given (None: every available one and
-    ``auto``); ValueError for any other name."""
-    available = list(_api.available_backends())
-    if names is None:
-        return available + ["auto"]
-    for name in names:
-        if name != "auto" and name not in available:
+    """The fastattn backends to time (None: every available one and ``auto``); ValueError
+    for any other name."""
+    available = list(_api.available_backends()) + ["auto"]
+    for name in names or ():
+        if name not in available:
             raise ValueError(f"--startup times fastattn backends, got {name!r}; "
-                             f"available here: {', '.join(available + ['auto'])}")
-    return names
+                             f"available here: {', '.join(available)}")
+    return available if names is None else names
 
 
 def _child(args):
@@ -60,8 +53,7 @@ def _child(args):
 
 
 def measure_startup(backends, threads, repeats):
-    """Seconds of ``repeats`` new processes per backend, interleaved round by round, by name:
-    :data:`BASELINE`'s ``import numpy``, each backend's time beyond it."""
+    """Seconds of ``repeats`` new processes per name (:data:`BASELINE` and each backend)."""
     for name in backends:           # warm the caches (Numba's, the file system's)
         _child([name, str(threads)])
     times = {BASELINE: [], **{name: [] for name in backends}}
@@ -72,23 +64,12 @@ def measure_startup(backends, threads, repeats):
     return times
 
 
-def format_startup(times, threads):
-    """The table: one row per backend, min and median in ms."""
-    from .table import text_table
-
-    rows = [[BASELINE if name == BASELINE else f"{name}: beyond import numpy",
-             f"{min(values) * 1e3:.1f}ms", f"{statistics.median(values) * 1e3:.1f}ms"]
-            for name, values in times.items()]
-    return (f"start-up in a new process ({threads} threads; first call: softmax n=1, d=64, "
-            "float32)\n" + text_table(["", "min", "median"], rows, ["left", "right", "right"]))
-
-
 def run_startup(args, out, backends):
     """Measure ``backends`` (:func:`startup_backends`), print the table, append to ``out``."""
     from .._threads import default_num_threads
     from .environment import load_avg_1m
     from .results import ResultsWriter
-
+    from .table import text_table
     writer = ResultsWriter(out, resume=True)
     for threads in args.threads or [default_num_threads()]:
         times = measure_startup(backends, threads, args.repeats)
@@ -98,6 +79,10 @@ def run_startup(args, out, backends):
                          min_s=min(times[name]), median_s=statistics.median(times[name]),
                          times_s=times[name], numpy_min_s=min(base),
                          numpy_median_s=statistics.median(base), load_avg_1m=load)
-        print(format_startup(times, threads))
+        rows = [[name if name == BASELINE else f"{name}: beyond import numpy",
+                 f"{min(values) * 1e3:.1f}ms", f"{statistics.median(values) * 1e3:.1f}ms"]
+                for name, values in times.items()]
+        print(f"start-up in a new process ({threads} threads; first call: softmax n=1, d=64, "
+              "float32)\n" + text_table(["", "min", "median"], rows, ["left", "right", "right"]))
     print(f"\nresults: {out}")
     return 0

@@ -1,7 +1,6 @@
 """The sweep: a grid of :class:`Point` measured in ``spawn`` worker processes (a crash costs
-one point; peers get their own, as PyTorch runs ~5x slower once Numba's OpenMP pool has
-started), the backends of one shape timed in turns (:func:`_measure_group`), each record
-appended to a results file as its shape finishes, so a run resumes."""
+one point; peers get their own, as PyTorch runs ~5x slower beside Numba's OpenMP pool),
+each record appended as its shape finishes, so a run resumes."""
 
 import contextlib
 import multiprocessing
@@ -29,7 +28,7 @@ def new_run_id():
 
 
 def check_count(name, value):
-    """``value`` if it is a positive int, else ValueError naming ``name`` (the one such check)."""
+    """``value`` if it is a positive int, else ValueError naming ``name``."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
     return value
@@ -37,12 +36,9 @@ def check_count(name, value):
 
 @dataclass(frozen=True)
 class Point:
-    """One measurement: an attention call of one shape on one backend or peer.
-
-    ``regime`` ``"prefill"``: ``n_q = n_k = n``; ``"decode"`` (causal): ``n_q = 1``,
-    ``n_k = n``.  ``feature_map`` (linear only, default ``"elu"``) and ``num_features``
-    (FAVOR+'s m) are None for softmax.  A bad field raises ValueError (TypeError: causal).
-    """
+    """One measurement: an attention call of one shape on one backend or peer; ``"prefill"``
+    has ``n_q = n_k = n``, ``"decode"`` (causal) ``n_q = 1``, ``n_k = n``.  A bad field raises
+    ValueError (TypeError: causal)."""
 
     attention: str
     backend: str
@@ -86,8 +82,7 @@ class Point:
     peer = property(lambda self: self.backend in peers.PEERS, doc="True for a peer (torch).")
 
     def record_fields(self, threads=None):
-        """The point as its record holds it (:data:`~.schema.POINT_KEYS` and ``peer``;
-        ``threads`` when given): its one shape from measurement to figure."""
+        """The point's fields as its record holds them (``threads`` when given)."""
         fields = asdict(self)
         n = fields.pop("n")
         return {**fields, "n_q": 1 if self.regime == "decode" else n, "n_k": n,
@@ -97,8 +92,8 @@ class Point:
 
     def label(self):
         """Short text naming the point, e.g. ``softmax causal n=1024 d=64 float32 numba``."""
-        mask = ("causal" if self.causal else "non-causal") + (" decode" if self.regime ==
-                                                              "decode" else "")
+        mask = ("causal" if self.causal else "non-causal") + (
+            " decode" if self.regime == "decode" else "")
         d = f"d={self.d_k}" if self.d_k == self.d_v else f"d_k={self.d_k} d_v={self.d_v}"
         fmap = "" if self.attention == "softmax" or self.feature_map == "elu" else \
             f" {self.feature_map}" + (f" m={self.num_features}" if self.num_features else "")
@@ -107,12 +102,8 @@ class Point:
 
 @dataclass(frozen=True)
 class Options:
-    """How each point is measured: ``repeats`` after a warm-up (``min_time_s`` and
-    ``max_point_s`` as in :func:`~.engine.prepare_point` and :func:`~.engine.time_call`), the
-    ``memory`` probe, the ``check``, ``point_timeout_s`` (then an error, the worker replaced),
-    the GEMM ``roof`` probe (``roof_budget_s`` each, through ``roof_libraries``, default NumPy
-    and torch if installed).  The backends of one shape take turns over ``rounds`` rounds
-    (default: one a repeat; fewer: a turn times several repeats)."""
+    """How each point is measured (see :mod:`.engine`); ``rounds`` of turns of the backends of
+    a shape (default: one a repeat); ``roof_libraries`` default to NumPy and torch if there."""
 
     repeats: int = 5
     rounds: int | None = None
@@ -155,9 +146,8 @@ def known_backends():
 def default_grid(attentions=ATTENTIONS, backends=None, ns=DEFAULT_NS, causal=(False, True),
                  d_k=64, d_v=64, batch=1, heads=1, dtype="float32", feature_map=None,
                  regime="prefill", num_features=None):
-    """Every combination as Points, ordered by attention, causal, dtype, n, then backend
-    (default :func:`default_backends`; a peer only where it has the call), so the backends
-    of one shape are measured one after another.  A decode grid is causal only."""
+    """Every combination as Points (a peer only where it has the call), the backends of one
+    shape one after another.  A decode grid is causal only."""
     backends = default_backends() if backends is None else list(backends)
     dtypes = [dtype] if isinstance(dtype, str) else list(dtype)
     causal = (True,) if regime == "decode" else causal
@@ -218,7 +208,6 @@ def _serve(task, state):
             return {"failure": engine.failure(exc)}
         from .._backends import get_num_threads
         from .._threads import blas_threads
-
         timing["thread_counts"] = {**({"blas": blas_threads()} if state["peers_only"]
                                       else get_num_threads()), **peers.peer_threads()}
         return timing
@@ -232,11 +221,9 @@ def _setup(threads, peers_only):
     """Fix the thread counts of the measuring process (peers only: BLAS and the peers')."""
     if peers_only:
         from threadpoolctl import threadpool_limits
-
         threadpool_limits(threads)
     else:
         from .._backends import set_num_threads
-
         set_num_threads(threads)
     peers.set_peer_threads(threads)
     return {"peers_only": peers_only, "references": engine.ReferenceCache(), "calls": {}}
@@ -247,15 +234,9 @@ def _worker_main(conn, threads, peers_only):
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     state = _setup(threads, peers_only)
-    with contextlib.suppress(OSError):   # the parent already gone: end quietly
+    with contextlib.suppress(OSError, EOFError):   # the parent gone: end quietly
         conn.send(("ready", None))
-        while True:
-            try:
-                task = conn.recv()
-            except (EOFError, OSError):
-                return
-            if task is None:
-                return
+        while (task := conn.recv()) is not None:
             try:
                 answer = ("ok", _serve(task, state))
             except Exception as exc:  # never let the worker die on one request
@@ -264,16 +245,15 @@ def _worker_main(conn, threads, peers_only):
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM while measuring, raised in the parent as Ctrl-C is, so a command stops the
-    same way (finished points kept, the resume hint printed)."""
+    """SIGTERM while measuring, raised as Ctrl-C is, so a command stops the same way."""
 
     signum = signal.SIGTERM
 
 
 @contextlib.contextmanager
 def _terminate_as_interrupt():
-    """Within: SIGTERM raises :class:`Terminated` in the main thread (once; a second SIGTERM
-    ends the process at once).  A handler set by the caller, or no main thread, is left be."""
+    """Within: SIGTERM raises :class:`Terminated` in the main thread, once (unless the caller
+    set a handler)."""
     def terminated(signum, frame):
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         raise Terminated()
@@ -321,15 +301,20 @@ class _Worker:
         try:
             self.conn.recv()  # started and set up: time limits count from here
         except (EOFError, OSError):
-            raise self._died("failed to start") from None
+            raise self._stop("the measuring process failed to start") from None
 
-    def _died(self, what):
+    def _stop(self, why, kill=False):
+        """End the process (killed first if ``kill``); WorkerDied saying ``why`` and how."""
+        if kill:
+            self.process.kill()
         self.process.join(timeout=5)
         code, self.process = self.process.exitcode, None
+        if kill:
+            return WorkerDied(why)
         name = f" by {signal.Signals(-code).name}" if code and -code in signal.valid_signals() \
             else ""
         hint = " (out of memory?)" if code == -signal.SIGKILL else ""
-        return WorkerDied(f"the measuring process {what}{name}, exit code {code}{hint}")
+        return WorkerDied(f"{why}{name}, exit code {code}{hint}")
 
     def request(self, kind, payload, timeout_s=None):
         if self.state is not None:
@@ -339,14 +324,11 @@ class _Worker:
         try:
             self.conn.send((kind, payload))
             if timeout_s is not None and not self.conn.poll(timeout_s):
-                self.process.kill()
-                self.process.join(timeout=5)
-                self.process = None
-                raise WorkerDied(f"timed out after {timeout_s:g} s (the measuring process "
-                                 "was stopped)")
+                raise self._stop(f"timed out after {timeout_s:g} s (the measuring process "
+                                 "was stopped)", kill=True)
             status, value = self.conn.recv()
         except (EOFError, OSError):
-            raise self._died("ended") from None
+            raise self._stop("the measuring process ended") from None
         if status == "error":
             raise RuntimeError(value)
         return value
@@ -356,14 +338,11 @@ class _Worker:
             with contextlib.suppress(OSError):
                 self.conn.send(None)
             self.process.join(timeout=2)
-            self.process.kill()  # still measuring (it ignores SIGINT and SIGTERM)
-            self.process.join(timeout=5)
-            self.process = None
+            self._stop("closed", kill=True)  # still measuring (it ignores SIGINT and SIGTERM)
 
 
 def _write_header(writer, workers, todo, threads, why, options, run_id):
-    """The run's environment and roof records; returns the GEMM roof records, probed at every
-    (n, d_k) of ``todo`` through each library of ``options`` (torch's in the peers' process)."""
+    """Write the environment and roof records; return the roof records (every (n, d_k))."""
     writer.write("environment", run_id=run_id, threads_reason=why,
                  **workers[False].request("environment", {"threads": threads}))
     if not options.roof:
@@ -389,8 +368,7 @@ def _write_header(writer, workers, todo, threads, why, options, run_id):
 
 
 class _Entry:
-    """One point of a comparison as it is measured: its worker, the fields of its
-    preparation, its timings and their rounds so far, and the seconds its requests took."""
+    """One point of a comparison as it is measured."""
 
     def __init__(self, point, worker, threads, options):
         self.worker, self.options, self.key = worker, options, point.label()
@@ -425,13 +403,12 @@ class _Entry:
                 self.prepare()
                 timing = self.request("time", **payload)
         except RuntimeError as exc:
-            self.fields = {"status": "error", "reason": str(exc)}
-            return
+            timing = {"failure": {"status": "error", "reason": str(exc)}}
         if timing is None or "failure" in timing:
             self.fields = timing["failure"] if timing else {
                 "status": "error", "reason": "the measuring process lost the prepared call"}
-            return
-        self.timings.append(timing)
+        else:
+            self.timings.append(timing)
 
     def outcome(self, roofs, paired_roof, paired_floor=()):
         if not self.ok or not self.timings:
@@ -442,14 +419,9 @@ class _Entry:
 
 
 def _measure_group(points, workers, options, roofs, threads):
-    """Outcomes of the points of one shape on several backends, timed side by side.
-
-    Each point is prepared (warm-up, memory probe, check) in its worker, then the points take
-    turns: round ``r`` times one repeat of each point still owed one (``options.rounds`` caps
-    the rounds, a turn then timing several), starting one point further on each round, so a
-    spell of load falls on every point alike.  The roof's GEMM takes a turn of its own each
-    round; with more than one thread, each turn starts after :data:`~.engine.TURN_SETTLE_S`
-    idle (the previous turn's pool may still spin)."""
+    """Outcomes of the points of one shape, prepared, then timed in rounds of one turn each
+    (and one of the roof's GEMM), starting one point further on each round so a spell of load
+    falls on every point alike; on 2+ threads each turn starts after TURN_SETTLE_S idle."""
     entries = [_Entry(point, workers[point.peer], threads, options) for point in points]
     for entry in entries:
         entry.fields = entry.prepare()
@@ -499,17 +471,11 @@ def _measure_group(points, workers, options, roofs, threads):
 
 def run_sweep(points, results_path, options=Options(), *, threads=None, threads_reason=None,
               resume=True, isolate=True, progress="fastattn bench", announce=None, run_id=None):
-    """Measure ``points``, appending a record per point to ``results_path`` as each finishes;
-    return their records in order, measured now or found in the file.
-
-    ``threads`` (default: usable cores) holds for every backend, BLAS and peer, and
-    ``threads_reason`` says why in the environment record.  ``resume`` skips the points in
-    the file (ok or skipped, same threads); False starts it afresh.  ``announce(to_measure,
-    done)`` is called once the file is read; ``run_id`` (default: a new one) tags every
-    record written.  Raises ResultsFileError for a foreign or read-only file (left
-    unchanged); on KeyboardInterrupt, or SIGTERM (:class:`Terminated`), finished points are
-    in the file and the measuring processes are stopped quietly.
-    """
+    """Measure ``points`` on ``threads`` (default: usable cores; ``threads_reason`` says why),
+    appending a record per point to ``results_path`` as each finishes; return their records,
+    measured now or (``resume``) found in the file.  ``announce(to_measure, done)`` is called
+    once the file is read.  On KeyboardInterrupt or SIGTERM (:class:`Terminated`) finished
+    points stay in the file and the measuring processes are stopped quietly."""
     points = list(points)
     for point in points:
         if not isinstance(point, Point):
@@ -531,17 +497,15 @@ def run_sweep(points, results_path, options=Options(), *, threads=None, threads_
     workers = {False: _Worker(threads, isolate=isolate)}
     workers[True] = _Worker(threads, peers_only=True) if isolate else workers[False]
     from tqdm.auto import tqdm
-
     bar = tqdm(total=len(todo), unit="point", desc=progress, dynamic_ncols=True,
                disable=not progress or not todo)
+    groups = {}   # the points of one comparison: all but the backend alike
+    for point in todo:
+        groups.setdefault(point_key(dict(point.record_fields(), backend=None)), []).append(point)
     with _terminate_as_interrupt():
         try:
             roofs = _write_header(writer, workers, todo, threads, why, options,
                                   run_id) if todo else []
-            groups = {}
-            for point in todo:  # the points of one comparison: all but the backend alike
-                key = point_key(dict(point.record_fields(), backend=None))
-                groups.setdefault(key, []).append(point)
             for group in groups.values():
                 bar.set_postfix_str(group[0].label().rsplit(" ", 1)[0], refresh=False)
                 started = time.time()

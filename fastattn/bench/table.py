@@ -1,5 +1,5 @@
-"""Units, text and Markdown tables (by tabulate), CSV (:mod:`csv`) and the JSON summary of
-point records: fastattn's only formatting."""
+"""Units, text and Markdown tables (by tabulate), CSV and the JSON summary of point records:
+fastattn's only formatting."""
 
 import csv
 import io
@@ -14,8 +14,7 @@ from .schema import CONFIG_KEYS, CSV_COLUMNS, SUMMARY_FIELDS, VERSUS_KEYS
 SUMMARY_SCHEMA = "fastattn.bench-summary/1"
 #: Marker on the first line of the Markdown table ``fastattn bench`` writes beside its CSV.
 VERSUS_MARKER = "<!-- fastattn bench: best fastattn / best peer -->"
-#: The files written beside a results file, by kind: suffix, what it is, and the marker a
-#: file of it holds (so a file fastattn did not write is never replaced).
+#: The files written beside a results file: suffix, what it is, the marker it holds.
 SIDE_FILES = {"csv": (".csv", "results CSV", ",".join(CSV_COLUMNS[:31])),
               "summary": (".summary.json", "bench summary", f'"schema": "{SUMMARY_SCHEMA}"'),
               "markdown": (".md", "best-vs-peer table", VERSUS_MARKER)}
@@ -73,12 +72,11 @@ def mask_name(causal):
 #: Why a kernel can run above its roof, said wherever one is shown above it.
 ABOVE_ROOF_WHY = (
     "the roof is the fastest measured GEMM n x d @ d x n at the kernel's d (the fastest BLAS "
-    "probed, at the run's n and where that GEMM runs fastest), not a bound on the machine: "
-    "a kernel's own register-blocked products can come closer to the cores' FMA peak than "
-    "that BLAS call does, and a probe slowed by other work lowers the roof (the load of "
-    "each probe and point is in the results file); a paired fraction divides by one round's "
-    "GEMM, a few calls after an idle turn (with 2 threads, pools waking), which runs "
-    "slower than the best probe")
+    "probed), not a bound on the machine: a kernel's own register-blocked products can come "
+    "closer to the cores' FMA peak than that BLAS call, and a probe slowed by other work "
+    "lowers the roof (each probe's and point's load is in the results file); a paired "
+    "fraction divides by one round's GEMM, a few calls after an idle turn, slower than the "
+    "best probe")
 #: The footnote of a table with a ``!`` in its % roof column.
 ABOVE_ROOF_NOTE = f"!: above the roof. Why a kernel can be there: {ABOVE_ROOF_WHY}."
 #: What the bracketed % roof is, said under every table that shows one.
@@ -102,8 +100,7 @@ def far_above_roof(records):
 
 
 def format_roof_percent(fraction, paired=None):
-    """:func:`format_percent` (``"–"`` for missing), ``"!"`` after a value above the roof,
-    and the ``paired`` fraction in brackets when there is one."""
+    """:func:`format_percent`, ``"!"`` above the roof, and ``paired`` in brackets."""
     text = (format_percent(fraction) or MISSING) + ("!" if above_roof(fraction) else "")
     if _missing(paired):
         return text
@@ -131,9 +128,7 @@ def config_title(record):
 
 
 def summarise(records, baseline=None, backend_order=()):
-    """The tables of :func:`format_tables` as data: ``schema``, ``baseline`` and
-    ``configurations``, each ``{"title", "config", "rows"}``, a row per point with ``n``,
-    ``vs_baseline`` (baseline median / median) and :data:`~.schema.SUMMARY_FIELDS`."""
+    """The tables of :func:`format_tables` as data (the JSON summary)."""
     configurations, groups = [], {}
     for record in records:
         groups.setdefault(tuple(record.get(k) for k in CONFIG_KEYS), []).append(record)
@@ -160,9 +155,8 @@ def _error_cell(row):
 def _attention_cell(row):
     fmap = "" if row["attention"] == "softmax" or row["feature_map"] in (None, "elu") \
         else f" {row['feature_map']}"
-    return (row["attention"] + fmap + (f" m={row['num_features']}" if row.get("num_features")
-                                       else "") + (" decode" if row.get("regime") == "decode"
-                                                   else ""))
+    m = f" m={row['num_features']}" if row.get("num_features") else ""
+    return row["attention"] + fmap + m + (" decode" if row.get("regime") == "decode" else "")
 
 
 def _ratio_cell(value, text=MISSING, unit=""):
@@ -182,8 +176,7 @@ def _limit_cell(row):
     return text if _missing(paired) else f"{text} ({format_percent(paired)})"
 
 
-#: Columns of a configuration's table (a row of :func:`summarise`): header, right-aligned,
-#: and the cell; the ratio's header names the baseline.
+#: Columns of a configuration's table: header, right-aligned, cell of a summary row.
 POINT_COLUMNS = (
     ("n", True, lambda r: str(r["n"])), ("backend", False, lambda r: r["backend"]),
     ("median (min-max)", True, lambda r: f"{format_seconds(r['median_s'])} "
@@ -206,11 +199,8 @@ VERSUS_COLUMNS = (
 
 
 def text_table(header, rows, align=None, markdown=False):
-    """``header`` and ``rows`` (lists of str) laid out by tabulate: plain text, columns aligned
-    as ``align`` says (``"left"`` or ``"right"`` each), or Markdown (``|`` escaped).  A row of
-    ``(cells, text)`` with ``text`` has its first cells, then ``text`` across the rest."""
+    """A table by tabulate, as text or Markdown; a row ``(cells, text)`` ends in ``text``."""
     from tabulate import tabulate
-
     if markdown:
         cells = [[c.replace("|", "\\|") for c in row] for row in rows]
         return tabulate(cells, header, tablefmt="github", disable_numparse=True)
@@ -233,8 +223,7 @@ def _with_limit(columns, rows):
 
 
 def format_tables(records, baseline=None, backend_order=()):
-    """One text table per configuration, every backend at every n (in ``backend_order``),
-    with the ratio ``baseline time / time`` (above 1: faster than ``baseline``)."""
+    """One text table per configuration, with the ratio ``baseline time / time``."""
     ratio_title = f"vs {baseline}" if baseline else "ratio"
     columns = _with_limit(POINT_COLUMNS, records)
     header = [ratio_title if h == "ratio" else h for h, _, _ in columns]
@@ -249,12 +238,21 @@ def format_tables(records, baseline=None, backend_order=()):
         out.append(f"{ratio_title}: {baseline}'s median time / this median time "
                    "(above 1 is faster than the baseline).")
     out.append("GFLOP/s and % roof: at the median time.")
-    return "\n\n".join(out + _roof_notes(records))
+    return "\n\n".join(out + _roof_notes(records) + _limit_notes(columns))
+
+
+#: What the "% limit" column is, said under every table that shows it.
+LIMIT_NOTE = ("% limit: the time the machine's binding limit allows (its flops at the compute "
+              "peak or its bytes at the memory floor, both probed in this run) over the point's "
+              "time; in brackets, paired with the floor read timed beside it each round.")
+
+
+def _limit_notes(columns):
+    return [LIMIT_NOTE] if any(c[0] == "% limit" for c in columns) else []
 
 
 def check_target(path, kind):
-    """Refuse (ResultsFileError) to replace a ``kind`` file (:data:`SIDE_FILES`) this module
-    did not write, or a read-only one."""
+    """Refuse to replace a ``kind`` file fastattn did not write, or a read-only one."""
     _, what, marker = SIDE_FILES[kind]
     check_replaceable(path, what, marker, empty_ok=kind == "csv")
 
@@ -294,9 +292,7 @@ def shape_text(record):
 
 
 def paired_ratio(ours, theirs):
-    """The median over rounds of ``ours``' fastest repeat of a round over ``theirs``' of the
-    same round (``round_min_s``), or None unless both took the same two or more turns (a
-    slow spell of the machine then slows both sides of a pair alike)."""
+    """The median over 2+ shared rounds of ``ours``' fastest repeat over ``theirs``'."""
     a, b = ours.get("round_min_s"), theirs.get("round_min_s")
     if not a or not b or len(a) != len(b) or len(a) < 2:
         return None
@@ -305,11 +301,8 @@ def paired_ratio(ours, theirs):
 
 
 def versus_rows(records):
-    """Per :data:`VERSUS_KEYS`, the fastest fastattn backend and the fastest peer by their
-    fastest repeat, and ``ratio`` = fastattn time / peer time, only when both were measured in
-    one run (``run_id``; else ``note`` says why there is none); ``gflops`` and
-    ``roof_fraction`` of the fastattn kernel at that time, and ``paired``
-    (:func:`paired_ratio`).  In the records' order."""
+    """Per :data:`VERSUS_KEYS`: the fastest fastattn backend and peer, and their ``ratio``
+    when measured in one run (else a ``note``)."""
     groups = {}
     for r in records:
         if r.get("record", "point") == "point" and r.get("status") == "ok" \
@@ -345,17 +338,23 @@ def versus_rows(records):
     return rows
 
 
-def _versus(rows, roof_text, markdown):
-    """The table of :func:`versus_rows` with its notes, as text or as Markdown."""
-    notes = ["Times: the fastest repeat of each (other work only slows a call down). "
-             "fastattn / peer below 1: fastattn's fastest backend is faster; only ratios of "
-             "points measured side by side in one run are given. paired: the median over the "
-             "rounds of the same ratio taken round by round (each round's fastest repeat "
-             "of both), which a slow spell of the machine moves less. Decode: N is the context "
-             "length n_k, one query. GFLOP/s and % roof: of the fastattn kernel at that time "
-             "(its fastest repeat; the per-point tables take the median)."]
-    notes += _roof_notes(rows) + list(roof_text)
+#: What the versus table shows, said under it.
+VERSUS_NOTE = (
+    "Times: the fastest repeat of each (other work only slows a call down). fastattn / peer "
+    "below 1: fastattn's fastest backend is faster; given only for points measured side by "
+    "side in one run. paired: the median of that ratio taken round by round, which a slow "
+    "spell of the machine moves less. Decode: N is the context length n_k, one query. "
+    "GFLOP/s and % roof: of the fastattn kernel at its fastest repeat (the per-point tables "
+    "take the median).")
+
+
+def format_versus(rows, roof_text=(), markdown=False):
+    """The table of :func:`versus_rows` with its notes: the text ``fastattn bench`` prints
+    (empty without rows), or Markdown for the README (marker first)."""
+    if not rows and not markdown:
+        return ""
     columns = _with_limit(VERSUS_COLUMNS, rows)
+    notes = [VERSUS_NOTE] + _roof_notes(rows) + _limit_notes(columns) + list(roof_text)
     header = [h for h, _ in columns]
     table = text_table(header, [[c[-1](r) for c in columns] for r in rows],
                        ["left"] * len(header), markdown)
@@ -364,27 +363,18 @@ def _versus(rows, roof_text, markdown):
     return "\n".join(["best fastattn / best peer", table, ""] + [f"  {n}" for n in notes])
 
 
-def format_versus(rows, roof_text=()):
-    """The text table of :func:`versus_rows` (what ``fastattn bench`` prints)."""
-    return _versus(rows, roof_text, markdown=False) if rows else ""
-
-
 def versus_markdown(rows, roof_text=()):
-    """The Markdown table of :func:`versus_rows`, ready for the README (marker first)."""
-    return _versus(rows, roof_text, markdown=True)
+    return format_versus(rows, roof_text, markdown=True)
 
 
 def write_versus_markdown(rows, path, roof_text=()):
-    """Write :func:`versus_markdown` atomically; refuse a file this module did not write."""
+    """Write :func:`versus_markdown` atomically; refuse a file fastattn did not write."""
     return _write("markdown", path, versus_markdown(rows, roof_text))
 
 
 def roof_statements(roofs):
-    """Sentences saying which GEMM was probed: per dtype, threads, d and library, the shape
-    ``n x d @ d x n`` and every n probed, when, the best GFLOP/s (and at which n), and which
-    library is the roof (the fastest)."""
+    """Sentences saying which GEMM was probed, when, how fast, and which is the roof."""
     from .engine import MAX_PROBE_N, PEAK_PROBE_N, gemm_probes
-
     groups = {}
     for r in gemm_probes(roofs):
         key = (str(r.get("dtype")), r.get("threads"), r["shape"][1])
