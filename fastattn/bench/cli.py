@@ -264,7 +264,7 @@ def _run(args):
     from .._threads import default_num_threads
     from .results import point_key, read_records
     from .sweep import Options, Terminated, new_run_id, run_sweep
-    from . import table
+    from . import limits, table
     points, out, backends, baseline, absent = _plan(args)
     for name, hint in absent.items():
         print(f"{name} is not installed, so it is not compared; add it, in the fastattn "
@@ -301,11 +301,13 @@ def _run(args):
         return 128 + signal.SIGTERM if isinstance(exc, Terminated) else 130
     print("\n" + table.format_tables(records, baseline=baseline, backend_order=backends))
     runs, stored = {r.get("run_id") for r in records}, read_records(out)
-    roof_text = table.roof_statements([r for r in stored if r.get("record") == "roof"
-                                       and r.get("run_id") in runs])
+    probes = [r for r in stored if r.get("record") == "roof" and r.get("run_id") in runs]
+    roof_text, limit_text = table.roof_statements(probes), limits.statements(probes)
     if roof_text:
         print("\nroof (the GEMM probed in this run, on the same threads):\n  "
               + "\n  ".join(roof_text))
+    if limit_text:
+        print("\nlimits (probed in this run, on the same threads):\n  " + "\n  ".join(limit_text))
     if far := table.far_above_roof(records):
         print(f"\nwarning: {len(far)} point(s) ran at more than {table.FAR_ABOVE_ROOF:g}x the "
               "GEMM roof probed beside them: the probe was most likely slowed by other work "
