@@ -102,7 +102,7 @@ def probe_limits(sizes, dtypes, library="numpy", budget_s=0.3, blas=None):
     ``blas``: the library's label fields, stored with each record."""
     records = []
     for dtype in sorted({np.dtype(d).name for d in dtypes}):
-        rate = _fastest(_gemm(dtype, library), 2.0 * PEAK_N ** 3, budget_s, min_calls=2)
+        rate = _fastest(_gemm(dtype, library), 2.0 * PEAK_N ** 3, budget_s, min_calls=5)
         records.append({"probe": "peak", "dtype": dtype, "library": library, **(blas or {}),
                         "shape": [PEAK_N] * 3, "gflops": rate / 1e9})
     if library == "numpy":
