@@ -79,5 +79,36 @@ def test_the_statements_name_each_limit_and_the_softmax_ceiling():
     assert "compute peak, float32, 1 thread: 100.0 GFLOP/s, GEMM 2048³, OpenBLAS (also " \
            "probed: OpenBLAS 80.0)" in text
     assert "memory floor, 1 thread: 50 GB/s at 1 MiB, 10 GB/s at 32 MiB" in text
-    assert "about 91% of the peak at d = 64" in text
+    assert "would hold it to 91% of the peak at d = 64" in text
     assert limits.statements([]) == []
+
+
+def test_probes_with_null_or_missing_values_are_passed_over():
+    """A results file may hold a probe whose value is null: it was a traceback."""
+    records = RECORDS + [{"probe": "peak", "dtype": "float32", "gflops": None},
+                         {"probe": "floor", "bytes": None, "gbs": 5.0},
+                         {"probe": "floor", "bytes": 2**20, "gbs": None}]
+    assert limits.statements(records) == limits.statements(RECORDS)
+    assert limits.limit_fields(SOFTMAX_DECODE, 1e6, 2**25, 4e-3, records) == \
+        limits.limit_fields(SOFTMAX_DECODE, 1e6, 2**25, 4e-3, RECORDS)
+
+
+def test_a_fraction_above_the_limit_is_flagged_in_the_tables():
+    from fastattn.bench.table import _limit_cell
+    assert _limit_cell({"limit": "floor", "limit_fraction": 0.97}) == "97% floor"
+    assert _limit_cell({"limit": "floor", "limit_fraction": 34.0,
+                        "limit_fraction_paired": 0.9}) == "3400%! floor (90%)"
+    assert _limit_cell({"limit": None, "limit_fraction": None}) == "–"
+
+
+def test_the_report_names_each_peers_compile_and_path():
+    from fastattn.report.scaling import peer_notes
+
+    class Curve:
+        def __init__(self, backend, points, peer=True):
+            self.backend, self.points, self.peer = backend, points, peer
+    curves = [Curve("torch_flex", [{"compile_s": 4.0}, {"compile_s": 8.5, "peer_path": "flex"}]),
+              Curve("openvino", [{"peer_path": "SDPA decomposed: X"}]),
+              Curve("torch", [{}]), Curve("cython", [{"compile_s": 1.0}], peer=False)]
+    assert peer_notes(curves) == ["openvino: SDPA decomposed: X",
+                                  "torch_flex: compiled per shape in 4 s–8.5 s (not timed); flex"]

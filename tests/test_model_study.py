@@ -33,7 +33,11 @@ def test_unknown_feature_map_is_refused(capsys):
         pytest.skip("gensim (the model extra) not installed")
     with pytest.raises(SystemExit):
         main(["--feature-map", "cosformer"])
-    assert "unknown --feature-map ['cosformer']" in capsys.readouterr().err
+    assert "unknown --feature-map 'cosformer'; choose from 'softmax', 'elu+1'" in \
+        capsys.readouterr().err
+    with pytest.raises(SystemExit):   # softmax in every layer is no hybrid
+        main(["--hybrid", "softmax"])
+    assert "unknown --hybrid 'softmax'; choose from 'elu+1'" in capsys.readouterr().err
 
 
 def test_run_study_on_a_tiny_set(capsys):

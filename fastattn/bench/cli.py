@@ -182,7 +182,11 @@ def print_versus(path):
     rows = versus_rows([r for r in records if r["record"] == "point"])
     if not any(r["peer"] for r in rows):
         raise BenchUsageError(f"{path} holds no point of a peer beside a fastattn backend")
-    print(format_versus(rows, roof_statements([r for r in records if r["record"] == "roof"])))
+    from .limits import statements
+    probes = [r for r in records if r["record"] == "roof"]
+    print(format_versus(rows, roof_statements(probes)))
+    if limit_text := statements(probes):
+        print("\nlimits (probed in the run, on the same threads):\n  " + "\n  ".join(limit_text))
     return 0
 
 

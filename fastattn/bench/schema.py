@@ -43,7 +43,7 @@ POINT_FIELDS = (
     ("limit", NAME, "cs"), ("limit_fraction", AMOUNT, "cs"), ("limit_s", AMOUNT, ""),
     ("peak_gflops", AMOUNT, "c"), ("floor_gbs", AMOUNT, "c"), ("floor_bytes", COUNT, ""),
     ("limit_fraction_paired", None, "cs"),
-    ("compile_s", AMOUNT, ""), ("peer_path", NAME, ""),  # a peer's compile, what it ran
+    ("compile_s", AMOUNT, "c"), ("peer_path", NAME, "c"),  # a peer's compile, what it ran
 )
 #: Fields of roof and startup records beyond a point's.
 OTHER_FIELDS = (("gelem_s", AMOUNT), ("shape", COUNTS), ("numpy_min_s", AMOUNT),

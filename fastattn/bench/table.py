@@ -172,8 +172,8 @@ def _limit_cell(row):
     fraction, paired = row.get("limit_fraction"), row.get("limit_fraction_paired")
     if _missing(fraction):
         return MISSING
-    text = f"{format_percent(fraction)} {row.get('limit')}"
-    return text if _missing(paired) else f"{text} ({format_percent(paired)})"
+    text = f"{format_percent(fraction)}{'!' * (fraction > 1)} {row.get('limit')}"
+    return text if _missing(paired) else f"{text} ({format_percent(paired)}{'!' * (paired > 1)})"
 
 
 #: Columns of a configuration's table: header, right-aligned, cell of a summary row.
@@ -244,7 +244,8 @@ def format_tables(records, baseline=None, backend_order=()):
 #: What the "% limit" column is, said under every table that shows it.
 LIMIT_NOTE = ("% limit: the time the machine's binding limit allows (its flops at the compute "
               "peak or its bytes at the memory floor, both probed in this run) over the point's "
-              "time; in brackets, paired with the floor read timed beside it each round.")
+              "time; in brackets, paired with the floor read timed beside it each round. Above "
+              "100 % (!): the probe ran slower than the point, most likely slowed by other work.")
 
 
 def _limit_notes(columns):

@@ -238,8 +238,8 @@ def main(argv=None):
         epilog='Needs the model extra: in the checkout of fastattn, pip install -e ".[model]". '
                "More in docs/model.md.")
     p.add_argument("--feature-map", action="append", default=None, metavar="NAME",
-                   help=f"a configuration of the table to run (repeatable; default all): "
-                   f"{', '.join(repr(k) for k in known)}")
+                   help=f"a configuration of the table to run (repeatable; default all; softmax "
+                   f"always runs): {', '.join(repr(k) for k in known)}")
     p.add_argument("--maps", type=Path,
                    help="fitted Hedgehog maps (.npz of HedgehogFeatures.save) for the "
                    "hedgehog configuration; default: fit them on the calibration texts")
@@ -266,15 +266,18 @@ def main(argv=None):
     _check_paths(p, args)
     model = MiniLM()
     calibration, held_out = background_split(150)
+    every_text = calibration + held_out   # --cost's: long texts from all of them
     calibration = calibration[:args.calibration]
     if args.quick:
         held_out, calibration = held_out[:40], calibration[:30]
     wanted = args.feature_map
     hybrid = args.hybrid or []
-    for option, names in (("--feature-map", wanted or []), ("--hybrid", hybrid)):
-        unknown = [w for w in names if w not in known]
+    for option, names, allowed in (("--feature-map", wanted or [], ["softmax"] + known),
+                                   ("--hybrid", hybrid, known)):
+        unknown = [w for w in names if w not in allowed]
         if unknown:   # before the minutes of a fit
-            p.error(f"unknown {option} {unknown}; choose from {known}")
+            p.error(f"unknown {option} {', '.join(map(repr, unknown))}; choose from "
+                    f"{', '.join(map(repr, allowed))}")
     maps = None
     if wanted is None or "hedgehog" in wanted or "hedgehog" in hybrid:
         if args.maps:
@@ -315,7 +318,7 @@ def main(argv=None):
         seconds, attention = {}, {}
         for n in (128, 512):
             attention[n] = {}
-            seconds[n] = forward_seconds(model, calibration + held_out, configs, n=n,
+            seconds[n] = forward_seconds(model, every_text, configs, n=n,
                                          count=8 if args.quick else 16, threads=args.threads,
                                          attention_seconds=attention[n])
         print(format_cost(seconds, attention))

@@ -148,16 +148,19 @@ class Curve:
     median_s, min_s, max_s = _column("median_s"), _column("min_s"), _column("max_s")
     gflops, peak_bytes, held_bytes = _column("gflops"), _column("peak_bytes"), _column("held_bytes")
     max_abs_err, load_avg = _column("max_abs_err"), _column("load_avg_1m")
-    limit_fraction, limit_paired = _column("limit_fraction"), _column("limit_fraction_paired")
+    limit_s, limit_paired = _column("limit_s"), _column("limit_fraction_paired")
     limit = property(lambda self: [p.get("limit") for p in self.points])
 
-    def limit_text(self, i):
-        """``"92% peak"``, ``"97% floor (95%)"`` (paired in brackets) of point ``i``, or ``""``."""
-        fraction, paired = self.limit_fraction[i], self.limit_paired[i]
+    def limit_text(self, i, times=None):
+        """``"92% peak"``, ``"97% floor (95%)"`` (paired in brackets; ``!`` above 100 %) of
+        point ``i``, at ``times`` (default the median), or ``""``."""
+        times = self.median_s if times is None else times
+        fraction, paired = self.limit_s[i] / times[i], self.limit_paired[i]
         if not np.isfinite(fraction):
             return ""
-        text = f"{format_percent(fraction)} {self.limit[i]}"
-        return text + (f" ({format_percent(paired)})" if np.isfinite(paired) else "")
+        text = f"{format_percent(fraction)}{'!' if fraction > 1 else ''} {self.limit[i]}"
+        return text + (f" ({format_percent(paired)}{'!' if paired > 1 else ''})"
+                       if np.isfinite(paired) else "")
     statistic = property(lambda self: "min" if np.isfinite(self.min_s).all() else "median")
     measured_s = property(lambda self: self.min_s if self.statistic == "min" else self.median_s)
     stalled = cached_property(lambda self: stalled_points(self.n, self.measured_s))

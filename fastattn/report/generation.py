@@ -63,7 +63,7 @@ def _cell(c, i):
     return {"time": format_seconds(c.measured_s[i]) + (" (stalled)" if c.stalled[i] else ""),
             "median": format_seconds(c.median_s[i]),
             "tokens_s": format_number(1 / c.measured_s[i]) if c.measured_s[i] > 0 else "–",
-            "held": format_bytes(c.held_bytes[i]), "limit": c.limit_text(i)}
+            "held": format_bytes(c.held_bytes[i]), "limit": c.limit_text(i, c.measured_s)}
 
 
 def section(m):
@@ -88,6 +88,7 @@ def section(m):
             [("memory held between tokens, per head", decode)], "held", 1, xlabel=label)),
         "fits": decode, "crossovers": crossovers, "columns": [c.label for c in decode],
         "rows": analysis.rows_by_n(decode, _cell), "statistic": decode[0].statistic,
+        "limits": any(np.isfinite(c.limit_s).any() for c in decode),
         "summary": summary + [text for text in [analysis.stalled_text(decode)] if text],
         "end_to_end": end_to_end(m.prefill, decode), "prompts": PROMPTS, "generated": GENERATED,
     }

@@ -32,6 +32,23 @@ def _exponent_rows(curve_list):
     return list(rows.values())
 
 
+def peer_notes(curves):
+    """What a peer's records say beyond its times: its compile (never timed) and the path that
+    ran (``compile_s``, ``peer_path``), one line per peer."""
+    notes = {}
+    for c in curves:
+        for p in c.points if c.peer else ():
+            note = notes.setdefault(c.backend, {"compile": [], "paths": set()})
+            if isinstance(p.get("compile_s"), (int, float)):
+                note["compile"].append(p["compile_s"])
+            if p.get("peer_path"):
+                note["paths"].add(p["peer_path"])
+    return [f"{name}: " + "; ".join(
+        ([f"compiled per shape in {format_seconds(min(n['compile']))}–"
+          f"{format_seconds(max(n['compile']))} (not timed)"] if n["compile"] else [])
+        + sorted(n["paths"])) for name, n in sorted(notes.items()) if n["compile"] or n["paths"]]
+
+
 def point_cell(c, i):
     """The table cell of curve ``c``'s ``i``-th point."""
     return {"median": format_seconds(c.median_s[i]),
@@ -49,6 +66,7 @@ def _point_tables(curve_list):
                [c for c in curve_list if c.attention == a and c.causal == causal])
               for a in ("softmax", "linear") for causal in (False, True)]
     return [{"title": title, "columns": [c.label for c in group],
+             "limits": any(np.isfinite(c.limit_s).any() for c in group),
              "rows": analysis.rows_by_n(group, point_cell)} for title, group in groups if group]
 
 
@@ -170,8 +188,9 @@ def section(m):
                          for c in short for i, n in enumerate(c.n.tolist())],
         "not_ok": not_measured(m.points), "only_n": only_n(m.points),
         "backends": sorted({c.backend for c in curve_list if not c.peer}),
-        "peers": sorted({c.backend for c in curve_list if c.peer}),
+        "peers": sorted({c.backend for c in curve_list + list(short) if c.peer}),
         "all_peers": sorted({c.backend for c in m.curves if c.peer}),
+        "peer_notes": peer_notes(m.curves),
         "peer_hints": env.get("absent_peers") or {k: INSTALL_HINT[k] for k in PREFILL_PEERS},
         "n_points": sum(len(c.n) for c in curve_list),
         "short": {"points": sum(len(c.n) for c in short),
