@@ -947,3 +947,23 @@ def test_a_registered_map_whose_form_returns_no_float_array_is_refused(make):
             fastattn.linear_attention(x, x, x, feature_map="odd-test-map", backend="reference")
     finally:
         feature_maps.unregister("odd-test-map")
+
+
+def test_elus_quick_underflow_check_agrees_with_the_full_one(monkeypatch):
+    """The quick bound (three scalars) may only say 'no underflow' where the full check does."""
+    from fastattn.feature_maps import Elu
+    fmap, rng, seen = Elu(), np.random.default_rng(3), set()
+    for trial in range(400):
+        k = (rng.standard_normal((2, 5, 4)) * 10.0 ** rng.integers(-40, 3)).astype(np.float32)
+        v = (rng.standard_normal((2, 5, 3)) * 10.0 ** rng.integers(-40, 3)).astype(np.float32)
+        if trial % 7 == 0:
+            v[1, :, 2] = 0   # a zero column: left out of the bound
+        if trial % 11 == 0:
+            k -= 120         # elu+1 features of e^-120
+        quick = fmap.state_may_underflow(None, k, v)
+        with monkeypatch.context() as m:
+            m.setattr(Elu, "_clearly_above", staticmethod(lambda k, v: False))
+            full = fmap.state_may_underflow(None, k, v)
+        assert quick == full
+        seen.add(full)
+    assert seen == {True, False}   # both answers were exercised
