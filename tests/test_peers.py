@@ -245,7 +245,7 @@ def test_openvino_says_which_path_its_graph_took():
 
 
 @pytest.mark.parametrize("name, regime", [("torch_flex", "prefill"), ("torch_flex", "decode"),
-                                          ("openvino", "prefill")])
+                                          ("openvino", "prefill"), ("openvino", "decode")])
 def test_new_peers_pass_the_bench_check_and_record_their_compile(name, regime):
     from fastattn.bench import engine, results
     from fastattn.bench.sweep import Point

@@ -386,7 +386,8 @@ PEERS = {peer.name: peer for peer in (
          {("softmax", "prefill"): onnxruntime_softmax_call}, lambda n: None, _threads_set,
          float32_only=True, square_arrays=1, layouts=8),  # the weights; the layouts
     Peer("openvino", ("openvino",), ".venv/bin/pip install openvino",
-         {("softmax", "prefill"): openvino_softmax_call}, lambda n: None, _threads_set,
+         {("softmax", "prefill"): openvino_softmax_call,
+          ("softmax", "decode"): _unmasked(openvino_softmax_call)}, lambda n: None, _threads_set,
          float32_only=True, causal_squares=1),  # its decomposition's causal mask
     Peer("jax", ("jax",), ".venv/bin/pip install jax", {("softmax", "prefill"): jax_softmax_call},
          _set_jax_threads, _jax_threads, ("jax", "jaxlib"), float32_only=True, same_d=True,
