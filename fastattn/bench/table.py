@@ -167,13 +167,20 @@ def _roof_cell(row):
     return format_roof_percent(row["roof_fraction"], row.get("roof_fraction_paired"))
 
 
-def _limit_cell(row):
-    """``"92% peak"`` or ``"97% floor"``: the fraction of the limit that binds the point."""
-    fraction, paired = row.get("limit_fraction"), row.get("limit_fraction_paired")
+def format_limit(fraction, limit, paired=None):
+    """``"92% peak"``, ``"3400%! floor (90%)"``: the fraction of the limit that binds a point,
+    ``!`` above 100 %, the paired fraction in brackets; ``""`` for missing."""
     if _missing(fraction):
-        return MISSING
-    text = f"{format_percent(fraction)}{'!' * (fraction > 1)} {row.get('limit')}"
-    return text if _missing(paired) else f"{text} ({format_percent(paired)}{'!' * (paired > 1)})"
+        return ""
+    text = f"{format_percent(fraction)}{'!' if fraction > 1 else ''} {limit}"
+    if not _missing(paired):
+        text += f" ({format_percent(paired)}{'!' if paired > 1 else ''})"
+    return text
+
+
+def _limit_cell(row):
+    return format_limit(row.get("limit_fraction"), row.get("limit"),
+                        row.get("limit_fraction_paired")) or MISSING
 
 
 #: Columns of a configuration's table: header, right-aligned, cell of a summary row.

@@ -10,7 +10,7 @@ from scipy import stats
 
 from ..bench.engine import roof_for
 from ..bench.schema import CURVE_KEYS, DEFAULT_REGIME, point_key
-from ..bench.table import above_roof as _above_roof, format_percent, format_seconds, mask_name
+from ..bench.table import above_roof as _above_roof, format_limit, format_seconds, mask_name
 
 #: Scaling exponents are fitted on the points with ``n >= FIT_MIN_N``.
 FIT_MIN_N = 1024
@@ -155,12 +155,8 @@ class Curve:
         """``"92% peak"``, ``"97% floor (95%)"`` (paired in brackets; ``!`` above 100 %) of
         point ``i``, at ``times`` (default the median), or ``""``."""
         times = self.median_s if times is None else times
-        fraction, paired = self.limit_s[i] / times[i], self.limit_paired[i]
-        if not np.isfinite(fraction):
-            return ""
-        text = f"{format_percent(fraction)}{'!' if fraction > 1 else ''} {self.limit[i]}"
-        return text + (f" ({format_percent(paired)}{'!' if paired > 1 else ''})"
-                       if np.isfinite(paired) else "")
+        return format_limit(float(self.limit_s[i] / times[i]), self.limit[i],
+                            float(self.limit_paired[i]))
     statistic = property(lambda self: "min" if np.isfinite(self.min_s).all() else "median")
     measured_s = property(lambda self: self.min_s if self.statistic == "min" else self.median_s)
     stalled = cached_property(lambda self: stalled_points(self.n, self.measured_s))
