@@ -89,6 +89,10 @@ def test_probes_with_null_or_missing_values_are_passed_over():
                          {"probe": "floor", "bytes": None, "gbs": 5.0},
                          {"probe": "floor", "bytes": 2**20, "gbs": None}]
     assert limits.statements(records) == limits.statements(RECORDS)
+    # a dtype and thread count probed only by a null record: no line, no crash
+    alone = [{"probe": "peak", "dtype": "float64", "threads": 4, "gflops": None},
+             {"probe": "floor", "threads": 4, "bytes": 2**20, "gbs": None}]
+    assert limits.statements(RECORDS + alone) == limits.statements(RECORDS)
     assert limits.limit_fields(SOFTMAX_DECODE, 1e6, 2**25, 4e-3, records) == \
         limits.limit_fields(SOFTMAX_DECODE, 1e6, 2**25, 4e-3, RECORDS)
 

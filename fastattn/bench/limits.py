@@ -22,6 +22,7 @@ import numpy as np
 
 from .._numba import _threads as numba_threads
 from .._numba.config import JIT_PARALLEL
+from .table import plural
 
 #: Size of the square GEMM of the compute peak (float32: 17 GFLOP a call).
 PEAK_N = 2048
@@ -172,27 +173,22 @@ def limit_fields(spec, flops, nbytes, median_s, limits, threads=None):
             "limit_fraction": limit_s / median_s}
 
 
-def _threads(count):
-    return f"{count} thread" + ("" if count == 1 else "s")
-
-
 def statements(records):
     """Sentences naming the limits probed in a run: the peak per dtype and threads (and which
     library), the floor per size, and softmax's ceiling at the run's d."""
-    lines = []
-    for (dtype, threads) in sorted({(r.get("dtype"), r.get("threads")) for r in records
-                                    if r.get("probe") == "peak"}, key=str):
+    lines, probed = [], _nearest(records, "peak") + _nearest(records, "floor")
+    for (dtype, threads) in sorted({(r.get("dtype"), r.get("threads")) for r in probed
+                                    if r["probe"] == "peak"}, key=str):
         peaks = _nearest(records, "peak", dtype=dtype, threads=threads)
         best = max(peaks, key=lambda r: r["gflops"])
         others = ", ".join(f"{r.get('blas') or r.get('library')} {r['gflops']:.1f}"
                            for r in peaks if r is not best)
-        lines.append(f"compute peak, {dtype}, {_threads(threads)}: {best['gflops']:.1f} GFLOP/s, "
-                     f"GEMM {PEAK_N}³, {best.get('blas') or best.get('library')}"
+        lines.append(f"compute peak, {dtype}, {plural(threads, 'thread')}: "
+                     f"{best['gflops']:.1f} GFLOP/s, GEMM {PEAK_N}³, {best.get('blas') or best.get('library')}"
                      + (f" (also probed: {others})" if others else ""))
-    for threads in sorted({r.get("threads") for r in records if r.get("probe") == "floor"},
-                          key=str):
+    for threads in sorted({r.get("threads") for r in probed if r["probe"] == "floor"}, key=str):
         floors = sorted(_nearest(records, "floor", threads=threads), key=lambda r: r["bytes"])
-        lines.append(f"memory floor, {_threads(threads)}: " + ", ".join(
+        lines.append(f"memory floor, {plural(threads, 'thread')}: " + ", ".join(
             f"{r['gbs']:.0f} GB/s at {r['bytes'] / 2**20:.3g} MiB" for r in floors))
     if lines:
         lines.append(f"A point's limit is the larger of its flops at the peak and its bytes at "
