@@ -184,7 +184,8 @@ def statements(records):
         others = ", ".join(f"{r.get('blas') or r.get('library')} {r['gflops']:.1f}"
                            for r in peaks if r is not best)
         lines.append(f"compute peak, {dtype}, {plural(threads, 'thread')}: "
-                     f"{best['gflops']:.1f} GFLOP/s, GEMM {PEAK_N}³, {best.get('blas') or best.get('library')}"
+                     f"{best['gflops']:.1f} GFLOP/s, GEMM {PEAK_N}³, "
+                     f"{best.get('blas') or best.get('library')}"
                      + (f" (also probed: {others})" if others else ""))
     for threads in sorted({r.get("threads") for r in probed if r["probe"] == "floor"}, key=str):
         floors = sorted(_nearest(records, "floor", threads=threads), key=lambda r: r["bytes"])
