@@ -175,6 +175,11 @@ def test_forward_seconds_times_each_configuration_on_texts_of_n_tokens():
     assert set(attention["hybrid"]) == {"softmax", "linear"}
     for name, kinds in attention.items():   # the attention calls are part of the pass
         assert 0 < sum(kinds.values()) < seconds[name]
+    from fastattn.model.cost import costs
+    by_n, attention_by_n = costs(model, texts, {"elu+1": "elu"}, (8, 16), count=2, rounds=1,
+                                 repeats=1, sentence_transformers=False)
+    assert set(by_n) == set(attention_by_n) == {8, 16}
+    assert set(by_n[16]) == {"elu+1"} and set(attention_by_n[16]["elu+1"]) == {"linear"}
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -101,6 +101,17 @@ def forward_seconds(model, texts, configurations, *, n=128, count=16, threads=1,
     return {name: seconds / count for name, (seconds, _) in best.items()}
 
 
+def costs(model, texts, configurations, ns, **options):
+    """``(seconds, attention)``: :func:`forward_seconds` at each of ``ns`` tokens,
+    ``{n: {name: s}}``, and its ``attention_seconds``, ``{n: {name: {kind: s}}}``."""
+    seconds, attention = {}, {}
+    for n in ns:
+        attention[n] = {}
+        seconds[n] = forward_seconds(model, texts, configurations, n=n,
+                                     attention_seconds=attention[n], **options)
+    return seconds, attention
+
+
 def _sentence_transformer(model, n, threads):
     """sentence-transformers' model of the same files, truncating at ``n``; None if absent."""
     try:

@@ -173,7 +173,7 @@ def report_study(*, quick=False, threads=2, cache_dir=None, progress=None):
     fastattn.model.MissingExtraError
         When a package of the model extra is not installed.
     """
-    from .cost import forward_seconds
+    from .cost import costs
     from .hedgehog import cached_fit_hedgehog
     from .minilm import MiniLM
 
@@ -193,11 +193,8 @@ def report_study(*, quick=False, threads=2, cache_dir=None, progress=None):
         warnings.simplefilter("ignore", UserWarning)   # the truncation note: in the section
         rows = run_study(model, configs, held_out, progress=progress)
     texts = calibration + held_out
-    seconds, attention = {}, {}
-    for n in (128,) if quick else (128, 512):
-        attention[n] = {}
-        seconds[n] = forward_seconds(model, texts, configs, n=n, count=4, threads=threads,
-                                     rounds=2, repeats=1, attention_seconds=attention[n])
+    seconds, attention = costs(model, texts, configs, (128,) if quick else (128, 512),
+                               count=4, threads=threads, rounds=2, repeats=1)
     return ModelStudy(rows, seconds, fit, cached, len(held_out), threads, attention)
 
 
@@ -228,7 +225,7 @@ def _check_paths(parser, args):
 
 def main(argv=None):
     """``fastattn model``: print the table (see :func:`run_study`)."""
-    from .cost import forward_seconds
+    from .cost import costs
     from .hedgehog import HedgehogFeatures, cached_fit_hedgehog, fit_hedgehog
     from .minilm import MiniLM
 
@@ -315,13 +312,8 @@ def main(argv=None):
     if args.cost:
         print(f"\nForward pass, ms per text ({args.threads} thread(s) for BLAS, fastattn and "
               f"PyTorch; fastest of 3 alternating rounds)\n")
-        seconds, attention = {}, {}
-        for n in (128, 512):
-            attention[n] = {}
-            seconds[n] = forward_seconds(model, every_text, configs, n=n,
-                                         count=8 if args.quick else 16, threads=args.threads,
-                                         attention_seconds=attention[n])
-        print(format_cost(seconds, attention))
+        print(format_cost(*costs(model, every_text, configs, (128, 512),
+                                 count=8 if args.quick else 16, threads=args.threads)))
     return 0
 
 
