@@ -102,6 +102,12 @@ def point_flops(spec):
                            spec["causal"], spec["batch"], spec["heads"])
 
 
+def point_bytes(spec):
+    """Bytes a point's call moves at least (:func:`~.limits.point_bytes`, with its map's
+    ``D`` features)."""
+    return limits.point_bytes(spec, feature_dim(spec))
+
+
 def warm_up(call, seconds=TURN_WARMUP_S):
     """Untimed calls for ``seconds`` after the first (which may stall); returns how many."""
     call()
@@ -444,12 +450,12 @@ def finish_point(spec, fields, timings, roofs=(), paired_roof=None, rounds=(), p
     out.update(flops=flops, gflops=gflops, roof_gflops=roof, roof_blas=probe.get("blas"),
                roof_shape=probe.get("shape"),
                roof_fraction=gflops / roof if gflops and roof else None)
-    nbytes = limits.point_bytes(spec, feature_dim(spec))
+    nbytes = point_bytes(spec)
     out.update(limits.limit_fields(spec, flops, nbytes, out["median_s"], roofs,
                                    spec.get("threads")))
     if paired_floor and out.get("limit") == "floor":   # the floor read beside it, each round
         out["limit_fraction_paired"] = limits.paired_fraction(
-            out["limit_s"], nbytes, [paired_floor[r] for r in rounds],
+            nbytes, [paired_floor[r] for r in rounds],
             [t["min_s"] for t in timings])
     pairs = [(flops / t["min_s"] / 1e9, paired_roof[r]) for r, t in zip(rounds, timings)
              if paired_roof and flops and t["min_s"] > 0 and paired_roof[r]]

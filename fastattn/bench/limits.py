@@ -139,7 +139,7 @@ def time_read(nbytes, cache, budget_s=0.02):
     return max(_fastest(c, work, budget_s / len(calls)) for c in calls) / 1e9
 
 
-def paired_fraction(limit_s, nbytes, round_floor, round_min_s):
+def paired_fraction(nbytes, round_floor, round_min_s):
     """The median over rounds of ``nbytes`` at that round's floor (GB/s) over the point's
     fastest repeat in the round: a fraction of the floor that a slow spell moves less."""
     pairs = sorted(nbytes / g / 1e9 / t for g, t in zip(round_floor, round_min_s)

@@ -348,8 +348,7 @@ def _write_header(writer, workers, todo, threads, why, options, run_id):
     if not options.roof:
         return []
     payload = {"shapes": sorted({(p.n, p.d_k) for p in todo}), "budget_s": options.roof_budget_s,
-               "sizes": sorted({limits.point_bytes(p.spec(), engine.feature_dim(p.spec()))
-                                for p in todo}),
+               "sizes": sorted({engine.point_bytes(p.spec()) for p in todo}),
                "dtypes": sorted({p.dtype for p in todo} | {"float32", "float64"})}
     records = []
     for library in options.libraries():
@@ -433,7 +432,7 @@ def _measure_group(points, workers, options, roofs, threads):
         plan[e.key] = [e.repeats // turns + (t < e.repeats % turns) for t in range(turns)]
     probe = live and engine.roof_probe(roofs, points[0].dtype, points[0].d_k)
     spec = points[0].spec(threads)
-    nbytes = limits.point_bytes(spec, engine.feature_dim(spec))
+    nbytes = engine.point_bytes(spec)
     floor_bound = live and limits.limit_fields(spec, engine.point_flops(spec), nbytes, 1.0,
                                                roofs, threads).get("limit") == "floor"
     paired_roof, paired_floor = [], []
