@@ -535,3 +535,28 @@ def test_a_workspace_beyond_memory_is_refused_before_allocating(monkeypatch):
     with pytest.raises(MemoryError, match="the Cython linear kernel, for the workspace"):
         fastattn.linear_attention(z, z, z, causal=True, backend="cython",
                                   feature_map=lambda x: np.ones(x.shape[:-1] + (10**6,)))
+
+
+@pytest.mark.skipif(cy is None, reason="Cython backend not built")
+def test_decode_prefetches_key_and_value_rows_on_intel_only():
+    # Software prefetch helps a decode step from memory on Intel and slows it on AMD
+    # (measured both ways; decode.pyx): the default follows the CPU's vendor.
+    from fastattn._cython import decode
+
+    vendor = next((line.split(":")[1].strip() for line in Path("/proc/cpuinfo").read_text()
+                   .splitlines() if line.startswith("vendor_id")), None)
+    if vendor is None:
+        pytest.skip("no vendor_id in /proc/cpuinfo")
+    default = decode._set_prefetch_rows(0)
+    decode._set_prefetch_rows(default)
+    assert default == (16 if vendor == "GenuineIntel" else 0)
+    q, k, v = (np.random.default_rng(0).standard_normal((2, n, 64)).astype(np.float32)
+               for n in (1, 3000, 3000))
+    expected = softmax_oracle(q, k, v)
+    for rows in (0, 16):
+        decode._set_prefetch_rows(rows)
+        try:
+            assert_close(fastattn.softmax_attention(q, k, v, backend="cython"), expected,
+                         np.float32)
+        finally:
+            decode._set_prefetch_rows(default)

@@ -116,3 +116,19 @@ def test_the_report_names_each_peers_compile_and_path():
               Curve("torch", [{}]), Curve("cython", [{"compile_s": 1.0}], peer=False)]
     assert peer_notes(curves) == ["openvino: SDPA decomposed: X",
                                   "torch_flex: compiled per shape in 4 s–8.5 s (not timed); flex"]
+
+
+def test_the_floor_reads_on_fastattns_thread_count_not_numbas_default(monkeypatch):
+    # fastattn.set_num_threads(1) before the Numba backend loads records 1 but leaves the
+    # Numba threads module at its default: the floor of a one-thread point must not read
+    # on two threads.
+    from fastattn import _threads
+    from fastattn._numba import _threads as numba_threads
+
+    monkeypatch.setattr(numba_threads, "_n_threads", 2)
+    monkeypatch.setattr(_threads, "_requested", 1)
+    calls, nbytes = limits._read(2**16)
+    assert len(calls) == 1 and nbytes == 2**16
+    monkeypatch.setattr(_threads, "_requested", None)
+    calls, _ = limits._read(2**16)
+    assert len(calls) == min(2, limits.numba.config.NUMBA_NUM_THREADS)

@@ -20,6 +20,7 @@ import time
 import numba
 import numpy as np
 
+from .. import _threads
 from .._numba import _threads as numba_threads
 from .._numba.config import JIT_PARALLEL
 from .table import plural
@@ -97,7 +98,10 @@ def _read(nbytes):
     threads, and on one; the floor is the faster (a parallel loop whose other thread is
     descheduled by other work waits for it, and can read a hundred times slower)."""
     a = np.ones((max(1, int(nbytes) // 4096), 1024), dtype=np.float32)
-    threads = numba_threads.get_num_threads()
+    # fastattn's recorded count: importing the Numba threads module directly (not as a
+    # backend) does not apply it there.
+    threads = min(_threads.requested() or numba_threads.get_num_threads(),
+                  numba.config.NUMBA_NUM_THREADS)
 
     def parallel():
         if numba.get_num_threads() != threads:
