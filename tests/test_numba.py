@@ -129,3 +129,30 @@ def test_cache_makes_a_new_process_load_instead_of_compile():
     # At least the serial twins and the prefix sum ran; every kernel that ran was loaded.
     assert used >= 4, f"only {used} kernels ran"
     assert misses == 0 and hits == used, f"cache hits {hits}, misses {misses}, kernels run {used}"
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_order_keys_sort_as_the_floats_and_come_back(dtype):
+    # The online softmax takes a row's maximum over these integer keys (a reduction LLVM
+    # vectorises): their order must be the floats' and the round trip exact.
+    from numba import njit
+
+    from fastattn._numba._online import _from_order_key, _order_key
+
+    @njit
+    def keys(x):
+        out = np.empty(x.size, dtype=np.int64)
+        back = np.empty_like(x)
+        for i in range(x.size):
+            out[i] = _order_key(x[i])
+            back[i] = _from_order_key(_order_key(x[i]), x[i])
+        return out, back
+
+    info = np.finfo(dtype)
+    ordered = np.array([-np.inf, -info.max, -1.5, -info.tiny, -info.smallest_subnormal, -0.0,
+                        0.0, info.smallest_subnormal, info.tiny, 1.0, info.max, np.inf, np.nan],
+                       dtype=dtype)
+    got, back = keys(ordered)
+    assert np.all(np.diff(got) > 0)
+    assert np.array_equal(back.view(f"u{dtype().itemsize}"), ordered.view(f"u{dtype().itemsize}"))
+    assert keys(-ordered[-1:])[0][0] < got[0]        # a NaN with its sign bit: below -inf
