@@ -53,6 +53,10 @@ DEFAULT_EPS = 1e-6
 #: features are positive, so the denominator is > 0 unless it underflows (the row is 0);
 #: the kernels would apply any eps in the shifted frame (see :class:`FavorFeatures`).
 FAVOR_EPS = 0.0
+#: Keys and values (the first of each head) from which elu+1's float32 underflow check
+#: first bounds every product (``FeatureMap._clearly_above``); the full check reads them all
+#: only when that bound does not clear.
+_BOUND_ROWS = 16
 
 
 def default_num_features(d_k):
@@ -234,15 +238,19 @@ class FeatureMap:
 
     @staticmethod
     def _clearly_above(k, v):
-        """True when elu+1's every product is clearly above the bound, from three scalars:
-        φ is positive and increasing, so φ(min k) is below every feature's largest, and the
-        smallest column maximum of ``|v|`` below every column's (a NaN says nothing: False).
-        A call of one token pays 4 reductions here, not the 20 of the full check."""
-        smallest_v = float(np.abs(v).max(axis=-2).min())
+        """True when elu+1's every product is clearly above the bound, from two scalars
+        read off the first ``_BOUND_ROWS`` keys and values: a column's largest over
+        those rows is at most its largest over all, and φ is positive and increasing, so
+        φ of the smallest such key column maximum is below every feature's largest, and
+        the smallest such column maximum of ``|v|`` below every column's (a NaN says
+        nothing: False).  ``O(d)`` work a head, where the full check reads ``k`` and ``v``
+        whole (a fifth of a float32 call of 8 x 16384 x 64 went to it)."""
+        rows = slice(0, _BOUND_ROWS)
+        smallest_v = float(np.abs(v[..., rows, :]).max(axis=-2).min())
         if not smallest_v > 0:
             return False
-        k_min = float(k.min())
-        phi = k_min + 1 if k_min > 0 else math.exp(k_min)
+        k_low = float(k[..., rows, :].max(axis=-2).min())
+        phi = k_low + 1 if k_low > 0 else math.exp(k_low)
         return phi * smallest_v >= k.shape[-2] * 2.0 ** -102
 
     def forward_in_dtype(self, module, feats, q, k, v, causal, eps, S0, z0):

@@ -950,12 +950,16 @@ def test_a_registered_map_whose_form_returns_no_float_array_is_refused(make):
 
 
 def test_elus_quick_underflow_check_agrees_with_the_full_one(monkeypatch):
-    """The quick bound (three scalars) may only say 'no underflow' where the full check does."""
-    from fastattn.feature_maps import Elu
+    """The quick bound (from the first rows) may only say 'no underflow' where the full check
+    does, also when the rows it does not read are of other sizes."""
+    from fastattn.feature_maps import _BOUND_ROWS, Elu
     fmap, rng, seen = Elu(), np.random.default_rng(3), set()
     for trial in range(400):
-        k = (rng.standard_normal((2, 5, 4)) * 10.0 ** rng.integers(-40, 3)).astype(np.float32)
-        v = (rng.standard_normal((2, 5, 3)) * 10.0 ** rng.integers(-40, 3)).astype(np.float32)
+        n = (5, 3 * _BOUND_ROWS)[trial % 2]
+        rows = 10.0 ** rng.integers(-40, 3, size=(2, 1, 1)) if trial % 4 < 2 else \
+            10.0 ** rng.integers(-40, 3, size=(1, n, 1))         # each row its own size
+        k = (rng.standard_normal((2, n, 4)) * rows).astype(np.float32)
+        v = (rng.standard_normal((2, n, 3)) * 10.0 ** rng.integers(-40, 3)).astype(np.float32)
         if trial % 7 == 0:
             v[1, :, 2] = 0   # a zero column: left out of the bound
         if trial % 11 == 0:
