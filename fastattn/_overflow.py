@@ -13,7 +13,7 @@ inputs can still leave the dtype's range on the way to a finite answer:
 * The unnormalised output ``Σ_j exp(s_j − m) v_j`` overflows although the
   answer, a weighted average of the values, does not (1,024 keys whose values
   are 1e36 in float32).  That always shows in the output, so
-  :func:`finite_softmax` pays one ``isfinite`` pass over it, ``O(n_q · d_v)``,
+  :func:`finite_softmax` pays one pass over it (:func:`output_finite`), ``O(n_q · d_v)``,
   and only the rare call whose output comes out non-finite from finite inputs
   is made again: a float32 call in float64 (which holds every product of
   float32 numbers), then rounded; a float64 call with ``v`` divided by a power
@@ -34,12 +34,23 @@ def kernel_query(q, scale):
     return q, scale
 
 
+def output_finite(out):
+    """Whether every element of a call's output may be taken as finite, from one pass that
+    allocates nothing: the sum of ``out`` is NaN or inf when an element is, and finite when
+    all are, unless the sum itself overflows (elements near the dtype's largest), where this
+    says False of finite elements and the caller computes the call again, wider: time, not
+    a different answer.  (``isfinite(out).all()`` writes a bool array the size of ``out``: a
+    twentieth of a float32 linear call of 8 x 16384 x 64, with its page faults.)"""
+    with np.errstate(over="ignore", invalid="ignore"):
+        return bool(np.isfinite(np.add.reduce(out, axis=None)))
+
+
 def finite_softmax(call, q, k, v, seen=None):
     """``call(q, k, v)``, made again as the module docstring says when its output is
     non-finite although the inputs (``q`` and ``seen``, the keys and values the call
     reads: default ``(k, v)``) are finite.  A NaN or inf given is taken as given."""
     out = call(q, k, v)
-    if np.isfinite(out).all():
+    if output_finite(out):
         return out
     seen_k, seen_v = (k, v) if seen is None else seen
     if not (np.isfinite(q).all() and np.isfinite(seen_k).all() and np.isfinite(seen_v).all()):

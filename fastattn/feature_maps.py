@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import _checks, reference
+from . import _checks, _overflow, reference
 
 #: ``eps`` of ``eps=None`` for elu, relu, taylor and callables.
 DEFAULT_EPS = 1e-6
@@ -182,7 +182,7 @@ class FeatureMap:
         does not (``q`` of 1e15 against ``v`` of 1e30: the answer is 1e30), and the
         backends then differ (inf, NaN: the order of their sums).  Overflow is always
         visible in the output (an inf in ``S`` or in the numerator makes the row inf or
-        NaN), so the ordinary call pays one ``isfinite`` pass over its output,
+        NaN), so the ordinary call pays one pass over its output (its sum),
         ``O(n · d_v)`` beside the kernel's ``O(n · D · d_v)``; only the rare call that
         comes out non-finite is computed again.  Float64 holds every product of float32
         numbers (up to 1e77 for two factors), so the float64 answer, rounded, is the
@@ -198,7 +198,7 @@ class FeatureMap:
         with np.errstate(over="ignore", invalid="ignore") if module is reference \
                 else contextlib.nullcontext():
             result = self.forward_in_dtype(module, feats, q, k, v, causal, eps, S0, z0)
-        if np.isfinite(result[0]).all():
+        if _overflow.output_finite(result[0]):
             return result
         return self._forward_wide(module, feats, q, k, v, causal, eps, S0, z0)
 
