@@ -34,6 +34,11 @@ def kernel_query(q, scale):
     return q, scale
 
 
+#: Outputs up to this many elements are checked element by element (a decode step's: the
+#: errstate of the sum would cost more than the pass).
+_SMALL_OUTPUT = 1 << 16
+
+
 def output_finite(out):
     """Whether every element of a call's output may be taken as finite, from one pass that
     allocates nothing: the sum of ``out`` is NaN or inf when an element is, and finite when
@@ -41,6 +46,8 @@ def output_finite(out):
     says False of finite elements and the caller computes the call again, wider: time, not
     a different answer.  (``isfinite(out).all()`` writes a bool array the size of ``out``: a
     twentieth of a float32 linear call of 8 x 16384 x 64, with its page faults.)"""
+    if out.size <= _SMALL_OUTPUT:      # no temporary worth avoiding: exact, and no errstate
+        return bool(np.isfinite(out).all())
     with np.errstate(over="ignore", invalid="ignore"):
         return bool(np.isfinite(np.add.reduce(out, axis=None)))
 

@@ -452,12 +452,17 @@ def test_a_float64_initial_state_beyond_float32_is_refused_in_a_float32_call():
     assert np.isfinite(out).all()
 
 
+@pytest.mark.parametrize("small", [True, False], ids=["elementwise", "by-sum"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_an_output_is_taken_as_finite_only_when_every_element_is(dtype):
-    # One pass (a sum) decides whether a call is made again: any NaN or inf must say no;
-    # finite elements say yes unless their sum overflows (then the call is only repeated).
+def test_an_output_is_taken_as_finite_only_when_every_element_is(dtype, small, monkeypatch):
+    # One pass (a sum, beyond a small output) decides whether a call is made again: any NaN
+    # or inf must say no; finite elements say yes unless their sum overflows (then the call
+    # is only repeated).
+    from fastattn import _overflow
     from fastattn._overflow import output_finite
 
+    if not small:
+        monkeypatch.setattr(_overflow, "_SMALL_OUTPUT", 0)
     out = np.random.default_rng(0).standard_normal((3, 257, 64)).astype(dtype)
     assert output_finite(out)
     for bad in (np.nan, np.inf, -np.inf):
@@ -469,14 +474,17 @@ def test_an_output_is_taken_as_finite_only_when_every_element_is(dtype):
     both[0, 0, 0], both[0, 0, 1] = np.inf, -np.inf          # inf - inf in the sum: NaN
     assert not output_finite(both)
     huge = np.full((4, 8), np.finfo(dtype).max / 2, dtype=dtype)
-    assert not output_finite(huge)                            # finite, but its sum is not
+    assert output_finite(huge) == small                       # finite, but its sum is not
     assert output_finite(np.empty((0, 3), dtype=dtype))
 
 
 @pytest.mark.parametrize("attention", ["softmax", "linear"])
-def test_finite_outputs_whose_sum_overflows_keep_their_answer(backend, attention):
+def test_finite_outputs_whose_sum_overflows_keep_their_answer(backend, attention, monkeypatch):
     # Values near float32's largest make every output element finite but their sum inf:
     # the call is made again (wider) and must give the same float64 answer.
+    from fastattn import _overflow
+
+    monkeypatch.setattr(_overflow, "_SMALL_OUTPUT", 0)    # the check by the sum
     q, k = make_qkv((2, 96, 16), dtype=np.float32)[:2]
     v = np.float32(1e37) * (1 + np.abs(make_qkv((2, 96, 16), dtype=np.float32)[2]))
     call = getattr(fastattn, f"{attention}_attention")
