@@ -27,11 +27,16 @@ def kernel_query(q, scale):
     """``(q, scale)`` for the kernels: ``(scale · q, 1)`` when ``scale < 1``, else as given.
 
     The product is formed in float64 and rounded once, so a scale below the dtype's
-    smallest number (1e-59 in float32, which would be 0 there) still scales ``q``.
+    smallest number (1e-59 in float32, which would be 0 there) still scales ``q``.  A
+    scale the dtype holds exactly (``1 / sqrt(64)``) multiplies in the dtype: the same
+    bits (a float32 product is the float64 one, rounded once), without the float64 copy.
     """
-    if scale < 1:
-        return (q * np.float64(scale)).astype(q.dtype), 1.0
-    return q, scale
+    if scale >= 1:
+        return q, scale
+    narrow = q.dtype.type(scale)
+    if float(narrow) == scale:     # compared in float64 (NumPy would compare in the dtype)
+        return q * narrow, 1.0
+    return (q * np.float64(scale)).astype(q.dtype), 1.0
 
 
 #: Outputs up to this many elements are checked element by element (a decode step's: the

@@ -492,3 +492,18 @@ def test_finite_outputs_whose_sum_overflows_keep_their_answer(backend, attention
     want = call(*(x.astype(np.float64) for x in (q, k, v)), backend="reference")
     assert np.isfinite(out).all() and out.sum(dtype=np.float64) > np.finfo(np.float32).max
     assert_close(out / np.float32(1e37), want / 1e37, dtype=np.float32)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("scale", [0.125, 0.5, 2.0**-20, 2.0**-149, 1 / math.sqrt(32), 1e-59])
+def test_the_scaled_query_is_the_float64_product_rounded_once(dtype, scale):
+    # kernel_query multiplies in the dtype when it holds the scale exactly: same bits as the
+    # float64 product rounded once, subnormal results included.
+    from fastattn._overflow import kernel_query
+
+    rng = np.random.default_rng(1)
+    q = (rng.standard_normal(20000) * 10.0 ** rng.integers(-45, 38, 20000)).astype(dtype)
+    got, rest = kernel_query(q, scale)
+    want = (q.astype(np.float64) * scale).astype(dtype)
+    assert rest == 1.0 and got.dtype == dtype
+    np.testing.assert_array_equal(got.view(f"u{q.itemsize}"), want.view(f"u{q.itemsize}"))
