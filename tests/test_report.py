@@ -601,6 +601,19 @@ def test_a_truncated_middle_line_is_called_corrupt_not_foreign(tmp_path, capsys)
     assert f"{path}:6 is corrupt" in err and "not a fastattn results file" not in err
 
 
+@pytest.fixture
+def ctrl_c_raises():
+    """SIGINT raising KeyboardInterrupt for the test, as in a terminal: a process started in
+    the background by a shell without job control (``nohup cmd &``) ignores it from the
+    start, and Python then leaves it ignored."""
+    import signal
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+@pytest.mark.usefixtures("ctrl_c_raises")
 def test_ctrl_c_while_drawing_is_an_interrupt_not_an_error(tmp_path, capsys, monkeypatch):
     """matplotlib turns a KeyboardInterrupt inside its C code into a ValueError of its own
     ("Invalid affine transformation matrix"); the report still says it was interrupted."""
@@ -632,6 +645,7 @@ def test_ctrl_c_while_drawing_is_an_interrupt_not_an_error(tmp_path, capsys, mon
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
+@pytest.mark.usefixtures("ctrl_c_raises")
 def test_ctrl_c_lost_in_a_finalizer_still_interrupts_the_report(tmp_path, capsys,
                                                                  monkeypatch):
     """Issue 33, item 11: a SIGINT whose KeyboardInterrupt is raised inside a finalizer
