@@ -41,9 +41,11 @@ def kernel_query(q, scale):
     return np.multiply(q, np.float64(scale), out=np.empty_like(q), casting="same_kind"), 1.0
 
 
-#: Outputs up to this many elements are checked element by element (a decode step's: the
-#: errstate of the sum would cost more than the pass).
-_SMALL_OUTPUT = 1 << 16
+#: Outputs up to this many elements are checked element by element (``isfinite``, exact);
+#: larger ones by their sum.  Measured here (float32): 786,432 elements, 61 against 122 µs
+#: (NumPy's pairwise sum is slower than isfinite in cache); 8,388,608, 1.68 against 1.35
+#: ms, before the bool array's page faults.
+_SMALL_OUTPUT = 1 << 22
 
 
 def output_finite(out):
