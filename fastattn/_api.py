@@ -228,7 +228,7 @@ def linear_attention(
     ``φ(q) · S`` or its state overflows: ``q`` of 1e15 against ``v`` of
     1e30) is computed again in float64 and rounded, on every backend and
     for every map: the answer is float64's (inf only beyond 3.4e38).  The
-    ordinary call pays one pass over its output (its sum), ``O(n · d_v)``.
+    ordinary call pays one pass over its output, ``O(n · d_v)``.
     With ``"elu"`` and ``"relu"`` the features grow like the inputs, and in
     float64 a row whose denominator ``φ(q) · z`` overflows is wrong: NaN
     where its numerator overflows too (``inf / inf``), else 0 (about

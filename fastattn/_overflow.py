@@ -49,11 +49,13 @@ _SMALL_OUTPUT = 1 << 22
 
 
 def output_finite(out):
-    """Whether every element of a call's output may be taken as finite, from one pass that
-    allocates nothing: the sum of ``out`` is NaN or inf when an element is, and finite when
-    all are, unless the sum itself overflows (elements near the dtype's largest), where this
-    says False of finite elements and the caller computes the call again, wider: time, not
-    a different answer.  (``isfinite(out).all()`` writes a bool array the size of ``out``: a
+    """Whether every element of a call's output may be taken as finite, from one pass.
+
+    Up to ``_SMALL_OUTPUT`` elements ``isfinite``, exact.  Beyond, a pass that allocates
+    nothing: the sum of ``out`` is NaN or inf when an element is, and finite when all are,
+    unless the sum itself overflows (elements near the dtype's largest), where this says
+    False of finite elements and the caller computes the call again, wider: time, not a
+    different answer.  (``isfinite(out).all()`` writes a bool array the size of ``out``: a
     twentieth of a float32 linear call of 8 x 16384 x 64, with its page faults.)"""
     if out.size <= _SMALL_OUTPUT:      # no temporary worth avoiding: exact, and no errstate
         return bool(np.isfinite(out).all())

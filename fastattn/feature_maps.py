@@ -182,7 +182,7 @@ class FeatureMap:
         does not (``q`` of 1e15 against ``v`` of 1e30: the answer is 1e30), and the
         backends then differ (inf, NaN: the order of their sums).  Overflow is always
         visible in the output (an inf in ``S`` or in the numerator makes the row inf or
-        NaN), so the ordinary call pays one pass over its output (its sum),
+        NaN), so the ordinary call pays one pass over its output,
         ``O(n · d_v)`` beside the kernel's ``O(n · D · d_v)``; only the rare call that
         comes out non-finite is computed again.  Float64 holds every product of float32
         numbers (up to 1e77 for two factors), so the float64 answer, rounded, is the

@@ -82,7 +82,7 @@ cdef extern from *:
        sets it, to measure.  Side by side (one query, H = 8, d = 64, float32):
        on an Ice Lake-SP 16 rows took a 32768-key step from memory from 16.6 to
        10.5 ms on one thread; on an AMD EPYC with AVX-512 (Zen 4) every
-       distance tried (4, 16) was slower, in cache and out (65536 keys: 28.1
+       distance tried (4 to 128 rows) was slower, in cache and out (65536 keys: 28.1
        GB/s without, 22.8 with 16 on one thread, 50.9 and 42.0 on two). */
     static int fastattn_prefetch_rows = 0;
     static int fastattn_default_prefetch_rows(void) {
