@@ -221,26 +221,7 @@ def _task(kind, dtype, n, d, library="numpy"):
     if kind == "exp":
         x, out = rng.standard_normal(n).astype(dtype), np.empty(n, dtype=dtype)
         return (lambda: np.exp(x, out=out)), float(n)
-    a, b = rng.standard_normal((n, d)).astype(dtype), rng.standard_normal((d, n)).astype(dtype)
-    out = np.empty((n, n), dtype=dtype)
-    if library == "torch":
-        torch = peers._torch()  # imported with the peers' thread count
-        a, b, out, matmul = torch.from_numpy(a), torch.from_numpy(b), torch.from_numpy(out), \
-            torch.matmul
-    else:
-        matmul = np.matmul
-    return (lambda: matmul(a, b, out=out)), 2.0 * n * n * d
-
-
-def _fastest_rate(fn, work, budget_s, min_calls, max_calls):
-    """``(work / fastest call's seconds, calls)`` of ``min_calls`` to ``max_calls`` calls."""
-    best, calls, deadline = 0.0, 0, time.perf_counter() + budget_s
-    while calls < max_calls and (calls < min_calls or time.perf_counter() <= deadline):
-        start = time.perf_counter()
-        fn()
-        best = max(best, work / max(time.perf_counter() - start, 1e-12))
-        calls += 1
-    return best, calls
+    return limits.gemm_call(dtype, n, d, n, library)
 
 
 def probe_roof(shapes, dtypes=("float32", "float64"), budget_s=0.1, rounds=3, library="numpy"):
@@ -262,8 +243,8 @@ def probe_roof(shapes, dtypes=("float32", "float64"), budget_s=0.1, rounds=3, li
             fn, work = _task(*task, library=library)
             if round_ == 0:
                 fn()  # first touch, thread pool start
-            rate, calls = _fastest_rate(fn, work, budget_s / rounds, 1,
-                                        MAX_PROBE_CALLS - count[task])
+            rate, calls = limits.fastest_rate(fn, work, budget_s / rounds, 1,
+                                              MAX_PROBE_CALLS - count[task])
             best[task], count[task] = max(best[task], rate), count[task] + calls
     blas = environment.roof_blas(library)
     exp_label = f"np.exp of NumPy {np.__version__}, one thread"  # not the GEMMs' BLAS
@@ -281,7 +262,7 @@ def time_gemm(dtype, n, d, library, cache):
     if key not in cache:
         cache[key] = _task("gemm", *key[:3], library=library)
         cache[key][0]()  # first touch
-    return _fastest_rate(*cache[key], PAIRED_ROOF_BUDGET_S, 3, MAX_PROBE_CALLS)[0] / 1e9
+    return limits.fastest_rate(*cache[key], PAIRED_ROOF_BUDGET_S, 3, MAX_PROBE_CALLS)[0] / 1e9
 
 
 def gemm_probes(roofs, dtype=None, threads=None, machine=None):

@@ -23,6 +23,7 @@ import numpy as np
 from .. import _threads
 from .._numba import _threads as numba_threads
 from .._numba.config import JIT_PARALLEL
+from . import peers
 from .table import plural
 
 #: Size of the square GEMM of the compute peak (float32: 17 GFLOP a call).
@@ -54,29 +55,38 @@ def point_bytes(spec, feature_dim=None):
     return bh * item * (n_q * (d_k + d_v) + n_k * (d_k + d_v))
 
 
-def _fastest(call, work, budget_s, min_calls=3):
-    """Work per second of the fastest call: ``min_calls`` at least, more while ``budget_s``
-    lasts (after one untimed first touch)."""
-    call()
+def fastest_rate(call, work, budget_s, min_calls, max_calls=math.inf):
+    """``(work / fastest call's seconds, calls)`` over calls of a warmed-up ``call``: at least
+    ``min_calls``, then more while ``budget_s`` lasts, at most ``max_calls`` in all.  The one
+    timing loop of the machine's probes (the peak, the floor, the GEMM roof)."""
     best, calls, deadline = 0.0, 0, time.perf_counter() + budget_s
-    while calls < min_calls or time.perf_counter() < deadline:
+    while calls < max_calls and (calls < min_calls or time.perf_counter() <= deadline):
         start = time.perf_counter()
         call()
         best = max(best, work / max(time.perf_counter() - start, 1e-12))
         calls += 1
-    return best
+    return best, calls
 
 
-def _gemm(dtype, library):
+def _fastest(call, work, budget_s, min_calls=3):
+    """Work per second of the fastest call after one untimed first touch."""
+    call()
+    return fastest_rate(call, work, budget_s, min_calls)[0]
+
+
+def gemm_call(dtype, m, k, n, library="numpy"):
+    """``(call, flops)``: the GEMM ``(m, k) @ (k, n)`` of seeded Gaussian arrays into a
+    preallocated output, through NumPy's BLAS or torch's (imported with the peers' thread
+    count)."""
     rng = np.random.default_rng(0)
-    a, b = (rng.standard_normal((PEAK_N, PEAK_N)).astype(dtype) for _ in range(2))
-    out = np.empty_like(a)
+    a, b = rng.standard_normal((m, k)).astype(dtype), rng.standard_normal((k, n)).astype(dtype)
+    out = np.empty((m, n), dtype=dtype)
+    matmul = np.matmul
     if library == "torch":
-        import torch
-
-        ta, tb, tout = (torch.from_numpy(x) for x in (a, b, out))
-        return lambda: torch.matmul(ta, tb, out=tout)
-    return lambda: np.matmul(a, b, out=out)
+        torch = peers._torch()
+        a, b, out, matmul = torch.from_numpy(a), torch.from_numpy(b), torch.from_numpy(out), \
+            torch.matmul
+    return (lambda: matmul(a, b, out=out)), 2.0 * m * k * n
 
 
 @numba.njit(**JIT_PARALLEL)
@@ -119,7 +129,7 @@ def probe_limits(sizes, dtypes, library="numpy", budget_s=0.3, blas=None):
     ``blas``: the library's label fields, stored with each record."""
     records = []
     for dtype in sorted({np.dtype(d).name for d in dtypes}):
-        rate = _fastest(_gemm(dtype, library), 2.0 * PEAK_N ** 3, budget_s, min_calls=5)
+        rate = _fastest(*gemm_call(dtype, PEAK_N, PEAK_N, PEAK_N, library), budget_s, min_calls=5)
         records.append({"probe": "peak", "dtype": dtype, "library": library, **(blas or {}),
                         "shape": [PEAK_N] * 3, "gflops": rate / 1e9})
     if library == "numpy":
