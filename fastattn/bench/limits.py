@@ -169,13 +169,13 @@ def _nearest(records, probe, **match):
             and all(v is None or r.get(k) in (None, v) for k, v in match.items())]
 
 
-def limit_fields(spec, flops, nbytes, median_s, limits, threads=None):
-    """``peak_gflops``, ``floor_gbs``, ``limit`` (``"peak"`` or ``"floor"``: the one that
-    binds), ``limit_s`` and ``limit_fraction`` (``limit_s / median_s``) of a point, from the
-    run's ``limits`` records; {} when none was probed."""
+def binding_limit(spec, flops, nbytes, limits, threads=None):
+    """``peak_gflops``, ``floor_gbs``, ``floor_bytes``, ``limit`` (``"peak"`` or ``"floor"``:
+    the one that binds) and ``limit_s`` of a point of ``flops`` and ``nbytes``, from the run's
+    ``limits`` records; {} when either was not probed."""
     peaks = _nearest(limits, "peak", dtype=spec["dtype"], threads=threads)
     floors = _nearest(limits, "floor", threads=threads)
-    if not peaks or not floors or not median_s or median_s <= 0:
+    if not peaks or not floors:
         return {}
     peak = max(r["gflops"] for r in peaks)
     size = min(floors, key=lambda r: abs(math.log2(max(nbytes, 1) / r["bytes"])))["bytes"]
@@ -183,8 +183,15 @@ def limit_fields(spec, flops, nbytes, median_s, limits, threads=None):
     compute_s, memory_s = flops / peak / 1e9, nbytes / floor / 1e9
     limit_s = max(compute_s, memory_s)
     return {"peak_gflops": peak, "floor_gbs": floor, "floor_bytes": size,
-            "limit": "peak" if compute_s >= memory_s else "floor", "limit_s": limit_s,
-            "limit_fraction": limit_s / median_s}
+            "limit": "peak" if compute_s >= memory_s else "floor", "limit_s": limit_s}
+
+
+def limit_fields(spec, flops, nbytes, median_s, limits, threads=None):
+    """:func:`binding_limit` and ``limit_fraction`` (``limit_s / median_s``: 1 = at the
+    limit) of a point timed at ``median_s``; {} without both probes or a time."""
+    fields = binding_limit(spec, flops, nbytes, limits, threads) if median_s and median_s > 0 \
+        else {}
+    return {**fields, "limit_fraction": fields["limit_s"] / median_s} if fields else {}
 
 
 def statements(records):

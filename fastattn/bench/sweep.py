@@ -433,8 +433,8 @@ def _measure_group(points, workers, options, roofs, threads):
     probe = live and engine.roof_probe(roofs, points[0].dtype, points[0].d_k)
     spec = points[0].spec(threads)
     nbytes = engine.point_bytes(spec)
-    floor_bound = live and limits.limit_fields(spec, engine.point_flops(spec), nbytes, 1.0,
-                                               roofs, threads).get("limit") == "floor"
+    floor_bound = live and limits.binding_limit(spec, engine.point_flops(spec), nbytes, roofs,
+                                                threads).get("limit") == "floor"
     paired_roof, paired_floor = [], []
     for r in range(rounds):
         if floor_bound:  # the memory floor at the points' bytes, its own turn each round
