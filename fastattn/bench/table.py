@@ -99,12 +99,19 @@ def far_above_roof(records):
             and r["roof_fraction"] > FAR_ABOVE_ROOF]
 
 
+def _flagged(fraction):
+    """:func:`format_percent` with ``"!"`` above 100 %."""
+    return format_percent(fraction) + ("!" if above_roof(fraction) else "")
+
+
+def _paired(fraction):
+    """``" (90%)"``: a paired fraction in brackets, flagged; ``""`` for missing."""
+    return "" if _missing(fraction) else f" ({_flagged(fraction)})"
+
+
 def format_roof_percent(fraction, paired=None):
     """:func:`format_percent`, ``"!"`` above the roof, and ``paired`` in brackets."""
-    text = (format_percent(fraction) or MISSING) + ("!" if above_roof(fraction) else "")
-    if _missing(paired):
-        return text
-    return f"{text} ({format_percent(paired)}{'!' if above_roof(paired) else ''})"
+    return (_flagged(fraction) or MISSING) + _paired(paired)
 
 
 def _roof_notes(rows):
@@ -170,12 +177,7 @@ def _roof_cell(row):
 def format_limit(fraction, limit, paired=None):
     """``"92% peak"``, ``"3400%! floor (90%)"``: the fraction of the limit that binds a point,
     ``!`` above 100 %, the paired fraction in brackets; ``""`` for missing."""
-    if _missing(fraction):
-        return ""
-    text = f"{format_percent(fraction)}{'!' if fraction > 1 else ''} {limit}"
-    if not _missing(paired):
-        text += f" ({format_percent(paired)}{'!' if paired > 1 else ''})"
-    return text
+    return "" if _missing(fraction) else f"{_flagged(fraction)} {limit}{_paired(paired)}"
 
 
 def _limit_cell(row):
