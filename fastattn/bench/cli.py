@@ -9,17 +9,18 @@ from pathlib import Path
 
 from .. import _api
 from .._argtypes import positive_int, thread_count
-from .results import ResultsFileError
-from .table import plural
+from .._threads import default_num_threads
+from ..feature_maps import NAMES as FEATURE_MAPS
+from . import limits, peers, sweep, table
+from .results import ResultsFileError, check_writable, point_key, read_records
 from .schema import ATTENTIONS, DECODE_NS, DEFAULT_NS, DTYPES, REGIMES
+from .table import SIDE_FILES, plural
 
 
 def add_parser(subparsers):
     """Register ``fastattn bench`` and its options."""
-    from ..feature_maps import NAMES as FEATURE_MAPS
     parser = subparsers.add_parser(
-        "bench",
-        help="time every kernel side by side with its peers and the GEMM roof",
+        "bench", help="time every kernel side by side with its peers and the GEMM roof",
         description="Measure attention on every available backend and peer over a grid of n: "
                     "time (median, min-max), GFLOP/s and % of the GEMM roof (also paired with "
                     "the roof's GEMM timed each round), peak extra memory, the ratio to a "
@@ -117,18 +118,16 @@ def backend_names(requested, known=None, available=()):
     names = list(dict.fromkeys(n.strip() for item in requested for n in item.split(",")
                                if n.strip()))
     if not names:
-        got = " ".join(map(repr, requested))
-        raise BenchUsageError(f"--backends names no backend (got {got}); give names such as: "
-                              "--backends numba cython torch")
+        raise BenchUsageError(f"--backends names no backend (got {' '.join(map(repr, requested))})"
+                              "; give names such as: --backends numba cython torch")
     if known is None:
         return names
-    from .peers import absent_peers
-    here, absent = f"available here: {', '.join(available)}", absent_peers()
+    here, absent = f"available here: {', '.join(available)}", peers.absent_peers()
+    gone = ", ".join(sorted(set(known) - set(available)))
     for name in names:
         if name not in known:
-            gone = sorted(set(known) - set(available))
             raise BenchUsageError(f"unknown backend {name!r}; {here}"
-                                  + (f" (known but absent: {', '.join(gone)})" if gone else ""))
+                                  + (f" (known but absent: {gone})" if gone else ""))
         if name in absent:
             raise BenchUsageError(f"peer {name!r} is not installed ({here}); add it, in the "
                                   f"fastattn checkout, with: {absent[name]}")
@@ -142,7 +141,6 @@ def _out(args, kind):
     """``--out`` (refused when its folder is missing), or ``results/<kind>-<time>.jsonl``."""
     if args.out is None:
         return Path("results") / time.strftime(f"{kind}-%Y%m%d-%H%M%S.jsonl")
-    from .results import check_writable
     check_writable(args.out, "results file")
     if not args.out.parent.is_dir():
         raise BenchUsageError(f"--out {args.out}: the folder {args.out.parent} does not exist; "
@@ -155,14 +153,11 @@ def run(args):
     try:
         if args.versus:
             return print_versus(args.versus)
-        if args.startup:
-            from .startup import run_startup, startup_backends
-            try:
-                backends = startup_backends(backend_names(args.backends))
-            except ValueError as exc:
-                raise BenchUsageError(str(exc)) from None
-            return run_startup(args, _out(args, "startup"), backends)
-        return _run(args)
+        if not args.startup:
+            return _run(args)
+        from .startup import run_startup, startup_backends
+        backends = startup_backends(backend_names(args.backends))
+        return run_startup(args, _out(args, "startup"), backends)
     except (BenchUsageError, ResultsFileError) as exc:
         print(f"fastattn bench: error: {exc}", file=sys.stderr)
         return 2
@@ -170,8 +165,6 @@ def run(args):
 
 def print_versus(path):
     """``fastattn bench --versus RESULTS``: the versus table and the roof of a results file."""
-    from .results import read_records
-    from .table import format_versus, roof_statements, versus_rows
     if path.is_dir():
         raise BenchUsageError(f"--versus {path} is a directory; a results file (the JSON "
                               "lines a run writes, e.g. results/bench-<time>.jsonl) was expected")
@@ -179,26 +172,20 @@ def print_versus(path):
         records = read_records(path)
     except FileNotFoundError as exc:
         raise BenchUsageError(str(exc)) from None
-    rows = versus_rows([r for r in records if r["record"] == "point"])
+    rows = table.versus_rows([r for r in records if r["record"] == "point"])
     if not any(r["peer"] for r in rows):
         raise BenchUsageError(f"{path} holds no point of a peer beside a fastattn backend")
-    from .limits import statements
     probes = [r for r in records if r["record"] == "roof"]
-    print(format_versus(rows, roof_statements(probes)))
-    if limit_text := statements(probes):
+    print(table.format_versus(rows, table.roof_statements(probes)))
+    if limit_text := limits.statements(probes):
         print("\nlimits (probed in the run, on the same threads):\n  " + "\n  ".join(limit_text))
     return 0
 
 
 def _plan(args):
-    """``(points, out, backends, baseline, absent peers)``, refusing first what cannot be
-    written."""
-    from . import peers
-    from .results import read_records
-    from .sweep import default_backends, default_grid, known_backends
-    from .table import SIDE_FILES, check_target
-    available = default_backends()
-    backends = backend_names(args.backends, known_backends(), available) or available
+    """``(points, out, backends, baseline, absent peers)``; refuses first what cannot be written."""
+    available = sweep.default_backends()
+    backends = backend_names(args.backends, sweep.known_backends(), available) or available
     absent = {} if args.backends else peers.absent_peers()  # peers not asked for: not news
     baseline = args.baseline or ("reference" if "reference" in backends else backends[0])
     if baseline not in backends:
@@ -206,27 +193,25 @@ def _plan(args):
             f"--baseline {baseline!r} is not among the measured backends: {', '.join(backends)}")
     out = _out(args, "bench")
     # Any case: X.MD and X.md are one file on a case-insensitive filesystem.
-    beside = next((s for s, _, _ in SIDE_FILES.values() if out.name.lower().endswith(s)), None)
-    if beside:  # the results file would be overwritten by its own table or summary
+    if beside := next((s for s, _, _ in SIDE_FILES.values() if out.name.lower().endswith(s)),
+                      None):  # the results file would be overwritten by its own side file
         stem = out.name[:-len(beside)]
         raise BenchUsageError(
             f"--out names the JSON-lines results file, got {out}: a {beside} file is written "
             f"beside it; give e.g. --out "
             f"{out.with_name(stem if stem.endswith('.jsonl') else stem + '.jsonl')}")
-    if out.exists():
-        try:
+    try:
+        if out.exists():
             read_records(out)
-        except ResultsFileError as exc:
-            raise ResultsFileError(
-                f"{exc}; --out resumes this file (--fresh replaces it), and neither is done "
-                "to a file that is not sound: repair or remove that line, or give another "
-                "--out") from None
+    except ResultsFileError as exc:
+        raise ResultsFileError(
+            f"{exc}; --out resumes this file (--fresh replaces it), and neither is done to a "
+            "file that is not sound: repair or remove that line, or give another --out") from None
     for kind, (suffix, _, _) in SIDE_FILES.items():
-        side = out.with_suffix(suffix)
-        if side.is_dir():   # check_target's advice (a file inside it) would be wrong here
+        if (side := out.with_suffix(suffix)).is_dir():   # check_target would advise a file in it
             raise ResultsFileError(f"--out {out} writes its {kind} beside it, at {side}, which "
                                    "is a directory; give another --out")
-        check_target(side, kind)
+        table.check_target(side, kind)
     if args.num_features and "favor" not in args.feature_map:
         raise BenchUsageError("--num-features sets FAVOR+'s m: give --feature-map favor too")
     shapes = args.shape or [(args.batch, args.heads, None, args.d_k, None, None)]
@@ -236,45 +221,41 @@ def _plan(args):
         for regime in ([regime_of] if regime_of else args.regime)
         for fmap in args.feature_map
         for m in (args.num_features or [None] if fmap == "favor" else [None])
-        for p in default_grid(
+        for p in sweep.default_grid(
             attentions=(kind_of,) if kind_of else kinds, backends=backends,
             ns=(n,) if n else sorted(set(args.n or (DECODE_NS if regime == "decode"
                                                      else DEFAULT_NS))),
             d_k=d_k, d_v=args.d_v or d_k, batch=batch, heads=heads,
             causal={"yes": (True,), "no": (False,), "both": (False, True)}[args.causal],
             dtype=args.dtype, feature_map=fmap, regime=regime, num_features=m)))
-    idle = {}
-    for name in backends:
-        if not any(p.backend == name for p in points):  # a peer without the call
-            whys = [peers.why_not(name, kind, regime=regime, feature_map=fmap if kind ==
-                                  "linear" else None)
-                    for kind in kinds for regime in args.regime for fmap in args.feature_map]
-            idle[name] = next((why for why in whys if why), f"{name} has no call for these points")
+    measured = {p.backend for p in points}
+    idle = [next((why for kind in kinds for regime in args.regime for fmap in args.feature_map
+                  if (why := peers.why_not(name, kind, regime=regime,
+                                           feature_map=fmap if kind == "linear" else None))),
+                 f"{name} has no call for these points")
+            for name in backends if name not in measured]   # a peer without the call
     if not points:
-        raise BenchUsageError("nothing to measure: " + "; ".join(idle.values()))
-    notes = [f"{why}, so it is not measured" for why in idle.values()]
-    notes += ["--shape sets n for its points; --n is ignored"] if args.shape and args.n else []
-    if args.causal == "no" and any(p.regime == "decode" for p in points):
-        notes.append("a decode point is causal (its query is the newest token); --causal no "
-                     "applies to the prefill points only")
-    if kinds == ("softmax",) and args.feature_map != ["elu"]:
-        notes.append("--feature-map applies to linear attention; --kind softmax ignores it")
+        raise BenchUsageError("nothing to measure: " + "; ".join(idle))
+    notes = [f"{why}, so it is not measured" for why in idle] + [note for given, note in (
+        (args.shape and args.n, "--shape sets n for its points; --n is ignored"),
+        (args.causal == "no" and any(p.regime == "decode" for p in points),
+         "a decode point is causal (its query is the newest token); --causal no applies to the "
+         "prefill points only"),
+        (kinds == ("softmax",) and args.feature_map != ["elu"],
+         "--feature-map applies to linear attention; --kind softmax ignores it")) if given]
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
     return points, out, backends, baseline, absent
 
 
 def _run(args):
-    from .._threads import default_num_threads
-    from .results import point_key, read_records
-    from .sweep import Options, Terminated, new_run_id, run_sweep
-    from . import limits, table
     points, out, backends, baseline, absent = _plan(args)
     for name, hint in absent.items():
         print(f"{name} is not installed, so it is not compared; add it, in the fastattn "
               f"checkout, with: {hint}")
-    options = Options(repeats=args.repeats, memory=not args.no_memory, check=not args.no_check)
-    run_id, records, resume = new_run_id(), [], not args.fresh
+    options = sweep.Options(repeats=args.repeats, memory=not args.no_memory,
+                            check=not args.no_check)
+    run_id, records, resume = sweep.new_run_id(), [], not args.fresh
     resumed = resume and out.is_file() and out.stat().st_size > 0
 
     def announce(todo, done):
@@ -286,31 +267,29 @@ def _run(args):
 
     try:
         for threads in dict.fromkeys(args.threads or [None]):  # one sweep per thread count
-            records += run_sweep(points, out, options, threads=threads, resume=resume,
-                                 threads_reason="as asked (--threads)" if threads else None,
-                                 progress=None if args.no_progress else "fastattn bench",
-                                 run_id=run_id, announce=announce)
+            records += sweep.run_sweep(points, out, options, threads=threads, resume=resume,
+                                       threads_reason="as asked (--threads)" if threads else None,
+                                       progress=None if args.no_progress else "fastattn bench",
+                                       run_id=run_id, announce=announce)
             resume = True  # the next thread count adds to this run's file
     except KeyboardInterrupt as exc:   # Ctrl-C, or SIGTERM while measuring (Terminated)
         try:
             kept = out.exists() and any(r["record"] == "point" for r in read_records(out))
         except (OSError, ResultsFileError):
             kept = True
-        where = (f"the points measured so far are in {out}" if kept
-                 else "no point was measured yet")
-        how = "terminated (SIGTERM)" if isinstance(exc, Terminated) else "interrupted"
-        print(f"\n{how}: {where}; to measure the rest, run the same command with "
-              f"--out {shlex.quote(str(out))}" + (" and without --fresh" if args.fresh else ""),
-              file=sys.stderr)
-        return 128 + signal.SIGTERM if isinstance(exc, Terminated) else 130
+        terminated = isinstance(exc, sweep.Terminated)
+        where = f"the points measured so far are in {out}" if kept else "no point was measured yet"
+        print(f"\n{'terminated (SIGTERM)' if terminated else 'interrupted'}: {where}; to measure "
+              f"the rest, run the same command with --out {shlex.quote(str(out))}"
+              + (" and without --fresh" if args.fresh else ""), file=sys.stderr)
+        return 128 + signal.SIGTERM if terminated else 130
     print("\n" + table.format_tables(records, baseline=baseline, backend_order=backends))
     runs, stored = {r.get("run_id") for r in records}, read_records(out)
     probes = [r for r in stored if r.get("record") == "roof" and r.get("run_id") in runs]
-    roof_text, limit_text = table.roof_statements(probes), limits.statements(probes)
-    if roof_text:
+    if roof_text := table.roof_statements(probes):
         print("\nroof (the GEMM probed in this run, on the same threads):\n  "
               + "\n  ".join(roof_text))
-    if limit_text:
+    if limit_text := limits.statements(probes):
         print("\nlimits (probed in this run, on the same threads):\n  " + "\n  ".join(limit_text))
     if far := table.far_above_roof(records):
         print(f"\nwarning: {len(far)} point(s) ran at more than {table.FAR_ABOVE_ROOF:g}x the "
