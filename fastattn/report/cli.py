@@ -12,15 +12,14 @@ from pathlib import Path
 
 from .._argtypes import positive_int, thread_count
 from .._threads import default_num_threads
-from ..bench import results as res
+from ..bench import results as res, sweep
 from ..bench.results import ResultsFileError, point_key
-from ..bench.sweep import DEFAULT_NS
+from ..bench.table import plural
 
 DEFAULT_REPEATS = 5
 #: Seconds of timed repeats a point may take (slower calls get fewer, never under 3).
 MAX_POINT_S = 3.0
-#: Rounds the backends of one shape take turns in: two keep the default report within
-#: 5 minutes on 2 cores.
+#: Rounds the backends of a shape take turns in: two keep the default report in 5 min on 2 cores.
 ROUNDS = 2
 #: A point still running after this long is recorded as an error.
 POINT_TIMEOUT_S = 300.0
@@ -29,6 +28,7 @@ QUICK_NS = (128, 512, 1024, 2048)
 QUICK_REPEATS, QUICK_MAX_POINT_S = 2, 0.5
 REPORTS_DIR = Path("reports")
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+BESIDE = "the figure beside the report"
 
 
 class ReportError(Exception):
@@ -47,16 +47,15 @@ def add_parser(subparsers):
                     "crossover, roof, quality, environment) and print its path.")
     add = parser.add_argument
     source = parser.add_mutually_exclusive_group()
+    no_measuring = "measuring (so without --n, --threads, --repeats or --quick)"
     source.add_argument("--from", dest="from_", metavar="RESULTS", type=Path,
-                        help="build the report from this results file without measuring "
-                             "(so without --n, --threads, --repeats or --quick)")
+                        help=f"build the report from this results file without {no_measuring}")
     source.add_argument("--resume", metavar="RESULTS", type=Path,
                         help="continue an interrupted run: measure only the points missing "
                              "from this results file, then build the report")
     source.add_argument("--asv", metavar="DIR", type=Path,
                         help="build the report from an asv results directory instead of "
-                             "measuring (so without --n, --threads, --repeats or --quick): the "
-                             "newest commit on asv.conf.json's branch")
+                             f"{no_measuring}: the newest commit on asv.conf.json's branch")
     add("--asv-commit", metavar="REV",
         help="with --asv: the commit (a hash or its prefix) to report instead")
     add("--history", metavar="BENCHMARK",
@@ -64,7 +63,7 @@ def add_parser(subparsers):
     add("--out", metavar="HTML", type=Path,
         help="where to write the report (default: beside the results file, under reports/)")
     add("--n", metavar="N", type=positive_int, nargs="+",
-        help=f"sequence lengths to measure (default {' '.join(map(str, DEFAULT_NS))})")
+        help=f"sequence lengths to measure (default {' '.join(map(str, sweep.DEFAULT_NS))})")
     add("--threads", metavar="N", type=thread_count,
         help="threads for every backend and BLAS (default: the usable cores, or those "
              "other work leaves idle)")
@@ -119,7 +118,7 @@ def _check_output(out, results):
         raise ReportError(f"--out names the HTML report, got {str(out)!r}; give a name "
                           f"ending in .html{example}")
     res.check_replaceable(out, "report", REPORT_MARKER)
-    _check_image(_figure_beside(out), "the figure beside the report")
+    _check_image(_figure_beside(out), BESIDE)
 
 
 def _check_image(path, label="--readme-image"):
@@ -132,50 +131,42 @@ def _check_image(path, label="--readme-image"):
                 raise ReportError(f"{label} {path} exists and is not a PNG; not overwriting it")
 
 
-def _check_minilm(path):
-    """Refuse a file that is not an .npz of MiniLM activations, before measuring."""
-    from ..data import load_minilm
-
-    if path.is_file() and not zipfile.is_zipfile(path):
-        raise ReportError(f"--minilm {path}: not an .npz archive; --minilm expects NumPy's "
-                          ".npz of MiniLM activations (arrays q, k, v), or leave it out to "
-                          "use the slice shipped with fastattn")
-    try:
-        load_minilm(path)
-    except (OSError, ValueError) as exc:
-        raise ReportError(f"--minilm: {exc}") from None
-
-
 def _check_args(args, out, results):
-    """Refuse, before any work, options that do not go together and paths that cannot be
-    used: the report ``out``, the figures, --minilm and the ``results`` file resumed."""
+    """Refuse, before any work, options that do not go together and paths that cannot be used."""
     if (args.history or args.asv_commit) is not None and args.asv is None:
         raise ReportError(f"{'--history' if args.history else '--asv-commit'} needs --asv DIR")
     source_flag = "--from" if args.from_ is not None else "--asv" if args.asv is not None else None
-    measuring = [flag for flag, given in (("--quick", args.quick), ("--n", args.n is not None),
-                                          ("--threads", args.threads is not None),
-                                          ("--repeats", args.repeats is not None)) if given]
+    measuring = [flag for flag, value in (("--quick", args.quick or None), ("--n", args.n),
+                                          ("--threads", args.threads),
+                                          ("--repeats", args.repeats)) if value is not None]
     if source_flag and measuring:
         one = len(measuring) == 1
         raise ReportError(f"{', '.join(measuring)} set{'s' if one else ''} what is measured, "
                           f"and {source_flag} measures nothing: drop {'it' if one else 'them'}"
                           ", or measure with --resume RESULTS or without a source")
-    image = args.readme_image
-    if image is not None:
+    if (image := args.readme_image) is not None:
         _check_image(image)
         _check_folder(image, "--readme-image")
-        taken = {out: "the report", _figure_beside(out): "the figure beside the report",
+        taken = {out: "the report", _figure_beside(out): BESIDE,
                  **({Path(results): "the results file"} if results is not None else {})}
-        what = next((what for path, what in taken.items() if image.resolve() == path.resolve()),
-                    None)
-        if what:
+        if what := next((what for path, what in taken.items()
+                         if image.resolve() == path.resolve()), None):
             raise ReportError(f"--readme-image {image} is {what}; give the figure a path of "
                               "its own")
         if image.suffix.lower() != ".png":
             raise ReportError(f"--readme-image {image}: the figure is written as a PNG; give a "
                               "path ending in .png")
-    if args.minilm is not None:
-        _check_minilm(args.minilm)
+    if args.minilm is not None:   # an .npz of MiniLM activations
+        from ..data import load_minilm
+
+        if args.minilm.is_file() and not zipfile.is_zipfile(args.minilm):
+            raise ReportError(f"--minilm {args.minilm}: not an .npz archive; --minilm expects "
+                              "NumPy's .npz of MiniLM activations (arrays q, k, v), or leave it "
+                              "out to use the slice shipped with fastattn")
+        try:
+            load_minilm(args.minilm)
+        except (OSError, ValueError) as exc:
+            raise ReportError(f"--minilm: {exc}") from None
     _check_output(out, results)
     _check_folder(args.out, "--out")
     if args.resume is not None:
@@ -187,6 +178,7 @@ def _check_args(args, out, results):
 
 
 def _read_results(path):
+    """The records of the results file ``path``, refusing a missing, unsound or empty one."""
     try:
         records = res.read_records(path)
     except FileNotFoundError:
@@ -206,9 +198,7 @@ def sweep_points(ns, quick=False):
     backend and peer, softmax and linear, causal and not, at ``ns`` (default ``DEFAULT_NS``,
     :data:`QUICK_NS` if ``quick``); decode at ``DECODE_NS`` (or those); and, on the default
     grid, the fast backends' every feature map and non-causal softmax at ``FEATURE_MAP_NS``."""
-    from ..bench import sweep
-
-    prefill = tuple(ns) if ns else (QUICK_NS if quick else DEFAULT_NS)
+    prefill = tuple(ns) if ns else (QUICK_NS if quick else sweep.DEFAULT_NS)
     decode = tuple(ns) if ns else (QUICK_NS if quick else sweep.DECODE_NS)
     fast = [b for b in sweep.default_backends(peers_too=False) if b != "reference"]
     return list(dict.fromkeys(  # the feature-map grid's elu points are on the main grid
@@ -232,9 +222,6 @@ def _resume_command(args, results):
 
 def _threads(args, earlier):
     """The thread count of the run and why (the resumed file's, else the idle cores)."""
-    from ..bench import sweep
-    from ..bench.table import plural
-
     if args.threads is not None:
         return args.threads, "as asked (--threads)"
     threads = next((r["threads"] for r in earlier if r["record"] == "point"), None)
@@ -255,9 +242,6 @@ def _threads(args, earlier):
 
 def _measure(args, results):
     """Run (or resume) the bench's sweep of :func:`sweep_points` into ``results``."""
-    from ..bench import sweep
-    from ..bench.table import plural
-
     repeats = args.repeats or (QUICK_REPEATS if args.quick else DEFAULT_REPEATS)
     resume = _resume_command(args, results)
 
@@ -272,9 +256,8 @@ def _measure(args, results):
     threads, why = _threads(args, earlier)
     points = sweep_points(args.n, args.quick)
     grid = {point_key(p.record_fields(threads)) for p in points}
-    foreign = [r for r in earlier if r["record"] == "point" and point_key(r) not in grid]
-    if foreign:  # a file of another grid is not finished by this one
-        r = foreign[0]
+    if foreign := [r for r in earlier if r["record"] == "point" and point_key(r) not in grid]:
+        r = foreign[0]   # a file of another grid is not finished by this one
         raise ReportError(
             f"--resume {results}: it holds {plural(len(foreign), 'point')} outside this run's "
             f"grid (e.g. {r['attention']} n={r['n_k']} {r['backend']}), so it was measured "
@@ -337,9 +320,8 @@ def run(args):
 
 @contextlib.contextmanager
 def _noting_interrupts():
-    """Yield a function that says whether Ctrl-C came while inside, so the caller can raise
-    a KeyboardInterrupt that matplotlib turned into its own error, or that a finalizer lost
-    (not printed); the handler in place still runs."""
+    """Yield a function saying whether Ctrl-C came inside (the handler in place still runs), so
+    the caller can raise one that matplotlib turned into its error or a finalizer lost."""
     seen, hook, previous = [], sys.unraisablehook, signal.getsignal(signal.SIGINT)
 
     def unraisable(info):
@@ -350,19 +332,18 @@ def _noting_interrupts():
         seen.append(signum)
         previous(signum, frame)
 
-    try:   # SIG_IGN and SIG_DFL are left be; outside the main thread no handler can be set
-        if callable(previous):
+    installed = callable(previous)   # SIG_IGN and SIG_DFL are left be
+    try:
+        if installed:
             signal.signal(signal.SIGINT, note)
-    except ValueError:
-        previous = None
-    if not callable(previous):
-        yield lambda: False
-        return
+    except ValueError:   # outside the main thread no handler can be set
+        installed = False
     sys.unraisablehook = unraisable
     try:
         yield lambda: bool(seen)
     finally:
-        signal.signal(signal.SIGINT, previous)
+        if installed:
+            signal.signal(signal.SIGINT, previous)
         if sys.unraisablehook is unraisable:
             sys.unraisablehook = hook
 
@@ -407,8 +388,6 @@ def _model_study(args, records, results):
 
 
 def _run(args):
-    from ..bench.table import plural
-
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     results = None if args.asv is not None else (
         args.from_ or args.resume or REPORTS_DIR / f"fastattn-{stamp}.jsonl")
@@ -447,8 +426,7 @@ def _run(args):
     beside = _figure_beside(out)
     for image in [beside] + ([args.readme_image] if args.readme_image else []):
         try:   # again for --readme-image: the file may have changed while measuring
-            _check_image(image, "the figure beside the report" if image is beside
-                         else "--readme-image")
+            _check_image(image, BESIDE if image is beside else "--readme-image")
             res.atomic_write(image, report.scaling_png)
         except (OSError, ResultsFileError, ReportError) as exc:
             raise ReportError(f"the report is written ({out}), but not the figure {image}: "
