@@ -37,10 +37,9 @@ def startup_backends(names):
     """The fastattn backends to time (None: every available one and ``auto``);
     BenchUsageError for any other name."""
     available = list(_api.available_backends()) + ["auto"]
-    for name in names or ():
-        if name not in available:
-            raise BenchUsageError(f"--startup times fastattn backends, got {name!r}; "
-                                  f"available here: {', '.join(available)}")
+    if unknown := [name for name in names or () if name not in available]:
+        raise BenchUsageError(f"--startup times fastattn backends, got {unknown[0]!r}; "
+                              f"available here: {', '.join(available)}")
     return available if names is None else names
 
 

@@ -356,7 +356,8 @@ def model_study_path(results):
 def _model_study(args, records, results):
     """The section "What a whole model keeps" (fastattn.model.study), or why it is not there:
     measured with the model extra and kept at :func:`model_study_path`, which --from reads."""
-    from ..model.study import ModelStudy
+    from ..model import MissingExtraError
+    from ..model.study import ModelStudy, report_study
 
     if args.asv is not None:
         return "a report of asv results holds no whole-model study."
@@ -370,9 +371,6 @@ def _model_study(args, records, results):
                     'checkout of fastattn: pip install -e ".[model]").')
         except (OSError, ValueError) as exc:
             raise ReportError(f"{path}: {exc}") from None
-    from ..model import MissingExtraError
-    from ..model.study import report_study
-
     threads = next((r["threads"] for r in records if r["record"] == "point"), None)
     try:
         print("fastattn report: what a whole model keeps (MiniLM, each attention)",
