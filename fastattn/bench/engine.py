@@ -357,8 +357,8 @@ def check_accuracy(spec, out, references, seed=DEFAULT_SEED, max_bytes=None):
 
 def prepare_point(spec, repeats=5, memory=True, check=True, seed=DEFAULT_SEED,
                   references=None, max_point_s=None):
-    """All of one point but its timed repeats (warm-up, memory, check): ``(call, fields,
-    n_repeats, estimate_s)``, ``call`` None when skipped or failed."""
+    """One point but its timed repeats (warm-up, memory, check): ``(call, fields, n_repeats,
+    estimate_s)``, ``call`` None when skipped or failed."""
     if reason := why_skip(spec):
         return None, {"status": "skipped", "reason": reason}, 0, 0.0
     try:

@@ -36,9 +36,9 @@ def check_count(name, value):
 
 @dataclass(frozen=True)
 class Point:
-    """One measurement: an attention call of one shape on one backend or peer; ``"prefill"``
-    has ``n_q = n_k = n``, ``"decode"`` (causal) ``n_q = 1``, ``n_k = n``.  A bad field raises
-    ValueError (TypeError: causal)."""
+    """One measurement: an attention call of one shape on one backend or peer (``"prefill"``:
+    ``n_q = n_k = n``; ``"decode"``, causal: ``n_q = 1``).  A bad field raises ValueError
+    (causal: TypeError)."""
 
     attention: str
     backend: str
@@ -288,8 +288,7 @@ class _Worker:
     def _start(self):
         context = multiprocessing.get_context("spawn")
         self.conn, child = context.Pipe()
-        # The pools are fixed before any library starts them in the child; Numba refuses
-        # set_num_threads above its start-up count.
+        # Pools fixed before any library starts them; Numba refuses more threads than at start.
         with mock.patch.dict(os.environ, {name: str(self.threads) for name in _THREAD_ENV},
                              NUMBA_NUM_THREADS=str(max(self.threads, default_num_threads()))):
             process = context.Process(target=_worker_main, daemon=True,
@@ -303,7 +302,7 @@ class _Worker:
             raise self._stop("the measuring process failed to start") from None
 
     def _stop(self, why, kill=False):
-        """End the process (killed first if ``kill``); WorkerDied saying ``why`` and how."""
+        """End the process (killed first if ``kill``); the WorkerDied saying why and how."""
         if kill:
             self.process.kill()
         self.process.join(timeout=5)
