@@ -42,21 +42,24 @@ MIN_TIME_S, MAX_REPEATS = 0.25, 100
 
 def make_inputs(spec, seed=DEFAULT_SEED):
     """Seeded Gaussian ``q, k, v`` of a point, the same for every backend and dtype."""
-    b = spec["batch"] * spec["heads"]
-    shape = (b, spec["n_q"], spec["n_k"], spec["d_k"], spec["d_v"])
-    return gaussian_qkv((b, spec["n_q"], spec["d_k"]), spec["n_k"], spec["d_v"],
-                        dtype=spec["dtype"], seed=[seed, *shape])
+    b, n_q, n_k, d_k, d_v = (spec["batch"] * spec["heads"], spec["n_q"], spec["n_k"],
+                             spec["d_k"], spec["d_v"])
+    return gaussian_qkv((b, n_q, d_k), n_k, d_v, dtype=spec["dtype"],
+                        seed=[seed, b, n_q, n_k, d_k, d_v])
 
 
 def make_call(spec, q, k, v):
-    """The no-argument call of point ``spec`` (a linear decode point: one step)."""
+    """The no-argument call of point ``spec`` (a linear decode point: one step); FAVOR+ with
+    ``num_features`` gets its map as an object."""
     attention, backend, causal = spec["attention"], spec["backend"], spec["causal"]
-    feature_map, decode = _feature_map(spec), spec.get("regime") == "decode"
-    scale = reference.default_scale(q.shape[-1])
+    decode, scale = spec.get("regime") == "decode", reference.default_scale(q.shape[-1])
+    feature_map = spec.get("feature_map") or "elu"
     if backend in peers.PEERS:
         build = peers.PEERS[backend].calls[attention, "decode" if decode else "prefill"]
-        option = scale if attention == "softmax" else spec.get("feature_map") or "elu"
-        return build(q, k, v, causal, option, heads=spec.get("heads", 1))
+        return build(q, k, v, causal, scale if attention == "softmax" else feature_map,
+                     heads=spec.get("heads", 1))
+    if feature_map == "favor" and spec.get("num_features"):
+        feature_map = FavorFeatures(spec["d_k"], num_features=spec["num_features"])
     if attention == "softmax":
         return lambda: _api.softmax_attention(q, k, v, causal=causal, scale=scale,
                                               backend=backend)
@@ -69,14 +72,6 @@ def make_call(spec, q, k, v):
                                              backend=backend)[0]
     return lambda: _api.linear_attention(q, k, v, causal=causal, feature_map=feature_map,
                                          backend=backend)
-
-
-def _feature_map(spec):
-    """The ``feature_map=`` of a linear point: FAVOR+ with ``num_features`` as an object."""
-    name = spec.get("feature_map") or "elu"
-    if name == "favor" and spec.get("num_features"):
-        return FavorFeatures(spec["d_k"], num_features=spec["num_features"])
-    return name
 
 
 def feature_dim(spec):
@@ -103,8 +98,7 @@ def point_flops(spec):
 
 
 def point_bytes(spec):
-    """Bytes a point's call moves at least (:func:`~.limits.point_bytes`, with its map's
-    ``D`` features)."""
+    """Bytes a point's call moves at least (:func:`~.limits.point_bytes` with its ``D``)."""
     return limits.point_bytes(spec, feature_dim(spec))
 
 
@@ -119,7 +113,7 @@ def warm_up(call, seconds=TURN_WARMUP_S):
 
 
 def time_call(call, repeats, estimate_s, min_time_s=None, max_repeats=None):
-    """Timing of ``repeats`` or more (up to ``max_repeats``, for ``min_time_s``) repeats of a
+    """Timing of ``repeats`` (up to ``max_repeats`` while ``min_time_s`` lasts) repeats of a
     warmed-up ``call()``, each of ``number`` calls."""
     min_time_s = MIN_TIME_S if min_time_s is None else min_time_s
     max_repeats = max(repeats, MAX_REPEATS if max_repeats is None else max_repeats)
@@ -138,7 +132,6 @@ def _timing(times, number):
             "max_s": max(times), "number": number, "repeats": len(times)}
 
 
-# ------------------------------------------------------------------- memory
 try:
     _LIBC = ctypes.CDLL(ctypes.util.find_library("c"))
     _LIBC.mallopt, _LIBC.malloc_trim  # glibc only
@@ -151,10 +144,12 @@ _PROBE_MALLOC = {-3: 64 * 1024, -1: 128 * 1024}
 _TIMING_MALLOC = {-3: 32 * 2**20, -1: 64 * 2**20}
 
 
-def _mallopt(settings):
+def _mallopt(settings, trim=False):
     if _LIBC is not None:
         for param, value in settings.items():
             _LIBC.mallopt(param, value)
+        if trim:
+            _LIBC.malloc_trim(0)
 
 
 def _status_bytes(field):
@@ -179,9 +174,7 @@ def peak_extra_bytes(call, method="auto"):
     """``(bytes, method, seconds)``: the peak a warmed-up ``call()`` adds, by the peak RSS
     (``"hwm"``, Linux) or ``"tracemalloc"`` (Python-tracked only)."""
     gc.collect(1)
-    _mallopt(_PROBE_MALLOC)
-    if _LIBC is not None:
-        _LIBC.malloc_trim(0)
+    _mallopt(_PROBE_MALLOC, trim=True)
     hwm = method in ("auto", "hwm") and hwm_available()
     started_here = not hwm and not tracemalloc.is_tracing()
     if started_here:
@@ -202,7 +195,6 @@ def peak_extra_bytes(call, method="auto"):
     return max(0, int(peak - before)), "hwm" if hwm else "tracemalloc", elapsed
 
 
-# --------------------------------------------------------------------- roof
 #: GEMM shapes above this n are probed at this n (the rate is flat, the output huge).
 MAX_PROBE_N = 16384
 #: Lengths probed at every d besides the run's n, where the GEMM runs fastest (not memory-bound).
@@ -226,8 +218,8 @@ def _task(kind, dtype, n, d, library="numpy"):
 
 def probe_roof(shapes, dtypes=("float32", "float64"), budget_s=0.1, rounds=3, library="numpy"):
     """Roof records: GEMM GFLOP/s of ``n x d @ d x n`` at each ``(n, d)`` of ``shapes`` and
-    :data:`PEAK_PROBE_N` through ``library`` (and NumPy's exp rate), per dtype, each the best
-    of ``rounds`` rounds over every task."""
+    :data:`PEAK_PROBE_N` through ``library`` (and NumPy's exp rate), per dtype, the best of
+    ``rounds`` rounds."""
     if library not in ROOF_LIBRARIES:
         raise ValueError(f"library must be one of {ROOF_LIBRARIES}, got {library!r}")
     sizes = sorted({(max(1, min(int(n), MAX_PROBE_N)), int(d)) for n, d in shapes}
@@ -275,21 +267,15 @@ def gemm_probes(roofs, dtype=None, threads=None, machine=None):
 
 def roof_probe(roofs, dtype, d, threads=None, machine=None):
     """The one roof rule: the fastest GEMM probe at the nearest ``d``, or None."""
-    found = gemm_probes(roofs, dtype, threads, machine)
-    if not found:
-        return None
-    nearest = min(abs(math.log2(r["shape"][1] / d)) for r in found)
-    return max((r for r in found if abs(math.log2(r["shape"][1] / d)) == nearest),
-               key=lambda r: r["gflops"])
+    return max(gemm_probes(roofs, dtype, threads, machine), default=None,
+               key=lambda r: (-abs(math.log2(r["shape"][1] / d)), r["gflops"]))
 
 
 def roof_for(roofs, dtype, d, threads=None, machine=None):
     """The roof GFLOP/s of :func:`roof_probe`, or None."""
-    probe = roof_probe(roofs, dtype, d, threads, machine)
-    return None if probe is None else probe["gflops"]
+    return (roof_probe(roofs, dtype, d, threads, machine) or {}).get("gflops")
 
 
-# -------------------------------------------------------------------- check
 def quadratic_need(spec, itemsize):
     """Bytes of n_q x n_k intermediates a reference call makes (0 if none)."""
     if spec["attention"] == "linear" and not spec["causal"]:
@@ -311,10 +297,9 @@ def why_skip(spec):
         if backend not in peers.available_peers():
             return (f"{backend} is not installed; add it, in the fastattn checkout, with: "
                     f"{peers.PEERS[backend].install}")
-        unsupported = peers.why_not(backend, spec["attention"], spec["dtype"], spec["d_k"],
-                                    spec["d_v"], spec.get("regime") or "prefill",
-                                    spec.get("feature_map"))
-        if unsupported:
+        if unsupported := peers.why_not(backend, spec["attention"], spec["dtype"], spec["d_k"],
+                                        spec["d_v"], spec.get("regime") or "prefill",
+                                        spec.get("feature_map")):
             return unsupported
     elif backend not in _api.available_backends():
         reason = _api.unavailable_backends().get(backend, "unknown")
@@ -372,10 +357,9 @@ def check_accuracy(spec, out, references, seed=DEFAULT_SEED, max_bytes=None):
 
 def prepare_point(spec, repeats=5, memory=True, check=True, seed=DEFAULT_SEED,
                   references=None, max_point_s=None):
-    """All of one point but its timed repeats (warm-up, memory, check): ``(call, fields,
-    n_repeats, estimate_s)``, ``call`` None when skipped or failed."""
-    reason = why_skip(spec)
-    if reason:
+    """One point but its timed repeats (warm-up, memory, check): ``(call, fields, n_repeats,
+    estimate_s)``, ``call`` None when skipped or failed."""
+    if reason := why_skip(spec):
         return None, {"status": "skipped", "reason": reason}, 0, 0.0
     try:
         call = make_call(spec, *make_inputs(spec, seed))
@@ -418,9 +402,9 @@ def failure(exc):
 
 
 def finish_point(spec, fields, timings, roofs=(), paired_roof=None, rounds=(), paired_floor=()):
-    """``fields`` with the ``timings`` merged, GFLOP/s and the fraction of the roof, also
-    paired (the median over ``rounds`` of the kernel's fastest GFLOP/s over the round's roof),
-    and of the limit that binds it (paired with ``paired_floor``, the floor read each round)."""
+    """``fields`` with the ``timings`` merged, GFLOP/s, the fraction of the roof and of the
+    binding limit, each also paired: the median over ``rounds`` against the round's roof
+    (``paired_roof``) or floor (``paired_floor``)."""
     times = [t for timing in timings for t in timing["times_s"]]
     out = {**fields, **_timing(times, timings[0]["number"]), "rounds": len(timings),
            "round_min_s": [t["min_s"] for t in timings]}
@@ -436,8 +420,7 @@ def finish_point(spec, fields, timings, roofs=(), paired_roof=None, rounds=(), p
                                    spec.get("threads")))
     if paired_floor and out.get("limit") == "floor":   # the floor read beside it, each round
         out["limit_fraction_paired"] = limits.paired_fraction(
-            nbytes, [paired_floor[r] for r in rounds],
-            [t["min_s"] for t in timings])
+            nbytes, [paired_floor[r] for r in rounds], out["round_min_s"])
     pairs = [(flops / t["min_s"] / 1e9, paired_roof[r]) for r, t in zip(rounds, timings)
              if paired_roof and flops and t["min_s"] > 0 and paired_roof[r]]
     if pairs:

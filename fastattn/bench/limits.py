@@ -1,18 +1,8 @@
-"""The machine's physical limits, probed in the run beside its points, and how far a point is
-from the one that binds it.
-
-* **Compute peak**: GFLOP/s of the fastest large square GEMM (``n = PEAK_N``) through each
-  BLAS library probed (NumPy's, and torch's MKL in the peers' process), per dtype, at the
-  run's threads.
-* **Memory floor**: GB/s of a streaming read (a parallel sum over an array of the bytes) at
-  the sizes of the run's points, from in cache to out of it.
-
-A point's limit is the roofline's: the larger of its flops at the peak and its bytes (its
-inputs read and its output written once, :func:`point_bytes`) at the floor measured nearest
-its size.  ``limit_fraction`` is that time over the point's median time (1 = at the limit).
-Besides the two products' ``2 d`` multiply-adds per score, softmax takes the max, the exp
-and the rescale, about :data:`SOFTMAX_EXTRA_OPS` more (:func:`softmax_ceiling`: where it
-would stand if they did not overlap the products)."""
+"""The machine's limits, probed in the run: the compute peak (GFLOP/s of a square GEMM of
+``PEAK_N`` per BLAS library and dtype) and the memory floor (GB/s of a streaming read at the
+points' sizes).  A point's limit is the roofline's: the larger of its flops at the peak and its
+:func:`point_bytes` at the floor nearest its size; ``limit_fraction`` is that time over its
+median time (1 = at the limit)."""
 
 import math
 import time
@@ -36,29 +26,25 @@ SOFTMAX_EXTRA_OPS = 12
 
 
 def softmax_ceiling(d):
-    """The fraction of the GEMM peak softmax attention reaches at head dimension ``d`` when its
-    extra operations do not overlap its products: ``2 d / (2 d + SOFTMAX_EXTRA_OPS)`` (91 %
-    at d = 64)."""
+    """Softmax's fraction of the GEMM peak at head dimension ``d`` if its extra operations do
+    not overlap its products: ``2 d / (2 d + SOFTMAX_EXTRA_OPS)`` (91 % at d = 64)."""
     return 2 * d / (2 * d + SOFTMAX_EXTRA_OPS)
 
 
 def point_bytes(spec, feature_dim=None):
-    """Bytes a point's call must move at least: ``q``, ``k``, ``v`` read and the output
-    written once; a linear decode step reads and writes its state (``D`` features) instead
-    of the keys before it."""
-    item = np.dtype(spec["dtype"]).itemsize
-    bh, n_q, n_k, d_k, d_v = (spec["batch"] * spec["heads"], spec["n_q"], spec["n_k"],
-                              spec["d_k"], spec["d_v"])
+    """Bytes a point's call moves at least: ``q``, ``k``, ``v`` read and the output written
+    once; a linear decode step reads and writes its state (``D`` features) instead of the
+    keys before it."""
+    bh_item = spec["batch"] * spec["heads"] * np.dtype(spec["dtype"]).itemsize
+    n_q, n_k, d_k, d_v = spec["n_q"], spec["n_k"], spec["d_k"], spec["d_v"]
     if spec["attention"] == "linear" and spec.get("regime") == "decode":
-        d = feature_dim or d_k
-        return bh * item * (2 * n_q * (d_k + d_v) + 2 * d * (d_v + 1))
-    return bh * item * (n_q * (d_k + d_v) + n_k * (d_k + d_v))
+        return bh_item * (2 * n_q * (d_k + d_v) + 2 * (feature_dim or d_k) * (d_v + 1))
+    return bh_item * (n_q + n_k) * (d_k + d_v)
 
 
 def fastest_rate(call, work, budget_s, min_calls, max_calls=math.inf):
-    """``(work / fastest call's seconds, calls)`` over calls of a warmed-up ``call``: at least
-    ``min_calls``, then more while ``budget_s`` lasts, at most ``max_calls`` in all.  The one
-    timing loop of the machine's probes (the peak, the floor, the GEMM roof)."""
+    """``(work / fastest call's seconds, calls)`` of a warmed-up ``call``: ``min_calls``, then
+    more while ``budget_s`` lasts, ``max_calls`` at most.  The one timing loop of the probes."""
     best, calls, deadline = 0.0, 0, time.perf_counter() + budget_s
     while calls < max_calls and (calls < min_calls or time.perf_counter() <= deadline):
         start = time.perf_counter()
@@ -76,24 +62,20 @@ def _fastest(call, work, budget_s, min_calls=3):
 
 def gemm_call(dtype, m, k, n, library="numpy"):
     """``(call, flops)``: the GEMM ``(m, k) @ (k, n)`` of seeded Gaussian arrays into a
-    preallocated output, through NumPy's BLAS or torch's (imported with the peers' thread
-    count)."""
+    preallocated output, through NumPy's BLAS or torch's (with the peers' thread count)."""
     rng = np.random.default_rng(0)
     a, b = rng.standard_normal((m, k)).astype(dtype), rng.standard_normal((k, n)).astype(dtype)
-    out = np.empty((m, n), dtype=dtype)
-    matmul = np.matmul
+    out, matmul = np.empty((m, n), dtype=dtype), np.matmul
     if library == "torch":
         torch = peers._torch()
-        a, b, out, matmul = torch.from_numpy(a), torch.from_numpy(b), torch.from_numpy(out), \
-            torch.matmul
+        (a, b, out), matmul = map(torch.from_numpy, (a, b, out)), torch.matmul
     return (lambda: matmul(a, b, out=out)), 2.0 * m * k * n
 
 
 @numba.njit(**JIT_PARALLEL)
 def _sum_rows(a):
-    """The sum of ``a``, a row per thread at a time, each row's sum in SIMD lanes: reads
-    ``a`` once, as fast as the cores and caches allow (faster here than NumPy's sum, a BLAS
-    GEMV or dot, measured side by side)."""
+    """The sum of ``a``, a row per thread, each row in SIMD lanes: one read of ``a`` (faster
+    here than NumPy's sum, a BLAS GEMV or dot, measured side by side)."""
     sums = np.zeros(a.shape[0], dtype=a.dtype)
     for i in numba.prange(a.shape[0]):
         acc = a.dtype.type(0)
@@ -104,12 +86,11 @@ def _sum_rows(a):
 
 
 def _read(nbytes):
-    """Streaming reads of ``nbytes`` (float32 rows of 4 KiB summed): on fastattn's Numba
-    threads, and on one; the floor is the faster (a parallel loop whose other thread is
-    descheduled by other work waits for it, and can read a hundred times slower)."""
+    """``(calls, bytes)``: reads of ``nbytes`` (rows of 4 KiB summed) on fastattn's Numba
+    threads and on one; the floor is the faster (a parallel loop waits for a descheduled
+    thread, and can read a hundred times slower)."""
     a = np.ones((max(1, int(nbytes) // 4096), 1024), dtype=np.float32)
-    # fastattn's recorded count: importing the Numba threads module directly (not as a
-    # backend) does not apply it there.
+    # fastattn's recorded count: the Numba threads module imported directly does not apply it
     threads = min(_threads.requested() or numba_threads.get_num_threads(),
                   numba.config.NUMBA_NUM_THREADS)
 
@@ -123,10 +104,9 @@ def _read(nbytes):
 
 
 def probe_limits(sizes, dtypes, library="numpy", budget_s=0.3, blas=None):
-    """Limit records: ``probe="peak"`` (``gflops`` of the square GEMM, per dtype, through
-    ``library``) and, for NumPy, ``probe="floor"`` (``gbs`` of a read of ``bytes``, for each
-    of ``sizes`` clipped to [FLOOR_MIN_BYTES, FLOOR_MAX_BYTES], rounded to a power of two).
-    ``blas``: the library's label fields, stored with each record."""
+    """Limit records: ``"peak"`` (``gflops`` of the square GEMM per dtype through ``library``)
+    and, for NumPy, ``"floor"`` (``gbs`` of a read of each of ``sizes`` clipped to
+    [FLOOR_MIN_BYTES, FLOOR_MAX_BYTES], a power of two); ``blas``: label fields of each."""
     records = []
     for dtype in sorted({np.dtype(d).name for d in dtypes}):
         rate = _fastest(*gemm_call(dtype, PEAK_N, PEAK_N, PEAK_N, library), budget_s, min_calls=5)
@@ -144,9 +124,8 @@ def probe_limits(sizes, dtypes, library="numpy", budget_s=0.3, blas=None):
 
 
 def time_read(nbytes, cache, budget_s=0.02):
-    """GB/s of the fastest of at least 3 streaming reads of ``nbytes`` within ``budget_s``:
-    one round's floor, timed beside the points of a memory-bound comparison.  ``cache`` (a
-    dict) keeps the array between rounds."""
+    """One round's floor beside a memory-bound comparison: GB/s of the fastest of 3+ reads of
+    ``nbytes`` within ``budget_s``; ``cache`` keeps the array between rounds."""
     if nbytes not in cache:
         cache[nbytes] = _read(nbytes)
     calls, work = cache[nbytes]
@@ -154,8 +133,8 @@ def time_read(nbytes, cache, budget_s=0.02):
 
 
 def paired_fraction(nbytes, round_floor, round_min_s):
-    """The median over rounds of ``nbytes`` at that round's floor (GB/s) over the point's
-    fastest repeat in the round: a fraction of the floor that a slow spell moves less."""
+    """The median over rounds of ``nbytes`` at the round's floor (GB/s) over the point's fastest
+    repeat in it: a fraction of the floor that a slow spell moves less."""
     pairs = sorted(nbytes / g / 1e9 / t for g, t in zip(round_floor, round_min_s)
                    if g and t and t > 0)
     return float(np.median(pairs)) if pairs else None
@@ -170,9 +149,8 @@ def _nearest(records, probe, **match):
 
 
 def binding_limit(spec, flops, nbytes, limits, threads=None):
-    """``peak_gflops``, ``floor_gbs``, ``floor_bytes``, ``limit`` (``"peak"`` or ``"floor"``:
-    the one that binds) and ``limit_s`` of a point of ``flops`` and ``nbytes``, from the run's
-    ``limits`` records; {} when either was not probed."""
+    """``peak_gflops``, ``floor_gbs``, ``floor_bytes``, ``limit`` (the one that binds: ``"peak"``
+    or ``"floor"``) and ``limit_s`` of a point from ``limits`` records; {} lacking either."""
     peaks = _nearest(limits, "peak", dtype=spec["dtype"], threads=threads)
     floors = _nearest(limits, "floor", threads=threads)
     if not peaks or not floors:
@@ -181,22 +159,22 @@ def binding_limit(spec, flops, nbytes, limits, threads=None):
     size = min(floors, key=lambda r: abs(math.log2(max(nbytes, 1) / r["bytes"])))["bytes"]
     floor = max(r["gbs"] for r in floors if r["bytes"] == size)
     compute_s, memory_s = flops / peak / 1e9, nbytes / floor / 1e9
-    limit_s = max(compute_s, memory_s)
     return {"peak_gflops": peak, "floor_gbs": floor, "floor_bytes": size,
-            "limit": "peak" if compute_s >= memory_s else "floor", "limit_s": limit_s}
+            "limit": "peak" if compute_s >= memory_s else "floor",
+            "limit_s": max(compute_s, memory_s)}
 
 
 def limit_fields(spec, flops, nbytes, median_s, limits, threads=None):
-    """:func:`binding_limit` and ``limit_fraction`` (``limit_s / median_s``: 1 = at the
-    limit) of a point timed at ``median_s``; {} without both probes or a time."""
+    """:func:`binding_limit` and ``limit_fraction`` (``limit_s / median_s``) of a point timed at
+    ``median_s``; {} without both probes or a time."""
     fields = binding_limit(spec, flops, nbytes, limits, threads) if median_s and median_s > 0 \
         else {}
     return {**fields, "limit_fraction": fields["limit_s"] / median_s} if fields else {}
 
 
 def statements(records):
-    """Sentences naming the limits probed in a run: the peak per dtype and threads (and which
-    library), the floor per size, and softmax's ceiling at the run's d."""
+    """Sentences naming the limits probed in a run: the peak per dtype and threads, the floor
+    per size, and softmax's ceiling."""
     lines, probed = [], _nearest(records, "peak") + _nearest(records, "floor")
     for (dtype, threads) in sorted({(r.get("dtype"), r.get("threads")) for r in probed
                                     if r["probe"] == "peak"}, key=str):

@@ -14,7 +14,7 @@ from unittest import mock
 
 from .. import _api
 from ..feature_maps import NAMES as FEATURE_MAPS
-from .._threads import default_num_threads
+from .._threads import blas_threads, default_num_threads
 from . import engine, environment, limits, peers
 from .environment import idle_cores  # noqa: F401  (fastattn report reads it here)
 from .results import ResultsWriter, point_key
@@ -36,9 +36,9 @@ def check_count(name, value):
 
 @dataclass(frozen=True)
 class Point:
-    """One measurement: an attention call of one shape on one backend or peer; ``"prefill"``
-    has ``n_q = n_k = n``, ``"decode"`` (causal) ``n_q = 1``, ``n_k = n``.  A bad field raises
-    ValueError (TypeError: causal)."""
+    """One measurement: an attention call of one shape on one backend or peer (``"prefill"``:
+    ``n_q = n_k = n``; ``"decode"``, causal: ``n_q = 1``).  A bad field raises ValueError
+    (causal: TypeError)."""
 
     attention: str
     backend: str
@@ -146,8 +146,8 @@ def known_backends():
 def default_grid(attentions=ATTENTIONS, backends=None, ns=DEFAULT_NS, causal=(False, True),
                  d_k=64, d_v=64, batch=1, heads=1, dtype="float32", feature_map=None,
                  regime="prefill", num_features=None):
-    """Every combination as Points (a peer only where it has the call), the backends of one
-    shape one after another.  A decode grid is causal only."""
+    """Every combination as Points (a peer only where it has the call), the backends of a
+    shape together; a decode grid is causal only."""
     backends = default_backends() if backends is None else list(backends)
     dtypes = [dtype] if isinstance(dtype, str) else list(dtype)
     causal = (True,) if regime == "decode" else causal
@@ -207,7 +207,6 @@ def _serve(task, state):
         except Exception as exc:
             return {"failure": engine.failure(exc)}
         from .._backends import get_num_threads
-        from .._threads import blas_threads
         timing["thread_counts"] = {**({"blas": blas_threads()} if state["peers_only"]
                                       else get_num_threads()), **peers.peer_threads()}
         return timing
@@ -289,8 +288,7 @@ class _Worker:
     def _start(self):
         context = multiprocessing.get_context("spawn")
         self.conn, child = context.Pipe()
-        # The pools are fixed before any library starts them in the child; Numba refuses
-        # set_num_threads above its start-up count.
+        # Pools fixed before any library starts them; Numba refuses more threads than at start.
         with mock.patch.dict(os.environ, {name: str(self.threads) for name in _THREAD_ENV},
                              NUMBA_NUM_THREADS=str(max(self.threads, default_num_threads()))):
             process = context.Process(target=_worker_main, daemon=True,
@@ -304,7 +302,7 @@ class _Worker:
             raise self._stop("the measuring process failed to start") from None
 
     def _stop(self, why, kill=False):
-        """End the process (killed first if ``kill``); WorkerDied saying ``why`` and how."""
+        """End the process (killed first if ``kill``); the WorkerDied saying why and how."""
         if kill:
             self.process.kill()
         self.process.join(timeout=5)
@@ -417,10 +415,18 @@ class _Entry:
                 "thread_counts": self.timings[-1]["thread_counts"]}
 
 
+def _ask(worker, kind, payload):
+    """The worker's answer, or None if it failed (a paired probe missing from its round)."""
+    try:
+        return worker.request(kind, payload)
+    except RuntimeError:
+        return None
+
+
 def _measure_group(points, workers, options, roofs, threads):
-    """Outcomes of the points of one shape, prepared, then timed in rounds of one turn each
-    (and one of the roof's GEMM), starting one point further on each round so a spell of load
-    falls on every point alike; on 2+ threads each turn starts after TURN_SETTLE_S idle."""
+    """Outcomes of the points of one shape, prepared, then timed in rounds of a turn each (and
+    one of the roof's GEMM), each round starting one point further so load falls on all alike;
+    on 2+ threads each turn starts after TURN_SETTLE_S idle."""
     entries = [_Entry(point, workers[point.peer], threads, options) for point in points]
     for entry in entries:
         entry.fields = entry.prepare()
@@ -438,20 +444,14 @@ def _measure_group(points, workers, options, roofs, threads):
     paired_roof, paired_floor = [], []
     for r in range(rounds):
         if floor_bound:  # the memory floor at the points' bytes, its own turn each round
-            try:
-                paired_floor.append(workers[False].request("floor", {"bytes": nbytes}))
-            except RuntimeError:
-                paired_floor.append(None)
+            paired_floor.append(_ask(workers[False], "floor", {"bytes": nbytes}))
         if probe:  # the roof's GEMM, in the process of its library (None if it cannot run)
             if threads > 1:
                 time.sleep(engine.TURN_SETTLE_S)
             library = probe.get("library", "numpy")
-            try:
-                paired_roof.append(workers[library == "torch"].request("gemm", {
-                    "dtype": probe["dtype"], "n": probe["shape"][0], "d": probe["shape"][1],
-                    "library": library}))
-            except RuntimeError:
-                paired_roof.append(None)
+            paired_roof.append(_ask(workers[library == "torch"], "gemm", {
+                "dtype": probe["dtype"], "n": probe["shape"][0], "d": probe["shape"][1],
+                "library": library}))
         for entry in live[r % len(live):] + live[:r % len(live)]:
             if not entry.ok or r >= len(plan[entry.key]):
                 continue
@@ -463,22 +463,19 @@ def _measure_group(points, workers, options, roofs, threads):
                        max(n, engine.MAX_REPEATS * n // entry.repeats))
     outcomes = [entry.outcome(roofs, paired_roof, paired_floor) for entry in entries]
     for entry in live:
-        with contextlib.suppress(RuntimeError):
-            entry.worker.request("release", {"key": entry.key})
+        _ask(entry.worker, "release", {"key": entry.key})
     return outcomes
 
 
 def run_sweep(points, results_path, options=Options(), *, threads=None, threads_reason=None,
               resume=True, isolate=True, progress="fastattn bench", announce=None, run_id=None):
     """Measure ``points`` on ``threads`` (default: usable cores; ``threads_reason`` says why),
-    appending a record per point to ``results_path`` as each finishes; return their records,
-    measured now or (``resume``) found in the file.  ``announce(to_measure, done)`` is called
-    once the file is read.  On KeyboardInterrupt or SIGTERM (:class:`Terminated`) finished
-    points stay in the file and the measuring processes are stopped quietly."""
+    appending each record to ``results_path``; return the records measured now or (``resume``)
+    found there.  ``announce(to_measure, done)`` is called once the file is read.  On Ctrl-C or
+    SIGTERM (:class:`Terminated`) finished points stay and the workers stop quietly."""
     points = list(points)
-    for point in points:
-        if not isinstance(point, Point):
-            raise TypeError(f"points must be Point instances, got {type(point).__name__}")
+    if bad := [p for p in points if not isinstance(p, Point)]:
+        raise TypeError(f"points must be Point instances, got {type(bad[0]).__name__}")
     why = threads_reason or (f"every usable core ({default_num_threads()})" if threads is None
                              else "as given")
     threads = check_count("threads", default_num_threads() if threads is None else threads)
