@@ -1,13 +1,11 @@
 """Peers: what a user would otherwise call, measured on the same inputs and checked against
-the float64 reference like any backend; each one :class:`Peer` record in :data:`PEERS`,
-optional (``pip install -e ".[peers]"``) and found without being imported.  A call builder
-takes ``(q, k, v, causal, option, heads=1)``: C-contiguous ``q (B, n_q, d_k)``, ``k (B, n_k,
-d_k)``, ``v (B, n_k, d_v)``, ``B = batch * heads``, ``option`` the scale (softmax) or the
-feature map (linear); it returns a no-argument callable whose result is the output ``(B, n_q,
-d_v)`` ndarray, and whose ``fields``, if any, go into the point's record (``compile_s``: the
-builder's compile, untimed; ``peer_path``: what ran).  It raises ValueError for what it cannot
-compute as fastattn does (a causal mask aligned otherwise when ``n_q != n_k``, heads that do
-not divide ``B``), TypeError for a dtype it does not run."""
+the float64 reference like any backend; each one :class:`Peer` in :data:`PEERS`, optional
+(``pip install -e ".[peers]"``) and found without being imported.  A call builder takes
+``(q, k, v, causal, option, heads=1)``: C-contiguous ``(B, n, d)`` arrays, ``B = batch *
+heads``, ``option`` the scale (softmax) or the feature map (linear); it returns a callable
+whose result is the ``(B, n_q, d_v)`` output and whose ``fields``, if any, go into the record
+(``compile_s``: its untimed compile; ``peer_path``: what ran).  It raises ValueError for what
+it cannot compute as fastattn does, TypeError for a dtype it does not run."""
 
 import importlib.metadata
 import importlib.util
@@ -28,14 +26,11 @@ _threads = None
 
 @dataclass(frozen=True)
 class Peer:
-    """One peer: the ``modules`` it needs (available when all are findable; none is imported),
-    the ``install`` command to paste in the fastattn checkout, its call builders by
-    ``(attention, regime)``, ``set_threads(n)`` (now, or on its import) and ``threads()`` (the
-    count in force, or to be), the ``distributions`` whose versions the environment record
-    keeps (default ``modules``), its limits (softmax in float32 only, ``d_v == d_k``, the
-    linear feature maps it has) and the memory a call needs beyond its inputs and output, so
-    what cannot fit is skipped: ``n x n`` arrays (more when causal) and ``n x d`` arrays; causal
-    linear attention ``n x d_k x d_v`` arrays instead."""
+    """One peer: the ``modules`` it needs (none imported to find them), the ``install``
+    command, its call builders by ``(attention, regime)``, ``set_threads(n)`` and
+    ``threads()``, the ``distributions`` whose versions are recorded (default ``modules``),
+    its limits, and the ``n x n``, ``n x d`` (causal linear: ``n x d_k x d_v``) arrays a call
+    needs beyond its inputs and output, so what cannot fit is skipped."""
 
     name: str
     modules: tuple
@@ -57,19 +52,6 @@ class Peer:
 
     def version(self):
         return _version((self.distributions or self.modules)[0])
-
-    def why_not(self, attention, dtype=None, d_k=None, d_v=None, regime="prefill",
-                feature_map=None):
-        """Why it has no call for such a point, or None when it has one."""
-        if (attention, regime) not in self.calls:
-            return f"{self.name} has no {attention} attention ({regime}) to race"
-        if attention == "linear" and feature_map not in self.feature_maps:
-            return f"{self.name}'s linear attention has no feature map {feature_map!r}"
-        if self.float32_only and dtype is not None and np.dtype(dtype) != np.float32:
-            return f"{self.name}'s softmax attention runs in float32 only"
-        if self.same_d and d_k is not None and d_k != d_v:
-            return f"{self.name}'s softmax attention needs d_v == d_k"
-        return None
 
     def extra_bytes(self, attention, causal, batch, n, d_k, d_v, itemsize):
         if attention == "linear" and causal and self.causal_states:
@@ -96,7 +78,6 @@ def _torch():
     """torch, imported with the peers' thread count."""
     first = "torch" not in sys.modules
     import torch
-
     if first and _threads is not None:
         torch.set_num_threads(_threads)
     return torch
@@ -113,7 +94,7 @@ def _torch_threads():
 
 
 def _threads_set():
-    """The count of a peer that is given it when a call is built."""
+    """The count given to a peer that takes it when a call is built."""
     return _threads if _threads is not None else default_num_threads()
 
 
@@ -122,8 +103,8 @@ _XLA_ONE_THREAD = ("--xla_cpu_multi_thread_eigen=false", "intra_op_parallelism_t
 
 
 def _set_jax_threads(n):
-    """One thread goes into ``XLA_FLAGS`` before JAX's first import; more leave XLA's pool
-    at its default (one per usable CPU).  Once JAX has started the count no longer changes."""
+    """One thread goes into ``XLA_FLAGS`` before JAX's first import; more leave XLA's
+    default (one per usable CPU); once JAX has started the count is fixed."""
     if "jax" not in sys.modules:
         flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if f not in _XLA_ONE_THREAD]
         os.environ["XLA_FLAGS"] = " ".join(flags + (list(_XLA_ONE_THREAD) if n == 1 else []))
@@ -136,13 +117,12 @@ def _jax_threads():
 
 def _set_blas_threads(n):
     from threadpoolctl import threadpool_limits
-
     threadpool_limits(n, user_api="blas")
 
 
 def _check_inputs(name, q, k, v, causal, heads, float32_why=None):
-    """Refuse what a peer's softmax cannot compute as fastattn does; given ``float32_why``,
-    any dtype but float32.  Returns the output's shape."""
+    """Refuse what a peer's softmax cannot compute as fastattn does (given ``float32_why``,
+    any dtype but float32); return the output's shape."""
     if q.ndim != 3 or k.ndim != 3 or v.ndim != 3:
         raise ValueError(f"q, k, v must be (B, n, d) arrays, got shapes {q.shape}, {k.shape}, "
                          f"{v.shape}")
@@ -156,8 +136,8 @@ def _check_inputs(name, q, k, v, causal, heads, float32_why=None):
 
 
 def _as_4d(torch, arrays, heads):
-    """``(B, n, d)`` arrays as ``(B / heads, heads, n, d)`` tensors without a copy: PyTorch's
-    CPU flash kernel of SDPA takes 4-D inputs only (3-D fall back to the O(n²) path)."""
+    """``(B, n, d)`` arrays as ``(B / heads, heads, n, d)`` tensors, no copy: SDPA's CPU
+    flash kernel takes 4-D inputs only (3-D fall back to the O(n²) path)."""
     return tuple(torch.from_numpy(x).view(-1, heads, *x.shape[-2:]) for x in arrays)
 
 
@@ -178,12 +158,11 @@ def torch_softmax_call(q, k, v, causal, scale, heads=1):
 
 
 def torch_flex_call(q, k, v, causal, scale, heads=1):
-    """Softmax attention by PyTorch's FlexAttention under ``torch.compile(dynamic=False)``
-    (inductor's C++ template on the CPU), float32 only, causal by a block mask aligned at the
-    top left.  The first call, here, compiles it for these shapes (``fields["compile_s"]``,
-    shorter when inductor's on-disk cache has the code: ``peer_path`` says); its code object is
-    its own, as dynamo keeps graphs per code object: no other build's shapes count against its
-    recompile limit or replace its graph."""
+    """Softmax attention by FlexAttention under ``torch.compile(dynamic=False)`` (inductor's
+    C++ template), float32 only, causal by a top-left block mask.  Compiled here for these
+    shapes (``compile_s``; ``peer_path`` says if inductor's cache had the code), on a code
+    object of its own: dynamo keeps graphs per code object, so no other build's shapes count
+    against its recompile limit or replace its graph."""
     out_shape = _check_inputs("torch_flex", q, k, v, causal, heads,
                               "FlexAttention on the CPU takes float32, float16, bfloat16")
     torch = _torch()
@@ -216,11 +195,10 @@ def torch_flex_call(q, k, v, causal, scale, heads=1):
 
 
 def openvino_softmax_call(q, k, v, causal, scale, heads=1):
-    """Softmax attention by one opset13 ScaledDotProductAttention node in a graph of these
-    shapes, compiled for OpenVINO's CPU plugin (peers' threads, one stream, f32), float32 only;
-    the request reads the inputs in place.  ``peer_path``: "SDPA node" if the runtime graph
-    kept the plugin's node, else "SDPA decomposed", then its computing nodes' layer/primitive
-    types (``Subgraph``: a Snippets kernel; ``+Softmax``: the one holding the softmax)."""
+    """Softmax attention by one opset13 ScaledDotProductAttention node compiled for OpenVINO's
+    CPU plugin (peers' threads, one stream, f32), float32 only, reading the inputs in place.
+    ``peer_path``: whether the runtime graph kept the SDPA node, then its computing nodes'
+    layer/primitive types (``Subgraph``: a Snippets kernel; ``+Softmax``: holds the softmax)."""
     out_shape = _check_inputs("openvino", q, k, v, causal, heads,
                               "its CPU plugin computes f64 inputs in f32")
     import openvino as ov
@@ -255,8 +233,7 @@ def openvino_softmax_call(q, k, v, causal, scale, heads=1):
 
 
 def _heads_moved(x, heads, last=True):
-    """``(batch * heads, n, d)`` as ``(batch, n, heads * d)`` (a copy when heads > 1), or back
-    when not ``last``."""
+    """``(batch * heads, n, d)`` as ``(batch, n, heads * d)``, or back when not ``last``."""
     b, n, d = x.shape
     moved = np.ascontiguousarray(x.reshape((b // heads, heads, n, d) if last else
                                            (b, n, heads, d // heads)).transpose(0, 2, 1, 3))
@@ -264,10 +241,9 @@ def _heads_moved(x, heads, last=True):
 
 
 def onnxruntime_softmax_call(q, k, v, causal, scale, heads=1):
-    """Softmax attention by one ``com.microsoft`` MultiHeadAttention node (``num_heads``,
-    ``scale``, ``unidirectional=1`` when causal) in a CPU ``InferenceSession`` on the peers'
-    threads, float32 only.  Its ``(batch, n, heads * d)`` layout is made once, before any
-    timing; each call moves its output back, ``O(B n d_v)`` beside the attention's work."""
+    """Softmax attention by one ``com.microsoft`` MultiHeadAttention node (``unidirectional``
+    when causal) in a CPU ``InferenceSession`` on the peers' threads, float32 only.  Its input
+    layout is made once, untimed; each call moves its output back (``O(B n d_v)``)."""
     _check_inputs("onnxruntime", q, k, v, causal, heads, "MultiHeadAttention")
     import onnx
     import onnxruntime
@@ -294,8 +270,7 @@ def onnxruntime_softmax_call(q, k, v, causal, scale, heads=1):
 
 def jax_softmax_call(q, k, v, causal, scale, heads=1):
     """Softmax attention by ``jax.nn.dot_product_attention`` (XLA) under ``jax.jit``, compiled
-    here by one warm-up call; float32 only, ``d_v == d_k``, causal aligned at the top left.
-    The inputs go to the device once; the ``(batch, n, heads, d)`` layout is formed inside."""
+    here by a warm-up call; float32 only, ``d_v == d_k``, causal aligned at the top left."""
     out_shape = _check_inputs("jax", q, k, v, causal, heads, "its softmax is float32 always")
     if v.shape[-1] != q.shape[-1]:
         raise ValueError(f"jax.nn.dot_product_attention needs d_v == d_k, got d_k={q.shape[-1]}, "
@@ -315,10 +290,9 @@ def jax_softmax_call(q, k, v, causal, scale, heads=1):
 
 
 def torch_linear_call(q, k, v, causal, feature_map="elu", eps=1e-6, heads=1):
-    """Linear attention in its two usual plain PyTorch forms (Katharopoulos et al. 2020):
-    non-causal, the product form ``φ(q) (φ(k)ᵀ v) / (φ(q) Σ_j φ(k_j) + eps)``, ``O(n d_k
-    d_v)`` time, ``O(n d + d_k d_v)`` memory; causal (``n_q == n_k``), the cumulative-sum form
-    with ``S_i`` stored for every position, ``O(n d_k d_v)`` time and memory."""
+    """Linear attention in plain PyTorch (Katharopoulos et al. 2020): non-causal, the product
+    form ``φ(q) (φ(k)ᵀ v) / (φ(q) Σ_j φ(k_j) + eps)``; causal (``n_q == n_k``), the
+    cumulative-sum form storing every ``S_i``, ``O(n d_k d_v)`` memory."""
     torch = _torch()
     F = torch.nn.functional
     if causal and q.shape[-2] != k.shape[-2]:
@@ -345,9 +319,9 @@ def torch_linear_call(q, k, v, causal, feature_map="elu", eps=1e-6, heads=1):
 
 
 def numpy_linear_decode_call(q, k, v, causal, feature_map="elu", eps=1e-6, heads=1):
-    """The plain NumPy recurrent step of linear attention, ``(B, 1, d_v)``: the state ``S =
-    φ(k)ᵀ v``, ``z = Σ φ(k)`` of the first ``n - 1`` keys is built once; each call adds the
-    newest key in place and returns ``φ(q) S / (φ(q) · z + eps)``."""
+    """The plain NumPy recurrent step of linear attention: ``S = φ(k)ᵀ v``, ``z = Σ φ(k)`` of
+    the first ``n - 1`` keys, built once; each call adds the newest key in place and returns
+    ``φ(q) S / (φ(q) · z + eps)``, ``(B, 1, d_v)``."""
     if feature_map not in ("elu", "relu"):
         raise ValueError(f"feature_map must be 'elu' or 'relu', got {feature_map!r}")
     phi = (lambda x: np.where(x > 0, x + 1, np.exp(np.minimum(x, 0)))) \
@@ -366,8 +340,7 @@ def numpy_linear_decode_call(q, k, v, causal, feature_map="elu", eps=1e-6, heads
 
 
 def _unmasked(build):
-    """``build``'s softmax decode step: no mask, as fastattn's bottom-right causal mask lets
-    the newest token see every key."""
+    """``build``'s decode step: unmasked, as fastattn's bottom-right mask shows it every key."""
     return lambda q, k, v, causal, scale, heads=1: build(q, k, v, False, scale, heads)
 
 
@@ -411,8 +384,7 @@ def absent_peers():
 
 
 def set_peer_threads(n_threads):
-    """Fix every peer's intra-op thread count, now if imported, else on import (each is
-    imported only when one of its points is measured)."""
+    """Fix every peer's intra-op thread count, now if imported, else on import."""
     global _threads
     _threads = int(n_threads)
     for peer in PEERS.values():
@@ -425,5 +397,14 @@ def peer_threads():
 
 
 def why_not(name, attention, dtype=None, d_k=None, d_v=None, regime="prefill", feature_map=None):
-    """Why peer ``name`` has no call for such a point, or None (:meth:`Peer.why_not`)."""
-    return PEERS[name].why_not(attention, dtype, d_k, d_v, regime, feature_map)
+    """Why peer ``name`` has no call for such a point, or None when it has one."""
+    peer = PEERS[name]
+    if (attention, regime) not in peer.calls:
+        return f"{peer.name} has no {attention} attention ({regime}) to race"
+    if attention == "linear" and feature_map not in peer.feature_maps:
+        return f"{peer.name}'s linear attention has no feature map {feature_map!r}"
+    if peer.float32_only and dtype is not None and np.dtype(dtype) != np.float32:
+        return f"{peer.name}'s softmax attention runs in float32 only"
+    if peer.same_d and d_k is not None and d_k != d_v:
+        return f"{peer.name}'s softmax attention needs d_v == d_k"
+    return None

@@ -6,9 +6,9 @@ import os
 import uuid
 from pathlib import Path
 
-from .schema import (AMOUNT, AMOUNTS, COUNT, COUNTS, DEFAULT_REGIME,  # noqa: F401
-                     FIELD_TYPES, FLAG, MAX_COUNT, NAME, POINT_KEYS, RECORD_TYPES, REQUIRED,
-                     REQUIRED_OK, SCHEMA, STATUS, STATUSES, point_key)
+from .schema import (AMOUNT, AMOUNTS, COUNT, COUNTS, FIELD_TYPES, FLAG,  # noqa: F401
+                     MAX_COUNT, NAME, RECORD_TYPES, REQUIRED, REQUIRED_OK, SCHEMA, STATUS,
+                     STATUSES, point_key)
 
 
 class ResultsFileError(ValueError):
@@ -104,11 +104,9 @@ def read_records(path):
 def cut_tail_bytes(path, data=None):
     """Bytes of a last line of ``path`` (or ``data``) cut short by an interrupted write."""
     data = Path(path).read_bytes() if data is None else data
-    if not data or data.endswith(b"\n"):
-        return 0
-    tail = data[data.rfind(b"\n") + 1:]
+    tail = b"" if data.endswith(b"\n") else data[data.rfind(b"\n") + 1:]
     if not tail.strip():
-        return 0   # blank, as read_records skips it
+        return 0   # none, or blank as read_records skips it
     try:
         json.loads(tail)
     except ValueError:
@@ -125,7 +123,7 @@ def _json_default(value):  # NumPy scalars and arrays that slip into a record
 
 
 def _clean(value):
-    """Replace NaN and inf (not valid JSON) by None, recursively."""
+    """NaN and inf (not valid JSON) as None, recursively."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, dict):

@@ -12,8 +12,7 @@ ATTENTIONS = ("softmax", "linear")
 DTYPES = ("float32", "float64")
 REGIMES = ("prefill", "decode")
 
-#: The largest count (n, d, batch, ...) a record may hold: every int below 2**53 is exact in
-#: a float64, so no reader overflows.
+#: The largest count (n, d, batch, ...) a record may hold: exact in a float64 for any reader.
 MAX_COUNT = 2**53
 COUNT, AMOUNT = "a positive int <= 2**53", "a finite number >= 0"
 NAME, FLAG = "a name", "true or false"
@@ -98,8 +97,7 @@ FEATURE_MAP_NS = (4096, 16384)
 #: FAVOR+ feature counts of the feature-map grid, as multiples of d_k.
 FAVOR_MULTIPLES = (1, 4, 16, 64)
 
-#: The asv suite's grid (benchmarks/): n in powers of 4, the feature maps at
-#: ASV_FEATURE_MAP_NS, decode at DECODE_NS with ASV_DECODE_HEADS heads.
+#: The asv suite's grid (benchmarks/): n in powers of 4; decode at DECODE_NS.
 ASV_NS = (256, 1024, 4096, 16384)
 ASV_FEATURE_MAP_NS = (1024, 4096, 16384)
 ASV_D, ASV_BATCH, ASV_HEADS, ASV_DECODE_HEADS = 64, 1, 1, 8

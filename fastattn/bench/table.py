@@ -10,9 +10,9 @@ import statistics
 from .results import atomic_write, check_replaceable, to_json
 from .schema import CONFIG_KEYS, CSV_COLUMNS, SUMMARY_FIELDS, VERSUS_KEYS
 
-#: Schema tag of the JSON summary ``fastattn bench`` writes beside its results.
+#: Schema tag of the JSON summary beside a results file.
 SUMMARY_SCHEMA = "fastattn.bench-summary/1"
-#: Marker on the first line of the Markdown table ``fastattn bench`` writes beside its CSV.
+#: Marker on the first line of the Markdown versus table.
 VERSUS_MARKER = "<!-- fastattn bench: best fastattn / best peer -->"
 #: The files written beside a results file: suffix, what it is, the marker it holds.
 SIDE_FILES = {"csv": (".csv", "results CSV", ",".join(CSV_COLUMNS[:31])),
@@ -60,16 +60,16 @@ def format_number(value, digits=3):
 
 
 def plural(count, word, many=None):
-    """``"1 thread"``, ``"2 threads"``; ``count`` may be a joined list ("1, 2": plural)."""
+    """``"1 thread"``, ``"2 threads"``; a joined list ("1, 2") is plural."""
     return f"{count} {word if str(count) == '1' else many or word + 's'}"
 
 
 def mask_name(causal):
-    """``"causal"`` or ``"non-causal"``: the one word for a mask in every table and figure."""
+    """``"causal"`` or ``"non-causal"``, in every table and figure."""
     return "causal" if causal else "non-causal"
 
 
-#: Why a kernel can run above its roof, said wherever one is shown above it.
+#: Why a kernel can run above its roof.
 ABOVE_ROOF_WHY = (
     "the roof is the fastest measured GEMM n x d @ d x n at the kernel's d (the fastest BLAS "
     "probed), not a bound on the machine: a kernel's own register-blocked products can come "
@@ -79,7 +79,7 @@ ABOVE_ROOF_WHY = (
     "best probe")
 #: The footnote of a table with a ``!`` in its % roof column.
 ABOVE_ROOF_NOTE = f"!: above the roof. Why a kernel can be there: {ABOVE_ROOF_WHY}."
-#: What the bracketed % roof is, said under every table that shows one.
+#: What the bracketed % roof is.
 PAIRED_ROOF_NOTE = ("% roof in brackets: paired, the median over the rounds of the kernel's "
                     "GFLOP/s in the round (its fastest repeat there) over the roof GEMM's, "
                     "timed in a turn of its own in the same round (a slow spell of the machine "
@@ -89,7 +89,7 @@ FAR_ABOVE_ROOF = 2.0
 
 
 def above_roof(fraction):
-    """True for a fraction of the roof above 1 (shown flagged, with :data:`ABOVE_ROOF_WHY`)."""
+    """True for a fraction of the roof above 1."""
     return not _missing(fraction) and fraction > 1.0
 
 
@@ -100,12 +100,10 @@ def far_above_roof(records):
 
 
 def _flagged(fraction):
-    """:func:`format_percent` with ``"!"`` above 100 %."""
     return format_percent(fraction) + ("!" if above_roof(fraction) else "")
 
 
 def _paired(fraction):
-    """``" (90%)"``: a paired fraction in brackets, flagged; ``""`` for missing."""
     return "" if _missing(fraction) else f" ({_flagged(fraction)})"
 
 
@@ -115,7 +113,6 @@ def format_roof_percent(fraction, paired=None):
 
 
 def _roof_notes(rows):
-    """The footnotes a table of ``rows`` needs: the paired % roof's, the above-roof one's."""
     paired = [r.get("roof_fraction_paired") for r in rows]
     return ([PAIRED_ROOF_NOTE] if any(not _missing(p) for p in paired) else []) + (
         [ABOVE_ROOF_NOTE] if any(above_roof(r.get("roof_fraction")) or above_roof(p)
@@ -175,8 +172,8 @@ def _roof_cell(row):
 
 
 def format_limit(fraction, limit, paired=None):
-    """``"92% peak"``, ``"3400%! floor (90%)"``: the fraction of the limit that binds a point,
-    ``!`` above 100 %, the paired fraction in brackets; ``""`` for missing."""
+    """``"92% peak"``, ``"3400%! floor (90%)"``: the binding limit's fraction, flagged, and the
+    paired one in brackets; ``""`` for missing."""
     return "" if _missing(fraction) else f"{_flagged(fraction)} {limit}{_paired(paired)}"
 
 
@@ -226,15 +223,17 @@ def text_table(header, rows, align=None, markdown=False):
 
 
 def _with_limit(columns, rows):
-    """``columns`` without "% limit" when no row has one (a run before the limits probe)."""
-    return [c for c in columns if c[0] != "% limit"
-            or any(not _missing(r.get("limit_fraction")) for r in rows)]
+    """``columns`` and :data:`LIMIT_NOTE`, or both without "% limit" when no row has one
+    (runs before the limits probe)."""
+    if any(not _missing(r.get("limit_fraction")) for r in rows):
+        return list(columns), [LIMIT_NOTE]
+    return [c for c in columns if c[0] != "% limit"], []
 
 
 def format_tables(records, baseline=None, backend_order=()):
     """One text table per configuration, with the ratio ``baseline time / time``."""
     ratio_title = f"vs {baseline}" if baseline else "ratio"
-    columns = _with_limit(POINT_COLUMNS, records)
+    columns, limit_notes = _with_limit(POINT_COLUMNS, records)
     header = [ratio_title if h == "ratio" else h for h, _, _ in columns]
     align = ["right" if right else "left" for _, right, _ in columns]
     out = []
@@ -247,18 +246,14 @@ def format_tables(records, baseline=None, backend_order=()):
         out.append(f"{ratio_title}: {baseline}'s median time / this median time "
                    "(above 1 is faster than the baseline).")
     out.append("GFLOP/s and % roof: at the median time.")
-    return "\n\n".join(out + _roof_notes(records) + _limit_notes(columns))
+    return "\n\n".join(out + _roof_notes(records) + limit_notes)
 
 
-#: What the "% limit" column is, said under every table that shows it.
+#: What the "% limit" column is.
 LIMIT_NOTE = ("% limit: the time the machine's binding limit allows (its flops at the compute "
               "peak or its bytes at the memory floor, both probed in this run) over the point's "
               "time; in brackets, paired with the floor read timed beside it each round. Above "
               "100 % (!): the probe ran slower than the point, most likely slowed by other work.")
-
-
-def _limit_notes(columns):
-    return [LIMIT_NOTE] if any(c[0] == "% limit" for c in columns) else []
 
 
 def check_target(path, kind):
@@ -273,7 +268,7 @@ def _write(kind, path, text):
 
 
 def write_csv(records, path):
-    """Write point records as CSV (:data:`CSV_COLUMNS`), atomically; refuse a foreign file."""
+    """Write point records as CSV, atomically; refuse a foreign file."""
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, fieldnames=CSV_COLUMNS, extrasaction="ignore",
                             lineterminator="\n")
@@ -288,9 +283,8 @@ def write_summary(records, path, baseline=None, backend_order=()):
     return _write("summary", path, to_json(summary, indent=1, sort_keys=True) + "\n")
 
 
-# ------------------------------------------------- best fastattn against the best peer
 def _fastest_s(record):
-    """The time a comparison uses: the fastest repeat (the median where none was kept)."""
+    """The fastest repeat (the median where none was kept)."""
     value = record.get("min_s")
     return record.get("median_s") if _missing(value) else value
 
@@ -339,16 +333,14 @@ def versus_rows(records):
                      "peer": peer and peer["backend"], "peer_s": peer and _fastest_s(peer),
                      "ratio": ratio, "note": note, "gflops": gflops, "roof_fraction": fraction,
                      "paired": paired_ratio(best, peer) if ratio is not None else None,
-                     "roof_fraction_paired": best and best.get("roof_fraction_paired"),
-                     "limit": best and best.get("limit"),
-                     "limit_fraction_paired": best and best.get("limit_fraction_paired"),
+                     **{k: best and best.get(k) for k in ("roof_fraction_paired", "limit",
+                                                          "limit_fraction_paired", "roof_blas")},
                      "limit_fraction": best and best.get("limit_s") and
-                     best["limit_s"] / _fastest_s(best),
-                     "roof_blas": best and best.get("roof_blas")})
+                     best["limit_s"] / _fastest_s(best)})
     return rows
 
 
-#: What the versus table shows, said under it.
+#: What the versus table shows.
 VERSUS_NOTE = (
     "Times: the fastest repeat of each (other work only slows a call down). fastattn / peer "
     "below 1: fastattn's fastest backend is faster; given only for points measured side by "
@@ -359,12 +351,12 @@ VERSUS_NOTE = (
 
 
 def format_versus(rows, roof_text=(), markdown=False):
-    """The table of :func:`versus_rows` with its notes: the text ``fastattn bench`` prints
-    (empty without rows), or Markdown for the README (marker first)."""
+    """The table of :func:`versus_rows` with its notes, as text (empty without rows) or
+    Markdown (marker first)."""
     if not rows and not markdown:
         return ""
-    columns = _with_limit(VERSUS_COLUMNS, rows)
-    notes = [VERSUS_NOTE] + _roof_notes(rows) + _limit_notes(columns) + list(roof_text)
+    columns, limit_notes = _with_limit(VERSUS_COLUMNS, rows)
+    notes = [VERSUS_NOTE] + _roof_notes(rows) + limit_notes + list(roof_text)
     header = [h for h, _ in columns]
     table = text_table(header, [[c[-1](r) for c in columns] for r in rows],
                        ["left"] * len(header), markdown)
@@ -374,11 +366,12 @@ def format_versus(rows, roof_text=(), markdown=False):
 
 
 def versus_markdown(rows, roof_text=()):
+    """:func:`format_versus` as Markdown."""
     return format_versus(rows, roof_text, markdown=True)
 
 
 def write_versus_markdown(rows, path, roof_text=()):
-    """Write :func:`versus_markdown` atomically; refuse a file fastattn did not write."""
+    """Write :func:`versus_markdown` atomically; refuse a foreign file."""
     return _write("markdown", path, versus_markdown(rows, roof_text))
 
 
