@@ -182,7 +182,7 @@ class Curve:
 
 
 def _label(key, peer, keys):
-    """Backend and attention, plus what tells it from its attention's on its machine and regime."""
+    """Backend and attention, plus what tells it from ``keys`` of its attention, machine, regime."""
     same = [k for k in keys if all(k[f] == key[f] for f in ("attention", "machine", "regime"))]
     varying = [name for name in CURVE_KEYS[1:] if name not in ("attention", "backend", "causal")
                and len({k.get(name) for k in same}) > 1 and key.get(name) is not None]
