@@ -80,8 +80,7 @@ def _count(value):
 
 
 def _machines(results_dir):
-    """The results root, its ``benchmarks.json`` (empty when missing) and, per machine
-    folder, its name, ``machine.json`` and result files as (data, path), oldest first."""
+    """``root, benchmarks.json or {}, [(machine, machine.json, [(data, path) oldest first])]``."""
     root = Path(results_dir)
     if not root.is_dir():
         raise AsvResultsError(f"no asv results directory at {root}")
@@ -148,8 +147,7 @@ def _environment_record(info, data, meta, run, counts, threads, chosen):
 
 
 def _fields(module, cls, params):
-    """The point fields of a benchmark's combination (the bench's :class:`Point`), or None
-    where it is no point of the report (no backend or n, or a value Point refuses)."""
+    """The :class:`Point` fields of a benchmark's combination, or None if Point refuses it."""
     regime = "decode" if module == "decode" else "prefill"
     attention = params.get("attention") if regime == "decode" else module
     fmap, m = SUITE_FEATURE_MAP.get(attention), None
@@ -166,8 +164,7 @@ def _fields(module, cls, params):
 
 
 def _points_of(data, meta, run, threads):
-    """The point records of one result file, and ``{reason: [benchmark, ...]}`` of the point
-    benchmarks left out because their parameters cannot be placed."""
+    """The point records of one result file, and ``{why: [benchmark, ...]}`` of those left out."""
     points, unplaced = {}, {}
     for name in sorted(data["results"]):
         module, _, rest = name.partition(".")
