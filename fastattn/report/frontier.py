@@ -147,8 +147,7 @@ def frontier(fq, curve_list):
     :class:`Setting`."""
     setting = _setting(curve_list)
     mine = [c for c in curve_list if _in_setting(c, setting)]
-    softmax = [c for c in mine if c.attention == "softmax"]
-    linear = [c for c in mine if c.attention == "linear"]
+    softmax, linear = ([c for c in mine if c.attention == a] for a in ("softmax", "linear"))
     itemsize = np.dtype(setting.dtype).itemsize
     rows = []
     for spec in MAPS:
@@ -222,7 +221,7 @@ def frontier_figure(fr):
             ax.text(0.5, 0.5, f"nothing measured at n = {n}", transform=ax.transAxes,
                     ha="center", fontsize=11, color="#666")
     axes[0].set_ylabel("cosine similarity to softmax output\n(filled: MiniLM, mean over layers; "
-                     "hollow: Gaussian)")
+                       "hollow: Gaussian)")
     lowest = min(min(r.minilm.output.cosine_similarity, r.gaussian.output.cosine_similarity)
                  for r in fr.rows)
     axes[0].set_ylim(max(0.0, lowest - 0.05), 1.02)
@@ -270,8 +269,7 @@ def section(page):
     if fq is None:
         return None
     fr = frontier(fq, page.curves)
-    return {"f": fr, "cost_ns": COST_NS,
-            "chart": data_uri(frontier_figure(fr)),
+    return {"f": fr, "cost_ns": COST_NS, "chart": data_uri(frontier_figure(fr)),
             "convergence": data_uri(convergence_figure(fr)),
             "heatmaps": data_uri(weights_figure(fq.head.title, [("softmax", fq.head.softmax)]
                                                 + list(fq.head.maps)))}
