@@ -10,7 +10,8 @@ from scipy import stats
 
 from ..bench.engine import roof_for
 from ..bench.schema import CURVE_KEYS, DEFAULT_REGIME, point_key
-from ..bench.table import above_roof as _above_roof, format_limit, format_seconds, mask_name
+from ..bench.table import (above_roof as _above_roof, format_limit, format_seconds, mask_name,
+                           plural)
 
 #: Scaling exponents are fitted on the points with ``n >= FIT_MIN_N``.
 FIT_MIN_N = 1024
@@ -52,8 +53,7 @@ def expected_exponent(key):
 
 @dataclass(frozen=True)
 class Fit:
-    """``y = exp(intercept) · n^slope`` fitted to ``points`` points in ``[n_min, n_max]``
-    (``stderr`` NaN for two)."""
+    """``y = exp(intercept) · n^slope`` fitted to ``points`` points in ``[n_min, n_max]``."""
 
     slope: float
     stderr: float
@@ -66,7 +66,7 @@ class Fit:
         return np.exp(self.intercept + self.slope * np.log(np.asarray(n, dtype=np.float64)))
 
     def format(self):
-        """``"2.01 ± 0.03"``, or ``"2.01 (2 points)"`` when there is no spread."""
+        """``"2.01 ± 0.03"``, or ``"2.01 (2 points)"`` when there is no spread (stderr NaN)."""
         if math.isnan(self.stderr):
             return f"{fixed(self.slope)} ({self.points} points)"
         return f"{fixed(self.slope)} ± {fixed(self.stderr)}"
@@ -112,20 +112,14 @@ def stalled_points(n, t, factor=STALL_FACTOR):
     return out
 
 
-def _quartile(points, q):
-    """Per point, the ``q``-th percentile of its ``times_s`` (else asv's ``q25_s``/``q75_s``)."""
-    out = []
-    for p in points:
-        times = [t for t in p.get("times_s") or () if t is not None]
-        kept = p.get(f"q{q}_s")
-        out.append(float(np.percentile(times, q)) if len(times) >= 2
-                   else float(kept) if kept is not None else float("nan"))
-    return np.array(out, dtype=np.float64)
-
-
-def _column(name):
-    return cached_property(lambda self: np.array(
-        [float("nan") if p.get(name) is None else float(p[name]) for p in self.points]))
+def _column(name, q=None):
+    """The points' ``name`` (NaN: not recorded), or the ``q``-th percentile of 2+ ``times_s``."""
+    def value(p):
+        times = [t for t in p.get("times_s") or () if t is not None] if q else ()
+        if len(times) >= 2:
+            return float(np.percentile(times, q))
+        return float("nan") if p.get(name) is None else float(p[name])
+    return cached_property(lambda self: np.array([value(p) for p in self.points]))
 
 
 @dataclass
@@ -163,8 +157,7 @@ class Curve:
     fit_s = property(lambda self: np.where(self.stalled, np.nan, self.measured_s))
     stalled_n = property(lambda self: [int(n) for n in self.n[self.stalled]])
     repeats = property(lambda self: np.array([len(p.get("times_s") or ()) for p in self.points]))
-    q25_s = cached_property(lambda self: _quartile(self.points, 25))
-    q75_s = cached_property(lambda self: _quartile(self.points, 75))
+    q25_s, q75_s = _column("q25_s", 25), _column("q75_s", 75)   # else asv's quartiles
     memory_method = property(lambda self: {p["memory_method"] for p in self.points
                                            if p.get("memory_method")})
     check_failed = property(lambda self: [p["n_k"] for p in self.points
@@ -189,8 +182,8 @@ class Curve:
 
 
 def _label(key, peer, keys):
-    """Backend and attention, plus what tells the curve from the others of its type in ``keys``."""
-    same = [k for k in keys if k["attention"] == key["attention"]]
+    """Backend and attention, plus what tells it from ``keys`` of its attention, machine, regime."""
+    same = [k for k in keys if all(k[f] == key[f] for f in ("attention", "machine", "regime"))]
     varying = [name for name in CURVE_KEYS[1:] if name not in ("attention", "backend", "causal")
                and len({k.get(name) for k in same}) > 1 and key.get(name) is not None]
     extra = ", ".join(f"{name}={key[name]}" for name in varying)
@@ -213,10 +206,8 @@ def curves(points, roofs=()):
                         key.get("machine"))
         fraction = [p.get("roof_fraction") or (p["gflops"] / roof if roof and p.get("gflops")
                                                else None) for p in pts]
-        peer = any(bool(p.get("peer")) for p in pts)
-        result.append(Curve(key, pts, _label(key, peer, [  # beside its machine's, same regime
-            k for k in keys if (k["machine"], k["regime"]) == (key["machine"], key["regime"])]),
-            np.array(fraction, dtype=float)))
+        result.append(Curve(key, pts, _label(key, any(p.get("peer") for p in pts), keys),
+                            np.array(fraction, dtype=float)))
     result.sort(key=lambda c: (str(c.machine), c.attention != "softmax", c.causal, c.peer,
                                str(c.backend), str(c.key.get("dtype"))))
     return result
@@ -254,14 +245,12 @@ class Crossover:
 def crossover(n_softmax, t_softmax, n_linear, t_linear):
     """The :class:`Crossover` of two time curves: where, interpolated in log-log on their
     common range, ``log t_linear - log t_softmax`` last turns negative."""
-    ns, ts = _positive(n_softmax, t_softmax)
-    nl, tl = _positive(n_linear, t_linear)
+    (ns, ts), (nl, tl) = _positive(n_softmax, t_softmax), _positive(n_linear, t_linear)
     if len(ns) == 0 or len(nl) == 0 or max(ns[0], nl[0]) > min(ns[-1], nl[-1]):
         return Crossover(None, "no-common-range", None, None)
     lo, hi = max(ns[0], nl[0]), min(ns[-1], nl[-1])
     grid = np.unique(np.concatenate([ns, nl]))
-    grid = grid[(grid >= lo) & (grid <= hi)]
-    x = np.log(grid)
+    x = np.log(grid[(grid >= lo) & (grid <= hi)])
     diff = np.interp(x, np.log(nl), np.log(tl)) - np.interp(x, np.log(ns), np.log(ts))
     faster = diff < 0  # linear faster
     crossings = int(np.count_nonzero(faster[1:] != faster[:-1]))
@@ -339,8 +328,8 @@ def exponent_range(attention, fits, expected):
         return None
     lo, hi = fixed(min(f.slope for f in fits)), fixed(max(f.slope for f in fits))
     few = max(f.points for f in fits) < 3
-    return (f"{attention} {lo if lo == hi else f'{lo} to {hi}'} over {len(fits)} "
-            f"curve{'' if len(fits) == 1 else 's'} (expected about {expected})"
+    return (f"{attention} {lo if lo == hi else f'{lo} to {hi}'} over {plural(len(fits), 'curve')}"
+            f" (expected about {expected})"
             + (", each fitted to 2 points only: too few to judge" if few else ""))
 
 

@@ -21,6 +21,7 @@ from ..bench.results import SCHEMA, is_number
 from ..bench.schema import (ASV_BATCH, ASV_D, ASV_DECODE_HEADS as SUITE_DECODE_HEADS,
                             ASV_HEADS, POINT_FIELDS, point_key)
 from ..bench.sweep import Point
+from ..bench.table import plural
 
 #: The suite's feature map of each attention (asv results do not carry it).
 SUITE_FEATURE_MAP = {"softmax": None, "linear": "elu"}
@@ -65,10 +66,12 @@ def _decode_param(text):
         return text
 
 
-def _iso(ms):
-    """asv's commit date (milliseconds since the epoch, UTC) in ISO 8601."""
-    return None if ms is None else \
-        datetime.datetime.fromtimestamp(ms / 1000, tz=datetime.timezone.utc).isoformat()
+def _run(machine, data):
+    """A result file's machine, commit, ISO date (asv's is ms since the epoch, UTC) and env."""
+    ms = data.get("date")
+    return {"machine": machine, "commit": data.get("commit_hash"), "date": None if ms is None
+            else datetime.datetime.fromtimestamp(ms / 1000, tz=datetime.timezone.utc).isoformat(),
+            "env_name": data.get("env_name")}
 
 
 def _count(value):
@@ -77,8 +80,7 @@ def _count(value):
 
 
 def _machines(results_dir):
-    """The results root, its ``benchmarks.json`` (empty when missing) and, per machine
-    folder, its name, ``machine.json`` and result files as (data, path), oldest first."""
+    """``root, benchmarks.json or {}, [(machine, machine.json, [(data, path) oldest first])]``."""
     root = Path(results_dir)
     if not root.is_dir():
         raise AsvResultsError(f"no asv results directory at {root}")
@@ -145,8 +147,7 @@ def _environment_record(info, data, meta, run, counts, threads, chosen):
 
 
 def _fields(module, cls, params):
-    """The point fields of a benchmark's combination (the bench's :class:`Point`), or None
-    where it is no point of the report (no backend or n, or a value Point refuses)."""
+    """The :class:`Point` fields of a benchmark's combination, or None if Point refuses it."""
     regime = "decode" if module == "decode" else "prefill"
     attention = params.get("attention") if regime == "decode" else module
     fmap, m = SUITE_FEATURE_MAP.get(attention), None
@@ -163,8 +164,7 @@ def _fields(module, cls, params):
 
 
 def _points_of(data, meta, run, threads):
-    """The point records of one result file, and ``{reason: [benchmark, ...]}`` of the point
-    benchmarks left out because their parameters cannot be placed."""
+    """The point records of one result file, and ``{why: [benchmark, ...]}`` of those left out."""
     points, unplaced = {}, {}
     for name in sorted(data["results"]):
         module, _, rest = name.partition(".")
@@ -189,11 +189,10 @@ def _points_of(data, meta, run, threads):
                 point["failed"] += [name] if stats["failed"] else []
                 continue
             point[field], point["benchmarks"][field] = value, name
-            samples = stats.get("samples") if field == "median_s" else None
-            if isinstance(samples, list) and samples:
-                point.update(times_s=samples, min_s=min(samples), max_s=max(samples))
             if field == "median_s":
                 point.update(q25_s=stats.get("stats_q_25"), q75_s=stats.get("stats_q_75"))
+                if isinstance(samples := stats.get("samples"), list) and samples:
+                    point.update(times_s=samples, min_s=min(samples), max_s=max(samples))
         if why:
             unplaced.setdefault(why, set()).add(name)
     values = list(_METHOD_FIELDS.values())
@@ -209,14 +208,14 @@ def _points_of(data, meta, run, threads):
             point.update(status="skipped", reason=_skip_reason(point, data, measured))
         if point["median_s"] and point["flops"]:
             point["gflops"] = point["flops"] / point["median_s"] / 1e9
-    return (sorted(points.values(), key=lambda p: _sort_key([p[k] for k in _ORDER])),
+    def order(p):   # None last; values of different types are never compared
+        return tuple((p[k] is None, str(type(p[k])), 0 if p[k] is None else p[k]) for k in _ORDER)
+    return (sorted(points.values(), key=order),
             {why: sorted(names) for why, names in unplaced.items()})
 
 
 def _skip_reason(point, data, measured):
-    """Why asv skipped ``point`` (all its values NaN), as far as the result file tells:
-    its backend measured nothing in the run (not built on that machine), the quadratic
-    reference past its bound of n, else :data:`SKIPPED_BY_SUITE`."""
+    """Why asv skipped ``point`` (all its values NaN), as far as the result file tells."""
     backend = point["backend"]
     if measured and backend not in measured:
         return (f"skipped by the asv suite: no benchmark of backend {backend!r} has a result "
@@ -228,11 +227,6 @@ def _skip_reason(point, data, measured):
         return (f"skipped by the asv suite: past the bound of the quadratic reference "
                 f"(n > {bound}, FASTATTN_ASV_REFERENCE_MAX_N; benchmarks/common.py)")
     return SKIPPED_BY_SUITE
-
-
-def _sort_key(key):
-    return tuple((value is None, str(type(value)), value if value is not None else 0)
-                 for value in key)
 
 
 def branch_commits(results_dir):
@@ -289,17 +283,15 @@ def load_asv_points(results_dir, commit=None):
     for machine, info, runs in machines:
         latest, chosen = _choose(runs, commit, branch, on_branch) if runs else ([], None)
         for data, path in latest:
-            run = {"source": "asv", "machine": machine, "commit": data.get("commit_hash"),
-                   "date": _iso(data.get("date")), "env_name": data.get("env_name")}
+            run = {"source": "asv", **_run(machine, data)}
             counts = _by_param(data, _THREADS_BENCHMARK, meta, "component")
             threads = _count(counts.get("requested",
                                         (data.get("env_vars") or {}).get("OMP_NUM_THREADS")))
             env = _environment_record(info, data, meta, run, counts, threads, chosen)
             points, unplaced = _points_of(data, meta, run, threads)
             if unplaced:
-                env["left_out"] = [f"{path}: {len(names)} benchmark{'' if len(names) == 1 else 's'}"
-                                   f" left out, {why}: " + ", ".join(names)
-                                   for why, names in unplaced.items()]
+                env["left_out"] = [f"{path}: {plural(len(names), 'benchmark')} left out, {why}: "
+                                   + ", ".join(names) for why, names in unplaced.items()]
                 refused += [] if points else env["left_out"]
             records += [env] + points
     if refused and not any(r["record"] == "point" for r in records):
@@ -321,9 +313,7 @@ def load_asv_history(results_dir, benchmark=None):
     if benchmark is not None and not names:
         raise AsvResultsError(f"no benchmark named or matching {benchmark!r} in {root}; "
                               f"benchmarks there: {sorted(seen)}")
-    history = [{"machine": machine, "commit": data.get("commit_hash"),
-                "date": _iso(data.get("date")), "env_name": data.get("env_name"),
-                "benchmark": name, "params": params, "value": value,
+    history = [{**_run(machine, data), "benchmark": name, "params": params, "value": value,
                 "unit": (meta.get(name) or {}).get("unit")}
                for machine, _, runs in machines for data, _ in runs
                for name in names if name in data["results"]

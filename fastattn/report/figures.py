@@ -62,19 +62,15 @@ def finish(ax, title, xlabel=None):
                   ncol=_legend_columns(labels), frameon=False)
 
 
-def _fit_legends(fig):
+def to_png(fig):
+    """PNG bytes of ``fig`` (then closed), taller where a legend below a panel needs room."""
     rows = [-(-len(labels) // _legend_columns(labels)) for ax in fig.axes
             if (legend := ax.get_legend()) is not None
             and (labels := [t.get_text() for t in legend.get_texts()])]
-    extra = max(rows, default=0) - LEGEND_ROWS_IN_PANEL
-    if extra > 0:
+    if (extra := max(rows, default=0) - LEGEND_ROWS_IN_PANEL) > 0:
         grid_rows = max(ax.get_subplotspec().get_gridspec().nrows for ax in fig.axes)
         width, height = fig.get_size_inches()
         fig.set_size_inches(width, height + grid_rows * extra * LEGEND_ROW_IN)
-
-
-def to_png(fig):
-    _fit_legends(fig)
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=DPI)
     plt.close(fig)
@@ -194,8 +190,7 @@ def scaling_figure(panels, metric="time", ncols=2, title=None, xlabel=None, empt
 
 def machine_figure(m, metric, **kwargs):
     """Data URI of :func:`scaling_figure` of machine ``m``'s panels; None if no value to draw."""
-    values = METRICS[metric][0]
-    if any(np.isfinite(getattr(c, values)).any() for c in m.scaling_curves):
+    if any(np.isfinite(getattr(c, METRICS[metric][0])).any() for c in m.scaling_curves):
         return data_uri(scaling_figure(m.panels, metric, **kwargs))
     return None
 
@@ -203,13 +198,11 @@ def machine_figure(m, metric, **kwargs):
 def weights_figure(title, panels, ncols=4):
     """PNG of attention weights ``(label, (n_q, n_k) array)`` per panel, on one log colour
     scale from a hundredth of a uniform weight to the largest."""
-    n_k = panels[0][1].shape[-1]
     vmax = float(max(w.max() for _, w in panels))
-    norm = LogNorm(vmin=min(0.01 / n_k, vmax / 10), vmax=vmax, clip=True)
+    norm = LogNorm(vmin=min(0.01 / panels[0][1].shape[-1], vmax / 10), vmax=vmax, clip=True)
     nrows = -(-len(panels) // ncols)
     fig, axes = plt.subplots(nrows, ncols, figsize=(12, 3.1 * nrows + 0.6) if ncols > 2
-                             else (10.5, 4.6),
-                             layout="constrained", squeeze=False)
+                             else (10.5, 4.6), layout="constrained", squeeze=False)
     for ax in axes.ravel()[len(panels):]:
         ax.set_visible(False)
     for ax, (label, weights) in zip(axes.ravel(), panels):

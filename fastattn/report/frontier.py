@@ -87,10 +87,31 @@ class Frontier:
 
     convergence = property(lambda self: [r for r in self.rows if r.spec.factor])
     missing = property(lambda self: [r.label for r in self.rows if not r.measured])
-    headline = property(lambda self: _headline(self))
 
     def softmax_at(self, n):
         return next(t for t in self.softmax_times if t.n == n)
+
+    @property
+    def headline(self):
+        """The sentences the section opens with."""
+        lines = [f"Output cosine similarity to softmax attention on the real MiniLM activations "
+                 f"(n = {self.quality.minilm_shape[2]}, mean over layers): " + "; ".join(
+                     f"{r.label} {r.minilm.output.cosine_similarity:.3f}" for r in self.rows)
+                 + " (Gaussian inputs: " + "; ".join(
+                     f"{r.label} {r.gaussian.output.cosine_similarity:.3f}" for r in self.rows)
+                 + ")."]
+        for n in COST_NS:
+            timed = [r for r in self.rows if r.time_at(n).seconds is not None]
+            soft = self.softmax_at(n).seconds
+            if timed:
+                lines.append(f"Time per call at n = {n} ({self.setting.describe()}): " + "; ".join(
+                    f"{r.label} {format_seconds(r.time_at(n).seconds)}" for r in timed)
+                    + (f"; softmax {format_seconds(soft)}" if soft is not None
+                       else "; softmax not measured") + ".")
+        if self.missing:
+            lines.append("No measured point for " + ", ".join(self.missing)
+                         + ": their cost is not shown (no cost is estimated in its place).")
+        return lines
 
 
 def _times(curve_list):
@@ -126,8 +147,7 @@ def frontier(fq, curve_list):
     :class:`Setting`."""
     setting = _setting(curve_list)
     mine = [c for c in curve_list if _in_setting(c, setting)]
-    softmax = [c for c in mine if c.attention == "softmax"]
-    linear = [c for c in mine if c.attention == "linear"]
+    softmax, linear = ([c for c in mine if c.attention == a] for a in ("softmax", "linear"))
     itemsize = np.dtype(setting.dtype).itemsize
     rows = []
     for spec in MAPS:
@@ -143,34 +163,10 @@ def frontier(fq, curve_list):
         {c.label for c in linear if not any(s.measured_by(c.key) for s in MAPS)}))
 
 
-def _headline(fr):
-    """The sentences the section opens with."""
-    n = fr.quality.minilm_shape[2]
-    lines = [f"Output cosine similarity to softmax attention on the real MiniLM activations "
-             f"(n = {n}, mean over layers): " + "; ".join(
-                 f"{r.label} {r.minilm.output.cosine_similarity:.3f}" for r in fr.rows)
-             + " (Gaussian inputs: " + "; ".join(
-                 f"{r.label} {r.gaussian.output.cosine_similarity:.3f}" for r in fr.rows) + ")."]
-    for n_cost in COST_NS:
-        timed = [r for r in fr.rows if r.time_at(n_cost).seconds is not None]
-        soft = fr.softmax_at(n_cost)
-        if timed:
-            lines.append(f"Time per call at n = {n_cost} ({fr.setting.describe()}): " + "; ".join(
-                f"{r.label} {format_seconds(r.time_at(n_cost).seconds)}" for r in timed)
-                + (f"; softmax {format_seconds(soft.seconds)}" if soft.seconds is not None
-                   else "; softmax not measured") + ".")
-    if fr.missing:
-        lines.append("No measured point for " + ", ".join(fr.missing)
-                     + ": their cost is not shown (no cost is estimated in its place).")
-    return lines
-
-
 #: FAVOR+ from light to dark as m grows.
 MAP_COLOURS = {"favor-1": "#c9b3e6", "favor-4": "#a27fd1", "favor-16": "#7b4bb8",
                "favor-64": "#4b1d8c", "taylor": "#2ca02c", "elu": "#1f77b4", "relu": "#ff7f0e"}
 SOFTMAX_COLOUR = "#222222"
-
-
 #: A point past this share of its panel's log time range is labelled on its left.
 LABEL_LEFT_FROM = 0.7
 
@@ -191,7 +187,8 @@ def frontier_figure(fr):
     """PNG of quality (filled MiniLM, hollow Gaussian) against time, a panel per n."""
     fig, axes = plt.subplots(1, len(COST_NS), figsize=(12, 5.2), sharey=True,
                              layout="constrained")
-    for ax, n in zip(np.atleast_1d(axes), COST_NS):
+    axes = np.atleast_1d(axes)
+    for ax, n in zip(axes, COST_NS):
         missing, labels = [], []
         for r in fr.rows:
             t = r.time_at(n).seconds
@@ -204,11 +201,9 @@ def frontier_figure(fr):
             ax.plot(t, yg, "o", markerfacecolor="white", markeredgecolor=c, markersize=7)
             ax.plot(t, y, "o", color=c, markersize=8, label=r.label)
             labels.append((r.label, t, y, c))
-        soft = fr.softmax_at(n)
-        if soft.seconds is not None:
-            ax.plot(soft.seconds, 1.0, "*", color=SOFTMAX_COLOUR, markersize=13,
-                    label="softmax (exact)")
-            labels.append(("softmax", soft.seconds, 1.0, SOFTMAX_COLOUR))
+        if (soft := fr.softmax_at(n).seconds) is not None:
+            ax.plot(soft, 1.0, "*", color=SOFTMAX_COLOUR, markersize=13, label="softmax (exact)")
+            labels.append(("softmax", soft, 1.0, SOFTMAX_COLOUR))
         else:
             missing.append("softmax")
         _label_points(ax, labels)
@@ -225,12 +220,11 @@ def frontier_figure(fr):
             ax.set_xticks([])
             ax.text(0.5, 0.5, f"nothing measured at n = {n}", transform=ax.transAxes,
                     ha="center", fontsize=11, color="#666")
-    first = np.atleast_1d(axes)[0]
-    first.set_ylabel("cosine similarity to softmax output\n(filled: MiniLM, mean over layers; "
-                     "hollow: Gaussian)")
+    axes[0].set_ylabel("cosine similarity to softmax output\n(filled: MiniLM, mean over layers; "
+                       "hollow: Gaussian)")
     lowest = min(min(r.minilm.output.cosine_similarity, r.gaussian.output.cosine_similarity)
                  for r in fr.rows)
-    first.set_ylim(max(0.0, lowest - 0.05), 1.02)
+    axes[0].set_ylim(max(0.0, lowest - 0.05), 1.02)
     return to_png(fig)
 
 
@@ -275,8 +269,7 @@ def section(page):
     if fq is None:
         return None
     fr = frontier(fq, page.curves)
-    return {"f": fr, "cost_ns": COST_NS,
-            "chart": data_uri(frontier_figure(fr)),
+    return {"f": fr, "cost_ns": COST_NS, "chart": data_uri(frontier_figure(fr)),
             "convergence": data_uri(convergence_figure(fr)),
             "heatmaps": data_uri(weights_figure(fq.head.title, [("softmax", fq.head.softmax)]
                                                 + list(fq.head.maps)))}
