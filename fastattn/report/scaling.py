@@ -74,8 +74,7 @@ def _fastest_lines(curve_list):
     """Per mask, the fastest kernel of each type at the largest n measured."""
     lines = []
     for causal in (False, True):
-        group = [c for c in curve_list if c.causal == causal]
-        if not group:
+        if not (group := [c for c in curve_list if c.causal == causal]):
             continue
         n = max(int(c.n[-1]) for c in group)
         best = [(a, *analysis.fastest_at([c for c in group if c.attention == a], n))
