@@ -68,8 +68,7 @@ def _cell(c, i):
 
 def section(m):
     """The Generation block of machine ``m``; None without decode curves."""
-    decode = m.decode
-    if not decode:
+    if not (decode := m.decode):
         return None
     label = "context length n (one query against n keys)"
     crossovers = analysis.crossover_rows(decode)

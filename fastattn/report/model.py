@@ -70,10 +70,9 @@ def section(page):
               and r.lee_spearman >= softmax.lee_spearman - USABLE_SPEARMAN_GAP]
     n = max(study.seconds)
     exponents = scaling_exponents(page.curves or [])
-    measured = study.attention_seconds.get(n, {})
     shares = [{"name": name, "measured": sum(a.values()) / study.seconds[n][name],
                "projected": projected_shares((n, study.seconds[n][name]), a, exponents)}
-              for name, a in measured.items() if a]
+              for name, a in study.attention_seconds.get(n, {}).items() if a]
     return {"missing": None, "s": study, "usable": usable, "ns": sorted(study.seconds),
             "share_n": n, "shares": shares, "projected_ns": PROJECTED_NS,
             "exponents": exponents,

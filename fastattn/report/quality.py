@@ -38,8 +38,7 @@ def quality_figure(gaussian, minilm):
 
 def section(page):
     """The Quality block of ``page.quality`` (None: no block) and its summary sentence."""
-    quality = page.quality
-    if quality is None:
+    if (quality := page.quality) is None:
         return None
     g = [r.cosine_similarity for r in quality.gaussian]
     m = [r.cosine_similarity for r in quality.minilm]

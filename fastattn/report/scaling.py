@@ -74,15 +74,13 @@ def _fastest_lines(curve_list):
     """Per mask, the fastest kernel of each type at the largest n measured."""
     lines = []
     for causal in (False, True):
-        group = [c for c in curve_list if c.causal == causal]
-        if not group:
+        if not (group := [c for c in curve_list if c.causal == causal]):
             continue
         n = max(int(c.n[-1]) for c in group)
         best = [(a, *analysis.fastest_at([c for c in group if c.attention == a], n))
                 for a in ("softmax", "linear")]
-        parts = [f"{a}: {c.backend}{' (peer)' if c.peer else ''} {format_seconds(t)}"
-                 for a, t, c in best if c is not None]
-        if parts:
+        if parts := [f"{a}: {c.backend}{' (peer)' if c.peer else ''} {format_seconds(t)}"
+                     for a, t, c in best if c is not None]:
             lines.append(f"Fastest at n = {n} ({mask_name(causal)}): " + "; ".join(parts)
                          + f" ({statistic_text(group)}).")
     return lines
@@ -124,38 +122,29 @@ def only_n(points):
     return ns.pop() if len(ns) == 1 and len(points) > len(ns) else None
 
 
-def _summary(curve_list, crossovers, statistic, load, busy, cores, threads, why, fastest):
-    """The sentences this section adds to the page's "In short"."""
-    out, kinds = [], [(a, a, e) for a, e in analysis.EXPECTED_TIME_EXPONENT.items()]
-    parts = [part for name, a, e in kinds + [
+def _summary(curve_list, block):
+    """The sentences this section adds to the page's "In short", from its ``block``."""
+    kinds = [(a, a, e) for a, e in analysis.EXPECTED_TIME_EXPONENT.items()] + [
         ("causal linear by the masked n×n form (reference)", "linear", 2)]
-        if (part := analysis.exponent_range(name, [
-            c.time_fit for c in curve_list if c.attention == a and c.expected == e], e))]
-    out += analysis.sentence(f"Fitted time exponents (n ≥ {analysis.FIT_MIN_N}, causal and "
-                             f"not, on the {statistic}): ", parts)
+    parts = [part for name, a, e in kinds if (part := analysis.exponent_range(name, [
+        c.time_fit for c in curve_list if c.attention == a and c.expected == e], e))]
+    out = analysis.sentence(f"Fitted time exponents (n ≥ {analysis.FIT_MIN_N}, causal and "
+                            f"not, on the {block['statistic']}): ", parts)
     for causal in (False, True):
         out += analysis.sentence(
             f"Crossover ({mask_name(causal)}), where linear attention becomes faster: ",
-            [f"{r.label}: {r.crossover.describe()}" for r in analysis.headline(crossovers)
+            [f"{r.label}: {r.crossover.describe()}" for r in analysis.headline(block["crossovers"])
              if r.causal == causal])
-    if busy:
-        out.append(f"The machine was busy while measuring (1-minute load average {load} on "
-                   f"{cores} cores): times are inflated and noisy; compare the kernels side by "
-                   "side rather than with other runs.")
+    if block["busy"]:
+        out.append(f"The machine was busy while measuring (1-minute load average {block['load']} "
+                   f"on {block['cores']} cores): times are inflated and noisy; compare the "
+                   "kernels side by side rather than with other runs.")
     if stalled := analysis.stalled_text(curve_list):
         out.append(stalled)
-    if why and threads:
-        out.append(f"Measured on {plural(threads, 'thread')}: {why}.")
-    return out + fastest
-
-
-def no_curve_text(short):
-    """Why a machine has no scaling curve (``short``: its curves of fewer than 3 n)."""
-    if not short:
-        return "No point was measured successfully: nothing to draw."
-    ns = joined(int(n) for c in short for n in c.n)
-    return (f"No scaling curve: every kernel was measured at fewer than 3 lengths\n"
-            f"(n = {ns}); a curve needs at least 3, so nothing is drawn.")
+    if block["threads_reason"] and block["threads"]:
+        out.append(f"Measured on {plural(block['threads'], 'thread')}: "
+                   f"{block['threads_reason']}.")
+    return out + _fastest_lines(curve_list)
 
 
 def section(m):
@@ -163,25 +152,28 @@ def section(m):
     env, curve_list, short = m.env, m.scaling_curves, m.short_curves
     loads = np.concatenate([c.load_avg for c in curve_list] or [np.array([])])
     loads = loads[np.isfinite(loads)]
-    load = f"{loads.min():.1f} to {loads.max():.1f}" if len(loads) else None
-    busy = bool(len(loads) and env.get("cores_logical") and loads.max() > env["cores_logical"])
     threads = joined(c.key.get("threads") for c in m.curves)
     dtypes = joined(c.key.get("dtype") for c in m.curves)
-    crossovers = analysis.crossover_rows(curve_list)
-    statistic, fastest = statistic_text(curve_list), _fastest_lines(curve_list)
+    short_ns = joined(int(n) for c in short for n in c.n)
     title = (f"fastattn: time per call against n (d = 64, {dtypes or 'float32'}, "
              f"{threads or '?'} threads" + (f", {env['cpu_model']}" if env.get("cpu_model")
                                             else "") + ")")
-    return {
+    # no curve: no axes on the page; the figure beside the report says why in words
+    why_empty = None if curve_list else (
+        f"No scaling curve: every kernel was measured at fewer than 3 lengths\n"
+        f"(n = {short_ns}); a curve needs at least 3, so nothing is drawn." if short
+        else "No point was measured successfully: nothing to draw.")
+    block = {
         "threads": threads, "threads_reason": env.get("threads_reason"), "dtypes": dtypes,
         "repeats": joined((int(r) for c in curve_list for r in c.repeats if r), most=3),
-        "statistic": statistic, "load": load, "busy": busy, "cores": env.get("cores_logical"),
-        # no curve: no axes on the page; the figure beside the report says why in words
+        "statistic": statistic_text(curve_list), "cores": env.get("cores_logical"),
+        "load": f"{loads.min():.1f} to {loads.max():.1f}" if len(loads) else None,
+        "busy": bool(len(loads) and env.get("cores_logical")
+                     and loads.max() > env["cores_logical"]),
         "time_png": (figures.data_uri(figures.scaling_figure(m.panels, "time"))
                      if curve_list else None),
-        "readme_png": figures.scaling_figure(m.panels, "time", title=title,
-                                             empty=None if curve_list else no_curve_text(short)),
-        "exponents": _exponent_rows(curve_list), "crossovers": crossovers,
+        "readme_png": figures.scaling_figure(m.panels, "time", title=title, empty=why_empty),
+        "exponents": _exponent_rows(curve_list), "crossovers": analysis.crossover_rows(curve_list),
         "tables": _point_tables(curve_list),
         "other_points": [{"label": c.label, "attention": c.attention, "mask": mask_name(c.causal),
                           "n": int(n), **point_cell(c, i)}
@@ -193,15 +185,13 @@ def section(m):
         "peer_notes": peer_notes(m.curves),
         "peer_hints": env.get("absent_peers") or {k: INSTALL_HINT[k] for k in PREFILL_PEERS},
         "n_points": sum(len(c.n) for c in curve_list),
-        "short": {"points": sum(len(c.n) for c in short),
-                  "ns": joined(int(n) for c in short for n in c.n)},
+        "short": {"points": sum(len(c.n) for c in short), "ns": short_ns},
         "check_failures": [f"{c.label} at n = {n}" for c in curve_list for n in c.check_failed],
         "unavailable": env.get("unavailable_backends") or {},
         "curves": curve_list,
-        "summary": _summary(curve_list, crossovers, statistic, load, busy,
-                            env.get("cores_logical"), threads, env.get("threads_reason"),
-                            fastest),
     }
+    block["summary"] = _summary(curve_list, block)
+    return block
 
 
 def side_by_side(sections):
