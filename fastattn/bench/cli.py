@@ -156,7 +156,10 @@ def run(args):
         if not args.startup:
             return _run(args)
         from .startup import run_startup, startup_backends
-        backends = startup_backends(backend_names(args.backends))
+        try:
+            backends = startup_backends(backend_names(args.backends))
+        except ValueError as exc:
+            raise BenchUsageError(str(exc)) from None
         return run_startup(args, _out(args, "startup"), backends)
     except (BenchUsageError, ResultsFileError) as exc:
         print(f"fastattn bench: error: {exc}", file=sys.stderr)

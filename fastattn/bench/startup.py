@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 from .. import _api
-from .cli import BenchUsageError
 
 #: The child: prints ``{"numpy_s": ..., "first_call_s": ...}`` (the second given a backend).
 CHILD = r"""
@@ -34,12 +33,13 @@ class StartupError(RuntimeError):
 
 
 def startup_backends(names):
-    """The fastattn backends to time (None: every available one and ``auto``);
-    BenchUsageError for any other name."""
+    """The fastattn backends to time (None: every available one and ``auto``); ValueError
+    for any other name."""
     available = list(_api.available_backends()) + ["auto"]
-    if unknown := [name for name in names or () if name not in available]:
-        raise BenchUsageError(f"--startup times fastattn backends, got {unknown[0]!r}; "
-                              f"available here: {', '.join(available)}")
+    for name in names or ():
+        if name not in available:
+            raise ValueError(f"--startup times fastattn backends, got {name!r}; "
+                             f"available here: {', '.join(available)}")
     return available if names is None else names
 
 
