@@ -27,7 +27,8 @@ ORDER = ("scaling", "generation", "quality", "frontier", "model", "environment",
 
 @dataclass
 class Page:
-    """What a page section reads: every machine's curves, quality, model study, asv history."""
+    """What a section of the page reads: every machine's curves, quality, the whole-model
+    study and asv history."""
 
     curves: list
     quality: object = None
@@ -64,12 +65,13 @@ def _template():
 
 def build_report(records, *, source="", quality=None, history=None, history_benchmark=None,
                  model=None, generated=None):
-    """The :class:`Report` of results ``records`` (grouped by ``machine``: a results file's or
-    :func:`~.asv_results.load_asv_points`') from ``source`` (for the header); ``quality``
-    (:class:`fastattn.map_quality.QualityResults`) adds the Quality and Feature maps sections,
-    ``history`` (``load_asv_history`` rows of ``history_benchmark``) the asv history, ``model``
-    (a ``ModelStudy``, or why there is none) the whole-model study; ``generated`` (default now)
-    dates the page.  ValueError: no record of a known type."""
+    """The :class:`Report` of results ``records`` (a results file's or
+    :func:`~.asv_results.load_asv_points`', grouped by ``machine``) from ``source`` (for the
+    header); ``quality`` (:class:`fastattn.map_quality.QualityResults`) adds the Quality and
+    Feature maps sections, ``history`` (``load_asv_history`` rows of ``history_benchmark``)
+    the asv history, ``model`` (a ``ModelStudy``, or why there is none) the whole-model
+    study; ``generated`` (default now) dates the page.  ValueError: no record of a known type.
+    """
     environments, roofs, points = analysis.split_records(records)
     if not (environments or roofs or points):
         raise ValueError(f"{source or 'the records'} hold no fastattn environment, roof or "
