@@ -49,17 +49,14 @@ def make_inputs(spec, seed=DEFAULT_SEED):
 
 
 def make_call(spec, q, k, v):
-    """The no-argument call of point ``spec`` (a linear decode point: one step); FAVOR+ with
-    ``num_features`` gets its map as an object."""
+    """The no-argument call of point ``spec`` (a linear decode point: one step)."""
     attention, backend, causal = spec["attention"], spec["backend"], spec["causal"]
     decode, scale = spec.get("regime") == "decode", reference.default_scale(q.shape[-1])
-    feature_map = spec.get("feature_map") or "elu"
     if backend in peers.PEERS:
         build = peers.PEERS[backend].calls[attention, "decode" if decode else "prefill"]
-        return build(q, k, v, causal, scale if attention == "softmax" else feature_map,
-                     heads=spec.get("heads", 1))
-    if feature_map == "favor" and spec.get("num_features"):
-        feature_map = FavorFeatures(spec["d_k"], num_features=spec["num_features"])
+        option = scale if attention == "softmax" else spec.get("feature_map") or "elu"
+        return build(q, k, v, causal, option, heads=spec.get("heads", 1))
+    feature_map = _feature_map(spec)
     if attention == "softmax":
         return lambda: _api.softmax_attention(q, k, v, causal=causal, scale=scale,
                                               backend=backend)
@@ -72,6 +69,14 @@ def make_call(spec, q, k, v):
                                              backend=backend)[0]
     return lambda: _api.linear_attention(q, k, v, causal=causal, feature_map=feature_map,
                                          backend=backend)
+
+
+def _feature_map(spec):
+    """The ``feature_map=`` of a linear point: FAVOR+ with ``num_features`` as an object."""
+    name = spec.get("feature_map") or "elu"
+    if name == "favor" and spec.get("num_features"):
+        return FavorFeatures(spec["d_k"], num_features=spec["num_features"])
+    return name
 
 
 def feature_dim(spec):
