@@ -78,22 +78,30 @@ def collect(threads=None):
     return {
         "cpu_model": _cpuinfo("model name") or platform.processor() or platform.machine(),
         "cpu_flags": _cpu_flags(),
-        "cores_logical": os.cpu_count(), "cores_usable": default_num_threads(),
-        "memory_total_bytes": int(memory.total), "memory_available_bytes": int(memory.available),
-        "threads": threads, "thread_counts": fastattn.get_num_threads(),
+        "cores_logical": os.cpu_count(),
+        "cores_usable": default_num_threads(),
+        "memory_total_bytes": int(memory.total),
+        "memory_available_bytes": int(memory.available),
+        "threads": threads,
+        "thread_counts": fastattn.get_num_threads(),
         "thread_env": {name: value for name, value in sorted(os.environ.items())
                        if name.endswith("_NUM_THREADS") or name == "OMP_THREAD_LIMIT"},
-        "blas": blas_info(), "numpy_config_blas": _numpy_blas_name(np),
-        "python": sys.version.split()[0], "python_implementation": platform.python_implementation(),
-        "platform": platform.platform(), "hostname": socket.gethostname(),
+        "blas": blas_info(),
+        "numpy_config_blas": _numpy_blas_name(np),
+        "python": sys.version.split()[0],
+        "python_implementation": platform.python_implementation(),
+        "platform": platform.platform(),
+        "hostname": socket.gethostname(),
         "versions": {"fastattn": fastattn.__version__, "numpy": np.__version__,
                      **{name.lower(): _version(name)
                         for name in ("scipy", "numba", "Cython", "threadpoolctl")},
                      **{name: _version(name) for peer in PEERS.values() if peer.name != "numpy"
                         for name in peer.distributions or peer.modules}},
-        "backends": list(fastattn.available_backends()), "cython_products": _cython_products(),
+        "backends": list(fastattn.available_backends()),
+        "cython_products": _cython_products(),
         "unavailable_backends": fastattn.unavailable_backends(),
-        "peers": list(available_peers()), "absent_peers": absent_peers(),
+        "peers": list(available_peers()),
+        "absent_peers": absent_peers(),
         "git_commit": _git_commit(),
     }
 
