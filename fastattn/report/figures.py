@@ -3,6 +3,7 @@ backend, line style by attention (softmax solid, linear dashed)."""
 
 import base64
 import io
+import textwrap
 
 import matplotlib
 
@@ -43,6 +44,9 @@ def style(curve):
 #: Most legend entries below a panel (the tables name more); labels over LEGEND_WIDE_LABEL
 #: characters go one to a row; a row's inches, and the rows a panel leaves room for.
 LEGEND_MAX, LEGEND_WIDE_LABEL, LEGEND_ROW_IN, LEGEND_ROWS_IN_PANEL = 16, 44, 0.16, 6
+#: Characters of a legend line: a longer label (the backends of an "equal" line) is wrapped,
+#: as a legend wider than its panel collapses the constrained layout.
+LEGEND_LINE = 80
 
 
 def _legend_columns(labels):
@@ -58,14 +62,16 @@ def finish(ax, title, xlabel=None):
         ax.text(0.5, -0.16, f"{len(labels)} curves: too many to label here; the tables below "
                 "name them", transform=ax.transAxes, ha="center", va="top", fontsize=8)
     elif labels:
-        ax.legend(fontsize=7.5, loc="upper center", bbox_to_anchor=(0.5, -0.16),
+        ax.legend(ax.get_legend_handles_labels()[0],
+                  [textwrap.fill(label, LEGEND_LINE) for label in labels], fontsize=7.5,
+                  loc="upper center", bbox_to_anchor=(0.5, -0.16),
                   ncol=_legend_columns(labels), frameon=False)
 
 
 def to_png(fig):
     """PNG bytes of ``fig`` (then closed), taller where a legend below a panel needs room."""
-    rows = [-(-len(labels) // _legend_columns(labels)) for ax in fig.axes
-            if (legend := ax.get_legend()) is not None
+    rows = [-(-sum(label.count("\n") + 1 for label in labels) // _legend_columns(labels))
+            for ax in fig.axes if (legend := ax.get_legend()) is not None
             and (labels := [t.get_text() for t in legend.get_texts()])]
     if (extra := max(rows, default=0) - LEGEND_ROWS_IN_PANEL) > 0:
         grid_rows = max(ax.get_subplotspec().get_gridspec().nrows for ax in fig.axes)
