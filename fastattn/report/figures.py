@@ -57,13 +57,12 @@ def finish(ax, title, xlabel=None):
     """The n axis, the title and the legend below the panel (the curves stay visible)."""
     n_axis(ax, xlabel)
     ax.set_title(title, fontsize=11)
-    labels = ax.get_legend_handles_labels()[1]
+    handles, labels = ax.get_legend_handles_labels()
     if len(labels) > LEGEND_MAX:
         ax.text(0.5, -0.16, f"{len(labels)} curves: too many to label here; the tables below "
                 "name them", transform=ax.transAxes, ha="center", va="top", fontsize=8)
     elif labels:
-        ax.legend(ax.get_legend_handles_labels()[0],
-                  [textwrap.fill(label, LEGEND_LINE) for label in labels], fontsize=7.5,
+        ax.legend(handles, [textwrap.fill(label, LEGEND_LINE) for label in labels], fontsize=7.5,
                   loc="upper center", bbox_to_anchor=(0.5, -0.16),
                   ncol=_legend_columns(labels), frameon=False)
 
