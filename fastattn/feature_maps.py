@@ -251,7 +251,7 @@ class FeatureMap:
         smallest_v = float(np.abs(v).max(axis=-2).min())
         if not smallest_v > 0:
             return False
-        k_low = float(k.max(axis=-2).min() if n_k > 1 else k.min())
+        k_low = float(k.max(axis=-2).min())
         phi = k_low + 1 if k_low > 0 else math.exp(k_low)
         return phi * smallest_v >= n_k * 2.0 ** -102
 
