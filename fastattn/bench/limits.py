@@ -167,9 +167,10 @@ def binding_limit(spec, flops, nbytes, limits, threads=None):
 def limit_fields(spec, flops, nbytes, median_s, limits, threads=None):
     """:func:`binding_limit` and ``limit_fraction`` (``limit_s / median_s``) of a point timed at
     ``median_s``; {} without both probes or a time."""
-    fields = binding_limit(spec, flops, nbytes, limits, threads) if median_s and median_s > 0 \
-        else {}
-    return {**fields, "limit_fraction": fields["limit_s"] / median_s} if fields else {}
+    if not median_s or median_s <= 0 or not (
+            fields := binding_limit(spec, flops, nbytes, limits, threads)):
+        return {}
+    return {**fields, "limit_fraction": fields["limit_s"] / median_s}
 
 
 def statements(records):
