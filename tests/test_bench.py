@@ -131,8 +131,11 @@ def test_sweep_writes_environment_roof_then_points(tmp_path):
     assert all(r["gelem_s"] > 0 for r in roofs if r["probe"] == "exp")
     # The exp rate is NumPy's own loop, labelled as such, not as the GEMMs' BLAS.
     assert all(r["blas"].startswith("np.exp of NumPy") for r in roofs if r["probe"] == "exp")
-    assert all("NumPy" in r["blas"] and "np.exp" not in r["blas"]
+    # Each GEMM roof names the library it ran through (torch's too, when torch is installed).
+    label = {"numpy": "through NumPy", "torch": "through torch"}
+    assert all(label[r["library"]] in r["blas"] and "np.exp" not in r["blas"]
                for r in roofs if r["probe"] == "gemm")
+    assert "numpy" in {r["library"] for r in roofs if r["probe"] == "gemm"}
     for point, record in zip(points, records):
         assert record["status"] == "ok", record.get("reason")
         assert (record["attention"], record["causal"], record["n_q"]) == \
