@@ -165,6 +165,11 @@ cdef extern from *:
                                                  T *acc, int ahead) {                         \
         FA_PICK(fastattn_query_values, X, (p, v, width, d_v, acc, ahead));                    \
     }                                                                                         \
+    static inline void fastattn_query_scores_values_##X(const T *q, const T *k, T scale,      \
+                                                        T *s, const T *p, const T *v, T *acc,  \
+                                                        int width, int ahead) {               \
+        FA_PICK(fastattn_query_scores_values, X, (q, k, scale, s, p, v, acc, width, ahead));  \
+    }                                                                                         \
     static inline void fastattn_linear_product_##X(                                           \
             const T *p, long prs, long pjs, const T *v, int ldv, int rows, int width,        \
             const int *seen, int d_v, T *o, int ldo, int accumulate, const T *scale,         \
@@ -203,7 +208,10 @@ cdef extern from *:
         static void fastattn_query_scores_##X(const T *q, const T *k, int width, int d_k, \
                                               T scale, T *s, int ahead) {} \
         static void fastattn_query_values_##X(const T *p, const T *v, int width, int d_v, \
-                                              T *acc, int ahead) {}
+                                              T *acc, int ahead) {} \
+        static void fastattn_query_scores_values_##X(const T *q, const T *k, T scale, T *s, \
+                                                     const T *p, const T *v, T *acc, int width, \
+                                                     int ahead) {}
     FA_STUBS(float, f)
     FA_STUBS(double, d)
     #endif
@@ -235,6 +243,12 @@ cdef extern from *:
                                  int ahead) nogil
     void fastattn_query_values_d(const double *p, const double *v, int width, int d_v,
                                  double *acc, int ahead) nogil
+    void fastattn_query_scores_values_f(const float *q, const float *k, float scale, float *s,
+                                        const float *p, const float *v, float *acc, int width,
+                                        int ahead) nogil
+    void fastattn_query_scores_values_d(const double *q, const double *k, double scale,
+                                        double *s, const double *p, const double *v, double *acc,
+                                        int width, int ahead) nogil
 
 
 cdef inline bint simd_rows(int width, const floating *dtype_tag) noexcept nogil:
@@ -311,6 +325,19 @@ cdef inline void query_values(const floating *p, const floating *v, int width, i
         fastattn_query_values_f(p, v, width, d_v, acc, ahead)
     else:
         fastattn_query_values_d(p, v, width, d_v, acc, ahead)
+
+
+cdef inline void query_scores_values(const floating *q, const floating *k, floating scale,
+                                     floating *s, const floating *p, const floating *v,
+                                     floating *acc, int width, int ahead) noexcept nogil:
+    """One query, one pass over two key blocks, ``d_k = d_v`` = 4 vectors (64 float32, 32
+    float64): :func:`query_scores` of ``width`` keys ``k`` into ``s`` and :func:`query_values`
+    of ``width`` value rows ``v`` (the block before) with ``p``, a key row and a value row in
+    turn, so that K and V stream side by side.  ``width`` a multiple of the lanes."""
+    if floating is float:
+        fastattn_query_scores_values_f(q, k, scale, s, p, v, acc, width, ahead)
+    else:
+        fastattn_query_scores_values_d(q, k, scale, s, p, v, acc, width, ahead)
 
 
 cdef inline object products_isa():

@@ -12,7 +12,10 @@ is no BLAS call.  When ``d_k`` and ``d_v`` are whole AVX-512 vectors (16
 float32, 8 float64) and the CPU has AVX-512, each query's scores are taken
 16 (8) keys at a time, each key's products in one vector and the 16 vectors
 summed across lanes by one transpose-and-add tree, and ``p v`` adds value
-rows into accumulators held in registers (:file:`_microkernel_t.h`).
+rows into accumulators held in registers (:file:`_microkernel_t.h`).  With one
+query and ``d_k = d_v`` of 4 vectors (64 float32), a block's scores are taken
+in the pass that adds the ``p v`` of the block before, a key row and a value
+row in turn, so that K and V stream side by side.
 Otherwise a key block's scores are SIMD dot products of each key row with
 every query (the row read once, while it is in L1), then ``p v`` adds each
 value row into the accumulators, both in C loops compiled for AVX-512, AVX2
@@ -42,7 +45,7 @@ from cython.parallel cimport parallel, prange, threadid
 from fastattn._cython._blas cimport gemm
 from fastattn._cython._microkernel cimport (
     products_isa,
-    fastattn_microkernel_isa, simd_rows, query_scores, query_values,
+    fastattn_microkernel_isa, simd_rows, query_scores, query_values, query_scores_values,
 )
 from fastattn._cython._online cimport online_softmax_row
 from fastattn._cython._vmath cimport feature_map, fexp
@@ -232,13 +235,15 @@ cdef void _key_range(
 
     Leaves the unnormalised partial result in ``m (n_q)``, ``l (n_q)`` and
     ``acc (n_q, d_v)``; ``q, k, v`` point at the head.  ``s_buf`` holds
-    ``n_q · block_k`` scores and ``lim`` ``n_q`` ints.  Up to ``FUSED_ROWS``
+    ``max(n_q, 2) · block_k`` scores and ``lim`` ``n_q`` ints.  Up to ``FUSED_ROWS``
     queries, a key block's scores and its ``p v`` are SIMD loops over the key
     and value rows (``micro``: the AVX-512 ones of :file:`_microkernel.pxd`,
-    one query at a time); with more, GEMMs.
+    one query at a time; one query takes a block's scores in the pass that adds
+    the ``p v`` of the block before, :func:`_pipelined_block`); with more, GEMMs.
     """
     cdef int off = n_k - n_q
     cdef int r, c, j0, width, w
+    cdef int prev_width = 0     # keys of the block before, whose p v is still to add (one query)
     cdef floating *srow
 
     for r in range(n_q):
@@ -254,6 +259,16 @@ cdef void _key_range(
             lim[r] = min(max(r + off + 1 - j0, 0), width) if causal else width
         if lim[n_q - 1] == 0:
             break                      # no row sees this block, nor any later one
+        if micro and n_q == 1:
+            # One query: the scores of this block in one pass with the values of the block
+            # before it (`query_scores_values`); ``s_buf`` holds both blocks' scores.
+            srow = s_buf + (j0 - j_lo) // block_k % 2 * block_k
+            _pipelined_block(q, k + <Py_ssize_t> j0 * d_k, v + <Py_ssize_t> j0 * d_v, d_k,
+                             d_v, scale, width, prev_width, srow,
+                             s_buf + block_k - (srow - s_buf), acc, &m[0], &l[0])
+            prev_width = width
+            j0 = j0 + width
+            continue
         if micro and n_q <= FUSED_ROWS:
             for r in range(n_q):
                 w = lim[r]
@@ -285,6 +300,37 @@ cdef void _key_range(
         else:
             _weighted_values(s_buf, n_q, width, v + <Py_ssize_t> j0 * d_v, width, d_v, lim, acc)
         j0 = j0 + width
+    if prev_width:
+        srow = s_buf + (j0 - j_lo - prev_width) // block_k % 2 * block_k
+        query_values(srow, v + <Py_ssize_t> (j0 - prev_width) * d_v, prev_width, d_v, acc,
+                     fastattn_prefetch_rows)
+
+
+cdef inline void _pipelined_block(
+    const floating *q, const floating *k, const floating *v, int d_k, int d_v,
+    floating scale, int width, int prev_width, floating *s, const floating *p,
+    floating *acc, floating *m, floating *l,
+) noexcept nogil:
+    """One query's key block of ``width`` keys (``k``, ``v`` at its first row), with the
+    ``p v`` of the ``prev_width`` keys before it (``p``, their weights) still to add.
+
+    Their common whole vectors of keys run as one pass (:func:`query_scores_values`), the
+    rest apart; then the online softmax folds this block's scores ``s`` in, leaving its
+    weights there for the next block (or the end of the range) to add.
+    """
+    cdef int lanes = 16 if floating is float else 8
+    cdef int both = (min(width, prev_width) // lanes * lanes
+                     if d_k == 4 * lanes and d_v == 4 * lanes else 0)
+    cdef const floating *prev_v = v - <Py_ssize_t> prev_width * d_v
+    if both:
+        query_scores_values(q, k, scale, s, p, prev_v, acc, both, fastattn_prefetch_rows)
+    if prev_width > both:
+        query_values(p + both, prev_v + <Py_ssize_t> both * d_v, prev_width - both, d_v, acc,
+                     fastattn_prefetch_rows)
+    if width > both:
+        query_scores(q, k + <Py_ssize_t> both * d_k, width - both, d_k, scale, s + both,
+                     fastattn_prefetch_rows)
+    online_softmax_row(s, width, m, l, acc, d_v, True)
 
 
 cdef void _merge(const floating *part_m, const floating *part_l, const floating *part_acc,
@@ -346,7 +392,7 @@ def _split_key_softmax(
     cdef floating *part_l = part_m + n_parts
     cdef floating *part_acc = part_l + n_parts
     cdef floating *scratch = part_acc + n_parts * d_v
-    cdef Py_ssize_t per_thread = <Py_ssize_t> n_q * block_k
+    cdef Py_ssize_t per_thread = <Py_ssize_t> max(n_q, 2) * block_k   # one query: two blocks
     cdef int item, b, sp, j_lo, j_hi
     cdef int t = 0              # the thread, set in each parallel block
     cdef floating *buf = NULL   # per-thread scratch, set in each parallel block
@@ -414,7 +460,7 @@ def split_key_softmax_forward(q, k, v, bint causal, double scale, n_threads=None
     Notes
     -----
     ``4 · B · n_q · n_k · d`` flops; extra memory ``B · n_splits · n_q ·
-    (d_v + 2)`` elements for the partial results and ``T · n_q ·
+    (d_v + 2)`` elements for the partial results and ``T · max(n_q, 2) ·
     SPLIT_KEYS_BLOCK_K`` for the scores of ``T`` threads, in one allocation.  Flash-Decoding
     (Dao et al. 2023) over the online softmax of Milakov & Gimelshein (2018).
     """
@@ -430,7 +476,7 @@ def split_key_softmax_forward(q, k, v, bint causal, double scale, n_threads=None
     out = np.empty((n_batch, n_q, d_v), dtype=q.dtype)
     # One allocation: the partial (m, l, acc) of every work item, then each
     # thread's scores.
-    workspace = np.empty(n_batch * n_splits * n_q * (d_v + 2) + n_threads * n_q * block_k,
+    workspace = np.empty(n_batch * n_splits * n_q * (d_v + 2) + n_threads * max(n_q, 2) * block_k,
                          dtype=q.dtype)
     limits = np.empty(n_threads * n_q, dtype=np.intc)
     if n_threads == 1 or n_q <= FUSED_MAX_N_Q:
