@@ -94,8 +94,10 @@ def test_split_key_softmax_masked_non_finite_keys(backend, dtype, n_q, n_k):
                     assert (got[:, i] == 0).all(), f"row {i} sees no key and must be 0"
 
 
-@pytest.mark.parametrize("d_k, d_v", [(16, 16), (64, 48), (64, 80), (128, 128), (24, 64)],
-                         ids=["dk16-dv16", "dk64-dv48", "dk64-dv80", "dk128-dv128", "dk24-dv64"])
+@pytest.mark.parametrize("d_k, d_v", [(16, 16), (64, 48), (64, 80), (128, 128), (24, 64),
+                                      (64, 64), (32, 32)],
+                         ids=["dk16-dv16", "dk64-dv48", "dk64-dv80", "dk128-dv128", "dk24-dv64",
+                              "dk64-dv64", "dk32-dv32"])
 @pytest.mark.parametrize("n_q", [1, 2], ids=lambda n: f"nq{n}")
 def test_cython_one_query_loops_match_reference(n_q, d_k, d_v):
     """Cython's one- and two-query loops (AVX-512 or AVX2 where d_k and d_v are whole vectors).
@@ -103,7 +105,10 @@ def test_cython_one_query_loops_match_reference(n_q, d_k, d_v):
     Every key count from 1 to 33 leaves each remainder of a 16- (float32) or
     8-key (float64) group of scores; d_v of 3, 5 and 8 vectors of 16 columns
     leaves each remainder of the 4-vector column groups of ``p v``; d_k = 24
-    is not a whole number of vectors (the portable loops).
+    is not a whole number of vectors (the portable loops).  d_k = d_v = 64
+    (float32) and 32 (float64) are 4 vectors, where one query takes a block's
+    scores in the pass of the block before's ``p v``: 1025 and 2049 keys are
+    blocks of 1024 and a last one of a single key.
     """
     if "cython" not in FAST_BACKENDS:
         pytest.skip("cython backend not built")
