@@ -99,19 +99,23 @@ def test_split_key_softmax_masked_non_finite_keys(backend, dtype, n_q, n_k):
                          ids=["dk16-dv16", "dk64-dv48", "dk64-dv80", "dk128-dv128", "dk24-dv64",
                               "dk64-dv64", "dk32-dv32"])
 @pytest.mark.parametrize("n_q", [1, 2], ids=lambda n: f"nq{n}")
-def test_cython_one_query_loops_match_reference(n_q, d_k, d_v):
+@pytest.mark.parametrize("pipelined", [False, True], ids=["two-passes", "pipelined"])
+def test_cython_one_query_loops_match_reference(n_q, d_k, d_v, pipelined, monkeypatch):
     """Cython's one- and two-query loops (AVX-512 or AVX2 where d_k and d_v are whole vectors).
 
     Every key count from 1 to 33 leaves each remainder of a 16- (float32) or
     8-key (float64) group of scores; d_v of 3, 5 and 8 vectors of 16 columns
     leaves each remainder of the 4-vector column groups of ``p v``; d_k = 24
     is not a whole number of vectors (the portable loops).  d_k = d_v = 64
-    (float32) and 32 (float64) are 4 vectors, where one query takes a block's
-    scores in the pass of the block before's ``p v``: 1025 and 2049 keys are
-    blocks of 1024 and a last one of a single key.
+    (float32) and 32 (float64) are 4 vectors, where one query, ``pipelined``
+    (:func:`fastattn._policy.pipelined_pass`, which these sizes would not
+    take by themselves), takes a block's scores in the pass of the block
+    before's ``p v``: 1025 and 2049 keys are blocks of 1024 and a last one of
+    a single key.
     """
     if "cython" not in FAST_BACKENDS:
         pytest.skip("cython backend not built")
+    monkeypatch.setattr(_policy, "pipelined_pass", lambda kv_bytes: pipelined)
     for dtype in (np.float32, np.float64):
         for n_k in list(range(1, 34)) + [1023, 1025, 2049]:
             q, k, v = make_qkv((3, n_q, d_k), n_k=n_k, d_v=d_v, dtype=dtype, seed=n_k + d_v)
@@ -158,14 +162,18 @@ def test_split_count_gives_two_items_per_thread(batch, n_k, threads, want):
 @pytest.mark.parametrize("d_k, d_v", [(64, 64), (33, 17)], ids=["dk64-dv64", "dk33-dv17"])
 @pytest.mark.parametrize("n_q", [1, 5, 16], ids=lambda n: f"nq{n}")
 @pytest.mark.parametrize("backend", FAST_BACKENDS)
-def test_split_key_softmax_small_blocks_match_reference(backend, n_q, d_k, d_v, monkeypatch):
-    """Blocks of 16 keys: every block boundary and the causal diagonal inside and across blocks.
+@pytest.mark.parametrize("pipelined", [False, True], ids=["two-passes", "pipelined"])
+def test_split_key_softmax_small_blocks_match_reference(backend, n_q, d_k, d_v, pipelined,
+                                                         monkeypatch):
+    """Blocks of 16 keys: every block boundary and the causal diagonal inside and across blocks
+    (Cython's one query in one pass or two, :func:`fastattn._policy.pipelined_pass`).
 
     Head sizes of full SIMD width (64) and odd ones (33, 17) exercise the
     vector loops' bodies and remainders; n_k below n_q leaves whole causal
     rows (and every key block of them) unseen.
     """
     monkeypatch.setattr(_decode(backend), "SPLIT_KEYS_BLOCK_K", 16)
+    monkeypatch.setattr(_policy, "pipelined_pass", lambda kv_bytes: pipelined)
     for dtype in (np.float32, np.float64):
         for n_k in sorted({1, max(1, n_q - 3), 15, 16, 17, 47, 48, 49, 100}):
             q, k, v = make_qkv((2, 3, n_q, d_k), n_k=n_k, d_v=d_v, dtype=dtype, seed=7 * n_k + n_q)
@@ -206,3 +214,31 @@ def test_one_split_key_rule_for_both_backends_and_the_kv_cache(backend, rule, mo
         cache.append(k, v)
         assert_close(cache.attend(q, backend=backend), want, np.float32)
     assert calls == (["softmax", "cache"] * 2 if rule else [])
+
+
+def test_last_level_cache_bytes_reads_the_largest_cache(tmp_path, monkeypatch):
+    """The largest of cpu0's caches in sysfs (sizes in K or M), read once; the default without any."""
+    for index, size in enumerate(["48K", "1024K", "16M", "64K"]):
+        (tmp_path / f"index{index}").mkdir()
+        (tmp_path / f"index{index}" / "size").write_text(size + "\n")
+    real_glob = _policy.glob.glob
+    monkeypatch.setattr(_policy.glob, "glob",
+                        lambda pattern: real_glob(str(tmp_path / "index*" / "size")))
+    monkeypatch.setattr(_policy, "_cache_bytes", None)
+    assert _policy.last_level_cache_bytes() == 16 * 2**20
+    assert _policy.pipelined_pass(16 * 2**20) and not _policy.pipelined_pass(16 * 2**20 - 1)
+    monkeypatch.setattr(_policy.glob, "glob", lambda pattern: [])
+    assert _policy.last_level_cache_bytes() == 16 * 2**20     # read once
+    monkeypatch.setattr(_policy, "_cache_bytes", None)
+    assert _policy.last_level_cache_bytes() == _policy.DEFAULT_CACHE_BYTES
+
+
+@pytest.mark.parametrize("backend", ["cython"])
+def test_split_key_step_asks_the_policy_with_its_key_and_value_bytes(backend, monkeypatch):
+    if backend not in FAST_BACKENDS:
+        pytest.skip("cython backend not built")
+    asked = []
+    monkeypatch.setattr(_policy, "pipelined_pass", lambda kv_bytes: asked.append(kv_bytes))
+    q, k, v = make_qkv((3, 1, 64), n_k=100, d_v=32, dtype=np.float32, seed=0)
+    _decode(backend).split_key_softmax_forward(q, k, v, True, 0.125, n_k=90)
+    assert asked == [3 * 90 * (64 + 32) * 4]

@@ -13,9 +13,10 @@ float32, 8 float64) and the CPU has AVX-512, each query's scores are taken
 16 (8) keys at a time, each key's products in one vector and the 16 vectors
 summed across lanes by one transpose-and-add tree, and ``p v`` adds value
 rows into accumulators held in registers (:file:`_microkernel_t.h`).  With one
-query and ``d_k = d_v`` of 4 vectors (64 float32), a block's scores are taken
-in the pass that adds the ``p v`` of the block before, a key row and a value
-row in turn, so that K and V stream side by side.
+query and ``d_k = d_v`` of 4 vectors (64 float32) over keys and values that do
+not fit in the last-level cache (:func:`fastattn._policy.pipelined_pass`), a
+block's scores are taken in the pass that adds the ``p v`` of the block
+before, a key row and a value row in turn, so that K and V stream side by side.
 Otherwise a key block's scores are SIMD dot products of each key row with
 every query (the row read once, while it is in L1), then ``p v`` adds each
 value row into the accumulators, both in C loops compiled for AVX-512, AVX2
@@ -51,7 +52,7 @@ from fastattn._cython._online cimport online_softmax_row
 from fastattn._cython._vmath cimport feature_map, fexp
 
 from fastattn._cython._openmp import get_num_threads
-from fastattn._policy import split_count
+import fastattn._policy as _policy
 from fastattn._threads import kernel_threads, single_threaded_blas
 
 #: Keys per block inside a split (one pass of scores, one of ``p v``).
@@ -229,7 +230,7 @@ cdef void _key_range(
     const floating *q, const floating *k, const floating *v,
     int n_q, int n_k, int d_k, int d_v, int j_lo, int j_hi, bint causal,
     floating scale, int block_k, floating *s_buf, int *lim,
-    floating *m, floating *l, floating *acc, bint micro,
+    floating *m, floating *l, floating *acc, bint micro, bint pipelined,
 ) noexcept nogil:
     """Online softmax of all ``n_q`` rows of one head over keys ``[j_lo, j_hi)``.
 
@@ -238,8 +239,9 @@ cdef void _key_range(
     ``max(n_q, 2) · block_k`` scores and ``lim`` ``n_q`` ints.  Up to ``FUSED_ROWS``
     queries, a key block's scores and its ``p v`` are SIMD loops over the key
     and value rows (``micro``: the AVX-512 ones of :file:`_microkernel.pxd`,
-    one query at a time; one query takes a block's scores in the pass that adds
-    the ``p v`` of the block before, :func:`_pipelined_block`); with more, GEMMs.
+    one query at a time; with ``pipelined``, one query takes a block's scores in
+    the pass that adds the ``p v`` of the block before, :func:`_pipelined_block`);
+    with more, GEMMs.
     """
     cdef int off = n_k - n_q
     cdef int r, c, j0, width, w
@@ -259,7 +261,7 @@ cdef void _key_range(
             lim[r] = min(max(r + off + 1 - j0, 0), width) if causal else width
         if lim[n_q - 1] == 0:
             break                      # no row sees this block, nor any later one
-        if micro and n_q == 1:
+        if micro and pipelined and n_q == 1:
             # One query: the scores of this block in one pass with the values of the block
             # before it (`query_scores_values`); ``s_buf`` holds both blocks' scores.
             srow = s_buf + (j0 - j_lo) // block_k % 2 * block_k
@@ -381,6 +383,7 @@ def _split_key_softmax(
     double scale,
     int block_k,
     int n_threads,
+    bint pipelined,
 ):
     """Fill ``out``; ``workspace`` holds the partial results, then each thread's scratch."""
     cdef int n_batch = q.shape[0], n_q = q.shape[1], d_k = q.shape[2]
@@ -416,7 +419,7 @@ def _split_key_softmax(
             _key_range(&q[b, 0, 0], &k[b, 0, 0], &v[b, 0, 0], n_q, n_k, d_k, d_v,
                        j_lo, j_hi, causal, s, block_k, buf, &limits[t * n_q], part_m + <Py_ssize_t> item * n_q,
                        part_l + <Py_ssize_t> item * n_q, part_acc + <Py_ssize_t> item * n_q * d_v,
-                       micro)
+                       micro, pipelined)
     with nogil:
         for b in range(n_batch):
             _merge(part_m + <Py_ssize_t> b * n_splits * n_q, part_l + <Py_ssize_t> b * n_splits * n_q,
@@ -469,7 +472,7 @@ def split_key_softmax_forward(q, k, v, bint causal, double scale, n_threads=None
     n_k = k.shape[1] if n_k is None else n_k
     d_v = v.shape[2]
     if n_splits is None:
-        n_splits = split_count(n_batch, n_k, n_threads)
+        n_splits = _policy.split_count(n_batch, n_k, n_threads)
     n_splits = max(1, min(int(n_splits), n_k))
     n_threads = kernel_threads(n_threads, n_batch * n_splits, n_batch * n_q * n_k * (d_k + d_v))
     block_k = min(SPLIT_KEYS_BLOCK_K, (n_k + n_splits - 1) // n_splits)
@@ -479,13 +482,14 @@ def split_key_softmax_forward(q, k, v, bint causal, double scale, n_threads=None
     workspace = np.empty(n_batch * n_splits * n_q * (d_v + 2) + n_threads * max(n_q, 2) * block_k,
                          dtype=q.dtype)
     limits = np.empty(n_threads * n_q, dtype=np.intc)
+    pipelined = _policy.pipelined_pass(n_batch * n_k * (d_k + d_v) * q.itemsize)
     if n_threads == 1 or n_q <= FUSED_MAX_N_Q:
         _split_key_softmax(q, k, v, out, workspace, limits, n_splits, n_k, causal, scale,
-                           block_k, n_threads)
+                           block_k, n_threads, pipelined)
     else:
         with single_threaded_blas():
             _split_key_softmax(q, k, v, out, workspace, limits, n_splits, n_k, causal, scale,
-                               block_k, n_threads)
+                               block_k, n_threads, pipelined)
     return out
 
 
