@@ -250,9 +250,9 @@ FA_TARGET static void FA_NAME(fastattn_query_values)(const FA_T *p, const FA_T *
  * += sum_j p[j] v_j over the value rows of the block before it (as fastattn_query_values),
  * key row j and value row j in turn, for j < width (a multiple of FA_L); q and acc in
  * registers.  K and V then stream side by side, where the two passes of a block read them
- * one after the other with the softmax between: measured side by side in C (Zen 4, H = 8,
- * n_k = 4096, d = 64, float32, one thread) the two passes took 86-88 % of the time of a read
- * of K and V and this pass 91-93 %.  `ahead` as for fastattn_query_scores, for both. */
+ * one after the other with the softmax between.  Taken from memory only (see pipelined_pass
+ * in fastattn/_policy.py, with the measurements): from the cache, on two threads, the two
+ * passes were faster.  `ahead` as for fastattn_query_scores, for both. */
 FA_TARGET static void FA_NAME(fastattn_query_scores_values)(
         const FA_T *q, const FA_T *k, FA_T scale, FA_T *s, const FA_T *p, const FA_T *v,
         FA_T *acc, int width, int ahead) {
