@@ -262,12 +262,13 @@ cdef void _key_range(
         if lim[n_q - 1] == 0:
             break                      # no row sees this block, nor any later one
         if micro and pipelined and n_q == 1:
-            # One query: the scores of this block in one pass with the values of the block
-            # before it (`query_scores_values`); ``s_buf`` holds both blocks' scores.
+            # One query (which sees every key of its range: the mask is bottom-right aligned):
+            # the scores of this block in one pass with the values of the block before it;
+            # ``s_buf`` holds both blocks' scores.
             srow = s_buf + (j0 - j_lo) // block_k % 2 * block_k
             _pipelined_block(q, k + <Py_ssize_t> j0 * d_k, v + <Py_ssize_t> j0 * d_v, d_k,
                              d_v, scale, width, prev_width, srow,
-                             s_buf + block_k - (srow - s_buf), acc, &m[0], &l[0])
+                             s_buf + block_k - (srow - s_buf), acc, m, l)
             prev_width = width
             j0 = j0 + width
             continue
