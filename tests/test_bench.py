@@ -981,3 +981,23 @@ def test_sigterm_handler_is_only_in_place_while_measuring(tmp_path):
             assert signal.getsignal(signal.SIGTERM) is mine
     finally:
         signal.signal(signal.SIGTERM, before)
+
+
+@pytest.mark.parametrize("peer", ["openvino", "onnxruntime"])
+def test_a_peer_decode_step_is_not_skipped_for_an_n_k_by_n_k_array(peer, monkeypatch):
+    """A decode step's scores are one row per head, and its call is unmasked: a peer's memory
+    estimate counts n_q x n_k, not the n_k x n_k of a prefill (OpenVINO's 65536-key step was
+    skipped as needing 132,096 MiB)."""
+    monkeypatch.setattr(peers, "available_peers", lambda: (peer,))
+    monkeypatch.setattr(peers, "why_not", lambda *args: None)
+    monkeypatch.setattr(engine, "available_bytes", lambda: 8 * 2**30)
+    spec = {"attention": "softmax", "backend": peer, "causal": True, "dtype": "float32",
+            "batch": 1, "heads": 8, "n_q": 1, "n_k": 65536, "d_k": 64, "d_v": 64,
+            "regime": "decode"}
+    assert engine.why_skip(spec) is None
+    prefill = dict(spec, regime="prefill", n_q=65536)
+    assert "needs about" in engine.why_skip(prefill)
+    record = peers.PEERS[peer]
+    step = record.extra_bytes("softmax", True, 8, 1, 65536, 64, 64, 4, "decode")
+    assert step == record.extra_bytes("softmax", False, 8, 1, 65536, 64, 64, 4, "decode")
+    assert step < 8 * 65536 * 65536 * 4 / 100      # far below one n_k x n_k array of scores

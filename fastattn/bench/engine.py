@@ -315,8 +315,9 @@ def why_skip(spec):
     if backend == "reference":
         need += quadratic_need(spec, itemsize)
     elif backend in peers.PEERS:
-        need += peers.PEERS[backend].extra_bytes(spec["attention"], spec["causal"], b, n,
-                                                 spec["d_k"], spec["d_v"], itemsize)
+        need += peers.PEERS[backend].extra_bytes(
+            spec["attention"], spec["causal"], b, spec["n_q"], spec["n_k"], spec["d_k"],
+            spec["d_v"], itemsize, spec.get("regime") or "prefill")
     available = available_bytes()
     if need > MEMORY_HEADROOM * available:
         return f"needs about {need / 2**20:,.0f} MiB but {available / 2**20:,.0f} MiB are available"

@@ -29,8 +29,8 @@ class Peer:
     """One peer: the ``modules`` it needs (none imported to find them), the ``install``
     command, its call builders by ``(attention, regime)``, ``set_threads(n)`` and
     ``threads()``, the ``distributions`` whose versions are recorded (default ``modules``),
-    its limits, and the ``n x n``, ``n x d`` (causal linear: ``n x d_k x d_v``) arrays a call
-    needs beyond its inputs and output, so what cannot fit is skipped."""
+    its limits, and the ``n_q x n_k``, ``n x d`` (causal linear: ``n x d_k x d_v``) arrays a
+    call needs beyond its inputs and output, so what cannot fit is skipped."""
 
     name: str
     modules: tuple
@@ -53,11 +53,12 @@ class Peer:
     def version(self):
         return _version((self.distributions or self.modules)[0])
 
-    def extra_bytes(self, attention, causal, batch, n, d_k, d_v, itemsize):
+    def extra_bytes(self, attention, causal, batch, n_q, n_k, d_k, d_v, itemsize, regime):
+        causal = causal and regime != "decode"      # a decode step's call is unmasked
         if attention == "linear" and causal and self.causal_states:
-            return self.causal_states * batch * n * d_k * d_v * itemsize
+            return self.causal_states * batch * n_k * d_k * d_v * itemsize
         squares = self.square_arrays + (self.causal_squares if causal else 0)
-        return (squares * n * n + self.layouts * n * max(d_k, d_v)) * batch * itemsize
+        return (squares * n_q * n_k + self.layouts * max(n_q, n_k) * max(d_k, d_v)) * batch * itemsize
 
 
 def _findable(name):
