@@ -132,7 +132,10 @@ class CachedBuildExt(build_ext):
         cached = BUILD_CACHE / f"{ext.name}-{self._key(ext)}{target.suffix}"
         if cached.exists():
             target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(cached, target)
+            # A fresh mtime: an editable install copies the build into the checkout only
+            # when it is newer than the file there, so the cached file's own (older) time
+            # kept the extension of the last build, not of these sources.
+            shutil.copy(cached, target)
             return
         super().build_extension(ext)
         BUILD_CACHE.mkdir(parents=True, exist_ok=True)
