@@ -1,8 +1,8 @@
 """When softmax splits each head's keys across threads (Flash-Decoding), into how many ranges,
 and when a one-query step streams K and V side by side.
 
-One rule each: the split, read by both fast backends' ``softmax_forward`` and
-by :class:`fastattn.KVCache`; the one pass, by the Cython kernel.  Pure Python; it imports nothing of fastattn, so
+The split is read by both fast backends' ``softmax_forward`` and by
+:class:`fastattn.KVCache`; the one pass by the Cython kernel.  Pure Python; it imports nothing of fastattn, so
 the kernels may import it.  Callers look the functions up on this module at
 call time (``_policy.use_split_keys(...)``), so a test that replaces one
 changes every caller alike.
@@ -70,6 +70,8 @@ def split_count(batch, n_k, n_threads):
 
 #: The last-level cache's bytes where the CPU's cannot be read (Linux sysfs).
 DEFAULT_CACHE_BYTES = 32 * 2**20
+#: The size files of cpu0's caches in Linux's sysfs ("48K", "32768K", "1M").
+CACHE_SIZE_FILES = "/sys/devices/system/cpu/cpu0/cache/index*/size"
 
 _cache_bytes = None
 
@@ -85,7 +87,7 @@ def last_level_cache_bytes():
     global _cache_bytes
     if _cache_bytes is None:
         sizes = []
-        for index in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
+        for index in glob.glob(CACHE_SIZE_FILES):
             try:
                 with open(index, encoding="ascii") as handle:
                     text = handle.read().strip().upper()
@@ -109,11 +111,12 @@ def pipelined_pass(kv_bytes):
     Returns
     -------
     bool
-        ``kv_bytes >= last_level_cache_bytes()``: from memory the one pass is faster; from
-        the cache, on two threads, the two passes are.  Measured side by side (Zen 4 with
-        32 MiB of L3, H = 8, d = 64, float32, two threads, the two builds alternating): at
-        32768 keys (134 MB) the one pass read at 92 % of the rate of a read of the same
-        bytes, the two passes at 78-85 %; at 4096 keys (16.8 MB) the bench's fastest repeat
-        took 148-159 us in one pass against 137-138 us in two.
+        ``kv_bytes >= last_level_cache_bytes()``: from memory the one pass is faster;
+        from the cache, on two threads, the two passes are.  Measured side by side (Zen 4
+        with 32 MiB of L3, H = 8, d = 64, float32, two threads, the two builds
+        alternating): at 32768 keys (134 MB) the one pass read at 92 % of the rate of a
+        read of the same bytes, the two passes at 78-85 %; at 4096 keys (16.8 MB) the
+        bench's fastest repeat took 148-159 µs in one pass against 137-138 µs in two.
+        8192 keys (32 MiB) take the one pass.
     """
     return kv_bytes >= last_level_cache_bytes()

@@ -983,6 +983,8 @@ def test_sigterm_handler_is_only_in_place_while_measuring(tmp_path):
         signal.signal(signal.SIGTERM, before)
 
 
+# openvino: a causal mask in prefill; onnxruntime: a square array of weights (its record has
+# no decode call: why_not is replaced to ask for the estimate alone).
 @pytest.mark.parametrize("peer", ["openvino", "onnxruntime"])
 def test_a_peer_decode_step_is_not_skipped_for_an_n_k_by_n_k_array(peer, monkeypatch):
     """A decode step's scores are one row per head, and its call is unmasked: a peer's memory

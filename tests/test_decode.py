@@ -110,14 +110,18 @@ def test_cython_one_query_loops_match_reference(n_q, d_k, d_v, pipelined, monkey
     (float32) and 32 (float64) are 4 vectors, where one query, ``pipelined``
     (:func:`fastattn._policy.pipelined_pass`, which these sizes would not
     take by themselves), takes a block's scores in the pass of the block
-    before's ``p v``: 1025 and 2049 keys are blocks of 1024 and a last one of
-    a single key.
+    before's ``p v``: in one range (one split), 2049 keys are blocks of 1024
+    and a last one of a single key, and 2088 end in a block of 40, whose first
+    32 (float32) run in that pass and the rest apart.
     """
     if "cython" not in FAST_BACKENDS:
         pytest.skip("cython backend not built")
+    if pipelined and not (n_q == 1 and d_k == d_v and d_k in (32, 64)
+                          and _decode("cython")._products_isa() == "avx512"):
+        pytest.skip("the one pass runs with one query and d_k = d_v of 4 AVX-512 vectors")
     monkeypatch.setattr(_policy, "pipelined_pass", lambda kv_bytes: pipelined)
     for dtype in (np.float32, np.float64):
-        for n_k in list(range(1, 34)) + [1023, 1025, 2049]:
+        for n_k in list(range(1, 34)) + [1023, 1025, 2049, 2088]:
             q, k, v = make_qkv((3, n_q, d_k), n_k=n_k, d_v=d_v, dtype=dtype, seed=n_k + d_v)
             for causal in (False, True):
                 want = reference64(fastattn.softmax_attention, q, k, v, causal=causal)
@@ -172,6 +176,8 @@ def test_split_key_softmax_small_blocks_match_reference(backend, n_q, d_k, d_v, 
     vector loops' bodies and remainders; n_k below n_q leaves whole causal
     rows (and every key block of them) unseen.
     """
+    if pipelined and (backend != "cython" or _decode(backend)._products_isa() != "avx512"):
+        pytest.skip("the one pass is Cython's, with AVX-512")
     monkeypatch.setattr(_decode(backend), "SPLIT_KEYS_BLOCK_K", 16)
     monkeypatch.setattr(_policy, "pipelined_pass", lambda kv_bytes: pipelined)
     for dtype in (np.float32, np.float64):
@@ -221,24 +227,30 @@ def test_last_level_cache_bytes_reads_the_largest_cache(tmp_path, monkeypatch):
     for index, size in enumerate(["48K", "1024K", "16M", "64K"]):
         (tmp_path / f"index{index}").mkdir()
         (tmp_path / f"index{index}" / "size").write_text(size + "\n")
-    real_glob = _policy.glob.glob
-    monkeypatch.setattr(_policy.glob, "glob",
-                        lambda pattern: real_glob(str(tmp_path / "index*" / "size")))
+    monkeypatch.setattr(_policy, "CACHE_SIZE_FILES", str(tmp_path / "index*" / "size"))
     monkeypatch.setattr(_policy, "_cache_bytes", None)
     assert _policy.last_level_cache_bytes() == 16 * 2**20
     assert _policy.pipelined_pass(16 * 2**20) and not _policy.pipelined_pass(16 * 2**20 - 1)
-    monkeypatch.setattr(_policy.glob, "glob", lambda pattern: [])
+    monkeypatch.setattr(_policy, "CACHE_SIZE_FILES", str(tmp_path / "none" / "size"))
     assert _policy.last_level_cache_bytes() == 16 * 2**20     # read once
     monkeypatch.setattr(_policy, "_cache_bytes", None)
     assert _policy.last_level_cache_bytes() == _policy.DEFAULT_CACHE_BYTES
+    # Contents it cannot read are skipped; a size with no unit is in bytes.
+    for index, size in enumerate(["", "1.5M", "32KiB", "garbage", "20000000"]):
+        (tmp_path / f"odd{index}").mkdir()
+        (tmp_path / f"odd{index}" / "size").write_text(size)
+    monkeypatch.setattr(_policy, "CACHE_SIZE_FILES", str(tmp_path / "odd*" / "size"))
+    monkeypatch.setattr(_policy, "_cache_bytes", None)
+    assert _policy.last_level_cache_bytes() == 20000000
 
 
-@pytest.mark.parametrize("backend", ["cython"])
-def test_split_key_step_asks_the_policy_with_its_key_and_value_bytes(backend, monkeypatch):
-    if backend not in FAST_BACKENDS:
+def test_split_key_step_asks_the_policy_with_its_key_and_value_bytes(monkeypatch):
+    """Cython's step asks :func:`fastattn._policy.pipelined_pass` with the bytes of the keys
+    and values it reads: the filled ``n_k`` of a cache, not its capacity."""
+    if "cython" not in FAST_BACKENDS:
         pytest.skip("cython backend not built")
     asked = []
     monkeypatch.setattr(_policy, "pipelined_pass", lambda kv_bytes: asked.append(kv_bytes))
     q, k, v = make_qkv((3, 1, 64), n_k=100, d_v=32, dtype=np.float32, seed=0)
-    _decode(backend).split_key_softmax_forward(q, k, v, True, 0.125, n_k=90)
+    _decode("cython").split_key_softmax_forward(q, k, v, True, 0.125, n_k=90)
     assert asked == [3 * 90 * (64 + 32) * 4]

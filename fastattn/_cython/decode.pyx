@@ -13,7 +13,7 @@ float32, 8 float64) and the CPU has AVX-512, each query's scores are taken
 16 (8) keys at a time, each key's products in one vector and the 16 vectors
 summed across lanes by one transpose-and-add tree, and ``p v`` adds value
 rows into accumulators held in registers (:file:`_microkernel_t.h`).  With one
-query and ``d_k = d_v`` of 4 vectors (64 float32) over keys and values that do
+query and ``d_k = d_v`` of 4 vectors (64 float32, 32 float64) over keys and values that do
 not fit in the last-level cache (:func:`fastattn._policy.pipelined_pass`), a
 block's scores are taken in the pass that adds the ``p v`` of the block
 before, a key row and a value row in turn, so that K and V stream side by side.
@@ -55,7 +55,8 @@ from fastattn._cython._openmp import get_num_threads
 import fastattn._policy as _policy
 from fastattn._threads import kernel_threads, single_threaded_blas
 
-#: Keys per block inside a split (one pass of scores, one of ``p v``).
+#: Keys per block inside a split (one pass of scores, one of ``p v``; or, in one pass, the
+#: block's scores and the block before's ``p v``).
 #: Measured here (fused loops, float32, n_q=1, n_k=32768, H=8, d=64,
 #: 1 thread, min of 20 interleaved calls, loaded machine): 128 keys 22.8 ms,
 #: 256 to 4096 keys 13.3-14.0 ms, beside 13.6 ms for torch to sum K and V.
@@ -239,14 +240,16 @@ cdef void _key_range(
     ``max(n_q, 2) · block_k`` scores and ``lim`` ``n_q`` ints.  Up to ``FUSED_ROWS``
     queries, a key block's scores and its ``p v`` are SIMD loops over the key
     and value rows (``micro``: the AVX-512 ones of :file:`_microkernel.pxd`,
-    one query at a time; with ``pipelined``, one query takes a block's scores in
-    the pass that adds the ``p v`` of the block before, :func:`_pipelined_block`);
-    with more, GEMMs.
+    one query at a time; ``pipelined`` (one query, ``micro``, ``d_k = d_v`` of 4
+    vectors) takes a block's scores in the pass that adds the ``p v`` of the block
+    before, :func:`_pipelined_block`); with more, GEMMs.
     """
     cdef int off = n_k - n_q
     cdef int r, c, j0, width, w
     cdef int prev_width = 0     # keys of the block before, whose p v is still to add (one query)
     cdef floating *srow
+    cdef floating *cur = s_buf             # pipelined: this block's scores,
+    cdef floating *prev = s_buf + block_k  # and the block before's weights
 
     for r in range(n_q):
         m[r] = NEG_INF
@@ -261,14 +264,12 @@ cdef void _key_range(
             lim[r] = min(max(r + off + 1 - j0, 0), width) if causal else width
         if lim[n_q - 1] == 0:
             break                      # no row sees this block, nor any later one
-        if micro and pipelined and n_q == 1:
+        if pipelined:
             # One query (which sees every key of its range: the mask is bottom-right aligned):
-            # the scores of this block in one pass with the values of the block before it;
-            # ``s_buf`` holds both blocks' scores.
-            srow = s_buf + (j0 - j_lo) // block_k % 2 * block_k
+            # the scores of this block in one pass with the values of the block before it.
             _pipelined_block(q, k + <Py_ssize_t> j0 * d_k, v + <Py_ssize_t> j0 * d_v, d_k,
-                             d_v, scale, width, prev_width, srow,
-                             s_buf + block_k - (srow - s_buf), acc, m, l)
+                             d_v, scale, width, prev_width, cur, prev, acc, m, l)
+            cur, prev = prev, cur
             prev_width = width
             j0 = j0 + width
             continue
@@ -304,8 +305,7 @@ cdef void _key_range(
             _weighted_values(s_buf, n_q, width, v + <Py_ssize_t> j0 * d_v, width, d_v, lim, acc)
         j0 = j0 + width
     if prev_width:
-        srow = s_buf + (j0 - j_lo - prev_width) // block_k % 2 * block_k
-        query_values(srow, v + <Py_ssize_t> (j0 - prev_width) * d_v, prev_width, d_v, acc,
+        query_values(prev, v + <Py_ssize_t> (j0 - prev_width) * d_v, prev_width, d_v, acc,
                      fastattn_prefetch_rows)
 
 
@@ -322,8 +322,7 @@ cdef inline void _pipelined_block(
     weights there for the next block (or the end of the range) to add.
     """
     cdef int lanes = 16 if floating is float else 8
-    cdef int both = (min(width, prev_width) // lanes * lanes
-                     if d_k == 4 * lanes and d_v == 4 * lanes else 0)
+    cdef int both = min(width, prev_width) // lanes * lanes
     cdef const floating *prev_v = v - <Py_ssize_t> prev_width * d_v
     if both:
         query_scores_values(q, k, scale, s, p, prev_v, acc, both, fastattn_prefetch_rows)
@@ -408,6 +407,9 @@ def _split_key_softmax(
     # H = 8, n_k = 8192 and 32768; two copies of one build differed by 0.9-1.0).
     cdef bint micro = (simd_rows(d_k, buf) and simd_rows(d_v, buf)
                        and fastattn_microkernel_isa() == 512)
+    cdef int lanes = 16 if floating is float else 8
+    # The one pass holds q and acc in registers: one query, d_k = d_v = 4 vectors.
+    pipelined = pipelined and micro and n_q == 1 and d_k == 4 * lanes and d_v == 4 * lanes
 
     with nogil, parallel(num_threads=min(n_threads, n_items)):
         t = threadid()

@@ -54,11 +54,13 @@ class Peer:
         return _version((self.distributions or self.modules)[0])
 
     def extra_bytes(self, attention, causal, batch, n_q, n_k, d_k, d_v, itemsize, regime):
-        causal = causal and regime != "decode"      # a decode step's call is unmasked
+        # A decode step: softmax's calls are unmasked (_unmasked); linear keeps no causal state.
+        causal = causal and regime != "decode"
         if attention == "linear" and causal and self.causal_states:
             return self.causal_states * batch * n_k * d_k * d_v * itemsize
         squares = self.square_arrays + (self.causal_squares if causal else 0)
-        return (squares * n_q * n_k + self.layouts * max(n_q, n_k) * max(d_k, d_v)) * batch * itemsize
+        layouts = self.layouts * max(n_q, n_k) * max(d_k, d_v)
+        return (squares * n_q * n_k + layouts) * batch * itemsize
 
 
 def _findable(name):
