@@ -2,10 +2,10 @@
 and when a one-query step streams K and V side by side.
 
 The split is read by both fast backends' ``softmax_forward`` and by
-:class:`fastattn.KVCache`; the one pass by the Cython kernel.  Pure Python; it imports nothing of fastattn, so
-the kernels may import it.  Callers look the functions up on this module at
-call time (``_policy.use_split_keys(...)``), so a test that replaces one
-changes every caller alike.
+:class:`fastattn.KVCache`; the one pass by the Cython kernel.  Pure Python; it
+imports nothing of fastattn, so the kernels may import it.  Callers look the
+functions up on this module at call time (``_policy.use_split_keys(...)``), so
+a test that replaces one changes every caller alike.
 """
 
 import glob

@@ -223,7 +223,8 @@ def test_one_split_key_rule_for_both_backends_and_the_kv_cache(backend, rule, mo
 
 
 def test_last_level_cache_bytes_reads_the_largest_cache(tmp_path, monkeypatch):
-    """The largest of cpu0's caches in sysfs (sizes in K or M), read once; the default without any."""
+    """The largest of cpu0's caches in sysfs (sizes in K or M), read once; the default
+    without any."""
     for index, size in enumerate(["48K", "1024K", "16M", "64K"]):
         (tmp_path / f"index{index}").mkdir()
         (tmp_path / f"index{index}" / "size").write_text(size + "\n")
