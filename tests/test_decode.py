@@ -95,31 +95,24 @@ def test_split_key_softmax_masked_non_finite_keys(backend, dtype, n_q, n_k):
 
 
 @pytest.mark.parametrize("d_k, d_v", [(16, 16), (64, 48), (64, 80), (128, 128), (24, 64),
-                                      (64, 64), (32, 32)],
+                                      (64, 64), (32, 32), (48, 48), (80, 80)],
                          ids=["dk16-dv16", "dk64-dv48", "dk64-dv80", "dk128-dv128", "dk24-dv64",
-                              "dk64-dv64", "dk32-dv32"])
+                              "dk64-dv64", "dk32-dv32", "dk48-dv48", "dk80-dv80"])
 @pytest.mark.parametrize("n_q", [1, 2], ids=lambda n: f"nq{n}")
-@pytest.mark.parametrize("pipelined", [False, True], ids=["two-passes", "pipelined"])
-def test_cython_one_query_loops_match_reference(n_q, d_k, d_v, pipelined, monkeypatch):
+def test_cython_one_query_loops_match_reference(n_q, d_k, d_v):
     """Cython's one- and two-query loops (AVX-512 or AVX2 where d_k and d_v are whole vectors).
 
     Every key count from 1 to 33 leaves each remainder of a 16- (float32) or
     8-key (float64) group of scores; d_v of 3, 5 and 8 vectors of 16 columns
     leaves each remainder of the 4-vector column groups of ``p v``; d_k = 24
-    is not a whole number of vectors (the portable loops).  d_k = d_v = 64
-    (float32) and 32 (float64) are 4 vectors, where one query, ``pipelined``
-    (:func:`fastattn._policy.pipelined_pass`, which these sizes would not
-    take by themselves), takes a block's scores in the pass of the block
-    before's ``p v``: in one range (one split), 2049 keys are blocks of 1024
-    and a last one of a single key, and 2088 end in a block of 40, whose first
-    32 (float32) run in that pass and the rest apart.
+    is not a whole number of vectors (the portable loops).  With one query and
+    d_k = d_v of 1 to 8 vectors (16 to 128 float32, 8 to 64 float64) and
+    AVX-512, a range's whole groups of keys run in one pass and the keys left
+    after them in a block: 1023, 1025, 2049 and 2088 keys leave 15, 1, 1 and
+    8 (float32) of them, and cross the 1024-key blocks of the other loops.
     """
     if "cython" not in FAST_BACKENDS:
         pytest.skip("cython backend not built")
-    if pipelined and not (n_q == 1 and d_k == d_v and d_k in (32, 64)
-                          and _decode("cython")._products_isa() == "avx512"):
-        pytest.skip("the one pass runs with one query and d_k = d_v of 4 AVX-512 vectors")
-    monkeypatch.setattr(_policy, "pipelined_pass", lambda kv_bytes: pipelined)
     for dtype in (np.float32, np.float64):
         for n_k in list(range(1, 34)) + [1023, 1025, 2049, 2088]:
             q, k, v = make_qkv((3, n_q, d_k), n_k=n_k, d_v=d_v, dtype=dtype, seed=n_k + d_v)
@@ -129,6 +122,51 @@ def test_cython_one_query_loops_match_reference(n_q, d_k, d_v, pipelined, monkey
                     got = _split_key("cython", q, k, v, causal, d_k ** -0.5, min(n_splits, n_k))
                     assert_close(got, want, dtype,
                                  err_msg=f"n_k={n_k} causal={causal} n_splits={n_splits}")
+
+
+def _one_query_logits(dtype, d, n_k, logits):
+    """``q (2, 1, d)``, ``k``, ``v (2, n_k, d)`` whose scaled logits are ``logits`` (n_k) plus
+    noise below 0.01: ``q`` a unit vector on the first axis, keys along it."""
+    q, k, v = make_qkv((2, 1, d), n_k=n_k, dtype=dtype, seed=n_k + d)
+    q[...] = 0
+    q[..., 0] = 1
+    k[..., 1:] *= 0.01
+    with np.errstate(invalid="ignore"):
+        k[..., 0] = (np.asarray(logits, dtype=np.float64) * d ** 0.5).astype(dtype)
+    return q, k, v
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize("vectors", [1, 2, 3, 4, 5, 8], ids=lambda n: f"{n}vec")
+@pytest.mark.parametrize("backend", FAST_BACKENDS)
+def test_one_query_running_maximum_and_non_finite_logits(backend, vectors, dtype):
+    """One query over 200 keys whose logits rise key by key (the running maximum rises in
+    every group of keys, rescaling the sums each time), fall, jump to 80 (float32) or 600
+    (float64) midway, or start with 40 keys of -inf (a shift of 0, then the first finite
+    maximum); and a NaN or +inf logit makes the row NaN, as in the reference.  Head sizes of
+    1 to 8 vectors of the one-pass loops (Cython with AVX-512), valid for every loop."""
+    lanes = 16 if dtype == np.float32 else 8
+    d, n_k = vectors * lanes, 200
+    big = 80.0 if dtype == np.float32 else 600.0
+    ramp = np.linspace(-30, 30, n_k)
+    jump = np.where(np.arange(n_k) < 100, 0.0, big)
+    minus_inf = np.where(np.arange(n_k) < 40, -np.inf, ramp)
+    for name, logits in [("rising", ramp), ("falling", ramp[::-1]), ("jump", jump),
+                         ("-inf first", minus_inf)]:
+        q, k, v = _one_query_logits(dtype, d, n_k, logits)
+        want = reference64(fastattn.softmax_attention, q, k, v, causal=True)
+        assert np.isfinite(want).all()
+        for n_splits in (1, 2):
+            got = _split_key(backend, q, k, v, True, d ** -0.5, n_splits)
+            assert_close(got, want, dtype, err_msg=f"{name} n_splits={n_splits}")
+    for name, bad in [("NaN", np.nan), ("+inf", np.inf)]:
+        logits = ramp.copy()
+        logits[77] = bad
+        q, k, v = _one_query_logits(dtype, d, n_k, logits)
+        assert np.isnan(reference64(fastattn.softmax_attention, q, k, v, causal=True)).all()
+        for n_splits in (1, 2):
+            got = _split_key(backend, q, k, v, True, d ** -0.5, n_splits)
+            assert np.isnan(got).all(), f"a {name} logit, n_splits={n_splits}"
 
 
 #: Where each backend's softmax_forward looks up the split-key kernel it routes to.
@@ -166,20 +204,14 @@ def test_split_count_gives_two_items_per_thread(batch, n_k, threads, want):
 @pytest.mark.parametrize("d_k, d_v", [(64, 64), (33, 17)], ids=["dk64-dv64", "dk33-dv17"])
 @pytest.mark.parametrize("n_q", [1, 5, 16], ids=lambda n: f"nq{n}")
 @pytest.mark.parametrize("backend", FAST_BACKENDS)
-@pytest.mark.parametrize("pipelined", [False, True], ids=["two-passes", "pipelined"])
-def test_split_key_softmax_small_blocks_match_reference(backend, n_q, d_k, d_v, pipelined,
-                                                         monkeypatch):
-    """Blocks of 16 keys: every block boundary and the causal diagonal inside and across blocks
-    (Cython's one query in one pass or two, :func:`fastattn._policy.pipelined_pass`).
+def test_split_key_softmax_small_blocks_match_reference(backend, n_q, d_k, d_v, monkeypatch):
+    """Blocks of 16 keys: every block boundary and the causal diagonal inside and across blocks.
 
     Head sizes of full SIMD width (64) and odd ones (33, 17) exercise the
     vector loops' bodies and remainders; n_k below n_q leaves whole causal
     rows (and every key block of them) unseen.
     """
-    if pipelined and (backend != "cython" or _decode(backend)._products_isa() != "avx512"):
-        pytest.skip("the one pass is Cython's, with AVX-512")
     monkeypatch.setattr(_decode(backend), "SPLIT_KEYS_BLOCK_K", 16)
-    monkeypatch.setattr(_policy, "pipelined_pass", lambda kv_bytes: pipelined)
     for dtype in (np.float32, np.float64):
         for n_k in sorted({1, max(1, n_q - 3), 15, 16, 17, 47, 48, 49, 100}):
             q, k, v = make_qkv((2, 3, n_q, d_k), n_k=n_k, d_v=d_v, dtype=dtype, seed=7 * n_k + n_q)
@@ -220,38 +252,3 @@ def test_one_split_key_rule_for_both_backends_and_the_kv_cache(backend, rule, mo
         cache.append(k, v)
         assert_close(cache.attend(q, backend=backend), want, np.float32)
     assert calls == (["softmax", "cache"] * 2 if rule else [])
-
-
-def test_last_level_cache_bytes_reads_the_largest_cache(tmp_path, monkeypatch):
-    """The largest of cpu0's caches in sysfs (sizes in K or M), read once; the default
-    without any."""
-    for index, size in enumerate(["48K", "1024K", "16M", "64K"]):
-        (tmp_path / f"index{index}").mkdir()
-        (tmp_path / f"index{index}" / "size").write_text(size + "\n")
-    monkeypatch.setattr(_policy, "CACHE_SIZE_FILES", str(tmp_path / "index*" / "size"))
-    monkeypatch.setattr(_policy, "_cache_bytes", None)
-    assert _policy.last_level_cache_bytes() == 16 * 2**20
-    assert _policy.pipelined_pass(16 * 2**20) and not _policy.pipelined_pass(16 * 2**20 - 1)
-    monkeypatch.setattr(_policy, "CACHE_SIZE_FILES", str(tmp_path / "none" / "size"))
-    assert _policy.last_level_cache_bytes() == 16 * 2**20     # read once
-    monkeypatch.setattr(_policy, "_cache_bytes", None)
-    assert _policy.last_level_cache_bytes() == _policy.DEFAULT_CACHE_BYTES
-    # Contents it cannot read are skipped; a size with no unit is in bytes.
-    for index, size in enumerate(["", "1.5M", "32KiB", "garbage", "20000000"]):
-        (tmp_path / f"odd{index}").mkdir()
-        (tmp_path / f"odd{index}" / "size").write_text(size)
-    monkeypatch.setattr(_policy, "CACHE_SIZE_FILES", str(tmp_path / "odd*" / "size"))
-    monkeypatch.setattr(_policy, "_cache_bytes", None)
-    assert _policy.last_level_cache_bytes() == 20000000
-
-
-def test_split_key_step_asks_the_policy_with_its_key_and_value_bytes(monkeypatch):
-    """Cython's step asks :func:`fastattn._policy.pipelined_pass` with the bytes of the keys
-    and values it reads: the filled ``n_k`` of a cache, not its capacity."""
-    if "cython" not in FAST_BACKENDS:
-        pytest.skip("cython backend not built")
-    asked = []
-    monkeypatch.setattr(_policy, "pipelined_pass", lambda kv_bytes: asked.append(kv_bytes))
-    q, k, v = make_qkv((3, 1, 64), n_k=100, d_v=32, dtype=np.float32, seed=0)
-    _decode("cython").split_key_softmax_forward(q, k, v, True, 0.125, n_k=90)
-    assert asked == [3 * 90 * (64 + 32) * 4]

@@ -42,6 +42,7 @@ cdef extern from *:
         && !defined(FASTATTN_NO_MICROKERNEL)
     #include <ctype.h>
     #include <immintrin.h>
+    #include <math.h>
     #include <stdlib.h>
     #include <string.h>
     #include <strings.h>
@@ -165,10 +166,10 @@ cdef extern from *:
                                                  T *acc, int ahead) {                         \
         FA_PICK(fastattn_query_values, X, (p, v, width, d_v, acc, ahead));                    \
     }                                                                                         \
-    static inline void fastattn_query_scores_values_##X(const T *q, const T *k, T scale,      \
-                                                        T *s, const T *p, const T *v, T *acc,  \
-                                                        int width, int ahead) {               \
-        FA_PICK(fastattn_query_scores_values, X, (q, k, scale, s, p, v, acc, width, ahead));  \
+    static inline void fastattn_query_attend_##X(const T *q, const T *k, const T *v, int width, \
+                                                 int d, T scale, T *m, T *l, T *acc,          \
+                                                 int ahead) {                                 \
+        FA_PICK(fastattn_query_attend, X, (q, k, v, width, d, scale, m, l, acc, ahead));       \
     }                                                                                         \
     static inline void fastattn_linear_product_##X(                                           \
             const T *p, long prs, long pjs, const T *v, int ldv, int rows, int width,        \
@@ -209,9 +210,8 @@ cdef extern from *:
                                               T scale, T *s, int ahead) {} \
         static void fastattn_query_values_##X(const T *p, const T *v, int width, int d_v, \
                                               T *acc, int ahead) {} \
-        static void fastattn_query_scores_values_##X(const T *q, const T *k, T scale, T *s, \
-                                                     const T *p, const T *v, T *acc, int width, \
-                                                     int ahead) {}
+        static void fastattn_query_attend_##X(const T *q, const T *k, const T *v, int width, \
+                                              int d, T scale, T *m, T *l, T *acc, int ahead) {}
     FA_STUBS(float, f)
     FA_STUBS(double, d)
     #endif
@@ -243,12 +243,12 @@ cdef extern from *:
                                  int ahead) nogil
     void fastattn_query_values_d(const double *p, const double *v, int width, int d_v,
                                  double *acc, int ahead) nogil
-    void fastattn_query_scores_values_f(const float *q, const float *k, float scale, float *s,
-                                        const float *p, const float *v, float *acc, int width,
-                                        int ahead) nogil
-    void fastattn_query_scores_values_d(const double *q, const double *k, double scale,
-                                        double *s, const double *p, const double *v, double *acc,
-                                        int width, int ahead) nogil
+    void fastattn_query_attend_f(const float *q, const float *k, const float *v, int width,
+                                 int d, float scale, float *m, float *l, float *acc,
+                                 int ahead) nogil
+    void fastattn_query_attend_d(const double *q, const double *k, const double *v, int width,
+                                 int d, double scale, double *m, double *l, double *acc,
+                                 int ahead) nogil
 
 
 cdef inline bint simd_rows(int width, const floating *dtype_tag) noexcept nogil:
@@ -327,17 +327,18 @@ cdef inline void query_values(const floating *p, const floating *v, int width, i
         fastattn_query_values_d(p, v, width, d_v, acc, ahead)
 
 
-cdef inline void query_scores_values(const floating *q, const floating *k, floating scale,
-                                     floating *s, const floating *p, const floating *v,
-                                     floating *acc, int width, int ahead) noexcept nogil:
-    """One query, one pass over two key blocks, ``d_k = d_v`` = 4 vectors (64 float32, 32
-    float64): :func:`query_scores` of ``width`` keys ``k`` into ``s`` and :func:`query_values`
-    of ``width`` value rows ``v`` (the block before) with ``p``, a key row and a value row in
-    turn, so that K and V stream side by side.  ``width`` a multiple of the lanes."""
+cdef inline void query_attend(const floating *q, const floating *k, const floating *v,
+                              int width, int d, floating scale, floating *m, floating *l,
+                              floating *acc, int ahead) noexcept nogil:
+    """One query over ``width`` keys (a multiple of the lanes) with ``d_k = d_v = d`` of 1 to 8
+    vectors (16 to 128 float32, 8 to 64 float64), in one pass with the online softmax in
+    registers: the running maximum ``m``, sum ``l`` and unnormalised output ``acc (d)``
+    updated 16 (8) keys at a time, each group's value rows read right after its key rows;
+    prefetches ``ahead`` rows on (0: none)."""
     if floating is float:
-        fastattn_query_scores_values_f(q, k, scale, s, p, v, acc, width, ahead)
+        fastattn_query_attend_f(q, k, v, width, d, scale, m, l, acc, ahead)
     else:
-        fastattn_query_scores_values_d(q, k, scale, s, p, v, acc, width, ahead)
+        fastattn_query_attend_d(q, k, v, width, d, scale, m, l, acc, ahead)
 
 
 cdef inline object products_isa():

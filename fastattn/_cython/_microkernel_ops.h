@@ -62,6 +62,7 @@
 #define FA_VMADD FA_S(mask_add)
 #define FA_VMASKZ FA_S(maskz_mov)
 #define FA_VREDUCE_ADD FA_S(reduce_add)
+#define FA_VREDUCE_MAX FA_S(reduce_max)
 /* 2**t = 2**f 2**e: e (here round(t)) and f = t - round(t), then p 2**e by vscalef */
 #define FA_EXP2_SPLIT(e, f, t) do { \
     e = FA_S(roundscale)(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); \
@@ -108,6 +109,7 @@
 #define FA_VMASKZ FA_P(maskz)
 #define FA_VCMP FA_P(cmp)
 #define FA_VREDUCE_ADD FA_P(reduce_add)
+#define FA_VREDUCE_MAX FA_P(reduce_max)
 #define FA_LANE_SUMS FA_P(lane_sums)
 /* e encodes round(t) in its low bits (_avx2_pair.h): -127 <= t < 128 (-1023 <= t < 1024) */
 #define FA_EXP2_SPLIT(e, f, t) do { e = FA_P(exp2_split)(t, &(f)); } while (0)
@@ -176,6 +178,7 @@
 #undef FA_VMASKZ
 #undef FA_VCMP
 #undef FA_VREDUCE_ADD
+#undef FA_VREDUCE_MAX
 #undef FA_EXP2_SPLIT
 #undef FA_EXP2_SCALE
 #undef FA_EXP_LOWEST

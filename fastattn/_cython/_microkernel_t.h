@@ -245,49 +245,6 @@ FA_TARGET static void FA_NAME(fastattn_query_values)(const FA_T *p, const FA_T *
     }
 }
 
-/* One query, two key blocks in one pass (the decode step's pipeline), d_k = d_v = 4 vectors:
- * the scores of this block, s[j] = scale q . k_j (as fastattn_query_scores), and acc[0:d_v]
- * += sum_j p[j] v_j over the value rows of the block before it (as fastattn_query_values),
- * key row j and value row j in turn, for j < width (a multiple of FA_L); q and acc in
- * registers.  K and V then stream side by side, where the two passes of a block read them
- * one after the other with the softmax between.  Taken from memory only (see pipelined_pass
- * in fastattn/_policy.py, with the measurements): from the cache, on two threads, the two
- * passes were faster.  `ahead` as for fastattn_query_scores, for both. */
-FA_TARGET static void FA_NAME(fastattn_query_scores_values)(
-        const FA_T *q, const FA_T *k, FA_T scale, FA_T *s, const FA_T *p, const FA_T *v,
-        FA_T *acc, int width, int ahead) {
-    const FA_VT sc = FA_VSET1(scale);
-    const FA_VT q0 = FA_VLOAD(q), q1 = FA_VLOAD(q + FA_L), q2 = FA_VLOAD(q + 2 * FA_L),
-                q3 = FA_VLOAD(q + 3 * FA_L);
-    FA_VT a0 = FA_VLOAD(acc), a1 = FA_VLOAD(acc + FA_L), a2 = FA_VLOAD(acc + 2 * FA_L),
-          a3 = FA_VLOAD(acc + 3 * FA_L);
-    for (int j0 = 0; j0 < width; j0 += FA_L) {
-        FA_VT part[FA_L];
-        const FA_T *kr = k + (size_t) j0 * 4 * FA_L, *vr = v + (size_t) j0 * 4 * FA_L;
-        _Pragma("GCC unroll 1")
-        for (int t = 0; t < FA_L; t++, kr += 4 * FA_L, vr += 4 * FA_L) {
-            if (ahead)
-                for (int c = 0; c < 4 * FA_L; c += FA_L) {
-                    FA_PREFETCH(kr + (size_t) ahead * 4 * FA_L + c);
-                    FA_PREFETCH(vr + (size_t) ahead * 4 * FA_L + c);
-                }
-            part[t] = FA_VFMADD(q3, FA_VLOAD(kr + 3 * FA_L),
-                      FA_VFMADD(q2, FA_VLOAD(kr + 2 * FA_L),
-                      FA_VFMADD(q1, FA_VLOAD(kr + FA_L), FA_VMUL(q0, FA_VLOAD(kr)))));
-            const FA_VT pt = FA_VSET1(p[j0 + t]);
-            a0 = FA_VFMADD(pt, FA_VLOAD(vr), a0);
-            a1 = FA_VFMADD(pt, FA_VLOAD(vr + FA_L), a1);
-            a2 = FA_VFMADD(pt, FA_VLOAD(vr + 2 * FA_L), a2);
-            a3 = FA_VFMADD(pt, FA_VLOAD(vr + 3 * FA_L), a3);
-        }
-        FA_VSTORE(s + j0, FA_VMUL(FA_LANE_SUMS(part), sc));
-    }
-    FA_VSTORE(acc, a0);
-    FA_VSTORE(acc + FA_L, a1);
-    FA_VSTORE(acc + 2 * FA_L, a2);
-    FA_VSTORE(acc + 3 * FA_L, a3);
-}
-
 /* R rows x NP panels of scores; 'left' keys remain from this panel group's first */
 FA_TARGET FA_INLINE void FA_NAME(fa_scores_block)(const FA_T *q, int ldq, const FA_T *kp, int d,
                                                   FA_VT scale, FA_T *s, int lds, int left,
@@ -444,6 +401,97 @@ FA_TARGET static FA_T FA_NAME(fastattn_tile_exp_sum)(FA_T *s, int n, FA_T shift)
         total = FA_VMADD(total, k, total, p);
     }
     return FA_VREDUCE_ADD(total);
+}
+
+/* One query over keys [0, width) (width a multiple of FA_L), d_k = d_v = NC vectors, in one
+ * pass with the online softmax in registers.  Each FA_L keys' scores (as
+ * fastattn_query_scores) raise the running maximum m when they pass it, rescaling acc and
+ * the sum by exp(m_old - m_new); they become p = exp(s - m), and their value rows are added
+ * as p v after the next group's key rows, so the exp of a group overlaps the loads of the
+ * next.  K and V stream by turns of FA_L rows, with no pause for the softmax of a block.
+ * Side by side in one process against a read of K and V (Zen 4, H = 8, in cache): d = 64
+ * float32 at 92-98 % on one thread where a block's two passes and their softmax took 84-89;
+ * d = 128 float32 at 98 against 65-69 %; float64 d = 32 on two threads at 86-87 against
+ * 77-78 %, and 68-70 % with each group's value rows right after its own key rows.  A key
+ * row and a value row in turn, and two sets of accumulators for the FMAs' latency, were no
+ * faster.  *m, *l and acc[0:d] hold the
+ * running state (-inf, 0 and zeros for none yet).  While every score so far is -inf the
+ * shift is 0 (exp gives 0, not NaN); a NaN score makes l and acc NaN.  `ahead` as for
+ * fastattn_query_scores, for K and V. */
+FA_TARGET FA_INLINE void FA_NAME(fa_query_attend)(
+        const FA_T *q, const FA_T *k, const FA_T *v, int width, FA_T scale, FA_T *m, FA_T *l,
+        FA_T *acc, int ahead, const int NC) {
+    const FA_VT sc = FA_VSET1(scale);
+    FA_VT qv[8], a[8];
+    for (int c = 0; c < NC; c++) {
+        qv[c] = FA_VLOAD(q + FA_L * c);
+        a[c] = FA_VLOAD(acc + FA_L * c);
+    }
+    FA_VT total = FA_VMASKZ(FA_PREFIX(1), FA_VSET1(*l));     /* l in lane 0 */
+    FA_T mx = *m;
+    FA_VT shift = FA_VSET1(mx == -INFINITY ? 0 : mx);
+    FA_T p[FA_L] __attribute__((aligned(64)));
+    const FA_T *kr = k, *vr = v;
+    /* Group g's scores are taken before group g - 1's p v is added, so the exp of one
+     * group overlaps the key rows of the next. */
+    for (int j0 = 0; j0 <= width; j0 += FA_L) {
+        FA_VT s = FA_VZERO();
+        if (j0 < width) {
+            FA_VT part[FA_L];
+            _Pragma("GCC unroll 1")      /* rows in turn: see fastattn_query_scores */
+            for (int t = 0; t < FA_L; t++, kr += NC * FA_L) {
+                if (ahead)
+                    for (int c = 0; c < NC; c++) FA_PREFETCH(kr + (size_t) ahead * NC * FA_L + FA_L * c);
+                FA_VT x = FA_VMUL(qv[0], FA_VLOAD(kr));
+                for (int c = 1; c < NC; c++) x = FA_VFMADD(qv[c], FA_VLOAD(kr + FA_L * c), x);
+                part[t] = x;
+            }
+            s = FA_VMUL(FA_LANE_SUMS(part), sc);
+        }
+        if (j0 > 0) {
+            _Pragma("GCC unroll 1")
+            for (int t = 0; t < FA_L; t++, vr += NC * FA_L) {
+                if (ahead)
+                    for (int c = 0; c < NC; c++) FA_PREFETCH(vr + (size_t) ahead * NC * FA_L + FA_L * c);
+                const FA_VT pt = FA_VSET1(p[t]);
+                for (int c = 0; c < NC; c++) a[c] = FA_VFMADD(pt, FA_VLOAD(vr + FA_L * c), a[c]);
+            }
+        }
+        if (j0 == width) break;
+        const FA_T top = FA_VREDUCE_MAX(s);
+        if (top > mx) {
+            /* exp(m_old - m_new), 0 from m_old = -inf */
+            const FA_VT alpha = FA_NAME(fa_exp_shifted)(FA_VSET1(mx), FA_VSET1(top));
+            for (int c = 0; c < NC; c++) a[c] = FA_VMUL(a[c], alpha);
+            total = FA_VMUL(total, alpha);
+            mx = top;
+            shift = FA_VSET1(mx == -INFINITY ? 0 : mx);
+        }
+        const FA_VT e = FA_NAME(fa_exp_shifted)(s, shift);
+        total = FA_VADD(total, e);
+        FA_VSTORE(p, e);
+    }
+    *m = mx;
+    *l = FA_VREDUCE_ADD(total);
+    for (int c = 0; c < NC; c++) FA_VSTORE(acc + FA_L * c, a[c]);
+}
+
+/* fa_query_attend at d_k = d_v = d, 1 to 8 vectors */
+FA_TARGET static void FA_NAME(fastattn_query_attend)(
+        const FA_T *q, const FA_T *k, const FA_T *v, int width, int d, FA_T scale, FA_T *m,
+        FA_T *l, FA_T *acc, int ahead) {
+#define FA_ATTEND(NC) FA_NAME(fa_query_attend)(q, k, v, width, scale, m, l, acc, ahead, NC)
+    switch (d / FA_L) {
+    case 8: FA_ATTEND(8); break;
+    case 7: FA_ATTEND(7); break;
+    case 6: FA_ATTEND(6); break;
+    case 5: FA_ATTEND(5); break;
+    case 4: FA_ATTEND(4); break;
+    case 3: FA_ATTEND(3); break;
+    case 2: FA_ATTEND(2); break;
+    default: FA_ATTEND(1); break;
+    }
+#undef FA_ATTEND
 }
 
 /* Linear attention's products, for the same element type. */

@@ -13,11 +13,11 @@ float32, 8 float64) and the CPU has AVX-512, each query's scores are taken
 16 (8) keys at a time, each key's products in one vector and the 16 vectors
 summed across lanes by one transpose-and-add tree, and ``p v`` adds value
 rows into accumulators held in registers (:file:`_microkernel_t.h`).  With one
-query and ``d_k = d_v`` of 4 vectors (64 float32, 32 float64) over keys and values that do
-not fit in the last-level cache (:func:`fastattn._policy.pipelined_pass`), a
-block's scores are taken in the pass that adds the ``p v`` of the block
-before, a key row and a value row in turn, so that K and V stream side by side.
-Otherwise a key block's scores are SIMD dot products of each key row with
+query and ``d_k = d_v`` of 1 to 8 such vectors (up to 128 float32, 64 float64)
+the whole range runs in one pass with the online softmax in registers, 16 (8)
+keys at a time: a group's key rows, then the value rows of the group before,
+so K and V stream by turns and no block pauses for its softmax
+(``query_attend``).  Otherwise (rows not whole vectors, or no AVX-512) a key block's scores are SIMD dot products of each key row with
 every query (the row read once, while it is in L1), then ``p v`` adds each
 value row into the accumulators, both in C loops compiled for AVX-512, AVX2
 and the baseline (picked at load time).  With more queries the scores, and
@@ -46,7 +46,7 @@ from cython.parallel cimport parallel, prange, threadid
 from fastattn._cython._blas cimport gemm
 from fastattn._cython._microkernel cimport (
     products_isa,
-    fastattn_microkernel_isa, simd_rows, query_scores, query_values, query_scores_values,
+    fastattn_microkernel_isa, simd_rows, query_scores, query_values, query_attend,
 )
 from fastattn._cython._online cimport online_softmax_row
 from fastattn._cython._vmath cimport feature_map, fexp
@@ -55,11 +55,10 @@ from fastattn._cython._openmp import get_num_threads
 import fastattn._policy as _policy
 from fastattn._threads import kernel_threads, single_threaded_blas
 
-#: Keys per block inside a split (one pass of scores, one of ``p v``; or, in one pass, the
-#: block's scores and the block before's ``p v``).
-#: Measured here (fused loops, float32, n_q=1, n_k=32768, H=8, d=64,
-#: 1 thread, min of 20 interleaved calls, loaded machine): 128 keys 22.8 ms,
-#: 256 to 4096 keys 13.3-14.0 ms, beside 13.6 ms for torch to sum K and V.
+#: Keys per block inside a split: one pass of scores, one of ``p v`` (one query's one pass
+#: takes no blocks).  Measured here before that pass (fused loops, float32, n_q=1,
+#: n_k=32768, H=8, d=64, 1 thread, min of 20 interleaved calls, loaded machine): 128 keys
+#: 22.8 ms, 256 to 4096 keys 13.3-14.0 ms, beside 13.6 ms for torch to sum K and V.
 SPLIT_KEYS_BLOCK_K = 1024
 
 #: Queries up to which a key block's scores are the fused SIMD dots; with
@@ -231,25 +230,22 @@ cdef void _key_range(
     const floating *q, const floating *k, const floating *v,
     int n_q, int n_k, int d_k, int d_v, int j_lo, int j_hi, bint causal,
     floating scale, int block_k, floating *s_buf, int *lim,
-    floating *m, floating *l, floating *acc, bint micro, bint pipelined,
+    floating *m, floating *l, floating *acc, bint micro, bint one_pass,
 ) noexcept nogil:
     """Online softmax of all ``n_q`` rows of one head over keys ``[j_lo, j_hi)``.
 
     Leaves the unnormalised partial result in ``m (n_q)``, ``l (n_q)`` and
     ``acc (n_q, d_v)``; ``q, k, v`` point at the head.  ``s_buf`` holds
-    ``max(n_q, 2) · block_k`` scores and ``lim`` ``n_q`` ints.  Up to ``FUSED_ROWS``
-    queries, a key block's scores and its ``p v`` are SIMD loops over the key
-    and value rows (``micro``: the AVX-512 ones of :file:`_microkernel.pxd`,
-    one query at a time; ``pipelined`` (one query, ``micro``, ``d_k = d_v`` of 4
-    vectors) takes a block's scores in the pass that adds the ``p v`` of the block
-    before, :func:`_pipelined_block`); with more, GEMMs.
+    ``n_q · block_k`` scores and ``lim`` ``n_q`` ints.  Up to ``FUSED_ROWS`` queries, a key
+    block's scores and its ``p v`` are SIMD loops over the key and value rows (``micro``: the
+    AVX-512 ones of :file:`_microkernel.pxd`, one query at a time); with more, GEMMs.
+    ``one_pass`` (one query, ``micro``, ``d_k = d_v`` of 1 to 8 vectors): the range's whole
+    groups of 16 (8) keys run in one pass (:func:`query_attend`), the keys left in a block.
     """
     cdef int off = n_k - n_q
     cdef int r, c, j0, width, w
-    cdef int prev_width = 0     # keys of the block before, whose p v is still to add (one query)
+    cdef int lanes = 16 if floating is float else 8
     cdef floating *srow
-    cdef floating *cur = s_buf             # pipelined: this block's scores,
-    cdef floating *prev = s_buf + block_k  # and the block before's weights
 
     for r in range(n_q):
         m[r] = NEG_INF
@@ -257,6 +253,12 @@ cdef void _key_range(
     for c in range(n_q * d_v):
         acc[c] = 0
     j0 = j_lo
+    if one_pass:
+        # One query sees every key of its range (the mask is bottom-right aligned).
+        width = (j_hi - j_lo) // lanes * lanes
+        query_attend(q, k + <Py_ssize_t> j0 * d_k, v + <Py_ssize_t> j0 * d_v, width, d_k, scale,
+                     m, l, acc, fastattn_prefetch_rows)
+        j0 = j0 + width
     while j0 < j_hi:
         width = min(block_k, j_hi - j0)
         # Row r sees keys j <= r + off: the block's first w of them.
@@ -264,15 +266,6 @@ cdef void _key_range(
             lim[r] = min(max(r + off + 1 - j0, 0), width) if causal else width
         if lim[n_q - 1] == 0:
             break                      # no row sees this block, nor any later one
-        if pipelined:
-            # One query (which sees every key of its range: the mask is bottom-right aligned):
-            # the scores of this block in one pass with the values of the block before it.
-            _pipelined_block(q, k + <Py_ssize_t> j0 * d_k, v + <Py_ssize_t> j0 * d_v, d_k,
-                             d_v, scale, width, prev_width, cur, prev, acc, m, l)
-            cur, prev = prev, cur
-            prev_width = width
-            j0 = j0 + width
-            continue
         if micro and n_q <= FUSED_ROWS:
             for r in range(n_q):
                 w = lim[r]
@@ -304,35 +297,6 @@ cdef void _key_range(
         else:
             _weighted_values(s_buf, n_q, width, v + <Py_ssize_t> j0 * d_v, width, d_v, lim, acc)
         j0 = j0 + width
-    if prev_width:
-        query_values(prev, v + <Py_ssize_t> (j0 - prev_width) * d_v, prev_width, d_v, acc,
-                     fastattn_prefetch_rows)
-
-
-cdef inline void _pipelined_block(
-    const floating *q, const floating *k, const floating *v, int d_k, int d_v,
-    floating scale, int width, int prev_width, floating *s, const floating *p,
-    floating *acc, floating *m, floating *l,
-) noexcept nogil:
-    """One query's key block of ``width`` keys (``k``, ``v`` at its first row), with the
-    ``p v`` of the ``prev_width`` keys before it (``p``, their weights) still to add.
-
-    Their common whole vectors of keys run as one pass (:func:`query_scores_values`), the
-    rest apart; then the online softmax folds this block's scores ``s`` in, leaving its
-    weights there for the next block (or the end of the range) to add.
-    """
-    cdef int lanes = 16 if floating is float else 8
-    cdef int both = min(width, prev_width) // lanes * lanes
-    cdef const floating *prev_v = v - <Py_ssize_t> prev_width * d_v
-    if both:
-        query_scores_values(q, k, scale, s, p, prev_v, acc, both, fastattn_prefetch_rows)
-    if prev_width > both:
-        query_values(p + both, prev_v + <Py_ssize_t> both * d_v, prev_width - both, d_v, acc,
-                     fastattn_prefetch_rows)
-    if width > both:
-        query_scores(q, k + <Py_ssize_t> both * d_k, width - both, d_k, scale, s + both,
-                     fastattn_prefetch_rows)
-    online_softmax_row(s, width, m, l, acc, d_v, True)
 
 
 cdef void _merge(const floating *part_m, const floating *part_l, const floating *part_acc,
@@ -383,7 +347,6 @@ def _split_key_softmax(
     double scale,
     int block_k,
     int n_threads,
-    bint pipelined,
 ):
     """Fill ``out``; ``workspace`` holds the partial results, then each thread's scratch."""
     cdef int n_batch = q.shape[0], n_q = q.shape[1], d_k = q.shape[2]
@@ -395,7 +358,7 @@ def _split_key_softmax(
     cdef floating *part_l = part_m + n_parts
     cdef floating *part_acc = part_l + n_parts
     cdef floating *scratch = part_acc + n_parts * d_v
-    cdef Py_ssize_t per_thread = <Py_ssize_t> max(n_q, 2) * block_k   # one query: two blocks
+    cdef Py_ssize_t per_thread = <Py_ssize_t> n_q * block_k
     cdef int item, b, sp, j_lo, j_hi
     cdef int t = 0              # the thread, set in each parallel block
     cdef floating *buf = NULL   # per-thread scratch, set in each parallel block
@@ -408,8 +371,8 @@ def _split_key_softmax(
     cdef bint micro = (simd_rows(d_k, buf) and simd_rows(d_v, buf)
                        and fastattn_microkernel_isa() == 512)
     cdef int lanes = 16 if floating is float else 8
-    # The one pass holds q and acc in registers: one query, d_k = d_v = 4 vectors.
-    pipelined = pipelined and micro and n_q == 1 and d_k == 4 * lanes and d_v == 4 * lanes
+    # The one pass holds q and acc in registers: one query, d_k = d_v of at most 8 vectors.
+    cdef bint one_pass = micro and n_q == 1 and d_k == d_v and d_k <= 8 * lanes
 
     with nogil, parallel(num_threads=min(n_threads, n_items)):
         t = threadid()
@@ -422,7 +385,7 @@ def _split_key_softmax(
             _key_range(&q[b, 0, 0], &k[b, 0, 0], &v[b, 0, 0], n_q, n_k, d_k, d_v,
                        j_lo, j_hi, causal, s, block_k, buf, &limits[t * n_q], part_m + <Py_ssize_t> item * n_q,
                        part_l + <Py_ssize_t> item * n_q, part_acc + <Py_ssize_t> item * n_q * d_v,
-                       micro, pipelined)
+                       micro, one_pass)
     with nogil:
         for b in range(n_batch):
             _merge(part_m + <Py_ssize_t> b * n_splits * n_q, part_l + <Py_ssize_t> b * n_splits * n_q,
@@ -466,7 +429,7 @@ def split_key_softmax_forward(q, k, v, bint causal, double scale, n_threads=None
     Notes
     -----
     ``4 · B · n_q · n_k · d`` flops; extra memory ``B · n_splits · n_q ·
-    (d_v + 2)`` elements for the partial results and ``T · max(n_q, 2) ·
+    (d_v + 2)`` elements for the partial results and ``T · n_q ·
     SPLIT_KEYS_BLOCK_K`` for the scores of ``T`` threads, in one allocation.  Flash-Decoding
     (Dao et al. 2023) over the online softmax of Milakov & Gimelshein (2018).
     """
@@ -482,17 +445,16 @@ def split_key_softmax_forward(q, k, v, bint causal, double scale, n_threads=None
     out = np.empty((n_batch, n_q, d_v), dtype=q.dtype)
     # One allocation: the partial (m, l, acc) of every work item, then each
     # thread's scores.
-    workspace = np.empty(n_batch * n_splits * n_q * (d_v + 2) + n_threads * max(n_q, 2) * block_k,
+    workspace = np.empty(n_batch * n_splits * n_q * (d_v + 2) + n_threads * n_q * block_k,
                          dtype=q.dtype)
     limits = np.empty(n_threads * n_q, dtype=np.intc)
-    pipelined = _policy.pipelined_pass(n_batch * n_k * (d_k + d_v) * q.itemsize)
     if n_threads == 1 or n_q <= FUSED_MAX_N_Q:
         _split_key_softmax(q, k, v, out, workspace, limits, n_splits, n_k, causal, scale,
-                           block_k, n_threads, pipelined)
+                           block_k, n_threads)
     else:
         with single_threaded_blas():
             _split_key_softmax(q, k, v, out, workspace, limits, n_splits, n_k, causal, scale,
-                               block_k, n_threads, pipelined)
+                               block_k, n_threads)
     return out
 
 
