@@ -106,7 +106,7 @@ def test_cython_one_query_loops_match_reference(n_q, d_k, d_v):
     8-key (float64) group of scores; d_v of 3, 5 and 8 vectors of 16 columns
     leaves each remainder of the 4-vector column groups of ``p v``; d_k = 24
     is not a whole number of vectors (the portable loops).  With one query and
-    d_k = d_v of 1 to 8 vectors (16 to 128 float32, 8 to 64 float64) and
+    d_k = d_v of 1 to 16 vectors (16 to 256 float32, 8 to 128 float64) and
     AVX-512, a range's whole groups of keys run in one pass and the keys left
     after them in a block: 1023, 1025, 2049 and 2088 keys leave 15, 1, 1 and
     8 (float32) of them, and cross the 1024-key blocks of the other loops.
@@ -137,14 +137,14 @@ def _one_query_logits(dtype, d, n_k, logits):
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["f32", "f64"])
-@pytest.mark.parametrize("vectors", [1, 2, 3, 4, 5, 8], ids=lambda n: f"{n}vec")
+@pytest.mark.parametrize("vectors", [1, 2, 3, 4, 5, 8, 9, 12, 16, 17], ids=lambda n: f"{n}vec")
 @pytest.mark.parametrize("backend", FAST_BACKENDS)
 def test_one_query_running_maximum_and_non_finite_logits(backend, vectors, dtype):
     """One query over 200 keys whose logits rise key by key (the running maximum rises in
     every group of keys, rescaling the sums each time), fall, jump to 80 (float32) or 600
     (float64) midway, or start with 40 keys of -inf (a shift of 0, then the first finite
     maximum); and a NaN or +inf logit makes the row NaN, as in the reference.  Head sizes of
-    1 to 8 vectors of the one-pass loops (Cython with AVX-512), valid for every loop."""
+    1 to 16 vectors of the one-pass loops (Cython with AVX-512), valid for every loop."""
     lanes = 16 if dtype == np.float32 else 8
     d, n_k = vectors * lanes, 200
     big = 80.0 if dtype == np.float32 else 600.0

@@ -330,8 +330,8 @@ cdef inline void query_values(const floating *p, const floating *v, int width, i
 cdef inline void query_attend(const floating *q, const floating *k, const floating *v,
                               int width, int d, floating scale, floating *m, floating *l,
                               floating *acc, int ahead) noexcept nogil:
-    """One query over ``width`` keys (a multiple of the lanes) with ``d_k = d_v = d`` of 1 to 8
-    vectors (16 to 128 float32, 8 to 64 float64), in one pass with the online softmax in
+    """One query over ``width`` keys (a multiple of the lanes) with ``d_k = d_v = d`` of 1 to 16
+    vectors (16 to 256 float32, 8 to 128 float64), in one pass with the online softmax in
     registers: the running maximum ``m``, sum ``l`` and unnormalised output ``acc (d)``
     updated 16 (8) keys at a time, each group's value rows read right after its key rows;
     prefetches ``ahead`` rows on (0: none)."""

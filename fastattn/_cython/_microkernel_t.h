@@ -411,18 +411,18 @@ FA_TARGET static FA_T FA_NAME(fastattn_tile_exp_sum)(FA_T *s, int n, FA_T shift)
  * next.  K and V stream by turns of FA_L rows, with no pause for the softmax of a block.
  * Side by side in one process against a read of K and V (Zen 4, H = 8, in cache): d = 64
  * float32 at 92-98 % on one thread where a block's two passes and their softmax took 84-89;
- * d = 128 float32 at 98 against 65-69 %; float64 d = 32 on two threads at 86-87 against
+ * d = 128 float32 at 98 against 65-69 %; 16 vectors (d = 128 float64, 256 float32) at 87-123
+ * against 47-63 % on one thread and two; float64 d = 32 on two threads at 86-87 against
  * 77-78 %, and 68-70 % with each group's value rows right after its own key rows.  A key
  * row and a value row in turn, and two sets of accumulators for the FMAs' latency, were no
- * faster.  *m, *l and acc[0:d] hold the
- * running state (-inf, 0 and zeros for none yet).  While every score so far is -inf the
- * shift is 0 (exp gives 0, not NaN); a NaN score makes l and acc NaN.  `ahead` as for
- * fastattn_query_scores, for K and V. */
+ * faster.  *m, *l and acc[0:d] hold the running state (-inf, 0 and zeros for none yet).
+ * While every score so far is -inf the shift is 0 (exp gives 0, not NaN); a NaN score
+ * makes l and acc NaN.  `ahead` as for fastattn_query_scores, for K and V. */
 FA_TARGET FA_INLINE void FA_NAME(fa_query_attend)(
         const FA_T *q, const FA_T *k, const FA_T *v, int width, FA_T scale, FA_T *m, FA_T *l,
         FA_T *acc, int ahead, const int NC) {
     const FA_VT sc = FA_VSET1(scale);
-    FA_VT qv[8], a[8];
+    FA_VT qv[16], a[16];
     for (int c = 0; c < NC; c++) {
         qv[c] = FA_VLOAD(q + FA_L * c);
         a[c] = FA_VLOAD(acc + FA_L * c);
@@ -476,20 +476,16 @@ FA_TARGET FA_INLINE void FA_NAME(fa_query_attend)(
     for (int c = 0; c < NC; c++) FA_VSTORE(acc + FA_L * c, a[c]);
 }
 
-/* fa_query_attend at d_k = d_v = d, 1 to 8 vectors */
+/* fa_query_attend at d_k = d_v = d, 1 to 16 vectors */
 FA_TARGET static void FA_NAME(fastattn_query_attend)(
         const FA_T *q, const FA_T *k, const FA_T *v, int width, int d, FA_T scale, FA_T *m,
         FA_T *l, FA_T *acc, int ahead) {
-#define FA_ATTEND(NC) FA_NAME(fa_query_attend)(q, k, v, width, scale, m, l, acc, ahead, NC)
+#define FA_ATTEND(NC) \
+    case NC: FA_NAME(fa_query_attend)(q, k, v, width, scale, m, l, acc, ahead, NC); break;
     switch (d / FA_L) {
-    case 8: FA_ATTEND(8); break;
-    case 7: FA_ATTEND(7); break;
-    case 6: FA_ATTEND(6); break;
-    case 5: FA_ATTEND(5); break;
-    case 4: FA_ATTEND(4); break;
-    case 3: FA_ATTEND(3); break;
-    case 2: FA_ATTEND(2); break;
-    default: FA_ATTEND(1); break;
+    FA_ATTEND(16) FA_ATTEND(15) FA_ATTEND(14) FA_ATTEND(13) FA_ATTEND(12) FA_ATTEND(11)
+    FA_ATTEND(10) FA_ATTEND(9) FA_ATTEND(8) FA_ATTEND(7) FA_ATTEND(6) FA_ATTEND(5)
+    FA_ATTEND(4) FA_ATTEND(3) FA_ATTEND(2) FA_ATTEND(1)
     }
 #undef FA_ATTEND
 }

@@ -13,7 +13,7 @@ float32, 8 float64) and the CPU has AVX-512, each query's scores are taken
 16 (8) keys at a time, each key's products in one vector and the 16 vectors
 summed across lanes by one transpose-and-add tree, and ``p v`` adds value
 rows into accumulators held in registers (:file:`_microkernel_t.h`).  With one
-query and ``d_k = d_v`` of 1 to 8 such vectors (up to 128 float32, 64 float64)
+query and ``d_k = d_v`` of 1 to 16 such vectors (up to 256 float32, 128 float64)
 the whole range runs in one pass with the online softmax in registers, 16 (8)
 keys at a time: a group's key rows, then the value rows of the group before,
 so K and V stream by turns and no block pauses for its softmax
@@ -239,7 +239,7 @@ cdef void _key_range(
     ``n_q · block_k`` scores and ``lim`` ``n_q`` ints.  Up to ``FUSED_ROWS`` queries, a key
     block's scores and its ``p v`` are SIMD loops over the key and value rows (``micro``: the
     AVX-512 ones of :file:`_microkernel.pxd`, one query at a time); with more, GEMMs.
-    ``one_pass`` (one query, ``micro``, ``d_k = d_v`` of 1 to 8 vectors): the range's whole
+    ``one_pass`` (one query, ``micro``, ``d_k = d_v`` of 1 to 16 vectors): the range's whole
     groups of 16 (8) keys run in one pass (:func:`query_attend`), the keys left in a block.
     """
     cdef int off = n_k - n_q
@@ -371,8 +371,8 @@ def _split_key_softmax(
     cdef bint micro = (simd_rows(d_k, buf) and simd_rows(d_v, buf)
                        and fastattn_microkernel_isa() == 512)
     cdef int lanes = 16 if floating is float else 8
-    # The one pass holds q and acc in registers: one query, d_k = d_v of at most 8 vectors.
-    cdef bint one_pass = micro and n_q == 1 and d_k == d_v and d_k <= 8 * lanes
+    # The one pass holds q and acc in registers: one query, d_k = d_v of at most 16 vectors.
+    cdef bint one_pass = micro and n_q == 1 and d_k == d_v and d_k <= 16 * lanes
 
     with nogil, parallel(num_threads=min(n_threads, n_items)):
         t = threadid()
