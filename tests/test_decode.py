@@ -125,12 +125,11 @@ def test_cython_one_query_loops_match_reference(n_q, d_k, d_v):
 
 
 def _one_query_logits(dtype, d, n_k, logits):
-    """``q (2, 1, d)``, ``k``, ``v (2, n_k, d)`` whose scaled logits are ``logits`` (n_k) plus
-    noise below 0.01: ``q`` a unit vector on the first axis, keys along it."""
+    """``q (2, 1, d)``, ``k``, ``v (2, n_k, d)`` whose logits at scale ``d ** -0.5`` are
+    ``logits`` (n_k), rounded to the dtype: ``q`` the unit vector of the first axis."""
     q, k, v = make_qkv((2, 1, d), n_k=n_k, dtype=dtype, seed=n_k + d)
     q[...] = 0
     q[..., 0] = 1
-    k[..., 1:] *= 0.01
     with np.errstate(invalid="ignore"):
         k[..., 0] = (np.asarray(logits, dtype=np.float64) * d ** 0.5).astype(dtype)
     return q, k, v
@@ -142,17 +141,20 @@ def _one_query_logits(dtype, d, n_k, logits):
 def test_one_query_running_maximum_and_non_finite_logits(backend, vectors, dtype):
     """One query over 200 keys whose logits rise key by key (the running maximum rises in
     every group of keys, rescaling the sums each time), fall, jump to 80 (float32) or 600
-    (float64) midway, or start with 40 keys of -inf (a shift of 0, then the first finite
-    maximum); and a NaN or +inf logit makes the row NaN, as in the reference.  Head sizes of
-    1 to 16 vectors of the one-pass loops (Cython with AVX-512), valid for every loop."""
+    (float64) midway, start with 40 keys of -inf (a shift of 0, then the first finite
+    maximum) or with 120 (in two splits, the first sees only -inf), or are -inf but for the
+    last 8 (the one pass ends at -inf, the keys left after its groups are finite); and a NaN
+    or +inf logit makes the row NaN, as in the reference.  Head sizes of 1 to 16 vectors of
+    the one-pass loops (Cython with AVX-512) and 17 (the others); valid for every loop."""
     lanes = 16 if dtype == np.float32 else 8
     d, n_k = vectors * lanes, 200
     big = 80.0 if dtype == np.float32 else 600.0
     ramp = np.linspace(-30, 30, n_k)
     jump = np.where(np.arange(n_k) < 100, 0.0, big)
-    minus_inf = np.where(np.arange(n_k) < 40, -np.inf, ramp)
+    first = {n: np.where(np.arange(n_k) < n, -np.inf, ramp) for n in (40, 120, n_k - 8)}
     for name, logits in [("rising", ramp), ("falling", ramp[::-1]), ("jump", jump),
-                         ("-inf first", minus_inf)]:
+                         ("-inf first 40", first[40]), ("-inf first 120", first[120]),
+                         ("-inf but the last 8", first[n_k - 8])]:
         q, k, v = _one_query_logits(dtype, d, n_k, logits)
         want = reference64(fastattn.softmax_attention, q, k, v, causal=True)
         assert np.isfinite(want).all()
@@ -167,6 +169,22 @@ def test_one_query_running_maximum_and_non_finite_logits(backend, vectors, dtype
         for n_splits in (1, 2):
             got = _split_key(backend, q, k, v, True, d ** -0.5, n_splits)
             assert np.isnan(got).all(), f"a {name} logit, n_splits={n_splits}"
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["f32", "f64"])
+def test_cython_one_query_cache_reads_only_its_filled_keys(dtype):
+    """One query over the first n_k keys of a cache whose other rows are NaN, at d = 64: the
+    one pass and the keys left after it stop at n_k (40, 200 and 5 keys, the last in four
+    splits of 2 keys, the fourth empty)."""
+    if "cython" not in FAST_BACKENDS:
+        pytest.skip("cython backend not built")
+    for n_k, capacity, n_splits in [(40, 64, 1), (40, 64, 2), (200, 256, 3), (5, 8, 4)]:
+        q, k, v = make_qkv((3, 1, 64), n_k=capacity, dtype=dtype, seed=n_k)
+        want = reference64(fastattn.softmax_attention, q, k[:, :n_k], v[:, :n_k], causal=True)
+        k[:, n_k:], v[:, n_k:] = np.nan, np.nan
+        got = _decode("cython").split_key_softmax_forward(q, k, v, True, 0.125, 2, n_splits,
+                                                          n_k)
+        assert_close(got, want, dtype, err_msg=f"n_k={n_k} n_splits={n_splits}")
 
 
 #: Where each backend's softmax_forward looks up the split-key kernel it routes to.

@@ -166,10 +166,11 @@ cdef extern from *:
                                                  T *acc, int ahead) {                         \
         FA_PICK(fastattn_query_values, X, (p, v, width, d_v, acc, ahead));                    \
     }                                                                                         \
+    /* AVX-512 only: its caller checks fastattn_microkernel_isa() == 512 */                 \
     static inline void fastattn_query_attend_##X(const T *q, const T *k, const T *v, int width, \
                                                  int d, T scale, T *m, T *l, T *acc,          \
                                                  int ahead) {                                 \
-        FA_PICK(fastattn_query_attend, X, (q, k, v, width, d, scale, m, l, acc, ahead));       \
+        fastattn_query_attend_##X##512(q, k, v, width, d, scale, m, l, acc, ahead);           \
     }                                                                                         \
     static inline void fastattn_linear_product_##X(                                           \
             const T *p, long prs, long pjs, const T *v, int ldv, int rows, int width,        \
@@ -333,8 +334,9 @@ cdef inline void query_attend(const floating *q, const floating *k, const floati
     """One query over ``width`` keys (a multiple of the lanes) with ``d_k = d_v = d`` of 1 to 16
     vectors (16 to 256 float32, 8 to 128 float64), in one pass with the online softmax in
     registers: the running maximum ``m``, sum ``l`` and unnormalised output ``acc (d)``
-    updated 16 (8) keys at a time, each group's value rows read right after its key rows;
-    prefetches ``ahead`` rows on (0: none)."""
+    updated 16 (8) keys at a time, a group's key rows read before the value rows of the
+    group before it; prefetches ``ahead`` rows on (0: none).  AVX-512 only (its loops are
+    not built for AVX2)."""
     if floating is float:
         fastattn_query_attend_f(q, k, v, width, d, scale, m, l, acc, ahead)
     else:

@@ -403,6 +403,7 @@ FA_TARGET static FA_T FA_NAME(fastattn_tile_exp_sum)(FA_T *s, int n, FA_T shift)
     return FA_VREDUCE_ADD(total);
 }
 
+#if FA_ISA == 512
 /* One query over keys [0, width) (width a multiple of FA_L), d_k = d_v = NC vectors, in one
  * pass with the online softmax in registers.  Each FA_L keys' scores (as
  * fastattn_query_scores) raise the running maximum m when they pass it, rescaling acc and
@@ -417,7 +418,9 @@ FA_TARGET static FA_T FA_NAME(fastattn_tile_exp_sum)(FA_T *s, int n, FA_T shift)
  * row and a value row in turn, and two sets of accumulators for the FMAs' latency, were no
  * faster.  *m, *l and acc[0:d] hold the running state (-inf, 0 and zeros for none yet).
  * While every score so far is -inf the shift is 0 (exp gives 0, not NaN); a NaN score
- * makes l and acc NaN.  `ahead` as for fastattn_query_scores, for K and V. */
+ * makes l and acc NaN.  `ahead` as for fastattn_query_scores, for K and V.  AVX-512 only:
+ * the decode step takes it with no other instruction set (an AVX2 form would hold q and
+ * acc in pairs of ymm, twice the registers). */
 FA_TARGET FA_INLINE void FA_NAME(fa_query_attend)(
         const FA_T *q, const FA_T *k, const FA_T *v, int width, FA_T scale, FA_T *m, FA_T *l,
         FA_T *acc, int ahead, const int NC) {
@@ -441,7 +444,8 @@ FA_TARGET FA_INLINE void FA_NAME(fa_query_attend)(
             _Pragma("GCC unroll 1")      /* rows in turn: see fastattn_query_scores */
             for (int t = 0; t < FA_L; t++, kr += NC * FA_L) {
                 if (ahead)
-                    for (int c = 0; c < NC; c++) FA_PREFETCH(kr + (size_t) ahead * NC * FA_L + FA_L * c);
+                    for (int c = 0; c < NC; c++)
+                        FA_PREFETCH(kr + (size_t) ahead * NC * FA_L + FA_L * c);
                 FA_VT x = FA_VMUL(qv[0], FA_VLOAD(kr));
                 for (int c = 1; c < NC; c++) x = FA_VFMADD(qv[c], FA_VLOAD(kr + FA_L * c), x);
                 part[t] = x;
@@ -452,7 +456,8 @@ FA_TARGET FA_INLINE void FA_NAME(fa_query_attend)(
             _Pragma("GCC unroll 1")
             for (int t = 0; t < FA_L; t++, vr += NC * FA_L) {
                 if (ahead)
-                    for (int c = 0; c < NC; c++) FA_PREFETCH(vr + (size_t) ahead * NC * FA_L + FA_L * c);
+                    for (int c = 0; c < NC; c++)
+                        FA_PREFETCH(vr + (size_t) ahead * NC * FA_L + FA_L * c);
                 const FA_VT pt = FA_VSET1(p[t]);
                 for (int c = 0; c < NC; c++) a[c] = FA_VFMADD(pt, FA_VLOAD(vr + FA_L * c), a[c]);
             }
@@ -486,9 +491,11 @@ FA_TARGET static void FA_NAME(fastattn_query_attend)(
     FA_ATTEND(16) FA_ATTEND(15) FA_ATTEND(14) FA_ATTEND(13) FA_ATTEND(12) FA_ATTEND(11)
     FA_ATTEND(10) FA_ATTEND(9) FA_ATTEND(8) FA_ATTEND(7) FA_ATTEND(6) FA_ATTEND(5)
     FA_ATTEND(4) FA_ATTEND(3) FA_ATTEND(2) FA_ATTEND(1)
+    default: __builtin_trap();      /* the caller passes 1 to 16 vectors */
     }
 #undef FA_ATTEND
 }
+#endif
 
 /* Linear attention's products, for the same element type. */
 #include "_linear_t.h"

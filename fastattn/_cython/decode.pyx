@@ -13,11 +13,12 @@ float32, 8 float64) and the CPU has AVX-512, each query's scores are taken
 16 (8) keys at a time, each key's products in one vector and the 16 vectors
 summed across lanes by one transpose-and-add tree, and ``p v`` adds value
 rows into accumulators held in registers (:file:`_microkernel_t.h`).  With one
-query and ``d_k = d_v`` of 1 to 16 such vectors (up to 256 float32, 128 float64)
-the whole range runs in one pass with the online softmax in registers, 16 (8)
-keys at a time: a group's key rows, then the value rows of the group before,
-so K and V stream by turns and no block pauses for its softmax
-(``query_attend``).  Otherwise (rows not whole vectors, or no AVX-512) a key block's scores are SIMD dot products of each key row with
+query and ``d_k = d_v`` of 1 to 16 such vectors (up to 256 float32, 128 float64),
+a range's whole groups of 16 (8) keys run in one pass with the online softmax in
+registers: a group's key rows, then the value rows of the group before, so K and
+V stream by turns and no block pauses for its softmax (``query_attend``); the
+keys left run as a block.  Without AVX-512, or with rows that are not whole
+vectors, a key block's scores are SIMD dot products of each key row with
 every query (the row read once, while it is in L1), then ``p v`` adds each
 value row into the accumulators, both in C loops compiled for AVX-512, AVX2
 and the baseline (picked at load time).  With more queries the scores, and
@@ -56,7 +57,7 @@ import fastattn._policy as _policy
 from fastattn._threads import kernel_threads, single_threaded_blas
 
 #: Keys per block inside a split: one pass of scores, one of ``p v`` (one query's one pass
-#: takes no blocks).  Measured here before that pass (fused loops, float32, n_q=1,
+#: leaves at most a group of keys to a block).  Measured here before that pass (fused loops, float32, n_q=1,
 #: n_k=32768, H=8, d=64, 1 thread, min of 20 interleaved calls, loaded machine): 128 keys
 #: 22.8 ms, 256 to 4096 keys 13.3-14.0 ms, beside 13.6 ms for torch to sum K and V.
 SPLIT_KEYS_BLOCK_K = 1024
@@ -253,7 +254,7 @@ cdef void _key_range(
     for c in range(n_q * d_v):
         acc[c] = 0
     j0 = j_lo
-    if one_pass:
+    if one_pass and j_hi > j_lo:
         # One query sees every key of its range (the mask is bottom-right aligned).
         width = (j_hi - j_lo) // lanes * lanes
         query_attend(q, k + <Py_ssize_t> j0 * d_k, v + <Py_ssize_t> j0 * d_v, width, d_k, scale,
