@@ -143,7 +143,7 @@ def test_one_query_running_maximum_and_non_finite_logits(backend, vectors, dtype
     every group of keys, rescaling the sums each time), fall, jump to 80 (float32) or 600
     (float64) midway, start with 40 keys of -inf (a shift of 0, then the first finite
     maximum) or with 120 (in two splits, the first sees only -inf), or are -inf but for the
-    last 8 (the one pass ends at -inf, the keys left after its groups are finite); and a NaN
+    last 8 (float32 in one split: the one pass ends at -inf, the 8 keys left are finite); a NaN
     or +inf logit makes the row NaN, as in the reference.  Head sizes of 1 to 16 vectors of
     the one-pass loops (Cython with AVX-512) and 17 (the others); valid for every loop."""
     lanes = 16 if dtype == np.float32 else 8
@@ -175,7 +175,7 @@ def test_one_query_running_maximum_and_non_finite_logits(backend, vectors, dtype
 def test_cython_one_query_cache_reads_only_its_filled_keys(dtype):
     """One query over the first n_k keys of a cache whose other rows are NaN, at d = 64: the
     one pass and the keys left after it stop at n_k (40, 200 and 5 keys, the last in four
-    splits of 2 keys, the fourth empty)."""
+    splits of at most 2 keys, the fourth empty)."""
     if "cython" not in FAST_BACKENDS:
         pytest.skip("cython backend not built")
     for n_k, capacity, n_splits in [(40, 64, 1), (40, 64, 2), (200, 256, 3), (5, 8, 4)]:

@@ -57,9 +57,10 @@ import fastattn._policy as _policy
 from fastattn._threads import kernel_threads, single_threaded_blas
 
 #: Keys per block inside a split: one pass of scores, one of ``p v`` (one query's one pass
-#: leaves at most a group of keys to a block).  Measured here before that pass (fused loops, float32, n_q=1,
-#: n_k=32768, H=8, d=64, 1 thread, min of 20 interleaved calls, loaded machine): 128 keys
-#: 22.8 ms, 256 to 4096 keys 13.3-14.0 ms, beside 13.6 ms for torch to sum K and V.
+#: leaves at most a group of keys to a block).  Measured here before that pass (fused loops,
+#: float32, n_q=1, n_k=32768, H=8, d=64, 1 thread, min of 20 interleaved calls, loaded
+#: machine): 128 keys 22.8 ms, 256 to 4096 keys 13.3-14.0 ms, beside 13.6 ms for torch to
+#: sum K and V.
 SPLIT_KEYS_BLOCK_K = 1024
 
 #: Queries up to which a key block's scores are the fused SIMD dots; with
