@@ -411,9 +411,9 @@ FA_TARGET static FA_T FA_NAME(fastattn_tile_exp_sum)(FA_T *s, int n, FA_T shift)
  * as p v after the next group's key rows, so the exp of a group overlaps the loads of the
  * next.  K and V stream by turns of FA_L rows, with no pause for the softmax of a block.
  * Side by side in one process against a read of K and V (Zen 4, H = 8, in cache): d = 64
- * float32 at 92-98 % on one thread where a block's two passes and their softmax took 84-89;
+ * float32 at 92-99 % on one thread where a block's two passes and their softmax took 80-89;
  * d = 128 float32 at 98 against 65-69 %; 16 vectors (d = 128 float64, 256 float32) at 87-123
- * against 47-63 % on one thread and two; float64 d = 32 on two threads at 86-87 against
+ * against 47-63 % on one thread and two; float64 d = 32 on two threads at 80-87 against
  * 77-78 %, and 68-70 % with each group's value rows right after its own key rows.  A key
  * row and a value row in turn, and two sets of accumulators for the FMAs' latency, were no
  * faster.  *m, *l and acc[0:d] hold the running state (-inf, 0 and zeros for none yet).
