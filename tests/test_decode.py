@@ -187,6 +187,41 @@ def test_cython_one_query_cache_reads_only_its_filled_keys(dtype):
         assert_close(got, want, dtype, err_msg=f"n_k={n_k} n_splits={n_splits}")
 
 
+def _at_offset(x, offset):
+    """A copy of ``x`` that starts ``offset`` elements past a 64-byte line, in a buffer whose
+    other elements (the rest of the first and last lines) are NaN."""
+    lanes = 64 // x.itemsize
+    raw = np.full(x.size + 2 * lanes, np.nan, dtype=x.dtype)
+    start = (-raw.ctypes.data // x.itemsize) % lanes + offset
+    y = raw[start:start + x.size].reshape(x.shape)
+    y[...] = x
+    return y
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["f32", "f64"])
+def test_cython_one_query_rows_at_every_offset_from_a_line(dtype):
+    """The one pass reads rows that do not start on a 64-byte line by whole lines and shifts
+    them into place: at every offset of K and V (each of the 16 float32 or 8 float64
+    elements, K and V apart), NaN around them in their first and last lines, for 1, 4 and
+    16 vectors, 16 to 200 keys in one or three splits, it matches the reference and no NaN
+    of the lines' other elements gets in."""
+    if "cython" not in FAST_BACKENDS:
+        pytest.skip("cython backend not built")
+    lanes = 64 // np.dtype(dtype).itemsize
+    for vectors, n_k, n_splits in [(1, 200, 3), (4, 48, 1), (16, 16, 1), (4, 200, 3)]:
+        d = vectors * lanes
+        q, k, v = make_qkv((2, 1, d), n_k=n_k, dtype=dtype, seed=vectors + n_k)
+        want = reference64(fastattn.softmax_attention, q, k, v, causal=True)
+        for k_offset in range(lanes):
+            v_offset = (k_offset * 5 + 3) % lanes
+            ks, vs = _at_offset(k, k_offset), _at_offset(v, v_offset)
+            assert ks.ctypes.data % 64 == k_offset * k.itemsize
+            got = _decode("cython").split_key_softmax_forward(
+                q, ks, vs, True, 1 / np.sqrt(d), 2, n_splits)
+            assert_close(got, want, dtype, err_msg=f"d={d} n_k={n_k} K at {k_offset}, "
+                                                   f"V at {v_offset} elements past a line")
+
+
 #: Where each backend's softmax_forward looks up the split-key kernel it routes to.
 ROUTING_MODULES = {"numba": "fastattn._numba.softmax", "cython": "fastattn._cython"}
 

@@ -69,6 +69,18 @@
     f = FA_VSUB(t, e); \
 } while (0)
 #define FA_EXP2_SCALE FA_S(scalef)
+/* Rows that start o elements (0 < o < FA_L) past a 64-byte line, read by lines: vector i of
+ * the rows is lanes o.. of line i and lanes ..o-1 of line i + 1, one vpermt2 of the two
+ * (FA_VJOIN(line_i, FA_LANE_INDEX(o), line_i1)) */
+#if !FA_DOUBLE
+#define FA_LANE_INDEX(o) _mm512_add_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, \
+    6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32(o))
+#else
+#define FA_LANE_INDEX(o) _mm512_add_epi64(_mm512_set_epi64(7, 6, 5, 4, 3, 2, 1, 0), \
+    _mm512_set1_epi64(o))
+#endif
+#define FA_VLOADA FA_S(load)
+#define FA_VJOIN FA_S(permutex2var)
 #else   /* FA_ISA == 256 */
 #define FA_TARGET FA_AVX2
 #define FA_BLOCK_V 1
@@ -183,3 +195,6 @@
 #undef FA_EXP_LOWEST
 #undef FA_LANE_SUMS
 #undef FA_EXP2_POLY
+#undef FA_LANE_INDEX
+#undef FA_VLOADA
+#undef FA_VJOIN

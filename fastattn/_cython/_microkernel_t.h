@@ -404,6 +404,15 @@ FA_TARGET static FA_T FA_NAME(fastattn_tile_exp_sum)(FA_T *s, int n, FA_T shift)
 }
 
 #if FA_ISA == 512
+/* Vector i of rows that start o elements (0 < o < FA_L) past a line, from `next`, the line
+ * i + 1 (*line holds line i, and becomes line i + 1) */
+FA_TARGET FA_INLINE FA_VT FA_NAME(fa_shifted)(const FA_T *next, __m512i idx, FA_VT *line) {
+    const FA_VT after = FA_VLOADA(next);
+    const FA_VT x = FA_VJOIN(*line, idx, after);
+    *line = after;
+    return x;
+}
+
 /* One query over keys [0, width) (width a multiple of FA_L), d_k = d_v = NC vectors, in one
  * pass with the online softmax in registers.  Each FA_L keys' scores (as
  * fastattn_query_scores) raise the running maximum m when they pass it, rescaling acc and
@@ -416,7 +425,11 @@ FA_TARGET static FA_T FA_NAME(fastattn_tile_exp_sum)(FA_T *s, int n, FA_T shift)
  * against 47-63 % on one thread and two; float64 d = 32 on two threads at 80-87 against
  * 77-78 %, and 68-70 % with each group's value rows right after its own key rows.  A key
  * row and a value row in turn, and two sets of accumulators for the FMAs' latency, were no
- * faster.  *m, *l and acc[0:d] hold the running state (-inf, 0 and zeros for none yet).
+ * faster.  K and V rows that do not start on a 64-byte line (NumPy's large arrays start 16
+ * bytes past one) are read a line at a time and shifted into place (fa_shifted), since a
+ * vector load across two lines costs two: with K and V 16 or 48 bytes past a line, 102-105
+ * against 108-111 us (2 threads, H = 8, n_k = 4096, d = 64; 97-100 on a line, either way).
+ * *m, *l and acc[0:d] hold the running state (-inf, 0 and zeros for none yet).
  * While every score so far is -inf the shift is 0 (exp gives 0, not NaN); a NaN score
  * makes l and acc NaN.  `ahead` as for fastattn_query_scores, for K and V.  AVX-512 only:
  * the decode step takes it with no other instruction set (an AVX2 form would hold q and
@@ -435,24 +448,56 @@ FA_TARGET FA_INLINE void FA_NAME(fa_query_attend)(
     FA_VT shift = FA_VSET1(mx == -INFINITY ? 0 : mx);
     FA_T p[FA_L] __attribute__((aligned(64)));
     const FA_T *kr = k, *vr = v;
+    /* K and V rows that do not start on a line (ko, vo elements past one) are read by lines;
+     * the lines read are those that hold the rows, so none reaches past their pages */
+    const int ko = (int) ((size_t) k % 64 / sizeof(FA_T));
+    const int vo = (int) ((size_t) v % 64 / sizeof(FA_T));
+    const __m512i kidx = FA_LANE_INDEX(ko), vidx = FA_LANE_INDEX(vo);
+    FA_VT kline = ko ? FA_VLOADA(k - ko) : FA_VZERO();
+    FA_VT vline = vo ? FA_VLOADA(v - vo) : FA_VZERO();
     /* Group g's scores are taken before group g - 1's p v is added, so the exp of one
      * group overlaps the key rows of the next. */
     for (int j0 = 0; j0 <= width; j0 += FA_L) {
         FA_VT s = FA_VZERO();
         if (j0 < width) {
             FA_VT part[FA_L];
-            _Pragma("GCC unroll 1")      /* rows in turn: see fastattn_query_scores */
-            for (int t = 0; t < FA_L; t++, kr += NC * FA_L) {
-                if (ahead)
-                    for (int c = 0; c < NC; c++)
-                        FA_PREFETCH(kr + (size_t) ahead * NC * FA_L + FA_L * c);
-                FA_VT x = FA_VMUL(qv[0], FA_VLOAD(kr));
-                for (int c = 1; c < NC; c++) x = FA_VFMADD(qv[c], FA_VLOAD(kr + FA_L * c), x);
-                part[t] = x;
+            if (ko) {
+                _Pragma("GCC unroll 1")
+                for (int t = 0; t < FA_L; t++, kr += NC * FA_L) {
+                    if (ahead)
+                        for (int c = 0; c < NC; c++)
+                            FA_PREFETCH(kr + (size_t) ahead * NC * FA_L + FA_L * c);
+                    FA_VT x = FA_VMUL(qv[0], FA_NAME(fa_shifted)(kr - ko + FA_L, kidx, &kline));
+                    for (int c = 1; c < NC; c++)
+                        x = FA_VFMADD(qv[c], FA_NAME(fa_shifted)(kr - ko + FA_L * (c + 1), kidx,
+                                                                 &kline), x);
+                    part[t] = x;
+                }
+            } else {
+                _Pragma("GCC unroll 1")      /* rows in turn: see fastattn_query_scores */
+                for (int t = 0; t < FA_L; t++, kr += NC * FA_L) {
+                    if (ahead)
+                        for (int c = 0; c < NC; c++)
+                            FA_PREFETCH(kr + (size_t) ahead * NC * FA_L + FA_L * c);
+                    FA_VT x = FA_VMUL(qv[0], FA_VLOAD(kr));
+                    for (int c = 1; c < NC; c++) x = FA_VFMADD(qv[c], FA_VLOAD(kr + FA_L * c), x);
+                    part[t] = x;
+                }
             }
             s = FA_VMUL(FA_LANE_SUMS(part), sc);
         }
-        if (j0 > 0) {
+        if (j0 > 0 && vo) {
+            _Pragma("GCC unroll 1")
+            for (int t = 0; t < FA_L; t++, vr += NC * FA_L) {
+                if (ahead)
+                    for (int c = 0; c < NC; c++)
+                        FA_PREFETCH(vr + (size_t) ahead * NC * FA_L + FA_L * c);
+                const FA_VT pt = FA_VSET1(p[t]);
+                for (int c = 0; c < NC; c++)
+                    a[c] = FA_VFMADD(pt, FA_NAME(fa_shifted)(vr - vo + FA_L * (c + 1), vidx,
+                                                             &vline), a[c]);
+            }
+        } else if (j0 > 0) {
             _Pragma("GCC unroll 1")
             for (int t = 0; t < FA_L; t++, vr += NC * FA_L) {
                 if (ahead)

@@ -376,10 +376,13 @@ def _split_key_softmax(
     # The one pass holds q and acc in registers: one query, d_k = d_v of at most 16 vectors.
     cdef bint one_pass = micro and n_q == 1 and d_k == d_v and d_k <= 16 * lanes
 
+    # A static schedule gives each thread the same heads at every decode step, so the K and V
+    # rows it read the step before are still in its own core's caches: the same C loop took
+    # 113 us dynamic against 95 static (Zen 4, 2 threads, H = 8, n_k = 4096, d = 64).
     with nogil, parallel(num_threads=min(n_threads, n_items)):
         t = threadid()
         buf = scratch + t * per_thread
-        for item in prange(n_items, schedule="dynamic"):
+        for item in prange(n_items, schedule="static"):
             b = item // n_splits
             sp = item % n_splits
             j_lo = sp * span
