@@ -62,9 +62,26 @@ def check_array(x, name):
         )
 
 
+#: The dtypes whose arrays :func:`check_qkv` passes in a few comparisons (NumPy's own
+#: float32 and float64 dtype objects, which its arrays of those types share).
+_FAST_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+
+
 def check_qkv(q, k, v=None):
     """Validate q, k, v (``v=None``: q and k alone, for weights); return (batch_shape,
     compute dtype, result dtype)."""
+    if v is not None and type(q) is np.ndarray and type(k) is np.ndarray \
+            and type(v) is np.ndarray:
+        # The usual call, passed in a few comparisons (a decode step's checks are part of its
+        # cost): plain arrays of one native float32 or float64 dtype whose shapes agree.  Any
+        # other call takes the checks below, which say what is wrong.
+        dtype, q_shape, k_shape, v_shape = q.dtype, q.shape, k.shape, v.shape
+        if (k.dtype is dtype and v.dtype is dtype
+                and (dtype is _FAST_DTYPES[0] or dtype is _FAST_DTYPES[1])
+                and len(q_shape) == len(k_shape) == len(v_shape) >= 2
+                and q_shape[:-2] == k_shape[:-2] == v_shape[:-2]
+                and q_shape[-1] == k_shape[-1] > 0 and k_shape[-2] == v_shape[-2]):
+            return q_shape[:-2], dtype, dtype
     named = ((q, "q"), (k, "k")) + (((v, "v"),) if v is not None else ())
     for x, name in named:
         check_array(x, name)
@@ -166,6 +183,8 @@ def check_scale(scale, d_k, dtype):
     """``scale`` as a float (default ``1 / sqrt(d_k)``), finite and > 0 in the computation ``dtype``."""
     if scale is None:
         return reference.default_scale(d_k)
+    if type(scale) is float and 0.0 < scale <= LARGEST[dtype]:   # the usual call, at once
+        return scale
     return finite_in(check_positive_scalar(scale, "scale", allow_zero=False), "scale", dtype)
 
 
@@ -189,6 +208,8 @@ def check_dim(value, name, minimum):
 
 
 def check_bool(value, name):
+    if value is True or value is False:
+        return value
     if isinstance(value, np.ndarray) and value.ndim == 0 and value.dtype == bool:
         value = value[()]   # a 0-d boolean array is its value, as for the scalars
     if not isinstance(value, (bool, np.bool_)):

@@ -187,6 +187,23 @@ def test_cython_one_query_cache_reads_only_its_filled_keys(dtype):
         assert_close(got, want, dtype, err_msg=f"n_k={n_k} n_splits={n_splits}")
 
 
+@pytest.mark.parametrize("n_q, d", [(1, 64), (2, 48), (5, 64)],
+                         ids=["nq1-d64", "nq2-d48", "nq5-d64"])
+def test_cython_split_keys_same_bits_on_one_thread_and_two(n_q, d):
+    """The work items run in a plain loop on one thread and in an OpenMP region on two; each
+    item's partial result and the merge are the same, so the outputs are the same bits (3
+    heads of 3000 keys in 1 to 4 splits, causal)."""
+    if "cython" not in FAST_BACKENDS:
+        pytest.skip("cython backend not built")
+    q, k, v = make_qkv((3, n_q, d), n_k=3000, dtype=np.float32, seed=n_q + d)
+    for n_splits in (1, 2, 3, 4):
+        one, two = (_decode("cython").split_key_softmax_forward(q, k, v, True, d ** -0.5, threads,
+                                                                 n_splits) for threads in (1, 2))
+        np.testing.assert_array_equal(one, two, err_msg=f"n_splits={n_splits}")
+        assert_close(one, reference64(fastattn.softmax_attention, q, k, v, causal=True),
+                     np.float32, err_msg=f"n_splits={n_splits}")
+
+
 def _at_offset(x, offset):
     """A copy of ``x`` that starts ``offset`` elements past a 64-byte line, in a buffer whose
     other elements (the rest of the first and last lines) are NaN."""

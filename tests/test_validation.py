@@ -70,6 +70,34 @@ def test_bad_array_is_refused(backend, kind, case):
     _raises(exc, lambda: _call(kind, **{name: bad}, **kwargs), *fragments)
 
 
+class _Subclass(np.ndarray):
+    """An ndarray subclass: the checks' fast path takes plain arrays only."""
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize("shapes", [((4, 3), (5, 3), (5, 6)), ((2, 2, 1, 8), (2, 2, 7, 8),
+                                                               (2, 2, 7, 2))],
+                         ids=["2d", "4d"])
+def test_usual_call_checks_give_what_the_full_checks_give(dtype, shapes):
+    """check_qkv passes three plain arrays of one float32 or float64 dtype in a few
+    comparisons, and its checks for any other call (here the same arrays as a subclass, which
+    takes them) return the same batch shape and dtypes; so do the scale's two ways."""
+    from fastattn import _checks
+    q, k, v = (np.ones(shape, dtype=dtype) for shape in shapes)
+    fast = _checks.check_qkv(q, k, v)
+    full = _checks.check_qkv(*(x.view(_Subclass) for x in (q, k, v)))
+    assert fast == full == (shapes[0][:-2], np.dtype(dtype), np.dtype(dtype))
+    assert _checks.check_scale(0.125, 8, np.dtype(dtype)) == \
+        _checks.check_scale(np.float64(0.125), 8, np.dtype(dtype)) == 0.125
+
+
+def test_a_scale_beyond_float32_takes_the_full_check():
+    """1e39 is a float below float64's largest but inf in float32: refused there."""
+    _raises(ValueError, lambda: _call("softmax", Q.astype(np.float32), K.astype(np.float32),
+                                      V.astype(np.float32), scale=1e39),
+            "scale must be finite in the computation dtype float32", "1e+39")
+
+
 @pytest.mark.parametrize("kind", ["softmax", "linear"])
 def test_bad_value_array_is_refused(backend, kind):
     _raises(TypeError, lambda: _call(kind, v=V.astype(np.int32), backend=backend),

@@ -352,7 +352,7 @@ def _split_key_softmax(
 ):
     """Fill ``out``; ``workspace`` holds the partial results, then each thread's scratch."""
     cdef int n_batch = q.shape[0], n_q = q.shape[1], d_k = q.shape[2]
-    cdef int d_v = v.shape[2]
+    cdef int d_v = v.shape[2], capacity = k.shape[1]
     cdef int span = (n_k + n_splits - 1) // n_splits
     cdef int n_items = n_batch * n_splits
     cdef Py_ssize_t n_parts = <Py_ssize_t> n_items * n_q
@@ -361,16 +361,15 @@ def _split_key_softmax(
     cdef floating *part_acc = part_l + n_parts
     cdef floating *scratch = part_acc + n_parts * d_v
     cdef Py_ssize_t per_thread = <Py_ssize_t> n_q * block_k
-    cdef int item, b, sp, j_lo, j_hi
+    cdef int item, b
     cdef int t = 0              # the thread, set in each parallel block
-    cdef floating *buf = NULL   # per-thread scratch, set in each parallel block
     cdef floating s = <floating> scale
     # The register-blocked one-query loops when the rows are whole vectors, with
     # AVX-512 only: their AVX2 form (pairs of ymm, a lane-sum tree of 16 pairs)
     # took about 1.2x the time of the C loops below against a copy of the same
     # build held to those (EPYC Zen 3, 2 threads, one process, turns alternated:
     # H = 8, n_k = 8192 and 32768; two copies of one build differed by 0.9-1.0).
-    cdef bint micro = (simd_rows(d_k, buf) and simd_rows(d_v, buf)
+    cdef bint micro = (simd_rows(d_k, part_m) and simd_rows(d_v, part_m)
                        and fastattn_microkernel_isa() == 512)
     cdef int lanes = 16 if floating is float else 8
     # The one pass holds q and acc in registers: one query, d_k = d_v of at most 16 vectors.
@@ -379,23 +378,46 @@ def _split_key_softmax(
     # A static schedule gives each thread the same heads at every decode step, so the K and V
     # rows it read the step before are still in its own core's caches: the same C loop took
     # 113 us dynamic against 95 static (Zen 4, 2 threads, H = 8, n_k = 4096, d = 64).
-    with nogil, parallel(num_threads=min(n_threads, n_items)):
-        t = threadid()
-        buf = scratch + t * per_thread
-        for item in prange(n_items, schedule="static"):
-            b = item // n_splits
-            sp = item % n_splits
-            j_lo = sp * span
-            j_hi = min(n_k, j_lo + span)
-            _key_range(&q[b, 0, 0], &k[b, 0, 0], &v[b, 0, 0], n_q, n_k, d_k, d_v,
-                       j_lo, j_hi, causal, s, block_k, buf, &limits[t * n_q], part_m + <Py_ssize_t> item * n_q,
-                       part_l + <Py_ssize_t> item * n_q, part_acc + <Py_ssize_t> item * n_q * d_v,
-                       micro, one_pass)
+    # One thread runs the items in a plain loop: an OpenMP region costs about 1 us even of one
+    # thread (8 heads of 16 keys: 3.2 us in one, 2.4 without).
+    if n_threads == 1 or n_items == 1:
+        with nogil:
+            for item in range(n_items):
+                _work_item(item, &q[0, 0, 0], &k[0, 0, 0], &v[0, 0, 0], n_q, n_k, capacity,
+                           d_k, d_v, n_splits, span, causal, s, block_k, scratch, &limits[0],
+                           part_m, part_l, part_acc, micro, one_pass)
+    else:
+        # A static schedule gives each thread the same heads at every decode step, so the K
+        # and V rows it read the step before are still in its own core's caches: the same C
+        # loop took 113 us dynamic against 95 static (Zen 4, 2 threads, H = 8, n_k = 4096).
+        with nogil, parallel(num_threads=min(n_threads, n_items)):
+            t = threadid()
+            for item in prange(n_items, schedule="static"):
+                _work_item(item, &q[0, 0, 0], &k[0, 0, 0], &v[0, 0, 0], n_q, n_k, capacity,
+                           d_k, d_v, n_splits, span, causal, s, block_k,
+                           scratch + t * per_thread, &limits[t * n_q], part_m, part_l,
+                           part_acc, micro, one_pass)
     with nogil:
         for b in range(n_batch):
             _merge(part_m + <Py_ssize_t> b * n_splits * n_q, part_l + <Py_ssize_t> b * n_splits * n_q,
                    part_acc + <Py_ssize_t> b * n_splits * n_q * d_v, n_splits, n_q, d_v,
                    &out[b, 0, 0])
+
+
+cdef inline void _work_item(
+    int item, const floating *q, const floating *k, const floating *v, int n_q, int n_k,
+    int capacity, int d_k, int d_v, int n_splits, int span, bint causal, floating scale,
+    int block_k, floating *buf, int *lim, floating *part_m, floating *part_l,
+    floating *part_acc, bint micro, bint one_pass,
+) noexcept nogil:
+    """Work item ``item``: head ``item // n_splits`` (of ``capacity`` key rows, the first
+    ``n_k`` read), its key range ``item % n_splits``, into the item's partial results."""
+    cdef Py_ssize_t b = item // n_splits
+    cdef int j_lo = (item % n_splits) * span
+    _key_range(q + b * n_q * d_k, k + b * capacity * d_k, v + b * capacity * d_v, n_q, n_k,
+               d_k, d_v, j_lo, min(n_k, j_lo + span), causal, scale, block_k, buf, lim,
+               part_m + <Py_ssize_t> item * n_q, part_l + <Py_ssize_t> item * n_q,
+               part_acc + <Py_ssize_t> item * n_q * d_v, micro, one_pass)
 
 
 def split_key_softmax_forward(q, k, v, bint causal, double scale, n_threads=None, n_splits=None,
