@@ -89,10 +89,12 @@ def softmax_attention(q, k, v, *, causal=False, scale=None, backend="auto"):
     out_shape = batch_shape + (q.shape[-2], v.shape[-1])
     if 0 in out_shape or k.shape[-2] == 0:
         return np.zeros(out_shape, dtype=result)
-    qq, scale = _overflow.kernel_query(_checks.as_kernel_input(q, dtype), scale)
     out = _overflow.finite_softmax(
         lambda q, k, v: module.softmax_forward(q, k, v, causal, scale),
-        qq, _checks.as_kernel_input(k, dtype), _checks.as_kernel_input(v, dtype))
+        _checks.as_kernel_input(q, dtype), _checks.as_kernel_input(k, dtype),
+        _checks.as_kernel_input(v, dtype))
+    if out.shape == out_shape and out.dtype is result:   # (B, n_q, d_v) as computed
+        return out
     return out.reshape(out_shape).astype(result, copy=False)
 
 

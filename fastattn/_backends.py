@@ -2,12 +2,15 @@
 
 A backend is a module exposing::
 
-    softmax_forward(q, k, v, causal, scale) -> out (B, n_q, d_v)
+    softmax_forward(q, k, v, causal, scale) -> out (B, n_q, d_v), or (out, finite)
     linear_forward(q, k, v, feature_map, causal, eps, S0, z0) -> (out, S, z)
 
 on validated arrays (see :mod:`fastattn._checks`): ``q (B, n_q, d_k)``,
 ``k (B, n_k, d_k)``, ``v (B, n_k, d_v)`` of one dtype, C-contiguous;
-``S0 (B, D, d_v)`` and ``z0 (B, D)`` None or arrays of that dtype.
+``S0 (B, D, d_v)`` and ``z0 (B, D)`` None or arrays of that dtype.  ``softmax_forward``
+applies :func:`fastattn._overflow.kernel_query` (a scale below 1 multiplies ``q`` first)
+itself, and may return ``(out, finite)`` when its kernel checked every element of ``out``
+(for :func:`fastattn._overflow.finite_softmax`).
 ``feature_map`` is a name the kernels apply elementwise (``"elu"``,
 ``"relu"``) or ``"identity"``: ``q`` and ``k`` are then features of
 dimension D, formed first by their map (:mod:`fastattn.feature_maps`), whose
@@ -23,7 +26,8 @@ A fast backend also has a decode module (:data:`DECODE_MODULES`): its
 ``linear_forward`` is the recurrent step of one query and one key (a
 generated token) for the elementwise maps, and its
 ``cache_softmax_forward(q, k, v, causal, scale, n_k)`` attends over the
-first ``n_k`` keys of a :class:`fastattn.KVCache`'s buffers in place.
+first ``n_k`` keys of a :class:`fastattn.KVCache`'s buffers in place (the same
+rule for ``scale``, the same two forms of result).
 
 This module also holds the public thread API: :func:`set_num_threads`,
 :func:`get_num_threads`, :class:`num_threads`.

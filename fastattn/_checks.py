@@ -114,7 +114,8 @@ def check_qkv(q, k, v=None):
 
 def as_kernel_input(x, dtype):
     """``x`` as a C-contiguous, aligned, writeable array of ``dtype`` with one batch dim."""
-    x = np.asarray(x)  # a subclass (np.matrix, np.memmap) computes as the plain array
+    if type(x) is not np.ndarray:
+        x = np.asarray(x)  # a subclass (np.matrix, np.memmap) computes as the plain array
     if x.ndim != 3:
         x = x.reshape((math.prod(x.shape[:-2]),) + x.shape[-2:])
     flags = x.flags

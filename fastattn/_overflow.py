@@ -1,4 +1,5 @@
-"""Softmax calls kept inside their dtype's range: one rule for the API and the KV cache.
+"""Softmax calls kept inside their dtype's range: one rule for the API, the KV cache and
+every backend.
 
 The kernels compute ``softmax(scale · q kᵀ) v`` with the scale applied to the
 logits (so ``scale · q`` never overflows where the logits do not).  Two finite
@@ -9,15 +10,18 @@ inputs can still leave the dtype's range on the way to a finite answer:
   ``scale < 1`` the query is scaled first (:func:`kernel_query`): ``|scale · q|
   <= |q|`` cannot overflow, and ``(scale · q) · k`` overflows only where the
   logits do.  One ``O(n_q · d_k)`` pass, in float64 and rounded once, so a
-  scale below float32's smallest number still scales.
+  scale below float32's smallest number still scales.  Each backend's
+  ``softmax_forward`` and ``cache_softmax_forward`` applies it to the ``q`` and
+  ``scale`` it is given (the Cython decode step in C, where a NumPy call would cost
+  more than a short step's keys).
 * The unnormalised output ``Σ_j exp(s_j − m) v_j`` overflows although the
   answer, a weighted average of the values, does not (1,024 keys whose values
   are 1e36 in float32).  That always shows in the output, so
   :func:`finite_softmax` pays one pass over it (:func:`output_finite`), ``O(n_q · d_v)``,
-  and only the rare call whose output comes out non-finite from finite inputs
-  is made again: a float32 call in float64 (which holds every product of
-  float32 numbers), then rounded; a float64 call with ``v`` divided by a power
-  of two (exact), the output multiplied back.
+  unless the kernel checked its output itself, and only the rare call whose output
+  comes out non-finite from finite inputs is made again: a float32 call in float64
+  (which holds every product of float32 numbers), then rounded; a float64 call with
+  ``v`` divided by a power of two (exact), the output multiplied back.
 """
 
 import numpy as np
@@ -66,19 +70,28 @@ def output_finite(out):
 def finite_softmax(call, q, k, v, seen=None):
     """``call(q, k, v)``, made again as the module docstring says when its output is
     non-finite although the inputs (``q`` and ``seen``, the keys and values the call
-    reads: default ``(k, v)``) are finite.  A NaN or inf given is taken as given."""
-    out = call(q, k, v)
-    if output_finite(out):
+    reads: default ``(k, v)``) are finite.  A NaN or inf given is taken as given.
+
+    ``call`` returns ``out``, or ``(out, finite)`` when the kernel checked every element of
+    ``out`` itself (the Cython decode step, as its merge ends): then no pass here."""
+    out, finite = _result(call(q, k, v))
+    if finite or (finite is None and output_finite(out)):
         return out
     seen_k, seen_v = (k, v) if seen is None else seen
     if not (np.isfinite(q).all() and np.isfinite(seen_k).all() and np.isfinite(seen_v).all()):
         return out
     with np.errstate(over="ignore", invalid="ignore"):
         if q.dtype == np.float32:
-            wide = call(*(x.astype(np.float64) for x in (q, k, v)))
+            wide = _result(call(*(x.astype(np.float64) for x in (q, k, v))))[0]
             return wide.astype(np.float32)
         top = float(np.max(np.abs(seen_v))) if seen_v.size else 0.0
         if top == 0.0:
             return out
         c = 2.0 ** np.ceil(np.log2(top))
-        return call(q, k, v / c) * c
+        return _result(call(q, k, v / c))[0] * c
+
+
+def _result(returned):
+    """``(out, finite)`` of what a softmax call returned: ``finite`` None when it gave
+    ``out`` alone."""
+    return returned if isinstance(returned, tuple) else (returned, None)

@@ -262,12 +262,12 @@ class KVCache:
             return _api.softmax_attention(q, keys, values, causal=causal, scale=scale, backend=name)
         scale = _checks.check_scale(scale, self.d_k, dtype)
         B = math.prod(batch_shape)
-        qq, scale = _overflow.kernel_query(_checks.as_kernel_input(q, dtype), scale)
         k = self._k.reshape(B, self.capacity, self.d_k)
         v = self._v.reshape(B, self.capacity, self.d_v)
         out = _overflow.finite_softmax(
             lambda q, k, v: decode.cache_softmax_forward(q, k, v, causal, scale, self.length),
-            qq, k, v, seen=(k[:, :self.length], v[:, :self.length]))
+            _checks.as_kernel_input(q, dtype), k, v,
+            seen=(k[:, :self.length], v[:, :self.length]))
         return out.reshape(batch_shape + (n_q, self.d_v)).astype(result, copy=False)
 
 

@@ -17,6 +17,8 @@ import os
 
 import numpy as np
 
+from . import _overflow
+
 #: Elementwise feature maps of linear attention, by name.  ``elu`` is
 #: ``elu(x) + 1`` (Katharopoulos et al. 2020), which is positive for every
 #: finite input; ``relu`` is ``max(x, 0)``.  The kernels also take
@@ -244,10 +246,12 @@ def softmax_weights(q, k, causal, scale):
 
 
 def softmax_forward(q, k, v, causal, scale):
-    """Softmax attention ``softmax(q kᵀ · scale) v`` as an explicit n_q x n_k product.
+    """Softmax attention ``softmax(q kᵀ · scale) v`` as an explicit n_q x n_k product, a scale
+    below 1 applied to ``q`` first (:func:`fastattn._overflow.kernel_query`).
 
     Time ``O(B n_q n_k (d_k + d_v))``, memory ``O(B n_q n_k)``.
     """
+    q, scale = _overflow.kernel_query(q, scale)
     weights, visible = softmax_weights(q, k, causal, scale)
     return _masked_matmul(weights, v, visible)
 

@@ -204,6 +204,27 @@ def test_cython_split_keys_same_bits_on_one_thread_and_two(n_q, d):
                      np.float32, err_msg=f"n_splits={n_splits}")
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize("backend", FAST_BACKENDS)
+def test_decode_kernels_scale_the_query_as_kernel_query_does(backend, dtype):
+    """Given a scale below 1, the split-key kernels (Cython: in C) scale q first as
+    fastattn._overflow.kernel_query does, in float64 and rounded once: the same bits as
+    that function's query with a scale of 1, for a scale the dtype holds (1/8), one float32
+    does not (48 ** -0.5), one below float32's range (1e-59, with q and k of 1e30, whose
+    products overflow unless q is scaled first) and one above 1 (left to the logits)."""
+    from fastattn._overflow import kernel_query
+    q, k, v = make_qkv((3, 2, 48), n_k=300, dtype=dtype, seed=7)
+    decode = _decode(backend)
+    for scale, magnitude in [(0.125, 1), (48 ** -0.5, 1), (1e-59, 1e30), (2.0, 1)]:
+        qm, km = q * dtype(magnitude), k * dtype(magnitude)
+        qq, rest = kernel_query(qm, scale)
+        got = decode.cache_softmax_forward(qm, km, v, True, scale, 300)
+        want = decode.cache_softmax_forward(qq, km, v, True, rest, 300)
+        got, want = (x[0] if isinstance(x, tuple) else x for x in (got, want))
+        np.testing.assert_array_equal(got, want, err_msg=f"scale={scale}")
+        assert np.isfinite(got).all(), f"scale={scale}"
+
+
 def _at_offset(x, offset):
     """A copy of ``x`` that starts ``offset`` elements past a 64-byte line, in a buffer whose
     other elements (the rest of the first and last lines) are NaN."""

@@ -19,7 +19,7 @@ import importlib.util
 import os
 import sys
 
-from .. import reference
+from .. import _overflow, reference
 from .._threads import kernel_threads, single_threaded_blas
 from .._warnings import warn_user
 
@@ -153,11 +153,16 @@ def softmax_forward(q, k, v, causal, scale):
     Returns
     -------
     out : ndarray of shape (B, n_q, d_v)
+        Or ``(out, finite)`` from the split-key kernel, which checks its output itself.
+
+    A scale below 1 multiplies ``q`` first (:func:`fastattn._overflow.kernel_query`; the
+    split-key kernel does it in C).
     """
     n_batch, n_q, d_k = q.shape
     n_k, d_v = k.shape[1], v.shape[2]
     if _policy.use_split_keys(n_q):
-        return split_key_softmax_forward(q, k, v, causal, scale)
+        return split_key_softmax_forward(q, k, v, causal, scale, None, None, None, True)
+    q, scale = _overflow.kernel_query(q, scale)
     n_threads = kernel_threads(get_num_threads(), n_batch * -(-n_q // BLOCK_Q),
                                n_batch * n_q * n_k * (d_k + d_v))
     # The tile's own products need d_k and d_v both whole vectors (and n_k > 0).

@@ -407,7 +407,9 @@ FA_TARGET static FA_T FA_NAME(fastattn_tile_exp_sum)(FA_T *s, int n, FA_T shift)
 /* Vector i of rows that start o elements (0 < o < FA_L) past a line, from `next`, the line
  * i + 1 (*line holds line i, and becomes line i + 1) */
 FA_TARGET FA_INLINE FA_VT FA_NAME(fa_shifted)(const FA_T *next, __m512i idx, FA_VT *line) {
-    const FA_VT after = FA_VLOADA(next);
+    FA_VT after = FA_VLOADA(next);
+    /* in a register: gcc would load the line again as vpermt2's operand (two loads a line) */
+    __asm__("" : "+v"(after));
     const FA_VT x = FA_VJOIN(*line, idx, after);
     *line = after;
     return x;

@@ -41,7 +41,10 @@ and reads it, with no BLAS call and no thread pool woken.
 
 import numpy as np
 
+cimport numpy as cnp
 from cython cimport floating
+from libc.math cimport isfinite
+from libc.stdlib cimport free, malloc
 from cython.parallel cimport parallel, prange, threadid
 
 from fastattn._cython._blas cimport gemm
@@ -51,6 +54,8 @@ from fastattn._cython._microkernel cimport (
 )
 from fastattn._cython._online cimport online_softmax_row
 from fastattn._cython._vmath cimport feature_map, fexp
+
+cnp.import_array()
 
 from fastattn._cython._openmp import get_num_threads
 import fastattn._policy as _policy
@@ -336,34 +341,43 @@ cdef void _merge(const floating *part_m, const floating *part_l, const floating 
                 orow[c] = orow[c] * w
 
 
-def _split_key_softmax(
-    const floating[:, :, ::1] q,
-    const floating[:, :, ::1] k,
-    const floating[:, :, ::1] v,
-    floating[:, :, ::1] out,
-    floating[::1] workspace,
-    int[::1] limits,
-    int n_splits,
-    int n_k,
-    bint causal,
-    double scale,
-    int block_k,
-    int n_threads,
-):
-    """Fill ``out``; ``workspace`` holds the partial results, then each thread's scratch."""
-    cdef int n_batch = q.shape[0], n_q = q.shape[1], d_k = q.shape[2]
-    cdef int d_v = v.shape[2], capacity = k.shape[1]
+cdef int _split_key_softmax(
+    const floating *q, const floating *k, const floating *v, floating *out, int n_batch,
+    int n_q, int capacity, int d_k, int d_v, int n_splits, int n_k, bint causal, double scale,
+    int block_k, int n_threads,
+) except -1 nogil:
+    """Fill ``out (n_batch, n_q, d_v)`` from ``q (n_batch, n_q, d_k)`` and the first ``n_k``
+    rows of ``k (n_batch, capacity, d_k)`` and ``v (n_batch, capacity, d_v)``, all
+    C-contiguous; return 1 when every element of ``out`` is finite, else 0.  One allocation
+    holds the partial results, each thread's scores and the scaled queries."""
     cdef int span = (n_k + n_splits - 1) // n_splits
     cdef int n_items = n_batch * n_splits
     cdef Py_ssize_t n_parts = <Py_ssize_t> n_items * n_q
-    cdef floating *part_m = &workspace[0]
+    cdef Py_ssize_t per_thread = <Py_ssize_t> n_q * block_k
+    cdef Py_ssize_t i, n_query = <Py_ssize_t> n_batch * n_q * d_k
+    cdef floating *workspace = <floating *> malloc(
+        (n_parts * (d_v + 2) + n_threads * per_thread + n_query) * sizeof(floating))
+    cdef int *limits = <int *> malloc(n_threads * n_q * sizeof(int))
+    if workspace == NULL or limits == NULL:
+        free(workspace)
+        free(limits)
+        with gil:
+            raise MemoryError(f"the split-key kernel's workspace for {n_items} work items of "
+                              f"{n_q} queries and d_v={d_v}")
+    cdef floating *part_m = workspace
     cdef floating *part_l = part_m + n_parts
     cdef floating *part_acc = part_l + n_parts
     cdef floating *scratch = part_acc + n_parts * d_v
-    cdef Py_ssize_t per_thread = <Py_ssize_t> n_q * block_k
+    cdef floating *scaled = scratch + n_threads * per_thread
     cdef int item, b
     cdef int t = 0              # the thread, set in each parallel block
     cdef floating s = <floating> scale
+    if scale < 1:
+        # fastattn._overflow.kernel_query's rule: q scaled first, in double, rounded once
+        for i in range(n_query):
+            scaled[i] = <floating> (<double> q[i] * scale)
+        q = scaled
+        s = 1
     # The register-blocked one-query loops when the rows are whole vectors, with
     # AVX-512 only: their AVX2 form (pairs of ymm, a lane-sum tree of 16 pairs)
     # took about 1.2x the time of the C loops below against a copy of the same
@@ -375,33 +389,32 @@ def _split_key_softmax(
     # The one pass holds q and acc in registers: one query, d_k = d_v of at most 16 vectors.
     cdef bint one_pass = micro and n_q == 1 and d_k == d_v and d_k <= 16 * lanes
 
-    # A static schedule gives each thread the same heads at every decode step, so the K and V
-    # rows it read the step before are still in its own core's caches: the same C loop took
-    # 113 us dynamic against 95 static (Zen 4, 2 threads, H = 8, n_k = 4096, d = 64).
     # One thread runs the items in a plain loop: an OpenMP region costs about 1 us even of one
     # thread (8 heads of 16 keys: 3.2 us in one, 2.4 without).
     if n_threads == 1 or n_items == 1:
-        with nogil:
-            for item in range(n_items):
-                _work_item(item, &q[0, 0, 0], &k[0, 0, 0], &v[0, 0, 0], n_q, n_k, capacity,
-                           d_k, d_v, n_splits, span, causal, s, block_k, scratch, &limits[0],
-                           part_m, part_l, part_acc, micro, one_pass)
+        for item in range(n_items):
+            _work_item(item, q, k, v, n_q, n_k, capacity, d_k, d_v, n_splits, span, causal, s,
+                       block_k, scratch, limits, part_m, part_l, part_acc, micro, one_pass)
     else:
         # A static schedule gives each thread the same heads at every decode step, so the K
         # and V rows it read the step before are still in its own core's caches: the same C
         # loop took 113 us dynamic against 95 static (Zen 4, 2 threads, H = 8, n_k = 4096).
-        with nogil, parallel(num_threads=min(n_threads, n_items)):
+        with parallel(num_threads=min(n_threads, n_items)):
             t = threadid()
             for item in prange(n_items, schedule="static"):
-                _work_item(item, &q[0, 0, 0], &k[0, 0, 0], &v[0, 0, 0], n_q, n_k, capacity,
-                           d_k, d_v, n_splits, span, causal, s, block_k,
-                           scratch + t * per_thread, &limits[t * n_q], part_m, part_l,
-                           part_acc, micro, one_pass)
-    with nogil:
-        for b in range(n_batch):
-            _merge(part_m + <Py_ssize_t> b * n_splits * n_q, part_l + <Py_ssize_t> b * n_splits * n_q,
-                   part_acc + <Py_ssize_t> b * n_splits * n_q * d_v, n_splits, n_q, d_v,
-                   &out[b, 0, 0])
+                _work_item(item, q, k, v, n_q, n_k, capacity, d_k, d_v, n_splits, span, causal,
+                           s, block_k, scratch + t * per_thread, limits + t * n_q, part_m,
+                           part_l, part_acc, micro, one_pass)
+    for b in range(n_batch):
+        _merge(part_m + <Py_ssize_t> b * n_splits * n_q, part_l + <Py_ssize_t> b * n_splits * n_q,
+               part_acc + <Py_ssize_t> b * n_splits * n_q * d_v, n_splits, n_q, d_v,
+               out + <Py_ssize_t> b * n_q * d_v)
+    free(workspace)
+    free(limits)
+    for item in range(n_batch * n_q * d_v):
+        if not isfinite(out[item]):
+            return 0
+    return 1
 
 
 cdef inline void _work_item(
@@ -421,7 +434,7 @@ cdef inline void _work_item(
 
 
 def split_key_softmax_forward(q, k, v, bint causal, double scale, n_threads=None, n_splits=None,
-                              n_k=None):
+                              n_k=None, check_finite=False):
     """Softmax attention ``softmax(q kᵀ · scale) v`` with the keys split across threads.
 
     Parameters
@@ -435,7 +448,9 @@ def split_key_softmax_forward(q, k, v, bint causal, double scale, n_threads=None
         Bottom-right aligned mask: query ``i`` sees key ``j`` when
         ``j <= i + n_k - n_q``; a row that sees no key is 0.
     scale : float
-        Multiplies the logits.
+        Multiplies the logits, finite and > 0.  Below 1 it multiplies ``q`` first, in
+        double and rounded once (:func:`fastattn._overflow.kernel_query`'s rule, here in C:
+        no NumPy call), so ``q · k`` cannot overflow where the logits do not.
     n_threads : int, optional
         OpenMP threads at most; default the backend's count.  Fewer run when
         the call is too small to split (:func:`fastattn._threads.kernel_threads`);
@@ -448,41 +463,96 @@ def split_key_softmax_forward(q, k, v, bint causal, double scale, n_threads=None
         Attend over the first ``n_k`` keys and values only (from 1 to
         ``k.shape[1]``, default all): a preallocated KV cache passes its whole
         buffer and the filled length, and nothing is copied.
+    check_finite : bool, default False
+        Also return whether every element of ``out`` is finite, checked in C as the merge
+        ends (for :func:`fastattn._overflow.finite_softmax`, which then makes no pass of
+        its own: two NumPy calls, about 4 us after a step has streamed K and V through the
+        caches).
 
     Returns
     -------
     out : ndarray of shape (B, n_q, d_v), the dtype of ``q``
+    finite : bool
+        With ``check_finite`` only.
+
+    Raises
+    ------
+    TypeError
+        If ``q``, ``k`` or ``v`` is not a C-contiguous 3-d float32 or float64 array, or
+        their dtypes differ.
+    ValueError
+        If their shapes do not match, or ``n_k`` is not from 1 to ``k.shape[1]``.
+    MemoryError
+        If the workspace cannot be allocated.
 
     Notes
     -----
     ``4 · B · n_q · n_k · d`` flops; extra memory ``B · n_splits · n_q ·
-    (d_v + 2)`` elements for the partial results and ``T · n_q ·
-    SPLIT_KEYS_BLOCK_K`` for the scores of ``T`` threads, in one allocation.  Flash-Decoding
-    (Dao et al. 2023) over the online softmax of Milakov & Gimelshein (2018).
+    (d_v + 2)`` elements for the partial results, ``T · n_q · SPLIT_KEYS_BLOCK_K`` for the
+    scores of ``T`` threads and ``B · n_q · d_k`` for the scaled queries, in one allocation.
+    Flash-Decoding (Dao et al. 2023) over the online softmax of Milakov & Gimelshein (2018).
     """
-    n_threads = get_num_threads() if n_threads is None else max(1, n_threads)
+    cdef cnp.ndarray q_a = _kernel_array(q, "q"), k_a = _kernel_array(k, "k")
+    cdef cnp.ndarray v_a = _kernel_array(v, "v")
+    cdef int typenum = cnp.PyArray_TYPE(q_a)
+    cdef cnp.npy_intp dims[3]
+    if cnp.PyArray_TYPE(k_a) != typenum or cnp.PyArray_TYPE(v_a) != typenum:
+        raise TypeError(f"q, k and v must have one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     n_batch, n_q, d_k = q.shape
-    n_k = k.shape[1] if n_k is None else n_k
-    d_v = v.shape[2]
+    capacity, d_v = k.shape[1], v.shape[2]
+    n_k = capacity if n_k is None else n_k
+    if k.shape[0] != n_batch or v.shape[0] != n_batch or k.shape[2] != d_k \
+            or v.shape[1] != capacity or not 1 <= n_k <= capacity:
+        raise ValueError(f"q {q.shape}, k {k.shape} and v {v.shape} are not (B, n_q, d_k), "
+                         f"(B, n, d_k) and (B, n, d_v) with n_k={n_k} from 1 to n")
+    n_threads = get_num_threads() if n_threads is None else max(1, n_threads)
     if n_splits is None:
         n_splits = _policy.split_count(n_batch, n_k, n_threads)
     n_splits = max(1, min(int(n_splits), n_k))
     n_threads = kernel_threads(n_threads, n_batch * n_splits, n_batch * n_q * n_k * (d_k + d_v))
     block_k = min(SPLIT_KEYS_BLOCK_K, (n_k + n_splits - 1) // n_splits)
-    out = np.empty((n_batch, n_q, d_v), dtype=q.dtype)
-    # One allocation: the partial (m, l, acc) of every work item, then each
-    # thread's scores.
-    workspace = np.empty(n_batch * n_splits * n_q * (d_v + 2) + n_threads * n_q * block_k,
-                         dtype=q.dtype)
-    limits = np.empty(n_threads * n_q, dtype=np.intc)
-    if n_threads == 1 or n_q <= FUSED_MAX_N_Q:
-        _split_key_softmax(q, k, v, out, workspace, limits, n_splits, n_k, causal, scale,
-                           block_k, n_threads)
-    else:
+    dims[0], dims[1], dims[2] = n_batch, n_q, d_v
+    out = cnp.PyArray_EMPTY(3, dims, typenum, 0)
+    if n_threads > 1 and n_q > FUSED_MAX_N_Q:
         with single_threaded_blas():
-            _split_key_softmax(q, k, v, out, workspace, limits, n_splits, n_k, causal, scale,
-                               block_k, n_threads)
-    return out
+            finite = _run(q_a, k_a, v_a, out, n_splits, n_k, causal, scale, block_k, n_threads)
+    else:
+        finite = _run(q_a, k_a, v_a, out, n_splits, n_k, causal, scale, block_k, n_threads)
+    return (out, bool(finite)) if check_finite else out
+
+
+cdef cnp.ndarray _kernel_array(x, str name):
+    """``x`` if it is a C-contiguous 3-d float32 or float64 ndarray, else TypeError."""
+    if not (cnp.PyArray_Check(x) and cnp.PyArray_NDIM(<cnp.ndarray> x) == 3
+            and cnp.PyArray_IS_C_CONTIGUOUS(<cnp.ndarray> x)
+            and cnp.PyArray_TYPE(<cnp.ndarray> x) in (cnp.NPY_FLOAT32, cnp.NPY_FLOAT64)):
+        raise TypeError(f"{name} must be a C-contiguous 3-d float32 or float64 array")
+    return <cnp.ndarray> x
+
+
+cdef int _run(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out, int n_splits,
+              int n_k, bint causal, double scale, int block_k, int n_threads) except -1:
+    """_split_key_softmax on the arrays' data, for their dtype: 1 when ``out`` is finite."""
+    cdef int finite
+    cdef int n_batch = q.shape[0], n_q = q.shape[1], d_k = q.shape[2], d_v = v.shape[2]
+    cdef int capacity = k.shape[1]
+    if cnp.PyArray_TYPE(q) == cnp.NPY_FLOAT32:
+        with nogil:
+            finite = _split_key_softmax(<const float *> cnp.PyArray_DATA(q),
+                                        <const float *> cnp.PyArray_DATA(k),
+                                        <const float *> cnp.PyArray_DATA(v),
+                                        <float *> cnp.PyArray_DATA(out), n_batch, n_q, capacity,
+                                        d_k, d_v, n_splits, n_k, causal, scale, block_k,
+                                        n_threads)
+    else:
+        with nogil:
+            finite = _split_key_softmax(<const double *> cnp.PyArray_DATA(q),
+                                        <const double *> cnp.PyArray_DATA(k),
+                                        <const double *> cnp.PyArray_DATA(v),
+                                        <double *> cnp.PyArray_DATA(out), n_batch, n_q, capacity,
+                                        d_k, d_v, n_splits, n_k, causal, scale, block_k,
+                                        n_threads)
+    return finite
 
 
 cdef void _step(const floating *q, const floating *k, const floating *v,
@@ -557,8 +627,9 @@ def linear_forward(q, k, v, feature_map, causal, eps, S0=None, z0=None):
 
 
 def cache_softmax_forward(q, k, v, causal, scale, n_k):
-    """Softmax attention over the first ``n_k`` keys of ``k (B, capacity, d_k)`` (a KV cache), no copy."""
-    return split_key_softmax_forward(q, k, v, causal, scale, None, None, n_k)
+    """Softmax attention over the first ``n_k`` keys of ``k (B, capacity, d_k)`` (a KV cache),
+    no copy: ``(out, finite)``, as :func:`split_key_softmax_forward` with ``check_finite``."""
+    return split_key_softmax_forward(q, k, v, causal, scale, None, None, n_k, True)
 
 
 def _products_isa():

@@ -28,6 +28,7 @@ and reads it, with no BLAS call and no thread pool woken.
 import numpy as np
 from numba import njit, prange
 
+from .._overflow import kernel_query
 from .._policy import split_count
 from .config import JIT_PARALLEL, JIT_SERIAL, SPLIT_KEYS_BLOCK_K
 from ._exp import fast_exp_nonpositive
@@ -263,5 +264,7 @@ def linear_forward(q, k, v, feature_map, causal, eps, S0=None, z0=None):
 
 
 def cache_softmax_forward(q, k, v, causal, scale, n_k):
-    """Softmax attention over the first ``n_k`` keys of ``k (B, capacity, d_k)`` (a KV cache), no copy."""
+    """Softmax attention over the first ``n_k`` keys of ``k (B, capacity, d_k)`` (a KV cache), no
+    copy; a scale below 1 multiplies ``q`` first (:func:`fastattn._overflow.kernel_query`)."""
+    q, scale = kernel_query(q, scale)
     return split_key_softmax_forward(q, k, v, causal, scale, n_k=n_k)

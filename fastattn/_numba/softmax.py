@@ -30,7 +30,7 @@ from numba import njit, prange
 
 from .config import JIT_PARALLEL, JIT_SERIAL, SOFTMAX_BLOCK_K, SOFTMAX_BLOCK_Q, SOFTMAX_MIN_BLOCK_Q
 from ._online import online_softmax_row
-from .. import _policy
+from .. import _overflow, _policy
 from .decode import split_key_softmax_forward
 from ._threads import get_num_threads, launch
 
@@ -148,7 +148,8 @@ def softmax_forward(q, k, v, causal, scale):
         Bottom-right aligned mask: query ``i`` sees key ``j`` when
         ``j <= i + n_k - n_q``; a row that sees no key is 0.
     scale : float
-        Multiplies the logits.
+        Multiplies the logits; below 1 it multiplies ``q`` first
+        (:func:`fastattn._overflow.kernel_query`).
 
     Returns
     -------
@@ -160,6 +161,7 @@ def softmax_forward(q, k, v, causal, scale):
     half when causal), extra memory ``O(threads · BLOCK_Q · BLOCK_K)`` besides
     the output.  Milakov & Gimelshein (2018); Dao et al., FlashAttention (2022).
     """
+    q, scale = _overflow.kernel_query(q, scale)
     if _policy.use_split_keys(q.shape[1]):
         return split_key_softmax_forward(q, k, v, causal, scale)
     consts = np.array([scale, -np.inf, 0.0], dtype=q.dtype)
