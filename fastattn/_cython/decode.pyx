@@ -498,26 +498,30 @@ def split_key_softmax_forward(q, k, v, bint causal, double scale, n_threads=None
     cdef cnp.npy_intp dims[3]
     if cnp.PyArray_TYPE(k_a) != typenum or cnp.PyArray_TYPE(v_a) != typenum:
         raise TypeError(f"q, k and v must have one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    n_batch, n_q, d_k = q.shape
-    capacity, d_v = k.shape[1], v.shape[2]
-    n_k = capacity if n_k is None else n_k
-    if k.shape[0] != n_batch or v.shape[0] != n_batch or k.shape[2] != d_k \
-            or v.shape[1] != capacity or not 1 <= n_k <= capacity:
+    # The shapes as C integers (a tuple of Python ints would be built and read back)
+    cdef cnp.npy_intp *qs = cnp.PyArray_DIMS(q_a)
+    cdef cnp.npy_intp *ks = cnp.PyArray_DIMS(k_a)
+    cdef cnp.npy_intp *vs = cnp.PyArray_DIMS(v_a)
+    cdef int n_batch = qs[0], n_q = qs[1], d_k = qs[2], capacity = ks[1], d_v = vs[2]
+    cdef int keys = capacity if n_k is None else n_k
+    cdef int threads, splits, block_k
+    if ks[0] != n_batch or vs[0] != n_batch or ks[2] != d_k or vs[1] != capacity \
+            or not 1 <= keys <= capacity:
         raise ValueError(f"q {q.shape}, k {k.shape} and v {v.shape} are not (B, n_q, d_k), "
                          f"(B, n, d_k) and (B, n, d_v) with n_k={n_k} from 1 to n")
-    n_threads = get_num_threads() if n_threads is None else max(1, n_threads)
-    if n_splits is None:
-        n_splits = _policy.split_count(n_batch, n_k, n_threads)
-    n_splits = max(1, min(int(n_splits), n_k))
-    n_threads = kernel_threads(n_threads, n_batch * n_splits, n_batch * n_q * n_k * (d_k + d_v))
-    block_k = min(SPLIT_KEYS_BLOCK_K, (n_k + n_splits - 1) // n_splits)
+    threads = get_num_threads() if n_threads is None else max(1, n_threads)
+    splits = _policy.split_count(n_batch, keys, threads) if n_splits is None else n_splits
+    splits = max(1, min(splits, keys))
+    threads = kernel_threads(threads, n_batch * splits,
+                             <Py_ssize_t> n_batch * n_q * keys * (d_k + d_v))
+    block_k = min(SPLIT_KEYS_BLOCK_K, (keys + splits - 1) // splits)
     dims[0], dims[1], dims[2] = n_batch, n_q, d_v
     out = cnp.PyArray_EMPTY(3, dims, typenum, 0)
-    if n_threads > 1 and n_q > FUSED_MAX_N_Q:
+    if threads > 1 and n_q > FUSED_ROWS:
         with single_threaded_blas():
-            finite = _run(q_a, k_a, v_a, out, n_splits, n_k, causal, scale, block_k, n_threads)
+            finite = _run(q_a, k_a, v_a, out, splits, keys, causal, scale, block_k, threads)
     else:
-        finite = _run(q_a, k_a, v_a, out, n_splits, n_k, causal, scale, block_k, n_threads)
+        finite = _run(q_a, k_a, v_a, out, splits, keys, causal, scale, block_k, threads)
     return (out, bool(finite)) if check_finite else out
 
 
