@@ -161,7 +161,7 @@ def softmax_forward(q, k, v, causal, scale):
     n_batch, n_q, d_k = q.shape
     n_k, d_v = k.shape[1], v.shape[2]
     if _policy.use_split_keys(n_q):
-        return split_key_softmax_forward(q, k, v, causal, scale, None, None, None, True)
+        return split_key_softmax_forward(q, k, v, causal, scale, check_finite=True)
     q, scale = _overflow.kernel_query(q, scale)
     n_threads = kernel_threads(get_num_threads(), n_batch * -(-n_q // BLOCK_Q),
                                n_batch * n_q * n_k * (d_k + d_v))
