@@ -428,9 +428,10 @@ FA_TARGET FA_INLINE FA_VT FA_NAME(fa_shifted)(const FA_T *next, __m512i idx, FA_
  * 77-78 %, and 68-70 % with each group's value rows right after its own key rows.  A key
  * row and a value row in turn, and two sets of accumulators for the FMAs' latency, were no
  * faster.  K and V rows that do not start on a 64-byte line (NumPy's large arrays start 16
- * bytes past one) are read a line at a time and shifted into place (fa_shifted), since a
- * vector load across two lines costs two: with K and V 16 or 48 bytes past a line, 102-105
- * against 108-111 us (2 threads, H = 8, n_k = 4096, d = 64; 97-100 on a line, either way).
+ * bytes past one) are read a line at a time and shifted into place (fa_shifted; float32,
+ * up to 8 vectors), since a vector load across two lines costs two: with K and V 16 or 48
+ * bytes past a line, 102-105 against 108-111 us (2 threads, H = 8, n_k = 4096, d = 64;
+ * 97-100 on a line, either way).
  * *m, *l and acc[0:d] hold the running state (-inf, 0 and zeros for none yet).
  * While every score so far is -inf the shift is 0 (exp gives 0, not NaN); a NaN score
  * makes l and acc NaN.  `ahead` as for fastattn_query_scores, for K and V.  AVX-512 only:
@@ -451,9 +452,14 @@ FA_TARGET FA_INLINE void FA_NAME(fa_query_attend)(
     FA_T p[FA_L] __attribute__((aligned(64)));
     const FA_T *kr = k, *vr = v;
     /* K and V rows that do not start on a line (ko, vo elements past one) are read by lines;
-     * the lines read are those that hold the rows, so none reaches past their pages */
-    const int ko = (int) ((size_t) k % 64 / sizeof(FA_T));
-    const int vo = (int) ((size_t) v % 64 / sizeof(FA_T));
+     * the lines read are those that hold the rows, so none reaches past their pages.  Float32
+     * rows of up to 8 vectors only: at 16 bytes past a line, 1,024 keys, one thread (Zen 4),
+     * it took 0.86-0.90 of the split loads' time at 1-6 and 8 vectors, 0.94-1.09 at 7 and
+     * 9-16; float64 0.92-1.06, but 1.28 at 12 vectors, and 1.4 at 16 from memory (the
+     * lines and their index need registers those have not got). */
+    const int by_lines = FA_L == 16 && NC <= 8;
+    const int ko = by_lines ? (int) ((size_t) k % 64 / sizeof(FA_T)) : 0;
+    const int vo = by_lines ? (int) ((size_t) v % 64 / sizeof(FA_T)) : 0;
     const __m512i kidx = FA_LANE_INDEX(ko), vidx = FA_LANE_INDEX(vo);
     FA_VT kline = ko ? FA_VLOADA(k - ko) : FA_VZERO();
     FA_VT vline = vo ? FA_VLOADA(v - vo) : FA_VZERO();
