@@ -238,11 +238,11 @@ def _at_offset(x, offset):
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["f32", "f64"])
 def test_cython_one_query_rows_at_every_offset_from_a_line(dtype):
-    """The one pass reads float32 rows of up to 8 vectors that do not start on a 64-byte line
-    by whole lines and shifts them into place (other rows by plain loads): at every offset of
-    K and V (each of the 16 float32 or 8 float64 elements, K and V apart), NaN around them in
-    their first and last lines, for 1, 4 and 16 vectors, 16 to 200 keys in one or three
-    splits, it matches the reference and no NaN of the lines' other elements gets in."""
+    """K and V rows that do not start on a 64-byte line (a vector load then spans two): at
+    every offset of K and V (each of the 16 float32 or 8 float64 elements, K and V apart),
+    NaN around them in their first and last lines, for 1, 4 and 16 vectors, 16 to 200 keys
+    in one or three splits, the one pass matches the reference and no NaN of the lines'
+    other elements gets in."""
     if "cython" not in FAST_BACKENDS:
         pytest.skip("cython backend not built")
     lanes = 64 // np.dtype(dtype).itemsize

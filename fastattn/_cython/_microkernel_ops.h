@@ -69,21 +69,6 @@
     f = FA_VSUB(t, e); \
 } while (0)
 #define FA_EXP2_SCALE FA_S(scalef)
-/* Rows that start o elements (0 < o < FA_L) past a 64-byte line, read by lines: vector i of
- * the rows is lanes o.. of line i and lanes ..o-1 of line i + 1, one vpermt2 of the two
- * (FA_VJOIN(line_i, FA_LANE_INDEX(o), line_i1)) */
-#define FA_LANE_INDEX(o) _mm512_add_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, \
-    6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32((o) * (int) (sizeof(FA_T) / 4)))
-#define FA_VLOADA FA_S(load)
-#if !FA_DOUBLE
-#define FA_VJOIN _mm512_permutex2var_ps
-#else
-/* as float lanes, 2 o of them: with vpermt2pd the pass took 152 us where it took 108 so
-   (Zen 4, d = 64, 1,024 keys, 16 bytes past a line; 99 on a line).  fa_query_attend reads
-   float64 rows by lines at no size for now: see there */
-#define FA_VJOIN(a, idx, b) _mm512_castps_pd(_mm512_permutex2var_ps(_mm512_castpd_ps(a), idx, \
-    _mm512_castpd_ps(b)))
-#endif
 #else   /* FA_ISA == 256 */
 #define FA_TARGET FA_AVX2
 #define FA_BLOCK_V 1
@@ -198,6 +183,3 @@
 #undef FA_EXP_LOWEST
 #undef FA_LANE_SUMS
 #undef FA_EXP2_POLY
-#undef FA_LANE_INDEX
-#undef FA_VLOADA
-#undef FA_VJOIN

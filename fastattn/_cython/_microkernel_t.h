@@ -404,17 +404,6 @@ FA_TARGET static FA_T FA_NAME(fastattn_tile_exp_sum)(FA_T *s, int n, FA_T shift)
 }
 
 #if FA_ISA == 512
-/* Vector i of rows that start o elements (0 < o < FA_L) past a line, from `next`, the line
- * i + 1 (*line holds line i, and becomes line i + 1) */
-FA_TARGET FA_INLINE FA_VT FA_NAME(fa_shifted)(const FA_T *next, __m512i idx, FA_VT *line) {
-    FA_VT after = FA_VLOADA(next);
-    /* in a register: gcc would load the line again as vpermt2's operand (two loads a line) */
-    __asm__("" : "+v"(after));
-    const FA_VT x = FA_VJOIN(*line, idx, after);
-    *line = after;
-    return x;
-}
-
 /* One query over keys [0, width) (width a multiple of FA_L), d_k = d_v = NC vectors, in one
  * pass with the online softmax in registers.  Each FA_L keys' scores (as
  * fastattn_query_scores) raise the running maximum m when they pass it, rescaling acc and
@@ -427,16 +416,16 @@ FA_TARGET FA_INLINE FA_VT FA_NAME(fa_shifted)(const FA_T *next, __m512i idx, FA_
  * against 47-63 % on one thread and two; float64 d = 32 on two threads at 80-87 against
  * 77-78 %, and 68-70 % with each group's value rows right after its own key rows.  A key
  * row and a value row in turn, and two sets of accumulators for the FMAs' latency, were no
- * faster.  K and V rows that do not start on a 64-byte line (NumPy's large arrays start 16
- * bytes past one) are read a line at a time and shifted into place (fa_shifted; float32,
- * up to 8 vectors), since a vector load across two lines costs two: with K and V 16 or 48
- * bytes past a line, 102-105 against 108-111 us (2 threads, H = 8, n_k = 4096, d = 64;
- * 97-100 on a line, either way).
- * *m, *l and acc[0:d] hold the running state (-inf, 0 and zeros for none yet).
- * While every score so far is -inf the shift is 0 (exp gives 0, not NaN); a NaN score
- * makes l and acc NaN.  `ahead` as for fastattn_query_scores, for K and V.  AVX-512 only:
- * the decode step takes it with no other instruction set (an AVX2 form would hold q and
- * acc in pairs of ymm, twice the registers). */
+ * faster.  Rows that start off a 64-byte line (NumPy's large arrays start 16 bytes past
+ * one) read as aligned lines shifted into place by vpermt2ps, one load a line: 98-99
+ * against 106 us at 4096 keys on two threads, but 1.52-1.65 against 1.51 ms at 32768 and
+ * 3.74-3.89 against 3.50 ms on one thread (fastest calls, one process): not kept, since a
+ * model's step reads most of its caches from memory.  *m, *l and acc[0:d] hold the running
+ * state (-inf, 0 and zeros for none yet).  While every score so far is -inf the shift is 0
+ * (exp gives 0, not NaN); a NaN score makes l and acc NaN.  `ahead` as for
+ * fastattn_query_scores, for K and V.  AVX-512 only: the decode step takes it with no other
+ * instruction set (an AVX2 form would hold q and acc in pairs of ymm, twice the
+ * registers). */
 FA_TARGET FA_INLINE void FA_NAME(fa_query_attend)(
         const FA_T *q, const FA_T *k, const FA_T *v, int width, FA_T scale, FA_T *m, FA_T *l,
         FA_T *acc, int ahead, const int NC) {
@@ -451,61 +440,24 @@ FA_TARGET FA_INLINE void FA_NAME(fa_query_attend)(
     FA_VT shift = FA_VSET1(mx == -INFINITY ? 0 : mx);
     FA_T p[FA_L] __attribute__((aligned(64)));
     const FA_T *kr = k, *vr = v;
-    /* K and V rows that do not start on a line (ko, vo elements past one) are read by lines;
-     * the lines read are those that hold the rows, so none reaches past their pages.  Float32
-     * rows of up to 8 vectors only: at 16 bytes past a line, 1,024 keys, one thread (Zen 4),
-     * it took 0.86-0.90 of the split loads' time at 1-6 and 8 vectors, 0.94-1.09 at 7 and
-     * 9-16; float64 0.92-1.06, but 1.28 at 12 vectors, and 1.4 at 16 from memory (the
-     * lines and their index need registers those have not got). */
-    const int by_lines = FA_L == 16 && NC <= 8;
-    const int ko = by_lines ? (int) ((size_t) k % 64 / sizeof(FA_T)) : 0;
-    const int vo = by_lines ? (int) ((size_t) v % 64 / sizeof(FA_T)) : 0;
-    const __m512i kidx = FA_LANE_INDEX(ko), vidx = FA_LANE_INDEX(vo);
-    FA_VT kline = ko ? FA_VLOADA(k - ko) : FA_VZERO();
-    FA_VT vline = vo ? FA_VLOADA(v - vo) : FA_VZERO();
     /* Group g's scores are taken before group g - 1's p v is added, so the exp of one
      * group overlaps the key rows of the next. */
     for (int j0 = 0; j0 <= width; j0 += FA_L) {
         FA_VT s = FA_VZERO();
         if (j0 < width) {
             FA_VT part[FA_L];
-            if (ko) {
-                _Pragma("GCC unroll 1")
-                for (int t = 0; t < FA_L; t++, kr += NC * FA_L) {
-                    if (ahead)
-                        for (int c = 0; c < NC; c++)
-                            FA_PREFETCH(kr + (size_t) ahead * NC * FA_L + FA_L * c);
-                    FA_VT x = FA_VMUL(qv[0], FA_NAME(fa_shifted)(kr - ko + FA_L, kidx, &kline));
-                    for (int c = 1; c < NC; c++)
-                        x = FA_VFMADD(qv[c], FA_NAME(fa_shifted)(kr - ko + FA_L * (c + 1), kidx,
-                                                                 &kline), x);
-                    part[t] = x;
-                }
-            } else {
-                _Pragma("GCC unroll 1")      /* rows in turn: see fastattn_query_scores */
-                for (int t = 0; t < FA_L; t++, kr += NC * FA_L) {
-                    if (ahead)
-                        for (int c = 0; c < NC; c++)
-                            FA_PREFETCH(kr + (size_t) ahead * NC * FA_L + FA_L * c);
-                    FA_VT x = FA_VMUL(qv[0], FA_VLOAD(kr));
-                    for (int c = 1; c < NC; c++) x = FA_VFMADD(qv[c], FA_VLOAD(kr + FA_L * c), x);
-                    part[t] = x;
-                }
+            _Pragma("GCC unroll 1")      /* rows in turn: see fastattn_query_scores */
+            for (int t = 0; t < FA_L; t++, kr += NC * FA_L) {
+                if (ahead)
+                    for (int c = 0; c < NC; c++)
+                        FA_PREFETCH(kr + (size_t) ahead * NC * FA_L + FA_L * c);
+                FA_VT x = FA_VMUL(qv[0], FA_VLOAD(kr));
+                for (int c = 1; c < NC; c++) x = FA_VFMADD(qv[c], FA_VLOAD(kr + FA_L * c), x);
+                part[t] = x;
             }
             s = FA_VMUL(FA_LANE_SUMS(part), sc);
         }
-        if (j0 > 0 && vo) {
-            _Pragma("GCC unroll 1")
-            for (int t = 0; t < FA_L; t++, vr += NC * FA_L) {
-                if (ahead)
-                    for (int c = 0; c < NC; c++)
-                        FA_PREFETCH(vr + (size_t) ahead * NC * FA_L + FA_L * c);
-                const FA_VT pt = FA_VSET1(p[t]);
-                for (int c = 0; c < NC; c++)
-                    a[c] = FA_VFMADD(pt, FA_NAME(fa_shifted)(vr - vo + FA_L * (c + 1), vidx,
-                                                             &vline), a[c]);
-            }
-        } else if (j0 > 0) {
+        if (j0 > 0) {
             _Pragma("GCC unroll 1")
             for (int t = 0; t < FA_L; t++, vr += NC * FA_L) {
                 if (ahead)
