@@ -418,7 +418,7 @@ FA_TARGET static FA_T FA_NAME(fastattn_tile_exp_sum)(FA_T *s, int n, FA_T shift)
  * row and a value row in turn, and two sets of accumulators for the FMAs' latency, were no
  * faster.  Rows that start off a 64-byte line (NumPy's large arrays start 16 bytes past
  * one) read as aligned lines shifted into place by vpermt2ps, one load a line: 98-99
- * against 106 us at 4096 keys on two threads, but 1.52-1.65 against 1.51 ms at 32768 and
+ * against 106 us at 4096 keys on two threads, but 1.60-1.65 against 1.51 ms at 32768 and
  * 3.74-3.89 against 3.50 ms on one thread (fastest calls, one process): not kept, since a
  * model's step reads most of its caches from memory.  *m, *l and acc[0:d] hold the running
  * state (-inf, 0 and zeros for none yet).  While every score so far is -inf the shift is 0
