@@ -43,6 +43,7 @@ import numpy as np
 
 cimport numpy as cnp
 from cython cimport floating
+from libc.limits cimport INT_MAX
 from libc.math cimport isfinite
 from libc.stdlib cimport free, malloc
 from cython.parallel cimport parallel, prange, threadid
@@ -354,10 +355,12 @@ cdef int _split_key_softmax(
     cdef int n_items = n_batch * n_splits
     cdef Py_ssize_t n_parts = <Py_ssize_t> n_items * n_q
     cdef Py_ssize_t per_thread = <Py_ssize_t> n_q * block_k
-    cdef Py_ssize_t i, n_query = <Py_ssize_t> n_batch * n_q * d_k
+    cdef Py_ssize_t i, n_out = <Py_ssize_t> n_batch * n_q * d_v
+    # the scaled queries only when the scale is below 1
+    cdef Py_ssize_t n_query = <Py_ssize_t> n_batch * n_q * d_k if scale < 1 else 0
     cdef floating *workspace = <floating *> malloc(
         (n_parts * (d_v + 2) + n_threads * per_thread + n_query) * sizeof(floating))
-    cdef int *limits = <int *> malloc(n_threads * n_q * sizeof(int))
+    cdef int *limits = <int *> malloc(<size_t> n_threads * n_q * sizeof(int) + 1)
     if workspace == NULL or limits == NULL:
         free(workspace)
         free(limits)
@@ -411,8 +414,8 @@ cdef int _split_key_softmax(
                out + <Py_ssize_t> b * n_q * d_v)
     free(workspace)
     free(limits)
-    for item in range(n_batch * n_q * d_v):
-        if not isfinite(out[item]):
+    for i in range(n_out):
+        if not isfinite(out[i]):
             return 0
     return 1
 
@@ -478,10 +481,11 @@ def split_key_softmax_forward(q, k, v, bint causal, double scale, n_threads=None
     Raises
     ------
     TypeError
-        If ``q``, ``k`` or ``v`` is not a C-contiguous 3-d float32 or float64 array, or
-        their dtypes differ.
+        If ``q``, ``k`` or ``v`` is not a C-contiguous, aligned 3-d float32 or float64 array
+        in native byte order, or their dtypes differ.
     ValueError
-        If their shapes do not match, or ``n_k`` is not from 1 to ``k.shape[1]``.
+        If their shapes do not match, a dim passes ``INT_MAX``, or ``n_k`` is not from 1 to
+        ``k.shape[1]``.
     MemoryError
         If the workspace cannot be allocated.
 
@@ -502,6 +506,11 @@ def split_key_softmax_forward(q, k, v, bint causal, double scale, n_threads=None
     cdef cnp.npy_intp *qs = cnp.PyArray_DIMS(q_a)
     cdef cnp.npy_intp *ks = cnp.PyArray_DIMS(k_a)
     cdef cnp.npy_intp *vs = cnp.PyArray_DIMS(v_a)
+    cdef int a
+    for a in range(3):
+        if qs[a] > INT_MAX or ks[a] > INT_MAX or vs[a] > INT_MAX:
+            raise ValueError(f"q {q.shape}, k {k.shape} and v {v.shape}: a dim beyond "
+                             f"{INT_MAX:,}, the kernel's int sizes")
     cdef int n_batch = qs[0], n_q = qs[1], d_k = qs[2], capacity = ks[1], d_v = vs[2]
     cdef int keys = capacity if n_k is None else n_k
     cdef int threads, splits, block_k
@@ -526,11 +535,15 @@ def split_key_softmax_forward(q, k, v, bint causal, double scale, n_threads=None
 
 
 cdef cnp.ndarray _kernel_array(x, str name):
-    """``x`` if it is a C-contiguous 3-d float32 or float64 ndarray, else TypeError."""
+    """``x`` if it is a C-contiguous, aligned 3-d float32 or float64 ndarray in this machine's
+    byte order, else TypeError."""
     if not (cnp.PyArray_Check(x) and cnp.PyArray_NDIM(<cnp.ndarray> x) == 3
             and cnp.PyArray_IS_C_CONTIGUOUS(<cnp.ndarray> x)
+            and cnp.PyArray_ISALIGNED(<cnp.ndarray> x)
+            and cnp.PyArray_ISNOTSWAPPED(<cnp.ndarray> x)
             and cnp.PyArray_TYPE(<cnp.ndarray> x) in (cnp.NPY_FLOAT32, cnp.NPY_FLOAT64)):
-        raise TypeError(f"{name} must be a C-contiguous 3-d float32 or float64 array")
+        raise TypeError(f"{name} must be a C-contiguous, aligned 3-d float32 or float64 array "
+                        f"in native byte order")
     return <cnp.ndarray> x
 
 

@@ -14,10 +14,11 @@ can see, keeping per row a running maximum ``m``, a running sum ``l`` of
     l     = alpha l + rowsum(p);  acc = alpha acc + p v_blk
     out   = acc / l
 
-The scale is applied to the scores, in the pass that finds their maximum, not
-to q: no scaled copy of q exists and ``|q| scale`` never overflows where the
-logits are finite.  No ``n_q x n_k`` array exists: memory
-is ``O(B n d)`` plus a few blocks per thread.  Causal: key blocks wholly above the diagonal are skipped; in the
+The scale is applied to the scores, in the pass that finds their maximum; a
+scale below 1 multiplies q first (:func:`fastattn._overflow.kernel_query`, a
+scaled copy of q), so ``q · k`` never overflows where the logits are finite.
+No ``n_q x n_k`` array exists: memory is ``O(B n d)`` plus a few blocks per
+thread.  Causal: key blocks wholly above the diagonal are skipped; in the
 block that crosses it each row only forms the terms it sees when the block's
 values hold an inf or NaN (a masked ``0 * v`` would turn it into a NaN in a
 row that must not see it; with finite values the masked ``p`` are 0 and one
