@@ -193,8 +193,8 @@ def test_cython_split_keys_same_bits_on_one_thread_and_two(n_q, d):
     heads of 3000 keys: work enough for kernel_threads to give two); each item's partial
     result and the merge are the same, so the outputs are the same bits (1 to 4 splits,
     causal; up to 2 queries, whose scores are the kernel's own loops, not BLAS)."""
-    from fastattn._threads import kernel_threads
-    assert kernel_threads(2, 3, 3 * n_q * 3000 * 2 * d) == 2
+    from fastattn._threads import SERIAL_WORK
+    assert 3 * n_q * 3000 * 2 * d >= SERIAL_WORK   # kernel_threads gives 3 items two threads
     if "cython" not in FAST_BACKENDS:
         pytest.skip("cython backend not built")
     q, k, v = make_qkv((3, n_q, d), n_k=3000, dtype=np.float32, seed=n_q + d)

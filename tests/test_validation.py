@@ -78,19 +78,15 @@ class _Subclass(np.ndarray):
 @pytest.mark.parametrize("shapes", [((4, 3), (5, 3), (5, 6)), ((2, 2, 1, 8), (2, 2, 7, 8),
                                                                (2, 2, 7, 2))],
                          ids=["2d", "4d"])
-def test_usual_call_checks_give_what_the_full_checks_give(dtype, shapes):
+def test_usual_call_checks_give_what_the_full_checks_give(dtype, shapes, monkeypatch):
     """check_qkv passes three plain arrays of one float32 or float64 dtype in a few
     comparisons, and its checks for any other call (here the same arrays as a subclass, which
     takes them) return the same batch shape and dtypes; so do the scale's two ways."""
     from fastattn import _checks
     q, k, v = (np.ones(shape, dtype=dtype) for shape in shapes)
     full = _checks.check_qkv(*(x.view(_Subclass) for x in (q, k, v)))
-    real_check_array = _checks.check_array
-    try:   # the fast path returns before the full checks: they would raise here
-        _checks.check_array = None
-        fast = _checks.check_qkv(q, k, v)
-    finally:
-        _checks.check_array = real_check_array
+    monkeypatch.setattr(_checks, "check_array", None)   # the fast path returns before it
+    fast = _checks.check_qkv(q, k, v)
     assert fast == full == (shapes[0][:-2], np.dtype(dtype), np.dtype(dtype))
     assert _checks.check_scale(0.125, 8, np.dtype(dtype)) == \
         _checks.check_scale(np.float64(0.125), 8, np.dtype(dtype)) == 0.125
