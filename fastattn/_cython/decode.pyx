@@ -550,25 +550,26 @@ cdef cnp.ndarray _kernel_array(x, str name):
 cdef int _run(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out, int n_splits,
               int n_k, bint causal, double scale, int block_k, int n_threads) except -1:
     """_split_key_softmax on the arrays' data, for their dtype: 1 when ``out`` is finite."""
-    cdef int finite
-    cdef int n_batch = q.shape[0], n_q = q.shape[1], d_k = q.shape[2], d_v = v.shape[2]
-    cdef int capacity = k.shape[1]
     if cnp.PyArray_TYPE(q) == cnp.NPY_FLOAT32:
-        with nogil:
-            finite = _split_key_softmax(<const float *> cnp.PyArray_DATA(q),
-                                        <const float *> cnp.PyArray_DATA(k),
-                                        <const float *> cnp.PyArray_DATA(v),
-                                        <float *> cnp.PyArray_DATA(out), n_batch, n_q, capacity,
-                                        d_k, d_v, n_splits, n_k, causal, scale, block_k,
-                                        n_threads)
-    else:
-        with nogil:
-            finite = _split_key_softmax(<const double *> cnp.PyArray_DATA(q),
-                                        <const double *> cnp.PyArray_DATA(k),
-                                        <const double *> cnp.PyArray_DATA(v),
-                                        <double *> cnp.PyArray_DATA(out), n_batch, n_q, capacity,
-                                        d_k, d_v, n_splits, n_k, causal, scale, block_k,
-                                        n_threads)
+        return _run_on(<float *> NULL, q, k, v, out, n_splits, n_k, causal, scale, block_k,
+                       n_threads)
+    return _run_on(<double *> NULL, q, k, v, out, n_splits, n_k, causal, scale, block_k,
+                   n_threads)
+
+
+cdef int _run_on(const floating *dtype_tag, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v,
+                 cnp.ndarray out, int n_splits, int n_k, bint causal, double scale,
+                 int block_k, int n_threads) except -1:
+    """_run for arrays of the element type of ``dtype_tag`` (which is not read)."""
+    cdef const floating *q_data = <const floating *> cnp.PyArray_DATA(q)
+    cdef const floating *k_data = <const floating *> cnp.PyArray_DATA(k)
+    cdef const floating *v_data = <const floating *> cnp.PyArray_DATA(v)
+    cdef floating *out_data = <floating *> cnp.PyArray_DATA(out)
+    cdef int finite
+    with nogil:
+        finite = _split_key_softmax(q_data, k_data, v_data, out_data, q.shape[0], q.shape[1],
+                                    k.shape[1], q.shape[2], v.shape[2], n_splits, n_k, causal,
+                                    scale, block_k, n_threads)
     return finite
 
 
