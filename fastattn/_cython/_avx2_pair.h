@@ -137,6 +137,20 @@ FA_AVX2 FA_INLINE double fa_pair_reduce_add_d(fa_pair_t_d x) {
     return _mm_cvtsd_f64(_mm_add_sd(s, _mm_unpackhi_pd(s, s)));
 }
 
+/* The largest lane (no lane NaN: vmaxps gives the second operand where either is) */
+FA_AVX2 FA_INLINE float fa_pair_reduce_max_f(fa_pair_t_f x) {
+    __m256 v = _mm256_max_ps(x.lo, x.hi);
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+FA_AVX2 FA_INLINE double fa_pair_reduce_max_d(fa_pair_t_d x) {
+    __m256d v = _mm256_max_pd(x.lo, x.hi);
+    __m128d s = _mm_max_pd(_mm256_castpd256_pd128(v), _mm256_extractf128_pd(v, 1));
+    return _mm_cvtsd_f64(_mm_max_sd(s, _mm_unpackhi_pd(s, s)));
+}
+
 /* Lane sums of 16 (8) pairs: lane t of the result is the sum of the lanes of
  * x[t].  Each pair's halves are added, then the 8 (4) registers a half are
  * summed across their lanes by horizontal adds and one swap of 128-bit lanes. */

@@ -17,6 +17,7 @@ from cython cimport floating
 # * output  o[r, :] += sum_j p[r, j] v[j, :]: 6 rows x 4 vectors of columns
 #   of o in registers (AVX2: x 1 vector, two ymm) over all the tile's keys,
 #   v read from its panel of those columns, one contiguous stream;
+# * max      the row's maximum, four vectors of running maxima;
 # * exp_sum  the row's exp(s - shift) and its sum, by a polynomial for 2**f
 #   and vscalef (AVX2: the exponent bits) for 2**n.
 #
@@ -155,6 +156,9 @@ cdef extern from *:
                                            int rows, int width, int d_v, T *o, int ldo) {    \
         FA_PICK(fastattn_output, X, (p, ldp, vp, n_k, j0, rows, width, d_v, o, ldo));         \
     }                                                                                         \
+    static inline T fastattn_tile_max_##X(const T *s, int n) {                                \
+        return FA_PICK(fastattn_tile_max, X, (s, n));                                         \
+    }                                                                                         \
     static inline T fastattn_tile_exp_sum_##X(T *s, int n, T shift) {                              \
         return FA_PICK(fastattn_tile_exp_sum, X, (s, n, shift));                                   \
     }                                                                                         \
@@ -206,6 +210,7 @@ cdef extern from *:
                                              int n_k, T *vp) {} \
         static void fastattn_output_##X(const T *p, int ldp, const T *vp, int n_k, int j0, \
                                         int rows, int width, int d_v, T *o, int ldo) {} \
+        static T fastattn_tile_max_##X(const T *s, int n) { return 0; } \
         static T fastattn_tile_exp_sum_##X(T *s, int n, T shift) { return 0; } \
         static void fastattn_query_scores_##X(const T *q, const T *k, int width, int d_k, \
                                               T scale, T *s, int ahead) {} \
@@ -234,6 +239,8 @@ cdef extern from *:
                            int width, int d_v, float *o, int ldo) nogil
     void fastattn_output_d(const double *p, int ldp, const double *vp, int n_k, int j0, int rows,
                            int width, int d_v, double *o, int ldo) nogil
+    float fastattn_tile_max_f(const float *s, int n) nogil
+    double fastattn_tile_max_d(const double *s, int n) nogil
     float fastattn_tile_exp_sum_f(float *s, int n, float shift) nogil
     double fastattn_tile_exp_sum_d(double *s, int n, double shift) nogil
     void fastattn_query_scores_f(const float *q, const float *k, int width, int d_k, float scale,
@@ -296,6 +303,14 @@ cdef inline void output(const floating *p, int ldp, const floating *vp, int n_k,
         fastattn_output_f(p, ldp, vp, n_k, j0, rows, width, d_v, o, ldo)
     else:
         fastattn_output_d(p, ldp, vp, n_k, j0, rows, width, d_v, o, ldo)
+
+
+cdef inline floating max_simd(const floating *s, int n) noexcept nogil:
+    """``max(s[0:n])`` (AVX-512 or AVX2), ``-inf`` for ``n == 0``; a NaN is passed over."""
+    if floating is float:
+        return fastattn_tile_max_f(s, n)
+    else:
+        return fastattn_tile_max_d(s, n)
 
 
 cdef inline floating exp_sum_simd(floating *s, int n, floating shift) noexcept nogil:

@@ -109,6 +109,7 @@
 #define FA_VMASKZ FA_P(maskz)
 #define FA_VCMP FA_P(cmp)
 #define FA_VREDUCE_ADD FA_P(reduce_add)
+#define FA_VREDUCE_MAX FA_P(reduce_max)
 #define FA_LANE_SUMS FA_P(lane_sums)
 /* e encodes round(t) in its low bits (_avx2_pair.h): -127 <= t < 128 (-1023 <= t < 1024) */
 #define FA_EXP2_SPLIT(e, f, t) do { e = FA_P(exp2_split)(t, &(f)); } while (0)

@@ -4,7 +4,7 @@
 from cython cimport floating
 from libc.math cimport INFINITY
 
-from fastattn._cython._microkernel cimport exp_sum_simd
+from fastattn._cython._microkernel cimport exp_sum_simd, max_simd
 from fastattn._cython._vmath cimport exp_sum, fexp, row_max
 
 
@@ -20,7 +20,7 @@ cdef inline void online_softmax_row(floating *srow, int w, floating *m, floating
     """
     cdef floating mx, m_new, shift, alpha
     cdef int c
-    mx = row_max(srow, w)
+    mx = max_simd(srow, w) if simd else row_max(srow, w)
     m_new = mx if mx > m[0] else m[0]
     # All scores -inf so far: shift by 0 so exp gives 0, not NaN.
     shift = m_new if m_new != -INFINITY else 0
