@@ -198,7 +198,7 @@ class FeatureMap:
         with np.errstate(over="ignore", invalid="ignore") if module is reference \
                 else contextlib.nullcontext():
             result = self.forward_in_dtype(module, feats, q, k, v, causal, eps, S0, z0)
-        if _overflow.output_finite(result[0]):
+        if getattr(module, "output_finite", _overflow.output_finite)(result[0]):
             return result
         return self._forward_wide(module, feats, q, k, v, causal, eps, S0, z0)
 

@@ -325,6 +325,44 @@ def test_causal_linear_finds_an_inf_in_a_later_chunk_of_values(dtype):
     assert not np.isfinite(got[1, 1050:, 3]).any()
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f64"])
+def test_output_finite_finds_one_inf_or_nan_in_any_block(dtype, threads):
+    # The backend's output check (blocks of FINITE_BLOCK on the kernel threads) against
+    # NumPy's, for one non-finite element at the ends of the array and of its blocks.
+    block = cy._linear.FINITE_BLOCK
+    before = cy.get_num_threads()
+    try:
+        cy.set_num_threads(threads)
+        for n in (0, 1, block - 1, block, block + 1, 5 * block + 3):
+            x = np.ones((n,), dtype)
+            assert cy.output_finite(x.reshape(1, 1, -1)) is True
+            for pos in sorted({0, n - 1, block - 1, block, n // 2, 4 * block} & set(range(n))):
+                for bad in (np.inf, -np.inf, np.nan):
+                    x[pos] = bad
+                    assert cy.output_finite(x.reshape(1, 1, -1)) is False, (n, pos, bad)
+                    x[pos] = 1
+    finally:
+        cy.set_num_threads(before)
+
+
+def test_float32_linear_overflow_is_found_on_two_threads():
+    # An output large enough for the check's blocks to run on two threads, whose float32
+    # numerator overflows in one late row only: the call is made again in float64.
+    q, k, v = make_qkv((2, 3000, 16), d_v=16, dtype=np.float32, seed=33)
+    v[1, -1, :] = 3e38             # the last key's value: its row of the last head overflows
+    before = cy.get_num_threads()
+    try:
+        cy.set_num_threads(2)
+        got = fastattn.linear_attention(q, k, v, causal=True, backend="cython")
+    finally:
+        cy.set_num_threads(before)
+    want = fastattn.linear_attention(*(x.astype(np.float64) for x in (q, k, v)), causal=True,
+                                     backend="reference")
+    np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want.astype(np.float32)))
+    assert_close(got, want.astype(np.float32), np.float32)
+
+
 def test_causal_linear_runs_share_the_first_step_by_its_cost():
     # Fewer heads than threads: run 0 is done whole, the later runs (RUN_CHUNKS
     # chunks) without their product with the state, 2 C d_k d_v of a chunk's

@@ -114,6 +114,7 @@ def _blas_guard(n_threads, dtype, *widths):
 __all__ = [
     "softmax_forward",
     "linear_forward",
+    "output_finite",
     "set_num_threads",
     "get_num_threads",
     "openmp_enabled",
@@ -193,6 +194,20 @@ def linear_forward(q, k, v, feature_map, causal, eps, S0=None, z0=None):
     # Linear attention's products are register-blocked when d_v is whole vectors.
     with _blas_guard(n_threads, q.dtype, d_v):
         return linear_attention_forward(q, k, v, feature_map, causal, eps, S0, z0, n_threads)
+
+
+def output_finite(out):
+    """Whether every element of ``out`` (an output, C-contiguous) is finite, exactly: its
+    blocks checked on the kernel threads (``linear.all_finite_parallel``), with no
+    temporary; in place of :func:`fastattn._overflow.output_finite`.
+
+    NumPy's ``isfinite(out).all()`` runs on one thread and writes a bool array the size of
+    ``out``: after a 2-thread float32 linear call of (8, 4096, 64) it took a sixth of the
+    call's time, the other thread idle.
+    """
+    n_threads = kernel_threads(get_num_threads(), -(-out.size // _linear.FINITE_BLOCK),
+                               out.size)
+    return _linear.all_finite_parallel(out.reshape(-1), n_threads)
 
 
 def _feature_call(kernel, x, work, *args):
