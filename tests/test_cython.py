@@ -337,26 +337,40 @@ def test_output_finite_finds_one_inf_or_nan_in_any_block(dtype, threads):
         for n in (0, 1, block - 1, block, block + 1, 5 * block + 3):
             x = np.ones((n,), dtype)
             assert cy.output_finite(x.reshape(1, 1, -1)) is True
+            assert cy._linear.all_finite_parallel(x, threads) is True    # the blocks, always
             for pos in sorted({0, n - 1, block - 1, block, n // 2, 4 * block} & set(range(n))):
                 for bad in (np.inf, -np.inf, np.nan):
                     x[pos] = bad
                     assert cy.output_finite(x.reshape(1, 1, -1)) is False, (n, pos, bad)
+                    assert cy._linear.all_finite_parallel(x, threads) is False, (n, pos, bad)
                     x[pos] = 1
+        # Not the kernels' own layout: a strided view, read-only, another dtype.
+        x = np.ones((4, 2 * block), dtype)
+        x[1, 2 * block - 1] = np.inf
+        assert cy.output_finite(x[:, ::2]) is True and cy.output_finite(x[:, 1::2]) is False
+        x.flags.writeable = False
+        assert cy.output_finite(x) is False
+        assert cy.output_finite(np.ones(3 * block, np.float16)) is True
     finally:
         cy.set_num_threads(before)
 
 
-def test_float32_linear_overflow_is_found_on_two_threads():
+def test_float32_linear_overflow_is_found_on_two_threads(monkeypatch):
     # An output large enough for the check's blocks to run on two threads, whose float32
     # numerator overflows in one late row only: the call is made again in float64.
     q, k, v = make_qkv((2, 3000, 16), d_v=16, dtype=np.float32, seed=33)
     v[1, -1, :] = 3e38             # the last key's value: its row of the last head overflows
+    checked = []
+    monkeypatch.setattr(cy._linear, "all_finite_parallel",
+                        lambda x, n, check=cy._linear.all_finite_parallel:
+                        checked.append(n) or check(x, n))
     before = cy.get_num_threads()
     try:
         cy.set_num_threads(2)
         got = fastattn.linear_attention(q, k, v, causal=True, backend="cython")
     finally:
         cy.set_num_threads(before)
+    assert checked and checked[0] == 2          # the backend's check, on two threads
     want = fastattn.linear_attention(*(x.astype(np.float64) for x in (q, k, v)), causal=True,
                                      backend="reference")
     np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want.astype(np.float32)))

@@ -484,7 +484,8 @@ def test_finite_outputs_whose_sum_overflows_keep_their_answer(backend, attention
     # the call is made again (wider) and must give the same float64 answer.
     from fastattn import _overflow
 
-    monkeypatch.setattr(_overflow, "_SMALL_OUTPUT", 0)    # the check by the sum
+    # The check by the sum (Cython's linear calls check exactly: its own output_finite).
+    monkeypatch.setattr(_overflow, "_SMALL_OUTPUT", 0)
     q, k = make_qkv((2, 96, 16), dtype=np.float32)[:2]
     v = np.float32(1e37) * (1 + np.abs(make_qkv((2, 96, 16), dtype=np.float32)[2]))
     call = getattr(fastattn, f"{attention}_attention")

@@ -15,8 +15,8 @@ cdef inline void online_softmax_row(floating *srow, int w, floating *m, floating
     ``m`` and ``l`` point at the row's running maximum and sum; ``srow``
     becomes ``p = exp(s - m_new)`` in place and ``orow[0:d_v]`` (the
     unnormalised output) is rescaled by ``exp(m_old - m_new)``, ready for the
-    caller to add ``p v``.  ``simd``: the exp of the register-blocked microkernel,
-    else the vectorised row kernel of :file:`_vmath.pxd`.
+    caller to add ``p v``.  ``simd``: the maximum and the exp of the register-blocked
+    microkernel, else the vectorised row kernels of :file:`_vmath.pxd`.
     """
     cdef floating mx, m_new, shift, alpha
     cdef int c

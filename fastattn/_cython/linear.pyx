@@ -71,6 +71,9 @@ FIRST_RUN_SHARE = 0.9
 #: the others.
 SEGMENTS_PER_THREAD = 4
 
+#: Elements a thread checks at a time in :func:`all_finite_parallel` (64 KiB of float32).
+FINITE_BLOCK = 16384
+
 cdef extern from *:
     """
     #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) \
@@ -1007,10 +1010,6 @@ def taylor_features(x, int n_threads=1):
     return out
 
 
-#: Elements a thread checks at a time in :func:`all_finite_parallel` (64 KiB of float32).
-FINITE_BLOCK = 16384
-
-
 def all_finite_parallel(const floating[::1] x, int n_threads=1):
     """Whether every element of ``x`` is finite: blocks of :data:`FINITE_BLOCK` elements
     on ``n_threads`` OpenMP threads, each checked in SIMD lanes; nothing is allocated.
@@ -1032,7 +1031,9 @@ def all_finite_parallel(const floating[::1] x, int n_threads=1):
     if n == 0:
         return True
     if n_threads <= 1 or blocks < 2:
-        return bool(all_finite(&x[0], n))
+        with nogil:
+            bad = not all_finite(&x[0], n)
+        return bad == 0
     with nogil:
         for b in prange(blocks, schedule="static", num_threads=min(n_threads, blocks)):
             if not all_finite(&x[0] + b * block, min(block, n - b * block)):
