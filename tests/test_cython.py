@@ -355,6 +355,27 @@ def test_output_finite_finds_one_inf_or_nan_in_any_block(dtype, threads):
         cy.set_num_threads(before)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_parallel_query_scale_gives_kernel_querys_bits(threads):
+    # A float32 q whose scale float32 does not hold is scaled in C on the kernel threads:
+    # the same bits as _overflow.kernel_query's float64 product rounded once, for every
+    # element (NaN, inf, 1e30, subnormal results) and around the blocks.
+    from fastattn import _overflow
+
+    block = cy._softmax.SCALE_BLOCK
+    rng = np.random.default_rng(34)
+    q = rng.standard_normal((3, block + 5, 16)).astype(np.float32)
+    q[0, 0, :4] = np.nan, np.inf, -np.inf, 0.0
+    q[1, 7, :3] = 1e30, -1e30, np.finfo(np.float32).tiny
+    for scale in (32 ** -0.5, 48 ** -0.5, 0.1, 1e-59, 2.0 ** -149, 0.99999999):
+        want, want_scale = _overflow.kernel_query(q, scale)
+        got, got_scale = cy._kernel_query(q, scale, threads)
+        assert got_scale == want_scale == 1.0 and got.dtype == np.float32
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    assert cy._kernel_query(q, 2.0, threads)[0] is q                       # scale >= 1: as given
+    assert cy._kernel_query(q[:0], 0.1, threads)[0].shape == (0, block + 5, 16)
+
+
 def test_float32_linear_overflow_is_found_on_two_threads(monkeypatch):
     # An output large enough for the check's blocks to run on two threads, whose float32
     # numerator overflows in one late row only: the call is made again in float64.

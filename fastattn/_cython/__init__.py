@@ -92,6 +92,7 @@ def _read_simd_cap():
 
 _read_simd_cap()
 from . import linear as _linear
+from . import softmax as _softmax
 from .linear import CHUNK, linear_attention_forward
 from .softmax import BLOCK_K, BLOCK_Q, _build_features, online_softmax_forward
 from .decode import split_key_softmax_forward
@@ -165,12 +166,21 @@ def softmax_forward(q, k, v, causal, scale):
     n_k, d_v = k.shape[1], v.shape[2]
     if _policy.use_split_keys(n_q):
         return split_key_softmax_forward(q, k, v, causal, scale, check_finite=True)
-    q, scale = _overflow.kernel_query(q, scale)
     n_threads = kernel_threads(get_num_threads(), n_batch * -(-n_q // BLOCK_Q),
                                n_batch * n_q * n_k * (d_k + d_v))
+    q, scale = _kernel_query(q, scale, n_threads)
     # The tile's own products need d_k and d_v both whole vectors (and n_k > 0).
     with _blas_guard(n_threads, q.dtype, d_k, d_v):
         return online_softmax_forward(q, k, v, causal, scale, n_threads)
+
+
+def _kernel_query(q, scale, n_threads):
+    """:func:`fastattn._overflow.kernel_query`, the same bits: a float32 ``q`` whose scale
+    float32 does not hold (``1 / sqrt(32)``) is scaled in one pass on ``n_threads``
+    threads (``softmax.scaled_query``) instead of NumPy's three on one."""
+    if scale >= 1 or q.dtype != np.float32 or float(np.float32(scale)) == scale:
+        return _overflow.kernel_query(q, scale)
+    return _softmax.scaled_query(q.reshape(-1), scale, n_threads).reshape(q.shape), 1.0
 
 
 def linear_forward(q, k, v, feature_map, causal, eps, S0=None, z0=None):
