@@ -123,33 +123,24 @@ FA_AVX2 FA_INLINE fa_pair_t_d fa_pair_exp2_scale_d(fa_pair_t_d p, fa_pair_t_d y)
                           _mm256_mul_pd(p.hi, fa_exp2_bits_d(y.hi)));
 }
 
-/* The sum of all lanes */
-FA_AVX2 FA_INLINE float fa_pair_reduce_add_f(fa_pair_t_f x) {
-    __m256 v = _mm256_add_ps(x.lo, x.hi);
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
+/* fa_pair_reduce_add_X: the sum of all lanes; fa_pair_reduce_max_X: the largest (no lane
+ * NaN: vmaxps gives the second operand where either is) */
+#define FA_PAIR_REDUCE(op)                                                                \
+FA_AVX2 FA_INLINE float fa_pair_reduce_##op##_f(fa_pair_t_f x) {                          \
+    __m256 v = _mm256_##op##_ps(x.lo, x.hi);                                              \
+    __m128 s = _mm_##op##_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));     \
+    s = _mm_##op##_ps(s, _mm_movehl_ps(s, s));                                            \
+    s = _mm_##op##_ss(s, _mm_movehdup_ps(s));                                             \
+    return _mm_cvtss_f32(s);                                                              \
+}                                                                                         \
+FA_AVX2 FA_INLINE double fa_pair_reduce_##op##_d(fa_pair_t_d x) {                         \
+    __m256d v = _mm256_##op##_pd(x.lo, x.hi);                                             \
+    __m128d s = _mm_##op##_pd(_mm256_castpd256_pd128(v), _mm256_extractf128_pd(v, 1));   \
+    return _mm_cvtsd_f64(_mm_##op##_sd(s, _mm_unpackhi_pd(s, s)));                        \
 }
-FA_AVX2 FA_INLINE double fa_pair_reduce_add_d(fa_pair_t_d x) {
-    __m256d v = _mm256_add_pd(x.lo, x.hi);
-    __m128d s = _mm_add_pd(_mm256_castpd256_pd128(v), _mm256_extractf128_pd(v, 1));
-    return _mm_cvtsd_f64(_mm_add_sd(s, _mm_unpackhi_pd(s, s)));
-}
-
-/* The largest lane (no lane NaN: vmaxps gives the second operand where either is) */
-FA_AVX2 FA_INLINE float fa_pair_reduce_max_f(fa_pair_t_f x) {
-    __m256 v = _mm256_max_ps(x.lo, x.hi);
-    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_max_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-FA_AVX2 FA_INLINE double fa_pair_reduce_max_d(fa_pair_t_d x) {
-    __m256d v = _mm256_max_pd(x.lo, x.hi);
-    __m128d s = _mm_max_pd(_mm256_castpd256_pd128(v), _mm256_extractf128_pd(v, 1));
-    return _mm_cvtsd_f64(_mm_max_sd(s, _mm_unpackhi_pd(s, s)));
-}
+FA_PAIR_REDUCE(add)
+FA_PAIR_REDUCE(max)
+#undef FA_PAIR_REDUCE
 
 /* Lane sums of 16 (8) pairs: lane t of the result is the sum of the lanes of
  * x[t].  Each pair's halves are added, then the 8 (4) registers a half are
