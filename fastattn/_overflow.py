@@ -27,7 +27,7 @@ inputs can still leave the dtype's range on the way to a finite answer:
 import numpy as np
 
 
-def kernel_query(q, scale):
+def kernel_query(q, scale, rounded_product=None):
     """``(q, scale)`` for the kernels: ``(scale · q, 1)`` when ``scale < 1``, else as given.
 
     The product is formed in float64 and rounded once, so a scale below the dtype's
@@ -35,12 +35,16 @@ def kernel_query(q, scale):
     scale the dtype holds exactly (``1 / sqrt(64)``) multiplies in the dtype: the same
     bits (a float32 product is the float64 one, rounded once), at the dtype's speed (a
     float32 q of 8 x 4096 x 64: 0.21 ms, where the float64 product and its copy took 2.6).
+    ``rounded_product(q, scale)``, when given, forms that float64 product rounded once in
+    place of NumPy's casting multiply (the Cython backend's, in one pass on its threads).
     """
     if scale >= 1:
         return q, scale
     narrow = q.dtype.type(scale)
     if float(narrow) == scale:     # compared in float64 (NumPy would compare in the dtype)
         return q * narrow, 1.0
+    if rounded_product is not None:
+        return rounded_product(q, scale), 1.0
     # In float64, rounded into the dtype in NumPy's buffers: no float64 copy of q.
     return np.multiply(q, np.float64(scale), out=np.empty_like(q), casting="same_kind"), 1.0
 

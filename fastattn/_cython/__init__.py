@@ -175,12 +175,11 @@ def softmax_forward(q, k, v, causal, scale):
 
 
 def _kernel_query(q, scale, n_threads):
-    """:func:`fastattn._overflow.kernel_query`, the same bits: a float32 ``q`` whose scale
-    float32 does not hold (``1 / sqrt(32)``) is scaled in one pass on ``n_threads``
-    threads (``softmax.scaled_query``) instead of NumPy's three on one."""
-    if scale >= 1 or q.dtype != np.float32 or float(np.float32(scale)) == scale:
-        return _overflow.kernel_query(q, scale)
-    return _softmax.scaled_query(q.reshape(-1), scale, n_threads).reshape(q.shape), 1.0
+    """:func:`fastattn._overflow.kernel_query`, its float64 product rounded once (a float32
+    ``q`` whose scale float32 does not hold, ``1 / sqrt(32)``) formed in one pass on
+    ``n_threads`` threads (``softmax.scaled_query``) instead of NumPy's three on one."""
+    return _overflow.kernel_query(q, scale, lambda q, scale: _softmax.scaled_query(
+        q.reshape(-1), scale, n_threads).reshape(q.shape))
 
 
 def linear_forward(q, k, v, feature_map, causal, eps, S0=None, z0=None):
