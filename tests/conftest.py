@@ -44,7 +44,7 @@ FAST_BACKENDS = tuple(b for b in BACKENDS if b != "reference")
 #: the code under test; each backend's own file checks they are still the
 #: kernel's (``test_numba.py``, ``test_cython.py``).
 KERNEL_EDGES = {
-    "numba": {"block_q": 256, "block_k": 256, "chunk": 64, "segment": 1024},
+    "numba": {"block_q": 256, "block_k": 512, "chunk": 64, "segment": 1024},
     "cython": {"block_q": 256, "block_k": 512, "chunk": 64, "noncausal_chunk": 128},
 }
 

@@ -156,3 +156,55 @@ def test_order_keys_sort_as_the_floats_and_come_back(dtype):
     assert np.all(np.diff(got) > 0)
     assert np.array_equal(back.view(f"u{dtype().itemsize}"), ordered.view(f"u{dtype().itemsize}"))
     assert keys(-ordered[-1:])[0][0] < got[0]        # a NaN with its sign bit: below -inf
+
+
+def test_wide_vectors_marks_the_function_that_calls_it():
+    # The hint is an LLVM function attribute on the kernel compiled with it, and on no other.
+    from numba import njit
+
+    from fastattn._numba.config import WIDE_VECTORS, wide_vectors
+
+    def total(x):
+        s = x.dtype.type(0)
+        for i in range(x.size):
+            s += x[i] * x[i]
+        return s
+
+    def wide_total(x):
+        wide_vectors()
+        return total_jit(x)
+
+    total_jit = njit(fastmath=set(config.FASTMATH))(total)
+    wide = njit(fastmath=set(config.FASTMATH))(wide_total)
+    x = np.arange(1000, dtype=np.float32)
+    assert wide(x) == pytest.approx(float(np.sum(x.astype(np.float64) ** 2)), rel=1e-5)
+    (ir_wide,) = wide.inspect_llvm().values()
+    (ir_plain,) = total_jit.inspect_llvm().values()
+    assert WIDE_VECTORS in ir_wide
+    assert WIDE_VECTORS not in ir_plain      # the function it calls, compiled apart, keeps LLVM's width
+
+
+def test_wide_vectors_reach_the_registers_on_avx512():
+    # Where the CPU has AVX-512, LLVM vectorises the marked loop in 512-bit registers;
+    # unmarked, LLVM's Intel tuning keeps 256 bits (AMD's may not: only the marked one is
+    # asserted).
+    import llvmlite.binding as llvm
+    from numba import njit
+
+    from fastattn._numba.config import wide_vectors
+
+    if "+avx512f" not in llvm.get_host_cpu_features().flatten().split(","):
+        pytest.skip("no AVX-512 on this CPU")
+
+    @njit(fastmath=set(config.FASTMATH))
+    def scale_into(x, out):
+        wide_vectors()
+        for i in range(x.size):
+            out[i] = x[i] * np.float32(3) + np.float32(1)
+
+    x = np.arange(4096, dtype=np.float32)
+    out = np.empty_like(x)
+    scale_into(x, out)
+    np.testing.assert_array_equal(out, x * np.float32(3) + np.float32(1))
+    (asm,) = scale_into.inspect_asm().values()
+    assert "zmm" in asm

@@ -74,10 +74,14 @@ def online_softmax_row(s, i, lim, cols, scale, m, l, alpha, neg_inf, zero):
     # Their maximum by order keys (vectorised): a NaN logit (with no sign bit) becomes the
     # maximum, and the row NaN, as through its p.
     key = _order_key(m[i])
-    for j in range(lim):
-        x = s[i, j] * scale
-        s[i, j] = x
-        key = max(key, _order_key(x))
+    if scale == 1:      # the scores are the logits (a scale below 1 scaled q): read only
+        for j in range(lim):
+            key = max(key, _order_key(s[i, j]))
+    else:
+        for j in range(lim):
+            x = s[i, j] * scale
+            s[i, j] = x
+            key = max(key, _order_key(x))
     mx = _from_order_key(key, zero)
     # A row whose logits are all -inf so far keeps shift 0 (its p are 0).
     shift = mx if mx > neg_inf else zero

@@ -29,7 +29,9 @@ work item costs the same.
 import numpy as np
 from numba import njit, prange
 
-from .config import JIT_PARALLEL, JIT_SERIAL, SOFTMAX_BLOCK_K, SOFTMAX_BLOCK_Q, SOFTMAX_MIN_BLOCK_Q
+from .config import (
+    JIT_PARALLEL, JIT_SERIAL, SOFTMAX_BLOCK_K, SOFTMAX_BLOCK_Q, SOFTMAX_MIN_BLOCK_Q, wide_vectors,
+)
 from ._online import online_softmax_row
 from .. import _overflow, _policy
 from .decode import split_key_softmax_forward
@@ -42,6 +44,7 @@ def _query_block(q, k, v, out, b, qb, causal, consts, sbuf, acc, tmp, m, l, alph
 
     ``m`` holds the running maximum of the logits ``scale s`` (not of ``s``).
     """
+    wide_vectors()
     n_q = q.shape[1]
     n_k, d_v = k.shape[1], v.shape[2]
     scale, neg_inf, zero = consts[0], consts[1], consts[2]
