@@ -29,7 +29,7 @@ Time ``O(B n d_k d_v)`` plus ``O(B n c d)`` for the chunks (``c`` =
 import numpy as np
 from numba import njit, prange
 
-from .config import JIT_PARALLEL, JIT_SERIAL, LINEAR_CHUNK, LINEAR_SEGMENT, LINEAR_STEP
+from .config import JIT_PARALLEL, JIT_SERIAL, LINEAR_CHUNK, LINEAR_SEGMENT, LINEAR_STEP, wide_vectors
 from ._exp import fast_exp, fast_exp_nonpositive
 from ._threads import launch
 
@@ -50,6 +50,7 @@ def _feature_map(x, out, code, one, zero):
 
     NaN stays NaN (as in the reference); ``elu`` of ``-inf`` is 0.
     """
+    wide_vectors()
     rows, cols = x.shape
     if code == 0:
         for i in range(rows):
@@ -212,6 +213,7 @@ def segment_states(k, v, bounds, code, consts, c, dS, dz):
     nseg = bounds.shape[0] - 1
     one, zero = consts[0], consts[1]
     for item in prange(B * nseg):
+        wide_vectors()
         b = item // nseg
         s = item % nseg
         phi = np.empty((c, d_k), dtype=k.dtype)
@@ -268,6 +270,7 @@ def chunk_outputs(q, k, v, bounds, first_chunk_segment, causal, code, consts, c,
     nchunks = (n_q + c - 1) // c
     out = np.empty((B, n_q, d_v), dtype=q.dtype)
     for item in prange(B * nchunks):
+        wide_vectors()
         b = item // nchunks
         t = item % nchunks
         i0 = t * c
