@@ -32,7 +32,7 @@ from .._overflow import kernel_query
 from .._policy import split_count
 from .config import JIT_PARALLEL, JIT_SERIAL, SPLIT_KEYS_BLOCK_K
 from ._exp import fast_exp_nonpositive
-from ._online import online_softmax_row
+from ._online import online_softmax_block
 from ._threads import get_num_threads, launch
 
 
@@ -79,9 +79,8 @@ def split_key_softmax(q, k, v, n_k, causal, consts, n_splits, block_k):
             np.dot(qs, k[b, j0:j1].T, s)
             # Does the block cross the diagonal (row 0 does not see every key)?
             crosses = causal and j1 - 1 > off
-            for i in range(n_q):
-                lim = min(cols, i + off + 1 - j0) if crosses else cols
-                online_softmax_row(s, i, lim, cols, scale, m, l, alpha, neg_inf, zero)
+            online_softmax_block(s, n_q, cols, off + 1 - j0, crosses, scale, m, l, alpha,
+                                 neg_inf, zero)
             use_gemm = True
             if crosses:
                 for j in range(cols):

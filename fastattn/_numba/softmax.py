@@ -32,7 +32,7 @@ from numba import njit, prange
 from .config import (
     JIT_PARALLEL, JIT_SERIAL, SOFTMAX_BLOCK_K, SOFTMAX_BLOCK_Q, SOFTMAX_MIN_BLOCK_Q, wide_vectors,
 )
-from ._online import online_softmax_row
+from ._online import online_softmax_block
 from .. import _overflow, _policy
 from .decode import split_key_softmax_forward
 from ._threads import get_num_threads, launch
@@ -68,9 +68,8 @@ def _query_block(q, k, v, out, b, qb, causal, consts, sbuf, acc, tmp, m, l, alph
         np.dot(q_rows, k[b, j0:j1].T, s)
         # Does the block cross the diagonal (some row does not see every key)?
         crosses = causal and j1 - 1 > i0 + off
-        for i in range(rows):
-            lim = min(cols, i0 + i + off + 1 - j0) if crosses else cols
-            online_softmax_row(s, i, lim, cols, scale, m, l, alpha, neg_inf, zero)
+        online_softmax_block(s, rows, cols, i0 + off + 1 - j0, crosses, scale, m, l, alpha,
+                             neg_inf, zero)
         # A block that crosses the diagonal may still use one gemm (its masked
         # p are 0) when its values are all finite, so 0 * v forms no NaN.
         use_gemm = not crosses
