@@ -181,7 +181,8 @@ def test_wide_vectors_marks_the_function_that_calls_it():
     (ir_wide,) = wide.inspect_llvm().values()
     (ir_plain,) = total_jit.inspect_llvm().values()
     assert WIDE_VECTORS in ir_wide
-    assert WIDE_VECTORS not in ir_plain      # the function it calls, compiled apart, keeps LLVM's width
+    # The function it calls, compiled apart, keeps LLVM's width.
+    assert WIDE_VECTORS not in ir_plain
 
 
 def test_wide_vectors_reach_the_registers_on_avx512():

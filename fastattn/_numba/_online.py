@@ -1,6 +1,10 @@
 """The online-softmax update of a block of scores, shared by the prefill and decode kernels.
 
 Milakov & Gimelshein, "Online normalizer calculation for softmax" (2018).
+
+Numba's cache keys a kernel on its own source file only: after editing this module,
+delete the kernels' caches (``*.nbi``/``*.nbc`` under ``fastattn/_numba/__pycache__``)
+or the softmax and decode kernels keep the old update.
 """
 
 from llvmlite import ir

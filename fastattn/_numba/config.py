@@ -84,11 +84,12 @@ def wide_vectors(typingctx):
     registers' width there; the Cython kernels, written with 512-bit intrinsics, do not.
     A call at the top of a kernel sets the function attribute :data:`WIDE_VECTORS` on the
     function being compiled, and on no other code of the process (``NUMBA_CPU_FEATURES=
-    -prefer-256-bit`` would set it for every Numba function a user compiles).  Loops
-    inlined into the kernel are vectorised with it; on a CPU without AVX-512, LLVM keeps
-    its widest vectors.  Measured here (Intel Xeon, AVX-512, 1 thread, float32,
-    (1, 1, 4096, 64)): the online softmax's passes in ``zmm`` registers, the call 3-5 %
-    faster.
+    -prefer-256-bit`` would set it for every Numba function a user compiles).  Code
+    inlined into the kernel at Numba's level is vectorised with it; a function compiled
+    apart (an ``@njit`` it calls) keeps LLVM's width unless it calls this too.  On a CPU
+    without AVX-512, LLVM keeps its widest vectors.  Measured on an Intel Xeon (AVX-512,
+    1 thread, float32): the fast exp over an array in L1, 0.22 against 0.31 ns an
+    element; a softmax call at (1, 1, 4096, 64), 3-5 % less time.
     """
     def codegen(context, builder, signature, args):
         _add_wide_vectors(builder.function)

@@ -29,7 +29,9 @@ Time ``O(B n d_k d_v)`` plus ``O(B n c d)`` for the chunks (``c`` =
 import numpy as np
 from numba import njit, prange
 
-from .config import JIT_PARALLEL, JIT_SERIAL, LINEAR_CHUNK, LINEAR_SEGMENT, LINEAR_STEP, wide_vectors
+from .config import (
+    JIT_PARALLEL, JIT_SERIAL, LINEAR_CHUNK, LINEAR_SEGMENT, LINEAR_STEP, wide_vectors,
+)
 from ._exp import fast_exp, fast_exp_nonpositive
 from ._threads import launch
 
