@@ -186,26 +186,85 @@ def test_wide_vectors_marks_the_function_that_calls_it():
 
 
 def test_wide_vectors_reach_the_registers_on_avx512():
-    # Where the CPU has AVX-512, LLVM vectorises the marked loop in 512-bit registers;
-    # unmarked, LLVM's Intel tuning keeps 256 bits (AMD's may not: only the marked one is
-    # asserted).
+    # Where LLVM's tuning keeps an unmarked loop at 256 bits (Intel's AVX-512 CPUs), the
+    # marked twin runs in 512-bit registers.
     import llvmlite.binding as llvm
     from numba import njit
 
-    from fastattn._numba.config import wide_vectors
-
-    if "+avx512f" not in llvm.get_host_cpu_features().flatten().split(","):
+    features = (numba.config.CPU_FEATURES or llvm.get_host_cpu_features().flatten()).split(",")
+    if "+avx512f" not in features:
         pytest.skip("no AVX-512 on this CPU")
 
-    @njit(fastmath=set(config.FASTMATH))
     def scale_into(x, out):
-        wide_vectors()
+        for i in range(x.size):
+            out[i] = x[i] * np.float32(3) + np.float32(1)
+
+    def wide_scale_into(x, out):
+        config.wide_vectors()
         for i in range(x.size):
             out[i] = x[i] * np.float32(3) + np.float32(1)
 
     x = np.arange(4096, dtype=np.float32)
-    out = np.empty_like(x)
-    scale_into(x, out)
-    np.testing.assert_array_equal(out, x * np.float32(3) + np.float32(1))
-    (asm,) = scale_into.inspect_asm().values()
-    assert "zmm" in asm
+    asm = {}
+    for name, f in (("plain", scale_into), ("wide", wide_scale_into)):
+        jitted = njit(fastmath=set(config.FASTMATH))(f)
+        out = np.empty_like(x)
+        jitted(x, out)
+        np.testing.assert_array_equal(out, x * np.float32(3) + np.float32(1))
+        (asm[name],) = jitted.inspect_asm().values()
+    if "zmm" in asm["plain"]:
+        pytest.skip("LLVM's tuning for this CPU already takes 512-bit vectors")
+    assert "zmm" in asm["wide"]
+
+
+def _serial_helper_args(name):
+    """Arguments of the types the kernels pass their serial helpers."""
+    f32 = np.float32
+    rows, cols, d = 256, 512, 16
+    if name == "online_softmax_block":
+        vec = [np.zeros(rows, f32) for _ in range(3)]
+        return (np.zeros((rows, cols), f32), rows, cols, 1, True, f32(1), *vec,
+                f32(-np.inf), f32(0))
+    if name == "_query_block":
+        q = np.ones((1, 300, d), f32)
+        return (q, q, q, np.empty_like(q), 0, 0, False, np.array([1, -np.inf, 0], f32),
+                np.empty(rows * cols, f32), np.empty((rows, d), f32), np.empty((rows, d), f32),
+                np.empty(rows, f32), np.empty(rows, f32), np.empty(rows, f32))
+    return (np.ones((64, d), f32), np.empty((64, d), f32), 0, f32(1), f32(0))    # _feature_map
+
+
+@pytest.mark.parametrize("module, name", [
+    ("_online", "online_softmax_block"),
+    ("softmax", "_query_block"),
+    ("linear", "_feature_map"),
+    ("linear", "segment_states"),      # parallel: the hint sits in the prange body
+    ("linear", "chunk_outputs"),
+])
+def test_the_kernels_ask_for_wide_vectors(module, name):
+    # A fresh, uncached compilation of each kernel (a cached one cannot be inspected)
+    # carries the attribute.
+    import importlib
+
+    from numba import njit
+
+    kernel = getattr(importlib.import_module(f"fastattn._numba.{module}"), name)
+    options = {key: value for key, value in kernel.targetoptions.items() if key != "nopython"}
+    fresh = njit(**{**options, "cache": False})(kernel.py_func)
+    if not kernel.targetoptions.get("parallel"):
+        fresh(*_serial_helper_args(name))
+        (llvm_ir,) = fresh.inspect_llvm().values()
+    else:
+        # The signature the parallel kernel ran with (two threads, enough work to split).
+        if numba.config.NUMBA_NUM_THREADS < 2:
+            pytest.skip("the parallel kernels run only on two threads or more")
+        q, k, v = make_qkv((4, 600, 16), dtype=np.float32, seed=3)
+        before = get_num_threads()
+        try:
+            set_num_threads(2)
+            fastattn.linear_attention(q, k, v, backend="numba")
+        finally:
+            set_num_threads(before)
+        assert kernel.signatures, f"{name} did not run"
+        fresh.compile(kernel.signatures[0])
+        llvm_ir = fresh.inspect_llvm(kernel.signatures[0])
+    assert config.WIDE_VECTORS in llvm_ir

@@ -2,9 +2,8 @@
 
 Milakov & Gimelshein, "Online normalizer calculation for softmax" (2018).
 
-Numba's cache keys a kernel on its own source file only: after editing this module,
-delete the kernels' caches (``*.nbi``/``*.nbc`` under ``fastattn/_numba/__pycache__``)
-or the softmax and decode kernels keep the old update.
+The softmax and decode kernels' disk caches do not see an edit of this module: see
+:mod:`fastattn._numba.config`.
 """
 
 from llvmlite import ir

@@ -8,6 +8,11 @@ module of the package names a fastmath flag.
 functions.  It deliberately leaves out ``nnan`` and ``ninf``: masks produce
 ``-inf`` logits and inputs may hold NaN or inf, and a kernel compiled under
 "no inf/NaN" may fold the very comparisons that handle them.
+
+Numba's disk cache keys a kernel on its own source file only: after editing a
+module a kernel uses (this one, ``_exp``, ``_online``), delete the kernels'
+caches (``*.nbi``/``*.nbc`` under ``fastattn/_numba/__pycache__``, or under
+``NUMBA_CACHE_DIR``) or they keep the old code.
 """
 
 import numba
@@ -53,23 +58,23 @@ FASTMATH_ELEMENTARY = {"nsz", "arcp", "contract"}
 WIDE_VECTORS = '"prefer-vector-width"="512"'
 
 
-class _WideVectorAttributes(ir.values.FunctionAttributes):
-    """A function's attributes, admitting :data:`WIDE_VECTORS` (llvmlite only
-    admits the attributes it names, none of which carries a value)."""
-
-    _known = ir.values.FunctionAttributes._known | {WIDE_VECTORS}
-
-
 def _add_wide_vectors(function):
-    """Give an llvmlite function :data:`WIDE_VECTORS`; False if this llvmlite cannot."""
+    """Give an llvmlite function :data:`WIDE_VECTORS`; False if this llvmlite cannot.
+
+    llvmlite admits only the function attributes it names (``FunctionAttributes._known``,
+    none of which carries a value): the function gets a copy of its attributes whose class
+    admits this one too.  On an llvmlite built otherwise, the function keeps LLVM's width.
+    """
     old = function.attributes
     if WIDE_VECTORS in old:
         return True
     try:
-        new = _WideVectorAttributes(sorted(old))
-        new.alignstack, new.personality = old.alignstack, old.personality
+        base = type(old)
+        wide = type("WideVectorAttributes", (base,), {"_known": base._known | {WIDE_VECTORS}})
+        new = wide(sorted(old))
+        new.__dict__.update(vars(old))          # alignstack, personality, and any other state
         new.add(WIDE_VECTORS)
-    except (AttributeError, TypeError, ValueError):     # another llvmlite: keep its width
+    except (AttributeError, TypeError, ValueError):
         return False
     function.attributes = new
     return True
@@ -77,19 +82,20 @@ def _add_wide_vectors(function):
 
 @intrinsic
 def wide_vectors(typingctx):
-    """Let LLVM vectorise the calling kernel's loops in 512-bit vectors (a hint; no value).
+    """Let LLVM vectorise the calling function's loops in 512-bit vectors (a hint; no value).
 
     LLVM tunes its Intel AVX-512 targets to prefer 256-bit vectors (``prefer-256-bit``,
     for the clock a 512-bit instruction once cost), so Numba's loops use half the
     registers' width there; the Cython kernels, written with 512-bit intrinsics, do not.
-    A call at the top of a kernel sets the function attribute :data:`WIDE_VECTORS` on the
-    function being compiled, and on no other code of the process (``NUMBA_CPU_FEATURES=
-    -prefer-256-bit`` would set it for every Numba function a user compiles).  Code
-    inlined into the kernel at Numba's level is vectorised with it; a function compiled
-    apart (an ``@njit`` it calls) keeps LLVM's width unless it calls this too.  On a CPU
+    A call sets the function attribute :data:`WIDE_VECTORS` on the function being
+    compiled, and on no other code of the process (``NUMBA_CPU_FEATURES=...,-prefer-256-bit``
+    would set it for every Numba function a user compiles).  Code Numba inlines into that
+    function is vectorised with it; a function compiled apart keeps LLVM's width unless
+    it calls this too: an ``@njit`` it calls, and the body of a ``prange`` loop, which
+    Numba compiles as a function of its own (call it inside the loop's body).  On a CPU
     without AVX-512, LLVM keeps its widest vectors.  Measured on an Intel Xeon (AVX-512,
     1 thread, float32): the fast exp over an array in L1, 0.22 against 0.31 ns an
-    element; a softmax call at (1, 1, 4096, 64), 3-5 % less time.
+    element.
     """
     def codegen(context, builder, signature, args):
         _add_wide_vectors(builder.function)
@@ -110,11 +116,14 @@ JIT_ELEMENTARY = {"cache": DISK_CACHE, "nogil": True, "fastmath": set(FASTMATH_E
 #: Softmax: rows of q per block (one thread works on one query block at a
 #: time) and keys per block.  A (BLOCK_Q, BLOCK_K) score tile (512 KiB in
 #: float32), the (BLOCK_Q, d_v) accumulator and (BLOCK_K, d) slices of k and
-#: v stay in the 2 MiB L2 of one core for d <= 128, as the Cython kernel's.
-#: 512 against 256 keys halves the BLAS calls and their packing of the query
-#: block per key: measured on the Intel Xeon (AVX-512), 1 and 2 threads,
-#: float32, d = 64, three turns of separate processes, 3-10 % less time
-#: (1 x 1 x 4096 and 1 x 8 x 2048, causal and not).
+#: v (about 1 MiB in float32 at d = 64, 1.4 MiB at d = 128, twice that in
+#: float64) stay in the 2 MiB L2 of a core of the Intel Xeon these were
+#: measured on in float32, as the Cython kernel's do; not measured on a core
+#: with 1 MiB of L2, nor in float64 at d = 128, which outgrows 2 MiB.  512
+#: against 256 keys halves the BLAS calls and their packing of the query block
+#: per key: float32, d = 64, three turns of separate processes, (1, 1, 4096)
+#: and (1, 8, 2048): 2-9 % less time on one thread; on two, 7-9 % non-causal
+#: and within 5 % either way causal.
 SOFTMAX_BLOCK_Q = 256
 SOFTMAX_BLOCK_K = 512
 
