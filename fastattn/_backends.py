@@ -17,7 +17,8 @@ dimension D, formed first by their map (:mod:`fastattn.feature_maps`), whose
 fused feature kernels a backend may also expose (``favor_key_features``,
 ``taylor_features``, ...).  A backend may expose ``output_finite(out) -> bool``,
 an exact check of every element of an output at its own speed, in place of
-:func:`fastattn._overflow.output_finite` after a float32 linear call.
+:func:`fastattn._overflow.output_finite` after a float32 linear call (the Cython
+backend's answers for its own last output from its kernel's check of each chunk).
 Importing a backend's module raises ImportError
 when it cannot run here; a module that runs but should not be picked by
 ``backend="auto"`` (Numba without a writable disk cache) says why in

@@ -381,21 +381,52 @@ def test_float32_linear_overflow_is_found_on_two_threads(monkeypatch):
     # numerator overflows in one late row only: the call is made again in float64.
     q, k, v = make_qkv((2, 3000, 16), d_v=16, dtype=np.float32, seed=33)
     v[1, -1, :] = 3e38             # the last key's value: its row of the last head overflows
-    checked = []
-    monkeypatch.setattr(cy._linear, "all_finite_parallel",
-                        lambda x, n, check=cy._linear.all_finite_parallel:
-                        checked.append(n) or check(x, n))
     before = cy.get_num_threads()
     try:
         cy.set_num_threads(2)
         got = fastattn.linear_attention(q, k, v, causal=True, backend="cython")
     finally:
         cy.set_num_threads(before)
-    assert checked and checked[0] == 2          # the backend's check, on two threads
     want = fastattn.linear_attention(*(x.astype(np.float64) for x in (q, k, v)), causal=True,
                                      backend="reference")
     np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want.astype(np.float32)))
     assert_close(got, want.astype(np.float32), np.float32)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+@pytest.mark.parametrize("heads", [1, 3], ids=["1head", "3heads"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_linear_kernel_finds_an_overflowed_row_wherever_it_finishes(
+        causal, heads, threads, monkeypatch):
+    # A float32 linear call's output is checked by the kernel as each chunk's rows are
+    # finished: in a non-causal query chunk, in a causal head's own chunks, in the first
+    # run of a head cut in runs (fewer heads than threads) and in a later run's last step.
+    # One query row of 1e37 overflows that row's float32 numerator and denominator (NaN)
+    # and no other; the call must be made again in float64, with no pass of its own.
+    monkeypatch.setattr(cy._linear, "all_finite_parallel",
+                        lambda *a: pytest.fail("the output was checked again after the call"))
+    n = 64 * 40
+    base = make_qkv((heads, n, 16), d_v=16, dtype=np.float32, seed=35)
+    before = cy.get_num_threads()
+    try:
+        cy.set_num_threads(threads)
+        for row in (10, n // 2 + 3, n - 1):
+            q, k, v = (x.copy() for x in base)
+            q[heads - 1, row] = 1e37
+            got = fastattn.linear_attention(q, k, v, causal=causal, backend="cython")
+            want = fastattn.linear_attention(*(x.astype(np.float64) for x in (q, k, v)),
+                                             causal=causal, backend="reference")
+            assert np.isfinite(want).all()
+            assert np.isfinite(got).all(), row
+            assert_close(got, want.astype(np.float32), np.float32)
+        # Finite throughout: the kernel's verdict, and no call again (a spy on the wide call).
+        wide = []
+        monkeypatch.setattr(fastattn.feature_maps.FeatureMap, "_forward_wide",
+                            lambda self, *a: wide.append(1))
+        fastattn.linear_attention(*base, causal=causal, backend="cython")
+        assert not wide
+    finally:
+        cy.set_num_threads(before)
 
 
 def test_causal_linear_runs_share_the_first_step_by_its_cost():

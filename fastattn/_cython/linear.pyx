@@ -415,13 +415,16 @@ def _noncausal(
     double eps,
     int chunk,
     int n_threads,
+    int[::1] nonfinite,
 ):
     """Non-causal linear attention; writes the state over all keys into ``(S, z)``.
 
     One parallel region: the keys of each head are cut into ``S_seg.shape[1]``
     segments folded into ``S_seg[b, s]`` (``S_seg[b, 0]`` holds the initial
     state), summed into ``(S, z)`` row by row, then every query chunk is one
-    product with ``S`` (each step behind the loop's barrier).
+    product with ``S`` (each step behind the loop's barrier).  ``nonfinite``: empty, or
+    an int a thread, set to 1 by a thread that wrote an inf or NaN into ``out`` (each
+    chunk's rows checked as they are written).
     """
     cdef int n_batch = q.shape[0], n_q = q.shape[1], d_k = q.shape[2]
     cdef int n_k = k.shape[1], d_v = v.shape[2]
@@ -431,6 +434,7 @@ def _noncausal(
     cdef int b, s, item, i0, i1, a
     cdef floating *buf = NULL   # per-thread workspace, set in the parallel block
     cdef floating total
+    cdef int *bad = &nonfinite[0] if nonfinite.shape[0] > 0 else NULL
     cdef bint micro = simd_rows(d_v, buf)   # the register-blocked products, else BLAS
     if micro and code == ELU:
         code = ELU_SIMD
@@ -464,6 +468,8 @@ def _noncausal(
             _query_chunk(&q[b, 0, 0], i0, i1, d_k, d_v, code, &S[b, 0, 0], &z[b, 0],
                          &out[b, 0, 0], buf, buf + chunk * d_k, True, <floating> eps, micro,
                          min(chunk, n_q - i1) if (item + 1) % _QUERY_RUN else 0)
+            if bad != NULL and not all_finite(&out[b, i0, 0], <Py_ssize_t> (i1 - i0) * d_v):
+                bad[threadid()] = 1
 
 
 cdef inline Py_ssize_t _segment_buffer(int chunk, int d_k) noexcept nogil:
@@ -491,7 +497,8 @@ cdef void _causal_segment(const floating *q, const floating *k, const floating *
                           int chunk, int c_begin, int c_end, int folded, bint last, bint fold,
                           floating *buf, int *seen, bint micro,
                           bint ahead_last=False, floating *S_keep=NULL,
-                          floating *z_keep=NULL, floating *den_keep=NULL) noexcept nogil:
+                          floating *z_keep=NULL, floating *den_keep=NULL,
+                          int *bad=NULL) noexcept nogil:
     """Query chunks ``[c_begin, c_end)`` of one head, in order, from the state ``(S, z)``.
 
     ``(S, z)`` holds the keys ``[0, folded)`` on entry; keys are folded in as
@@ -507,6 +514,9 @@ cdef void _causal_segment(const floating *q, const floating *k, const floating *
     ``S_keep[t - c_begin]`` (``d_k d_v`` elements each) and ``z_keep[t - c_begin]``
     (``d_k``), its rows of ``out`` hold only the diagonal term, not normalised, and
     ``den_keep[i]`` (indexed by query row) that term's part of row ``i``'s denominator.
+
+    ``bad`` not NULL (and no ``S_keep``): set to 1 when a chunk's finished rows of ``out``
+    hold an inf or NaN, checked as each chunk ends, while its rows are in cache.
     """
     cdef floating *q_buf = buf
     cdef floating *k_buf = q_buf + chunk * d_k
@@ -615,6 +625,9 @@ cdef void _causal_segment(const floating *q, const floating *k, const floating *
                 folded = p1
         elif keep:
             memset(den_keep + i0, 0, rows * sizeof(floating))   # and the rows are 0
+        if bad != NULL and not keep and not all_finite(out + <Py_ssize_t> i0 * d_v,
+                                                       <Py_ssize_t> rows * d_v):
+            bad[0] = 1
     if last:
         _fold_keys(k, v, folded, n_k, d_k, d_v, code, chunk, S, z, k_buf, micro)
 
@@ -636,6 +649,7 @@ def _causal(
     double eps,
     int chunk,
     int n_threads,
+    int[::1] nonfinite,
 ):
     """Chunked causal linear attention, one parallel region.
 
@@ -665,7 +679,9 @@ def _causal(
     chunk costs each (:func:`_run_starts`).  Extra work
     against one thread: a state copied a chunk, the queries' features formed twice
     and their rows written twice; each step is behind a loop's barrier.  ``seen``:
-    ``chunk`` ints a thread.
+    ``chunk`` ints a thread.  ``nonfinite``: empty, or an int a thread, set to 1 by a
+    thread that finished rows of ``out`` holding an inf or NaN (each chunk's rows checked
+    as they are finished).
     """
     cdef int n_batch = q.shape[0], n_q = q.shape[1], d_k = q.shape[2]
     cdef int n_k = k.shape[1], d_v = v.shape[2]
@@ -683,6 +699,8 @@ def _causal(
     cdef floating *buf = NULL   # per-thread workspace, set in the parallel block
     cdef floating *own = NULL   # the thread's own state in steps 1 and 3
     cdef floating e = <floating> eps
+    cdef int *bad = &nonfinite[0] if nonfinite.shape[0] > 0 else NULL
+    cdef int *thread_bad = NULL
     cdef bint micro = simd_rows(d_v, buf)   # the register-blocked products, else BLAS
     if micro and code == ELU:
         code = ELU_SIMD
@@ -690,12 +708,14 @@ def _causal(
     with nogil, parallel(num_threads=max(1, min(n_threads, n_items))):
         buf = &workspace[0] + threadid() * per_thread
         own = buf + _segment_buffer(chunk, d_k)
+        thread_bad = bad + threadid() if bad != NULL else NULL
         if not by_runs:
             for item in prange(n_batch, schedule="dynamic"):
                 _causal_segment(&q[item, 0, 0], &k[item, 0, 0], &v[item, 0, 0], &out[item, 0, 0],
                                 &S_r[item, 0, 0, 0], &z_r[item, 0, 0], n_q, n_k, d_k, d_v, code,
                                 e, chunk, 0, n_chunks, 0, True, True, buf,
-                                &seen[threadid() * chunk], micro)
+                                &seen[threadid() * chunk], micro, False, NULL, NULL, NULL,
+                                thread_bad)
         else:
             # (1) the runs: run 0 of every head first, whole, then the later runs,
             # keeping their states and diagonals, to whichever thread is free
@@ -710,7 +730,8 @@ def _causal(
                     _causal_segment(&q[b, 0, 0], &k[b, 0, 0], &v[b, 0, 0], &out[b, 0, 0],
                                     own, own + state, n_q, n_k, d_k, d_v, code, e, chunk,
                                     c_begin, c_end, 0, False, True, buf,
-                                    &seen[threadid() * chunk], micro)
+                                    &seen[threadid() * chunk], micro, False, NULL, NULL,
+                                    NULL, thread_bad)
                 else:
                     memset(own, 0, (state + d_k) * sizeof(floating))
                     _causal_segment(&q[b, 0, 0], &k[b, 0, 0], &v[b, 0, 0], &out[b, 0, 0],
@@ -746,6 +767,9 @@ def _causal(
                              &out[b, 0, 0], buf, buf + chunk * d_k, True, e, micro,
                              min(chunk, n_q - i1) if (item + 1) % _QUERY_RUN else 0,
                              &den_keep[b, i0], True)
+                if thread_bad != NULL and not all_finite(&out[b, i0, 0],
+                                                         <Py_ssize_t> (i1 - i0) * d_v):
+                    thread_bad[0] = 1
 
 
 def _takes_products(int d_v, dtype):
@@ -784,7 +808,7 @@ def _run_starts(n_chunks, threads, chunk, prefix, d_k, d_v):
 
 
 def linear_attention_forward(q, k, v, feature_map, bint causal, double eps, S0=None, z0=None,
-                             int n_threads=1):
+                             int n_threads=1, bint check_finite=False):
     """Linear attention with state: non-causal by two products, causal by chunks.
 
     Parameters
@@ -805,6 +829,9 @@ def linear_attention_forward(q, k, v, feature_map, bint causal, double eps, S0=N
     n_threads : int, default 1
         OpenMP threads (the package's ``get_num_threads()`` when called
         through the backend); ignored in a build without OpenMP.
+    check_finite : bool, default False
+        Check every element of ``out`` as its rows are finished, while they are in
+        cache, and return the verdict too.
 
     Returns
     -------
@@ -813,6 +840,8 @@ def linear_attention_forward(q, k, v, feature_map, bint causal, double eps, S0=N
         ``S0 + φ(k)ᵀ v`` over all keys.
     z : ndarray of shape (B, d_k)
         ``z0 + Σ_j φ(k_j)``.
+    finite : bool
+        Only with ``check_finite``: whether every element of ``out`` is finite.
 
     Notes
     -----
@@ -842,6 +871,7 @@ def linear_attention_forward(q, k, v, feature_map, bint causal, double eps, S0=N
     per_thread = _causal_workspace(chunk, d_k, d_v) if causal else _noncausal_workspace(chunk, d_k)
     workspace = aligned_empty(n_threads * per_thread, dtype)
     code = FEATURE_MAP_CODES[feature_map]
+    nonfinite = np.zeros(n_threads if check_finite else 0, np.intc)
     n_chunks = -(-(n_q if causal else k.shape[1]) // chunk)
     if causal:
         # Fewer heads than threads: each head's chunks in runs (see _causal).
@@ -867,12 +897,15 @@ def linear_attention_forward(q, k, v, feature_map, bint causal, double eps, S0=N
         z_keep = np.empty((n_batch, n_late, d_k), dtype)
         den_keep = np.empty((n_batch, n_q if n_runs else 0), dtype)
         _causal(q, k, v, out, S_seg, z_seg, starts, S_keep, z_keep, den_keep, workspace,
-                np.empty(n_threads * chunk, np.intc), code, eps, chunk, n_threads)
-        return out, S_seg[:, -1].copy(), z_seg[:, -1].copy()
-    S = aligned_empty((n_batch, d_k, d_v), dtype)
-    z = np.empty((n_batch, d_k), dtype)
-    _noncausal(q, k, v, out, S_seg, z_seg, S, z, workspace, code, eps, chunk, n_threads)
-    return out, S, z
+                np.empty(n_threads * chunk, np.intc), code, eps, chunk, n_threads, nonfinite)
+        result = out, S_seg[:, -1].copy(), z_seg[:, -1].copy()
+    else:
+        S = aligned_empty((n_batch, d_k, d_v), dtype)
+        z = np.empty((n_batch, d_k), dtype)
+        _noncausal(q, k, v, out, S_seg, z_seg, S, z, workspace, code, eps, chunk, n_threads,
+                   nonfinite)
+        result = out, S, z
+    return (*result, not nonfinite.any()) if check_finite else result
 
 
 def _favor_exponents(
