@@ -664,3 +664,49 @@ def test_decode_prefetches_key_and_value_rows_on_intel_only():
                          np.float32)
         finally:
             decode._set_prefetch_rows(default)
+
+
+def test_linear_scratch_arrays_are_kept_per_thread_and_never_change_an_answer():
+    # The kernel's own arrays (its states and workspace) are kept for the next call of the
+    # same Python thread when shape and dtype match: calls of other shapes in between, and
+    # two Python threads calling at once, give the answers of fresh arrays.
+    import threading
+
+    shapes = [((1, 1000, 16), True), ((3, 700, 16), False), ((2, 300, 32), True)]
+    inputs = [make_qkv(shape, d_v=shape[-1], dtype=np.float32, seed=40 + i)
+              for i, (shape, _) in enumerate(shapes)]
+    wants = [fastattn.linear_attention(*(x.astype(np.float64) for x in qkv), causal=causal,
+                                       backend="reference").astype(np.float32)
+             for qkv, (_, causal) in zip(inputs, shapes)]
+    before = cy.get_num_threads()
+    try:
+        cy.set_num_threads(2)
+        first = [fastattn.linear_attention(*qkv, causal=causal, backend="cython")
+                 for qkv, (_, causal) in zip(inputs, shapes)]
+        kept = cy._linear._scratch_arrays.arrays["S_keep"]
+        again = fastattn.linear_attention(*inputs[2], causal=True, backend="cython")
+        assert cy._linear._scratch_arrays.arrays["S_keep"] is kept      # reused, same shape
+        for got, want in zip(first, wants):
+            assert_close(got, want, np.float32)
+        np.testing.assert_array_equal(again, first[2])
+
+        errors = []
+
+        def worker(order):
+            try:
+                for _ in range(20):
+                    for i in order:
+                        got = fastattn.linear_attention(*inputs[i], causal=shapes[i][1],
+                                                        backend="cython")
+                        np.testing.assert_array_equal(got, first[i])
+            except AssertionError as exc:       # pragma: no cover - reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=worker, args=(order,)) for order in ([0, 1, 2], [2, 0, 1])]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors[0]
+    finally:
+        cy.set_num_threads(before)
