@@ -393,11 +393,12 @@ def test_float32_linear_overflow_is_found_on_two_threads(monkeypatch):
     assert_close(got, want.astype(np.float32), np.float32)
 
 
+@pytest.mark.parametrize("d_v", [16, 12], ids=["products", "blas"])
 @pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
 @pytest.mark.parametrize("heads", [1, 3], ids=["1head", "3heads"])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_the_linear_kernel_finds_an_overflowed_row_wherever_it_finishes(
-        causal, heads, threads, monkeypatch):
+        causal, heads, threads, d_v, monkeypatch):
     # A float32 linear call's output is checked by the kernel as each chunk's rows are
     # finished: in a non-causal query chunk, in a causal head's own chunks, in the first
     # run of a head cut in runs (fewer heads than threads) and in a later run's last step.
@@ -406,7 +407,7 @@ def test_the_linear_kernel_finds_an_overflowed_row_wherever_it_finishes(
     monkeypatch.setattr(cy._linear, "all_finite_parallel",
                         lambda *a: pytest.fail("the output was checked again after the call"))
     n = 64 * 40
-    base = make_qkv((heads, n, 16), d_v=16, dtype=np.float32, seed=35)
+    base = make_qkv((heads, n, 16), d_v=d_v, dtype=np.float32, seed=35)
     before = cy.get_num_threads()
     try:
         cy.set_num_threads(threads)
@@ -419,6 +420,16 @@ def test_the_linear_kernel_finds_an_overflowed_row_wherever_it_finishes(
             assert np.isfinite(want).all()
             assert np.isfinite(got).all(), row
             assert_close(got, want.astype(np.float32), np.float32)
+        # A state too large for float32 only once the state product adds the early keys (in
+        # a later run: its last step): an early value of 1e36 and a later query of 100.
+        q, k, v = (x.copy() for x in base)
+        v[heads - 1, 2] = 1e36
+        q[heads - 1, n - 5] = 100
+        got = fastattn.linear_attention(q, k, v, causal=causal, backend="cython")
+        want = fastattn.linear_attention(*(x.astype(np.float64) for x in (q, k, v)),
+                                         causal=causal, backend="reference")
+        assert np.isfinite(want.astype(np.float32)).all() and np.isfinite(got).all()
+        assert_close(got, want.astype(np.float32), np.float32)
         # Finite throughout: the kernel's verdict, and no call again (a spy on the wide call).
         wide = []
         monkeypatch.setattr(fastattn.feature_maps.FeatureMap, "_forward_wide",
@@ -668,10 +679,10 @@ def test_decode_prefetches_key_and_value_rows_on_intel_only():
 
 def test_linear_scratch_arrays_are_kept_per_thread_and_never_change_an_answer():
     # The kernel's own arrays (its states and workspace) are kept for the next call of the
-    # same Python thread when shape and dtype match: calls of other shapes in between, and
-    # two Python threads calling at once, give the answers of fresh arrays.
-    import threading
-
+    # same Python thread when shape and dtype match: calls of other shapes in between, a
+    # call of the same shape with NaN and inf in between, an initial state given and then
+    # not, and two Python threads calling at once, give the answers of fresh arrays; each
+    # Python thread keeps its own arrays.
     shapes = [((1, 1000, 16), True), ((3, 700, 16), False), ((2, 300, 32), True)]
     inputs = [make_qkv(shape, d_v=shape[-1], dtype=np.float32, seed=40 + i)
               for i, (shape, _) in enumerate(shapes)]
@@ -683,14 +694,26 @@ def test_linear_scratch_arrays_are_kept_per_thread_and_never_change_an_answer():
         cy.set_num_threads(2)
         first = [fastattn.linear_attention(*qkv, causal=causal, backend="cython")
                  for qkv, (_, causal) in zip(inputs, shapes)]
-        kept = cy._linear._scratch_arrays.arrays["S_keep"]
-        again = fastattn.linear_attention(*inputs[2], causal=True, backend="cython")
-        assert cy._linear._scratch_arrays.arrays["S_keep"] is kept      # reused, same shape
         for got, want in zip(first, wants):
             assert_close(got, want, np.float32)
-        np.testing.assert_array_equal(again, first[2])
+        for qkv, (shape, causal), want in zip(inputs, shapes, first):
+            kept = cy._linear._scratch_arrays.arrays.get("workspace")
+            poisoned = [x.copy() for x in qkv]
+            poisoned[1][..., ::7, :] = np.nan
+            poisoned[2][..., 3::5, :] = np.inf
+            fastattn.linear_attention(*poisoned, causal=causal, backend="cython")
+            state = (np.ones((shape[0], 16, shape[-1]), np.float32),
+                     np.ones((shape[0], 16), np.float32))
+            if shape[-1] == 16:
+                fastattn.linear_attention(*qkv, causal=causal, initial_state=state,
+                                          backend="cython")
+            got = fastattn.linear_attention(*qkv, causal=causal, backend="cython")
+            np.testing.assert_array_equal(got, want)
+            now = cy._linear._scratch_arrays.arrays["workspace"]
+            if kept is not None and kept.shape == now.shape:
+                assert now is kept                                          # reused
 
-        errors = []
+        errors, held = [], []
 
         def worker(order):
             try:
@@ -699,14 +722,18 @@ def test_linear_scratch_arrays_are_kept_per_thread_and_never_change_an_answer():
                         got = fastattn.linear_attention(*inputs[i], causal=shapes[i][1],
                                                         backend="cython")
                         np.testing.assert_array_equal(got, first[i])
+                held.append(cy._linear._scratch_arrays.arrays["workspace"])
             except AssertionError as exc:       # pragma: no cover - reported below
                 errors.append(exc)
 
-        threads = [threading.Thread(target=worker, args=(order,)) for order in ([0, 1, 2], [2, 0, 1])]
-        for t in threads:
+        workers = [threading.Thread(target=worker, args=(order,))
+                   for order in ([0, 1, 2], [2, 1, 0])]
+        for t in workers:
             t.start()
-        for t in threads:
+        for t in workers:
             t.join()
         assert not errors, errors[0]
+        assert len(held) == 2 and held[0] is not held[1]          # each thread its own
+        assert cy._linear._scratch_arrays.arrays["workspace"] is not held[0]
     finally:
         cy.set_num_threads(before)

@@ -204,9 +204,11 @@ def linear_forward(q, k, v, feature_map, causal, eps, S0=None, z0=None):
         n_threads * per_thread * q.dtype.itemsize,
         f"the Cython linear kernel, for the workspace of its {n_threads} thread(s) at "
         f"{d_k:,} features,", advice="give fewer features (D) or use backend='numba'")
-    # A float32 output is checked for inf and NaN (fastattn.feature_maps asks, through
-    # output_finite) by the kernel, each chunk's rows as they are finished.
-    check = q.dtype == np.float32
+    # A float32 output of an elementwise map is checked for inf and NaN (fastattn.feature_maps
+    # asks, through output_finite) by the kernel, each chunk's rows as they are finished.  Not
+    # "identity": a map may rewrite rows of the output after the call (FAVOR+'s exact causal
+    # rows), and a verdict on the kernel's rows would not be one on the answer.
+    check = q.dtype == np.float32 and feature_map != "identity"
     # Linear attention's products are register-blocked when d_v is whole vectors.
     with _blas_guard(n_threads, q.dtype, d_v):
         result = linear_attention_forward(q, k, v, feature_map, causal, eps, S0, z0,
@@ -226,11 +228,12 @@ _checked = threading.local()
 def output_finite(out):
     """Whether every element of ``out`` is finite, exactly.
 
-    The output of this thread's last float32 linear call (``out`` itself, not a copy or a
-    view): the verdict of its kernel, which checked each chunk's rows as it finished them,
-    while they were in cache; no pass here.  Else, for a C-contiguous float32 or float64
-    array its blocks are checked on the kernel threads (``linear.all_finite_parallel``),
-    with no temporary; else :func:`fastattn._overflow.output_finite`.
+    The output of this thread's last float32 linear call with an elementwise map (``out``
+    itself, not a copy or a view, as the kernel left it): the verdict of its kernel, which
+    checked each chunk's rows as it finished them, while they were in cache; no pass here.
+    Else, for a C-contiguous float32 or float64 array its blocks are checked on the kernel
+    threads (``linear.all_finite_parallel``), with no temporary; else
+    :func:`fastattn._overflow.output_finite`.
 
     The kernel's check took 2.5-6.7 % of a float32 call's time as a pass of its own
     (``all_finite_parallel`` after the call: (1, 1, 4096, 64) to (1, 8, 16384, 64) and
