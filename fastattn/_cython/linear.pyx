@@ -429,6 +429,13 @@ cdef const floating *_query_chunk(const floating *q, int i0, int i1, int d_k, in
     return phi
 
 
+cdef inline void _note_nonfinite(const floating *rows, Py_ssize_t n, int *bad) noexcept nogil:
+    """``bad[0] = 1`` when ``rows[0:n]`` (finished rows of an output) hold an inf or NaN;
+    no check when ``bad`` is NULL."""
+    if bad != NULL and not all_finite(rows, n):
+        bad[0] = 1
+
+
 cdef inline Py_ssize_t _noncausal_workspace(int chunk, int d_k) noexcept nogil:
     """Elements a thread of :func:`_noncausal` uses: a chunk's features (``chunk d_k``)
     and its denominators (``chunk``)."""
@@ -469,6 +476,7 @@ def _noncausal(
     cdef floating *buf = NULL   # per-thread workspace, set in the parallel block
     cdef floating total
     cdef int *bad = &nonfinite[0] if nonfinite.shape[0] > 0 else NULL
+    cdef int *thread_bad = NULL
     cdef bint micro = simd_rows(d_v, buf)   # the register-blocked products, else BLAS
     if micro and code == ELU:
         code = ELU_SIMD
@@ -476,6 +484,7 @@ def _noncausal(
     # No more threads than work items: an idle thread only spins at the barriers.
     with nogil, parallel(num_threads=max(1, min(n_threads, n_batch * max(n_seg, n_chunks)))):
         buf = &workspace[0] + threadid() * per_thread
+        thread_bad = bad + threadid() if bad != NULL else NULL
         for item in prange(n_batch * n_seg, schedule="dynamic"):
             b = item // n_seg
             s = item % n_seg
@@ -502,8 +511,7 @@ def _noncausal(
             _query_chunk(&q[b, 0, 0], i0, i1, d_k, d_v, code, &S[b, 0, 0], &z[b, 0],
                          &out[b, 0, 0], buf, buf + chunk * d_k, True, <floating> eps, micro,
                          min(chunk, n_q - i1) if (item + 1) % _QUERY_RUN else 0)
-            if bad != NULL and not all_finite(&out[b, i0, 0], <Py_ssize_t> (i1 - i0) * d_v):
-                bad[threadid()] = 1
+            _note_nonfinite(&out[b, i0, 0], <Py_ssize_t> (i1 - i0) * d_v, thread_bad)
 
 
 cdef inline Py_ssize_t _segment_buffer(int chunk, int d_k) noexcept nogil:
@@ -659,9 +667,8 @@ cdef void _causal_segment(const floating *q, const floating *k, const floating *
                 folded = p1
         elif keep:
             memset(den_keep + i0, 0, rows * sizeof(floating))   # and the rows are 0
-        if bad != NULL and not keep and not all_finite(out + <Py_ssize_t> i0 * d_v,
-                                                       <Py_ssize_t> rows * d_v):
-            bad[0] = 1
+        if not keep:
+            _note_nonfinite(out + <Py_ssize_t> i0 * d_v, <Py_ssize_t> rows * d_v, bad)
     if last:
         _fold_keys(k, v, folded, n_k, d_k, d_v, code, chunk, S, z, k_buf, micro)
 
@@ -801,9 +808,7 @@ def _causal(
                              &out[b, 0, 0], buf, buf + chunk * d_k, True, e, micro,
                              min(chunk, n_q - i1) if (item + 1) % _QUERY_RUN else 0,
                              &den_keep[b, i0], True)
-                if thread_bad != NULL and not all_finite(&out[b, i0, 0],
-                                                         <Py_ssize_t> (i1 - i0) * d_v):
-                    thread_bad[0] = 1
+                _note_nonfinite(&out[b, i0, 0], <Py_ssize_t> (i1 - i0) * d_v, thread_bad)
 
 
 def _takes_products(int d_v, dtype):

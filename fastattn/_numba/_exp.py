@@ -17,9 +17,8 @@ Measured here (float32, 1 thread, loaded machine): ``fast_exp`` 1.5 and
 ``fast_exp_nonpositive`` 1.9 G elements/s against 0.2-0.5 for NumPy's exp;
 float64 about 0.2 and 0.4.
 
-Numba's cache keys a kernel on its own source file only: after editing this
-module, delete the kernels' caches (``*.nbi``/``*.nbc`` under
-``fastattn/_numba/__pycache__``) or they keep the old exp.
+The kernels' disk caches do not see an edit of this module: see
+:mod:`fastattn._numba.config`.
 """
 
 
