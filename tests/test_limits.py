@@ -4,6 +4,7 @@ hand, and the probes' records (never their speed)."""
 import pytest
 
 from fastattn.bench import limits
+from fastattn.bench.flops import attention_flops
 
 SOFTMAX_DECODE = dict(attention="softmax", regime="decode", dtype="float32", batch=1, heads=8,
                       n_q=1, n_k=8192, d_k=64, d_v=64)
@@ -17,6 +18,14 @@ RECORDS = [{"probe": "peak", "dtype": "float32", "gflops": 100.0},
 def test_softmax_ceiling_counts_the_products_against_the_extra_operations():
     assert limits.softmax_ceiling(64) == pytest.approx(128 / 140)
     assert limits.softmax_ceiling(128) > limits.softmax_ceiling(64) > limits.softmax_ceiling(32)
+
+
+def test_linear_ceiling_counts_the_products_against_the_map():
+    # non-causal: 2 n d^2 multiply-adds a head over the 2 n d elements of q and k mapped
+    flops = attention_flops("linear", 512, 512, 32, 32, causal=False)
+    map_slots = limits.LINEAR_ELU_OPS * (512 + 512) * 32
+    assert limits.linear_ceiling(32) == pytest.approx((flops / 2) / (flops / 2 + map_slots))
+    assert limits.linear_ceiling(128) > limits.linear_ceiling(64) > limits.linear_ceiling(32)
 
 
 def test_point_bytes_are_the_inputs_and_the_output_once():
@@ -80,6 +89,7 @@ def test_the_statements_name_each_limit_and_the_softmax_ceiling():
            "probed: OpenBLAS 80.0)" in text
     assert "memory floor, 1 thread: 50 GB/s at 1 MiB, 10 GB/s at 32 MiB" in text
     assert "would hold it to 91% of the peak at d = 64" in text
+    assert "would reach at most 67% of the peak at d = 32, 80% at 64 (89% at 128)" in text
     assert limits.statements([]) == []
 
 

@@ -31,6 +31,19 @@ def softmax_ceiling(d):
     return 2 * d / (2 * d + SOFTMAX_EXTRA_OPS)
 
 
+#: Operations per element of q and k of linear attention's elu+1 map, in the same slots: an exp
+#: by polynomial (15 vector operations a vector, as compiled), the keys' sums, the denominator.
+LINEAR_ELU_OPS = 16
+
+
+def linear_ceiling(d):
+    """Non-causal elu+1 linear attention's fraction of the GEMM peak at ``d_k = d_v = d`` when
+    its map's operations take the FMA units too (Intel's AVX-512 cores: ports 0 and 5 run every
+    512-bit operation): its products are ``d`` multiply-adds per mapped element (``2 n d²`` a
+    head), so ``d / (d + LINEAR_ELU_OPS)`` (67 % at d = 32, 80 % at 64)."""
+    return d / (d + LINEAR_ELU_OPS)
+
+
 def point_bytes(spec, feature_dim=None):
     """Bytes a point's call moves at least: ``q``, ``k``, ``v`` read and the output written
     once; a linear decode step reads and writes its state (``D`` features) instead of the
@@ -199,5 +212,11 @@ def statements(records):
                      f"products they would hold it to {softmax_ceiling(64):.0%} of the peak at "
                      f"d = 64 ({softmax_ceiling(128):.0%} at 128); a kernel overlapping them with "
                      f"the products goes higher, and the peak is the fastest GEMM measured, not "
-                     f"the cores' FMA peak, which a register-blocked kernel can pass.")
+                     f"the cores' FMA peak, which a register-blocked kernel can pass. Linear "
+                     f"attention's flops count its products, d multiply-adds per element of q "
+                     f"and k; its elu+1 map adds about {LINEAR_ELU_OPS} operations per element, "
+                     f"so where they take the FMA units too (as every 512-bit operation does on "
+                     f"Intel's AVX-512 cores) it would reach at most {linear_ceiling(32):.0%} "
+                     f"of the peak at d = 32, {linear_ceiling(64):.0%} at 64 "
+                     f"({linear_ceiling(128):.0%} at 128), non-causal.")
     return lines
