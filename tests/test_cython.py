@@ -334,16 +334,19 @@ def test_output_finite_finds_one_inf_or_nan_in_any_block(dtype, threads):
     before = cy.get_num_threads()
     try:
         cy.set_num_threads(threads)
+        info = np.finfo(dtype)
+        # every sign and size a finite number comes in: the largest, subnormal, -0
+        extremes = np.array([info.max, -info.max, info.smallest_subnormal, -0.0, -1], dtype)
         for n in (0, 1, block - 1, block, block + 1, 5 * block + 3):
-            x = np.ones((n,), dtype)
+            x = np.resize(extremes, n)
             assert cy.output_finite(x.reshape(1, 1, -1)) is True
             assert cy._linear.all_finite_parallel(x, threads) is True    # the blocks, always
             for pos in sorted({0, n - 1, block - 1, block, n // 2, 4 * block} & set(range(n))):
-                for bad in (np.inf, -np.inf, np.nan):
-                    x[pos] = bad
+                for bad in (np.inf, -np.inf, np.nan, -np.nan):
+                    keep, x[pos] = x[pos], bad
                     assert cy.output_finite(x.reshape(1, 1, -1)) is False, (n, pos, bad)
                     assert cy._linear.all_finite_parallel(x, threads) is False, (n, pos, bad)
-                    x[pos] = 1
+                    x[pos] = keep
         # Not the kernels' own layout: a strided view, read-only, another dtype.
         x = np.ones((4, 2 * block), dtype)
         x[1, 2 * block - 1] = np.inf
