@@ -191,7 +191,7 @@ class FeatureMap:
         """
         if q.dtype != np.float32:
             return self.forward_in_dtype(module, feats, q, k, v, causal, eps, S0, z0)
-        if self.state_may_underflow(feats, k, v):
+        if self.features_may_overflow(q, k) or self.state_may_underflow(feats, k, v):
             return self._forward_wide(module, feats, q, k, v, causal, eps, S0, z0)
         # The reference warns of the overflow the float64 call below repairs (the compiled
         # backends never warn): quiet, as they are.
@@ -209,6 +209,11 @@ class FeatureMap:
         with np.errstate(over="ignore"):   # beyond float32's range: inf, as the dtype says
             return tuple(x.astype(np.float32) for x in
                          self.forward_in_dtype(module, wide, q, k, v, causal, eps, S0, z0))
+
+    def features_may_overflow(self, q, k):
+        """Whether float32 features of these ``q``, ``k`` may be wrong in a way the output
+        does not show (False here: see :meth:`Favor.features_may_overflow`)."""
+        return False
 
     def state_may_underflow(self, feats, k, v):
         """Whether a float32 state ``S = Σ φ(k_j)ᵀ v_j`` of these inputs may lose products to
@@ -359,6 +364,18 @@ class Favor(FeatureMap):
 
     def bind(self, d_k, d_k_of="q and k have"):
         return _default_favor(d_k)
+
+    def features_may_overflow(self, q, k):
+        """Whether ``‖x‖²`` of a row of the float32 ``q`` or ``k`` may overflow.
+
+        FAVOR+'s exponent ``ω x' − ‖x'‖² / 2`` is then −inf and the row's features 0: the
+        answer comes out 0 and finite (``q`` and ``k`` of 1e19 and up at ``d_k = 8``), where
+        float64 holds the norm.  ``‖x‖² <= d_k max|x|²``, so two passes over each of ``q`` and
+        ``k`` (1.4-3.4 % of a float32 call) clear every call whose largest ``|x|`` is below
+        ``sqrt(3.4e38 / d_k)``; an inf goes to float64 too, a NaN does not (it stays in the
+        rows that see it either way)."""
+        limit = math.sqrt(float(np.finfo(np.float32).max) / max(q.shape[-1], 1))
+        return any(x.size and max(float(x.max()), -float(x.min())) >= limit for x in (q, k))
 
 
 class FavorFeatures(Favor):

@@ -508,3 +508,35 @@ def test_the_scaled_query_is_the_float64_product_rounded_once(dtype, scale):
     want = (q.astype(np.float64) * scale).astype(dtype)
     assert rest == 1.0 and got.dtype == dtype
     np.testing.assert_array_equal(got.view(f"u{q.itemsize}"), want.view(f"u{q.itemsize}"))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("size", [1e19, 1e30])
+def test_favor_queries_and_keys_whose_norms_overflow_float32_keep_their_answer(
+        backend, size, causal):
+    # ‖x‖² of q and k beyond float32's range made every FAVOR+ exponent -inf and the answer
+    # 0 and finite on every backend (the rows whose norm overflowed were lost, so nothing
+    # showed): float64 holds the norms, and its answer, rounded, is the float32 one.
+    q, k, v = make_qkv((2, 16, 8), dtype=np.float32, seed=0)
+    q, k = q * np.float32(size), k * np.float32(size)
+    out = fastattn.linear_attention(q, k, v, feature_map="favor", causal=causal,
+                                    backend=backend)
+    want = fastattn.linear_attention(*(x.astype(np.float64) for x in (q, k, v)),
+                                     feature_map="favor", causal=causal, backend="reference")
+    assert out.dtype == np.float32 and np.abs(want).max() > 0.5
+    assert_close(out, want, dtype=np.float32)
+
+
+def test_favor_goes_to_float64_only_where_a_float32_norm_may_overflow():
+    from fastattn.feature_maps import Favor
+
+    d_k = 8
+    limit = math.sqrt(np.finfo(np.float32).max / d_k)   # ‖x‖² <= d_k max|x|²
+    x = np.ones((1, 4, d_k), np.float32)
+    for top, wide in ((1e3, False), (limit / 2, False), (limit * 1.01, True), (np.inf, True),
+                      (-np.inf, True), (np.nan, False)):
+        for which in (0, 1):
+            qk = [x.copy(), x.copy()]
+            qk[which][0, 2, 3] = top
+            assert Favor().features_may_overflow(*qk) is wide, (top, which)
+    assert Favor().features_may_overflow(x[:, :0], x[:, :0]) is False
