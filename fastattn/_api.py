@@ -91,8 +91,8 @@ def softmax_attention(q, k, v, *, causal=False, scale=None, backend="auto"):
         return np.zeros(out_shape, dtype=result)
     out = _overflow.finite_softmax(
         lambda q, k, v: module.softmax_forward(q, k, v, causal, scale),
-        _checks.as_kernel_input(q, dtype), _checks.as_kernel_input(k, dtype),
-        _checks.as_kernel_input(v, dtype))
+        _checks.as_kernel_input(q, dtype, "q"), _checks.as_kernel_input(k, dtype, "k"),
+        _checks.as_kernel_input(v, dtype, "v"))
     if out.shape == out_shape and out.dtype is result:   # (B, n_q, d_v) as computed
         return out
     return out.reshape(out_shape).astype(result, copy=False)
@@ -283,15 +283,15 @@ def linear_attention(
         # cannot fit, and took 23 s to form before this refusal.
         reference.check_causal_linear_fits(math.prod(batch_shape), n_q, n_k, d_v,
                                            np.dtype(dtype).itemsize, D or 0, fmap.elementwise)
-    qq, kk = _checks.as_kernel_input(q, dtype), _checks.as_kernel_input(k, dtype)
+    qq, kk = _checks.as_kernel_input(q, dtype, "q"), _checks.as_kernel_input(k, dtype, "k")
     feats = fmap.features(module, qq, kk, batch_shape, z0)
     if D is None:
         D = feats.num_features
         S0, z0 = _checks.check_state(initial_state, batch_shape, D, d_v, dtype,
                                      _checks.dim_name(fmap), fmap)
         _checks.check_state_fits(batch_shape, D, d_v, 0, 0, dtype, fmap)
-    out, S, z = fmap.forward(module, feats, qq, kk, _checks.as_kernel_input(v, dtype), causal,
-                             eps, S0, z0)
+    vv = _checks.as_kernel_input(v, dtype, "v")
+    out, S, z = fmap.forward(module, feats, qq, kk, vv, causal, eps, S0, z0)
     out = out.reshape(batch_shape + (n_q, d_v)).astype(result, copy=False)
     if not return_state:
         return out
@@ -376,7 +376,7 @@ def attention_weights(
                "or compute the attention itself with softmax_attention or linear_attention, "
                "which need O(n d) memory",
     )
-    qq, kk = _checks.as_kernel_input(q, dtype), _checks.as_kernel_input(k, dtype)
+    qq, kk = _checks.as_kernel_input(q, dtype, "q"), _checks.as_kernel_input(k, dtype, "k")
     if kind == "softmax":
         qq, scale = _overflow.kernel_query(qq, scale)
         weights, _ = reference.softmax_weights(qq, kk, causal, scale)

@@ -112,8 +112,10 @@ def check_qkv(q, k, v=None):
     return q.shape[:-2], COMPUTE_DTYPES[result], result
 
 
-def as_kernel_input(x, dtype):
-    """``x`` as a C-contiguous, aligned, writeable array of ``dtype`` with one batch dim."""
+def as_kernel_input(x, dtype, name="an input"):
+    """``x`` as a C-contiguous, aligned, writeable array of ``dtype`` with one batch dim;
+    MemoryError naming ``name`` when a copy it needs (a broadcast view, another dtype) would
+    not fit in the memory available."""
     if type(x) is not np.ndarray:
         x = np.asarray(x)  # a subclass (np.matrix, np.memmap) computes as the plain array
     if x.ndim != 3:
@@ -121,6 +123,10 @@ def as_kernel_input(x, dtype):
     flags = x.flags
     if x.dtype == dtype and flags.c_contiguous and flags.aligned and flags.writeable:
         return x
+    reference.check_fits_in_memory(
+        x.size * np.dtype(dtype).itemsize,
+        f"a C-contiguous {np.dtype(dtype).name} copy of {name} (of {x.size:,} elements)",
+        advice=f"pass a smaller {name}: a broadcast or strided view is copied to compute")
     return np.require(x, dtype=dtype, requirements=["C", "A", "W"])
 
 

@@ -266,7 +266,7 @@ class KVCache:
         v = self._v.reshape(B, self.capacity, self.d_v)
         out = _overflow.finite_softmax(
             lambda q, k, v: decode.cache_softmax_forward(q, k, v, causal, scale, self.length),
-            _checks.as_kernel_input(q, dtype), k, v,
+            _checks.as_kernel_input(q, dtype, "q"), k, v,
             seen=(k[:, :self.length], v[:, :self.length]))
         return out.reshape(batch_shape + (n_q, self.d_v)).astype(result, copy=False)
 

@@ -540,3 +540,17 @@ def test_favor_goes_to_float64_only_where_a_float32_norm_may_overflow():
             qk[which][0, 2, 3] = top
             assert Favor().features_may_overflow(*qk) is wide, (top, which)
     assert Favor().features_may_overflow(x[:, :0], x[:, :0]) is False
+
+
+
+@pytest.mark.parametrize("attention", ["softmax", "linear"])
+@pytest.mark.parametrize("which", ["q", "k"])
+def test_a_broadcast_input_too_large_to_copy_is_refused_by_name(attention, which):
+    # A 0-stride view of 2**40 rows costs nothing to pass, but the kernels copy it: the
+    # refusal names the argument (it came from inside NumPy's asarray, naming none).
+    small = np.ones((1, 1, 8), np.float32)
+    huge = np.broadcast_to(np.float32(1), (1, 2**40, 8))
+    q, k, v = (huge, small, small) if which == "q" else (small, huge, huge)
+    call = getattr(fastattn, f"{attention}_attention")
+    with pytest.raises(MemoryError, match=f"copy of {which} .* pass a smaller {which}:"):
+        call(q, k, v)
