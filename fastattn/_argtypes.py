@@ -39,9 +39,12 @@ def positive_int(text):
     return _int_at_least(text, 1, "a positive integer")
 
 
-def nonnegative_int(text):
-    """argparse type: an integer of at least 0 (a seed), with a message naming the bad value."""
-    return _int_at_least(text, 0, "an integer >= 0")
+def seed(text):
+    """argparse type: a NumPy seed, 0 to 2**32 - 1, with a message naming the bad value."""
+    value = _int(text, "a seed, an integer from 0 to 2**32 - 1")
+    if not 0 <= value < 2**32:
+        raise argparse.ArgumentTypeError(f"expected a seed from 0 to 2**32 - 1, got {value}")
+    return value
 
 
 def thread_count(text):

@@ -239,8 +239,10 @@ def set_num_threads(n_threads):
 
     Raises
     ------
+    TypeError
+        If ``n_threads`` is not an integer (a bool is not).
     ValueError
-        If ``n_threads`` is not an integer in that range.
+        If it is not in that range.
     """
     _threads.apply(_threads.check_num_threads(n_threads))
 
@@ -276,7 +278,7 @@ class num_threads(contextlib.ContextDecorator):
 
     Raises
     ------
-    ValueError
+    TypeError, ValueError
         As :func:`set_num_threads`, when made.
     """
 

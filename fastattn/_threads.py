@@ -239,13 +239,16 @@ def check_num_threads(n_threads):
 
     Raises
     ------
+    TypeError
+        If ``n_threads`` is not an integer (a bool is not).
     ValueError
-        If ``n_threads`` is not an integer from 1 to
-        ``MAX_THREADS_PER_CORE`` times the usable cores.
+        If it is not from 1 to ``MAX_THREADS_PER_CORE`` times the usable cores.
     """
     limit = MAX_THREADS_PER_CORE * default_num_threads()
-    if isinstance(n_threads, (bool, np.bool_)) or not isinstance(n_threads, numbers.Integral) \
-            or not 1 <= n_threads <= limit:
+    if isinstance(n_threads, (bool, np.bool_)) or not isinstance(n_threads, numbers.Integral):
+        raise TypeError(f"n_threads must be an integer from 1 to {limit}, got "
+                        f"{type(n_threads).__name__} {n_threads!r}")
+    if not 1 <= n_threads <= limit:
         raise ValueError(
             f"n_threads must be an integer from 1 to {limit} ({MAX_THREADS_PER_CORE} per "
             f"usable core; this process may use {default_num_threads()}), got {n_threads!r}"

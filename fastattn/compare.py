@@ -328,11 +328,13 @@ def seed_experiment_bytes(n, d, per_score):
 
 def _check_seed_experiment(n, d, seed, per_score):
     """Validate the seed experiment's arguments; MemoryError if it cannot fit."""
+    for value, name in ((n, "n"), (d, "d"), (seed, "seed")):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
     for value, name in ((n, "n"), (d, "d")):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        if value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) \
-            or not 0 <= seed < 2**32:
+    if not 0 <= seed < 2**32:
         raise ValueError(f"seed must be an int from 0 to 2**32 - 1, got {seed!r}")
     n, d = int(n), int(d)
     reference.check_fits_in_memory(
@@ -383,7 +385,7 @@ def seed_inputs(n, d, seed=42):
 
     Raises
     ------
-    ValueError
+    TypeError, ValueError
         For a bad ``n``, ``d`` or ``seed``, as :func:`compare` does.
     MemoryError
         Before drawing, when the inputs cannot fit, as :func:`compare` does.
@@ -415,9 +417,10 @@ def compare(n=64, d=32, seed=42):
 
     Raises
     ------
+    TypeError
+        If ``n``, ``d`` or ``seed`` is not an int (a bool is not).
     ValueError
-        If ``n`` or ``d`` is not a positive int, or ``seed`` not an int from
-        0 to ``2**32 - 1``.
+        If ``n`` or ``d`` is below 1, or ``seed`` not from 0 to ``2**32 - 1``.
     MemoryError
         Before any work, when the inputs, the ``n x n`` weight matrices and
         the metrics' temporaries (about ``41 n²`` bytes) cannot fit in the available memory; the

@@ -115,17 +115,22 @@ def test_cli_compare_prints_the_seed_experiment(capsys):
     assert f"{expected.magnitude_ratio:.4g}" in text
 
 
-def test_cli_refuses_a_bad_size(capsys):
+@pytest.mark.parametrize("argv, why", [
+    (["--n", "0"], "positive integer"),
+    (["--seed", "-1"], "expected a seed from 0 to 2**32 - 1, got -1"),   # as --help says
+    (["--seed", "4294967296"], "expected a seed from 0 to 2**32 - 1, got 4294967296"),
+    (["--seed", "x"], "expected a seed, an integer from 0 to 2**32 - 1, got 'x'"),
+])
+def test_cli_refuses_a_bad_size_or_seed(argv, why, capsys):
     from fastattn.cli import main
 
     with pytest.raises(SystemExit) as info:
-        main(["compare", "--n", "0"])
+        main(["compare", *argv])
     assert info.value.code == 2
-    assert "positive integer" in capsys.readouterr().err
+    assert why in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv, why", [
-    (["--seed", "99999999999"], "seed must be an int from 0 to 2**32 - 1"),
     (["--n", "3", "--d", "100000"], "n=3, d=100000"),   # a d x d state of 40 GB
 ])
 def test_cli_compare_refuses_what_cannot_run_with_a_message(argv, why, capsys):
@@ -146,6 +151,12 @@ def test_thread_counts_are_bounded_and_numpy_ints_accepted():
         fastattn.set_num_threads(MAX_THREADS_PER_CORE * default_num_threads() + 1)
     with fastattn.num_threads(np.int64(1)):
         assert fastattn.get_num_threads()["requested"] == 1
+    assert fastattn.get_num_threads() == before
+    for wrong in ("2", 2.0, True, None):
+        with pytest.raises(TypeError, match=r"n_threads must be an integer from 1 to .*, got"):
+            fastattn.set_num_threads(wrong)
+        with pytest.raises(TypeError, match="n_threads"):
+            fastattn.num_threads(wrong)
     assert fastattn.get_num_threads() == before
 
 

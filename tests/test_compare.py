@@ -60,7 +60,12 @@ def test_compare_refuses_bad_sizes():
     with pytest.raises(ValueError, match="n must be a positive int"):
         fastattn.compare(0, 4)
     with pytest.raises(ValueError, match="d must be a positive int"):
-        fastattn.compare(4, 2.5)
+        fastattn.compare(4, -1)
+    with pytest.raises(ValueError, match=r"seed must be an int from 0 to 2\*\*32 - 1"):
+        fastattn.compare(4, 4, seed=2**32)
+    for args, name in (((4, 2.5), "d"), (("8", 4), "n"), ((4, 4, 1.0), "seed"), ((True, 4), "n")):
+        with pytest.raises(TypeError, match=f"{name} must be an int, got"):
+            fastattn.compare(*args)
 
 
 def test_quality_never_turns_nan_or_inf_into_a_finite_number():
