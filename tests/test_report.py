@@ -736,7 +736,7 @@ def test_environment_shows_every_field_of_the_record():
     assert texts[LABELS.get("versions.numpy", "versions.numpy")] == "2.0.1"
     assert texts[LABELS.get("backends", "backends")] == "reference, cython"
     assert texts[LABELS.get("blas", "blas")] == "openblas 0.3.27, 2 threads"
-    assert texts["zz_new_field.a"] == "1" and texts["zz_new_field.b"] == "yes"  # never heard of
+    assert texts["Zz new field, a"] == "1" and texts["Zz new field, b"] == "yes"  # never heard of
     assert not any(label in ("schema", "record") for label, _ in rows)
 
 
@@ -749,9 +749,13 @@ def test_labelled_environment_fields_come_first_and_the_rest_by_path():
     rows, rest = environment_rows(env, labels)
     assert rows == [("PyTorch", "not installed"), ("CPU", "Z80"),
                     ("Memory", "2 GiB total, 1 GiB available at the start")]
-    assert rest == [("zeta", "1"), ("versions.numpy", "2.0"), ("versions.jax", "–")]
+    assert rest == [("Zeta", "1"), ("numpy version", "2.0"), ("jax version", "not installed")]
     # Without a labelled field, every field is a row.
-    assert environment_rows({"zeta": 1}, {"cpu_model": "CPU"}) == ([("zeta", "1")], [])
+    assert environment_rows({"zeta": 1}, {"cpu_model": "CPU"}) == ([("Zeta", "1")], [])
+    # The fields a run records beyond the schema's labels, in words.
+    _, rest = environment_rows({"cpu_model": "Z80", "run_id": "6724a6399f46",
+                                "absent_peers": {"jax": "pip install jax"}})
+    assert rest == [("Run id", "6724a6399f46"), ("How to install the jax peer", "pip install jax")]
 
 
 def test_busy_machine_fits_use_the_fastest_repeat():

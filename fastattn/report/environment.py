@@ -49,10 +49,24 @@ def _field_text(env, path, value):
     return value_text(value)
 
 
+#: Words for fields the schema does not label, by top-level key (``{sub}``: the key within).
+REST_WORDS = {"versions": "{sub} version", "absent_peers": "How to install the {sub} peer"}
+
+
+def rest_label(key, sub=None):
+    """A field without a schema label in words: ``versions.jax`` "jax version", an unknown
+    ``run_id`` "Run id", ``new_field.a`` "New field, a"."""
+    if key in REST_WORDS and sub is not None:
+        return REST_WORDS[key].format(sub=sub)
+    text = key.replace("_", " ")
+    return text[:1].upper() + text[1:] + ("" if sub is None else f", {sub}")
+
+
 def environment_rows(env, labels=None):
     """``rows, rest`` of the environment record ``env``: ``(label, text)`` of each field of
     ``labels`` (``{dotted path: label}``, default :data:`LABELS`) it holds, in their order,
-    and ``(dotted path, text)`` of every other field (``rest`` is ``rows`` without a label)."""
+    and ``(words, text)`` of every other field (:func:`rest_label`; ``rest`` is ``rows``
+    without a label)."""
     rows, used = [], {"memory_available_bytes", "schema", "record"}
     for path, label in (LABELS if labels is None else labels).items():
         key, _, sub = path.partition(".")
@@ -66,8 +80,7 @@ def environment_rows(env, labels=None):
         for sub, item in items:
             path = key if sub is None else f"{key}.{sub}"
             if path not in used and key not in used:
-                rest.append((path, _field_text(env, path, item) if sub is None
-                             else value_text(item)))
+                rest.append((rest_label(key, sub), _field_text(env, path, item)))
     return (rows, rest) if rows else (rest, [])
 
 
