@@ -795,3 +795,20 @@ def test_linear_overflowing_features_give_nan_rows_in_float64_and_float64_answer
         feature_map=feature_map, backend="reference")
     assert big.dtype == np.float32 and np.isfinite(wide).all()
     assert_close(big, wide, dtype=np.float32)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_row_whose_every_logit_is_minus_inf_is_zero(backend, causal):
+    # Keys of -inf against a positive query: every logit -inf, no key of any weight, so the
+    # row is 0 as a row that sees no key (docs/numerics.md); one finite key takes it all.
+    q = np.ones((2, 5, 4), np.float32)
+    k = np.full((2, 5, 4), -np.inf, np.float32)
+    v = np.arange(2 * 5 * 3, dtype=np.float32).reshape(2, 5, 3) + 1
+    out = fastattn.softmax_attention(q, k, v, causal=causal, backend=backend)
+    np.testing.assert_array_equal(out, np.zeros((2, 5, 3), np.float32))
+    k[:, 2] = 0.0   # rows that see key 2 take its value; the rows before it stay 0
+    out = fastattn.softmax_attention(q, k, v, causal=causal, backend=backend)
+    seen = slice(2, None) if causal else slice(None)
+    np.testing.assert_array_equal(out[:, seen], np.broadcast_to(v[:, 2:3], out[:, seen].shape))
+    if causal:
+        np.testing.assert_array_equal(out[:, :2], 0)
