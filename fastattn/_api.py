@@ -381,6 +381,11 @@ def attention_weights(
         qq, scale = _overflow.kernel_query(qq, scale)
         weights, _ = reference.softmax_weights(qq, kk, causal, scale)
     else:
+        # FAVOR+ keys whose float32 norms may overflow: their features in float64, as in
+        # linear_attention (FeatureMap.features_may_overflow), the weights rounded.
+        wide = qq.dtype == np.float32 and fmap.features_may_overflow(qq, kk)
+        if wide:
+            qq, kk = qq.astype(np.float64), kk.astype(np.float64)
         feats = fmap.features(reference, qq, kk, batch_shape)
         if feats is None:
             weights = reference.linear_weights(qq, kk, fmap.elementwise, causal, eps)
@@ -388,4 +393,6 @@ def attention_weights(
             weights = reference.linear_weights(feats.q, feats.k, "identity", causal, eps)
             if causal and feats.key_shift is not None:
                 feature_maps.exact_causal_weights(fmap, feats, qq, kk, eps, weights)
+        if wide:
+            weights = weights.astype(np.float32)
     return weights.reshape(out_shape)

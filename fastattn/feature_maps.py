@@ -366,16 +366,19 @@ class Favor(FeatureMap):
         return _default_favor(d_k)
 
     def features_may_overflow(self, q, k):
-        """Whether ``‖x‖²`` of a row of the float32 ``q`` or ``k`` may overflow.
+        """Whether ``‖k_j‖²`` of a row of the float32 ``k`` may overflow.
 
-        FAVOR+'s exponent ``ω x' − ‖x'‖² / 2`` is then −inf and the row's features 0: the
-        answer comes out 0 and finite (``q`` and ``k`` of 1e19 and up at ``d_k = 8``), where
-        float64 holds the norm.  ``‖x‖² <= d_k max|x|²``, so two passes over each of ``q`` and
-        ``k`` (1.4-3.4 % of a float32 call) clear every call whose largest ``|x|`` is below
-        ``sqrt(3.4e38 / d_k)``; an inf goes to float64 too, a NaN does not (it stays in the
-        rows that see it either way)."""
-        limit = math.sqrt(float(np.finfo(np.float32).max) / max(q.shape[-1], 1))
-        return any(x.size and max(float(x.max()), -float(x.min())) >= limit for x in (q, k))
+        FAVOR+'s key exponent ``ω k' − ‖k'‖² / 2`` is then −inf and the row's features 0: the
+        answer comes out 0 and finite (keys of 1e19 and up at ``d_k = 8``), where float64
+        holds the norm.  The queries' norms are never formed (constant along a row, they are
+        part of its shift), and a ``q`` whose ``q ω`` overflows makes the output NaN, which
+        sends the call to float64 anyway.  ``‖k‖² <= d_k max|k|²``, with a factor 2 for the
+        rounding of the float32 sum (beyond the limit by up to ``d_k`` roundings), so two
+        passes over ``k`` (under 2 % of a float32 call) clear every call whose largest
+        ``|k|`` is below ``sqrt(3.4e38 / (2 d_k))``, 4.6e18 at ``d_k = 8``; an inf goes to
+        float64 too, a NaN does not (it stays in the rows that see it either way)."""
+        limit = math.sqrt(float(np.finfo(np.float32).max) / (2 * max(k.shape[-1], 1)))
+        return bool(k.size) and max(float(k.max()), -float(k.min())) >= limit
 
 
 class FavorFeatures(Favor):

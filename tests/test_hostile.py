@@ -512,36 +512,59 @@ def test_the_scaled_query_is_the_float64_product_rounded_once(dtype, scale):
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("size", [1e19, 1e30])
-def test_favor_queries_and_keys_whose_norms_overflow_float32_keep_their_answer(
-        backend, size, causal):
-    # ‖x‖² of q and k beyond float32's range made every FAVOR+ exponent -inf and the answer
-    # 0 and finite on every backend (the rows whose norm overflowed were lost, so nothing
-    # showed): float64 holds the norms, and its answer, rounded, is the float32 one.
+def test_favor_keys_whose_norms_overflow_float32_keep_their_answer(backend, size, causal):
+    # ‖k‖² of every key beyond float32's range made every FAVOR+ key exponent -inf and the
+    # answer 0 and finite on every backend (nothing showed): float64 holds the norms, and
+    # its answer, rounded, is the float32 one.  (Causal rows were right by the exact
+    # causal recomputation.)  q of the same size: its norms are never formed.
     q, k, v = make_qkv((2, 16, 8), dtype=np.float32, seed=0)
-    q, k = q * np.float32(size), k * np.float32(size)
+    q, k = q * np.float32(size), np.float32(size) * (1 + np.float32(0.01) * k)
     out = fastattn.linear_attention(q, k, v, feature_map="favor", causal=causal,
                                     backend=backend)
     want = fastattn.linear_attention(*(x.astype(np.float64) for x in (q, k, v)),
                                      feature_map="favor", causal=causal, backend="reference")
     assert out.dtype == np.float32 and np.abs(want).max() > 0.5
     assert_close(out, want, dtype=np.float32)
+    weights = fastattn.attention_weights(q, k, kind="linear", feature_map="favor",
+                                         causal=causal)
+    want = fastattn.attention_weights(q.astype(np.float64), k.astype(np.float64),
+                                      kind="linear", feature_map="favor", causal=causal)
+    assert weights.dtype == np.float32 and want.max() > 0.5
+    assert_close(weights, want, dtype=np.float32)
 
 
-def test_favor_goes_to_float64_only_where_a_float32_norm_may_overflow():
+@pytest.mark.parametrize("d_k", [8, 20, 66, 77])
+def test_favor_keys_just_below_the_overflow_bound_stay_in_float32_and_right(backend, d_k):
+    # Every key at the largest float32 below the bound: the float32 sum of d_k squares
+    # rounds upward, so the bound leaves a factor 2 (at sqrt(3.4e38 / d_k) the sums
+    # overflowed for d_k = 20, 66 and 77 and the answer came out 0).
+    from fastattn.feature_maps import Favor
+
+    limit = math.sqrt(np.finfo(np.float32).max / (2 * d_k))
+    top = np.nextafter(np.float32(limit), np.float32(0))
+    q, _, v = make_qkv((1, 12, d_k), dtype=np.float32, seed=1)
+    k = np.full((1, 12, d_k), top, np.float32)   # every key's norm at the edge
+    assert not Favor().features_may_overflow(q, k)
+    out = fastattn.linear_attention(q, k, v, feature_map="favor", backend=backend)
+    want = fastattn.linear_attention(*(x.astype(np.float64) for x in (q, k, v)),
+                                     feature_map="favor", backend="reference")
+    assert np.abs(want).max() > 0.1
+    assert_close(out, want, dtype=np.float32)
+
+
+def test_favor_goes_to_float64_only_where_a_float32_key_norm_may_overflow():
     from fastattn.feature_maps import Favor
 
     d_k = 8
-    limit = math.sqrt(np.finfo(np.float32).max / d_k)   # ‖x‖² <= d_k max|x|²
+    limit = math.sqrt(np.finfo(np.float32).max / (2 * d_k))
     x = np.ones((1, 4, d_k), np.float32)
     for top, wide in ((1e3, False), (limit / 2, False), (limit * 1.01, True), (np.inf, True),
-                      (-np.inf, True), (np.nan, False)):
-        for which in (0, 1):
-            qk = [x.copy(), x.copy()]
-            qk[which][0, 2, 3] = top
-            assert Favor().features_may_overflow(*qk) is wide, (top, which)
+                      (-np.inf, True), (np.nan, False), (-limit * 1.01, True)):
+        k = x.copy()
+        k[0, 2, 3] = top
+        assert Favor().features_may_overflow(x, k) is wide, top
+        assert Favor().features_may_overflow(k, x) is False, top    # q's norms: never formed
     assert Favor().features_may_overflow(x[:, :0], x[:, :0]) is False
-
-
 
 @pytest.mark.parametrize("attention", ["softmax", "linear"])
 @pytest.mark.parametrize("which", ["q", "k"])
@@ -552,5 +575,11 @@ def test_a_broadcast_input_too_large_to_copy_is_refused_by_name(attention, which
     huge = np.broadcast_to(np.float32(1), (1, 2**40, 8))
     q, k, v = (huge, small, small) if which == "q" else (small, huge, huge)
     call = getattr(fastattn, f"{attention}_attention")
+    with pytest.raises(MemoryError, match=f"copy of {which} .* pass a smaller {which}:"):
+        call(q, k, v)
+    # Batch dims that do not merge into one: the reshape would copy first.
+    small4 = np.ones((2, 3, 1, 8), np.float32)
+    huge4 = np.broadcast_to(np.ones((2, 1, 1, 8), np.float32), (2, 3, 2**38, 8))
+    q, k, v = (huge4, small4, small4) if which == "q" else (small4, huge4, huge4)
     with pytest.raises(MemoryError, match=f"copy of {which} .* pass a smaller {which}:"):
         call(q, k, v)

@@ -511,7 +511,9 @@ def test_attention_weights_checks_options_of_the_other_kind(options, fragments):
 
 @pytest.mark.parametrize("seed", [-1, 2**32, 1.5, "42", None, True, [1, 2]], ids=repr)
 def test_compare_refuses_a_bad_seed_naming_it(seed):
-    _raises(ValueError, lambda: fastattn.compare(8, 4, seed=seed), "seed must be an int", repr(seed))
+    # Out of range: ValueError; not an int at all (a bool is not): TypeError.
+    exc = ValueError if isinstance(seed, int) and not isinstance(seed, bool) else TypeError
+    _raises(exc, lambda: fastattn.compare(8, 4, seed=seed), "seed must be an int", repr(seed))
 
 
 @pytest.mark.parametrize("n, d", [(10**9, 8), (10**6, 4)], ids=["n1e9-d8-inputs", "n1e6-d4-n-by-n"])
