@@ -89,7 +89,7 @@ def test_the_statements_name_each_limit_and_the_softmax_ceiling():
            "probed: OpenBLAS 80.0)" in text
     assert "memory floor, 1 thread: 50 GB/s at 1 MiB, 10 GB/s at 32 MiB" in text
     assert "would hold it to 91% of the peak at d = 64" in text
-    assert "would reach at most 67% of the peak at d = 32, 80% at 64 (89% at 128)" in text
+    assert "would reach at most 67% of the FMA peak at d = 32, 80% at 64 (89% at 128)" in text
     assert limits.statements([]) == []
 
 

@@ -217,6 +217,6 @@ def statements(records):
                      f"and k; its elu+1 map adds about {LINEAR_ELU_OPS} operations per element, "
                      f"so where they take the FMA units too (as every 512-bit operation does on "
                      f"Intel's AVX-512 cores) it would reach at most {linear_ceiling(32):.0%} "
-                     f"of the peak at d = 32, {linear_ceiling(64):.0%} at 64 "
+                     f"of the FMA peak at d = 32, {linear_ceiling(64):.0%} at 64 "
                      f"({linear_ceiling(128):.0%} at 128), non-causal.")
     return lines
