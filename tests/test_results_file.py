@@ -392,7 +392,7 @@ def test_report_from_a_record_with_n_of_10_to_the_30_is_refused_clearly(tmp_path
 
 # Found by a fresh-user trial: these went out as tracebacks (some after measuring).
 @pytest.mark.parametrize("argv, message", [
-    (["compare", "--n", "8", "--d", "4", "--seed", "-1"], "--seed: expected an integer >= 0"),
+    (["compare", "--n", "8", "--d", "4", "--seed", "-1"], "--seed: expected a seed from 0 to 2**32 - 1"),
     (["bench", "--n", str(10**20), "--backends", "reference"], "--n: expected a positive integer up to 2**53"),
     (["report", "--n", str(10**20)], "--n: expected a positive integer up to 2**53"),
     (["bench", "--startup", "--backends", "reference", "--repeats", "1", "--out", "{dir}"],
