@@ -118,20 +118,17 @@ def as_kernel_input(x, dtype, name="an input"):
     not fit in the memory available."""
     if type(x) is not np.ndarray:
         x = np.asarray(x)  # a subclass (np.matrix, np.memmap) computes as the plain array
-    flags = x.flags
-    if not (x.dtype == dtype and flags.c_contiguous and flags.aligned and flags.writeable):
-        # Before the reshape too, which copies a view whose batch dims do not merge.
-        reference.check_fits_in_memory(
-            x.size * np.dtype(dtype).itemsize,
-            f"a C-contiguous {np.dtype(dtype).name} copy of {name} (of {x.size:,} elements)",
-            advice=f"pass a smaller {name}: a broadcast or strided view, and an array of "
-                   f"another dtype, is copied to compute")
-    if x.ndim != 3:
-        x = x.reshape((math.prod(x.shape[:-2]),) + x.shape[-2:])
+    shape = (math.prod(x.shape[:-2]),) + x.shape[-2:]
     flags = x.flags
     if x.dtype == dtype and flags.c_contiguous and flags.aligned and flags.writeable:
-        return x
-    return np.require(x, dtype=dtype, requirements=["C", "A", "W"])
+        return x if x.ndim == 3 else x.reshape(shape)   # a view
+    # A copy: checked before the reshape too, which copies a view whose batch dims do not merge.
+    reference.check_fits_in_memory(
+        x.size * np.dtype(dtype).itemsize,
+        f"a C-contiguous {np.dtype(dtype).name} copy of {name} (of {x.size:,} elements)",
+        advice=f"pass a smaller {name}: a broadcast or strided view, and an array of "
+               f"another dtype, is copied to compute")
+    return np.require(x.reshape(shape), dtype=dtype, requirements=["C", "A", "W"])
 
 
 def shape_text(*dims):
