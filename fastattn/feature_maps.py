@@ -131,11 +131,14 @@ class FeatureMap:
     def feature_dim(self, d_k, num_features=None):
         """``D`` for inputs of key dimension ``d_k``, or None when known only once the map has
         run (a callable); no random features are drawn.  ``num_features`` is FAVOR+'s ``m``."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} must implement feature_dim(d_k) "
+                                  f"(a FeatureMap subclass gives its number of features D)")
 
     def numpy_features(self, x):
         """The NumPy form: ``φ(x) (B, n, D)`` of ``x (B, n, d_k)``, in ``x``'s dtype."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} must implement numpy_features(x) "
+                                  f"(a FeatureMap subclass with elementwise = None gives its "
+                                  f"features of x (B, n, d_k) as (B, n, D))")
 
     def bind(self, d_k, d_k_of="q and k have"):
         """The map to apply to inputs of key dimension ``d_k`` (``d_k_of`` says whose, in an
@@ -349,6 +352,28 @@ def orthogonal_gaussian_features(d_k, num_features, rng):
     return directions * norms[:, None]
 
 
+class ReadOnlyAttributes:
+    """A map whose attributes are fixed once it is made: its kernels' arrays are cached from
+    them (FAVOR+'s projections, Hedgehog's casts), so a new value would be ignored by some
+    calls and read against the wrong shapes by others.  A different map is a new object."""
+
+    def _freeze(self):
+        object.__setattr__(self, "_frozen", True)
+
+    def _check_unfrozen(self, name):
+        if self.__dict__.get("_frozen"):
+            raise AttributeError(f"{type(self).__name__}.{name} is read-only: a map is fixed "
+                                 f"when it is made; make a new {type(self).__name__} instead")
+
+    def __setattr__(self, name, value):
+        self._check_unfrozen(name)
+        object.__setattr__(self, name, value)
+
+    def __delattr__(self, name):
+        self._check_unfrozen(name)
+        object.__delattr__(self, name)
+
+
 class Favor(FeatureMap):
     """``feature_map="favor"``: FAVOR+ with the default ``m`` and seed of :class:`FavorFeatures`.
 
@@ -381,7 +406,7 @@ class Favor(FeatureMap):
         return bool(k.size) and max(float(k.max()), -float(k.min())) >= limit
 
 
-class FavorFeatures(Favor):
+class FavorFeatures(ReadOnlyAttributes, Favor):
     """FAVOR+ positive orthogonal random features (Performer; Choromanski et al. 2021).
 
     ``φ(x) = exp(ω x' − ‖x'‖² / 2) / √m`` with ``x' = x / d_k^¼``, so that
@@ -415,6 +440,10 @@ class FavorFeatures(Favor):
     state_shift : float
         ``c = max_r ‖ω_r‖² / 2``, the fixed reference frame of the linear
         attention state (see Notes).
+
+    These are fixed once the map is made (setting one raises AttributeError):
+    the projections of each dtype are cached from them.  Another ``ω`` is
+    another ``FavorFeatures``.
 
     Raises
     ------
@@ -522,6 +551,7 @@ class FavorFeatures(Favor):
         self.omega = omega
         self.state_shift = float(np.max(np.sum(omega * omega, axis=1)) / 2)
         self._projections = {}
+        self._freeze()
 
     def projection(self, dtype):
         """``(ω / d_k^¼)ᵀ`` of shape ``(d_k, m)`` in ``dtype``, C-contiguous (cached)."""
@@ -669,7 +699,7 @@ def register(fmap):
         raise ValueError(f"a registered feature map needs a name of its own, got {fmap.name!r}")
     if fmap.name in REGISTRY:
         raise ValueError(f"a feature map named {fmap.name!r} is registered already")
-    if fmap.elementwise not in (None,) + BUILTIN_ELEMENTWISE:
+    if fmap.elementwise not in _KERNEL_ELEMENTWISE:
         raise ValueError(f"elementwise must be None or one the kernels apply "
                          f"({', '.join(BUILTIN_ELEMENTWISE)}), got {fmap.elementwise!r}")
     if fmap.elementwise is None and all(getattr(type(fmap), m) is getattr(FeatureMap, m)
@@ -695,6 +725,7 @@ def unregister(name):
 
 #: The maps the compiled kernels apply elementwise, and fastattn's own maps.
 BUILTIN_ELEMENTWISE = ("elu", "relu")
+_KERNEL_ELEMENTWISE = (None,) + BUILTIN_ELEMENTWISE
 BUILTIN_NAMES = ("elu", "relu", "favor", "taylor")
 for _fmap in (Elu(), Relu(), Favor(), Taylor()):
     register(_fmap)
@@ -738,6 +769,11 @@ def resolve(feature_map, d_k, d_k_of="q and k have"):
                         f"{feature_map.__name__}: make one first, e.g. "
                         f"{feature_map.__name__}({d_k}) for d_k = {d_k}")
     elif isinstance(feature_map, FeatureMap):
+        # A map passed as it is, not registered (register checks this once).
+        if feature_map.elementwise not in _KERNEL_ELEMENTWISE:
+            raise ValueError(f"feature_map {feature_map!r}: elementwise must be None or one the "
+                             f"kernels apply ({', '.join(BUILTIN_ELEMENTWISE)}), got "
+                             f"{feature_map.elementwise!r}")
         return feature_map.bind(d_k, d_k_of)
     elif callable(feature_map):
         return UserMap(feature_map)

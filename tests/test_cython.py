@@ -740,3 +740,17 @@ def test_linear_scratch_arrays_are_kept_per_thread_and_never_change_an_answer():
         assert cy._linear._scratch_arrays.arrays["workspace"] is not held[0]
     finally:
         cy.set_num_threads(before)
+
+
+@pytest.mark.skipif(cy is None, reason="Cython backend not built")
+@pytest.mark.parametrize("w_shape", [(1, 5), (1, 1), (5, 8), (16, 5)])
+def test_favor_kernels_refuse_a_projection_of_another_d_k(w_shape):
+    # The loops trust the shapes: a w of another d_k would be read past its end.
+    x = np.random.default_rng(0).standard_normal((2, 10, 8)).astype(np.float32)
+    w = np.ones(w_shape, np.float32)
+    with pytest.raises(ValueError, match=r"w must have shape \(d_k, m\) = \(8, m\)"):
+        cy._linear.favor_key_features(x, w)
+    with pytest.raises(ValueError, match=r"w must have shape \(d_k, m\) = \(8, m\)"):
+        cy._linear.favor_query_features(x, w, np.zeros((2, w_shape[1])))
+    with pytest.raises(ValueError, match=r"key_shift must have shape \(2, 5\)"):
+        cy._linear.favor_query_features(x, np.ones((8, 5), np.float32), np.zeros((2, 4)))

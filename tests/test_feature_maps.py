@@ -971,3 +971,47 @@ def test_elus_quick_underflow_check_agrees_with_the_full_one(monkeypatch):
         assert quick == full
         seen.add(full)
     assert seen == {True, False}   # both answers were exercised
+
+
+# --- a map is fixed once made: its kernels' arrays are cached from its attributes ----------
+@pytest.mark.parametrize("attribute, value", [
+    ("omega", np.ones((5, 8))), ("omega", np.ones((1, 1))), ("num_features", 32),
+    ("d_k", 4), ("state_shift", 0.0),
+])
+def test_favor_features_refuse_a_new_attribute_and_keep_their_answer(attribute, value):
+    favor = fastattn.FavorFeatures(8, num_features=16, random_state=3)
+    q, k, v = make_qkv((2, 12, 8), dtype=np.float32, seed=4)
+    before = fastattn.linear_attention(q, k, v, feature_map=favor, backend="reference")
+    with pytest.raises(AttributeError, match=f"FavorFeatures.{attribute} is read-only"):
+        setattr(favor, attribute, value)
+    with pytest.raises(AttributeError, match="read-only"):
+        delattr(favor, attribute)
+    for backend in ("reference", *FAST_BACKENDS):
+        assert_close(fastattn.linear_attention(q, k, v, feature_map=favor, backend=backend),
+                     before)
+
+
+def test_an_unregistered_map_with_an_elementwise_no_kernel_applies_is_refused_by_name():
+    class Sigmoid(fm.FeatureMap):
+        name, elementwise = "sigmoid", "sigmoid"
+
+        def feature_dim(self, d_k, num_features=None):
+            return d_k
+
+    q, k, v = make_qkv((6, 4))
+    for backend in ("reference", *FAST_BACKENDS):
+        with pytest.raises(ValueError, match="elementwise must be None or one the kernels "
+                                             "apply .*got 'sigmoid'"):
+            fastattn.linear_attention(q, k, v, feature_map=Sigmoid(), backend=backend)
+
+
+def test_a_map_without_numpy_features_says_what_to_implement():
+    class Bare(fm.FeatureMap):
+        name = "bare"
+
+        def feature_dim(self, d_k, num_features=None):
+            return d_k
+
+    q, k, v = make_qkv((6, 4))
+    with pytest.raises(NotImplementedError, match="Bare must implement numpy_features"):
+        fastattn.linear_attention(q, k, v, feature_map=Bare(), backend="reference")

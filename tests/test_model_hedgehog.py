@@ -298,3 +298,14 @@ def test_load_of_a_file_that_is_no_npz_says_so(tmp_path):
     np.save(array, np.eye(4))
     with pytest.raises(ValueError, match=r"w.npy: a \.npy array, not the \.npz archive"):
         HedgehogFeatures.load(array)
+
+
+@pytest.mark.parametrize("attribute", ["weight", "bias"])
+def test_hedgehog_features_refuse_a_new_attribute_and_keep_their_answer(attribute):
+    rng = np.random.default_rng(2)
+    hh = HedgehogFeatures(rng.standard_normal((2, 4, 4)), rng.standard_normal((2, 4)))
+    q, k, v = (rng.standard_normal((2, 9, 4)) for _ in range(3))
+    before = fastattn.linear_attention(q, k, v, feature_map=hh)
+    with pytest.raises(AttributeError, match=f"HedgehogFeatures.{attribute} is read-only"):
+        setattr(hh, attribute, np.zeros(3))
+    np.testing.assert_array_equal(fastattn.linear_attention(q, k, v, feature_map=hh), before)

@@ -972,6 +972,17 @@ def _favor_exponents(
     cdef floating *peak
     cdef const floating *xrow
     cdef const floating *c
+    # The loops below trust these shapes (a w of another d_k would be read past its end).
+    if w.shape[0] != d_k:
+        raise ValueError(f"w must have shape (d_k, m) = ({d_k}, m) for x of d_k = {d_k}, "
+                         f"got ({w.shape[0]}, {m})")
+    if out.shape[0] != B or out.shape[1] != n or out.shape[2] != m:
+        raise ValueError(f"out must have shape ({B}, {n}, {m}), got {tuple(out.shape)[:3]}")
+    if is_query and (key_shift.shape[0] != B or key_shift.shape[1] != m):
+        raise ValueError(f"key_shift must have shape ({B}, {m}), got {tuple(key_shift.shape)[:2]}")
+    if not is_query and (peaks is None or peaks.shape[0] != B or peaks.shape[1] != nblk
+                         or peaks.shape[2] != m):
+        raise ValueError(f"peaks must have shape ({B}, {nblk}, {m})")
     with nogil, parallel(num_threads=max(1, min(n_threads, B * nblk))):
         for item in prange(B * nblk, schedule="static"):
             b = item // nblk
@@ -1007,6 +1018,8 @@ def _favor_shift_exp(floating[:, :, ::1] out, const floating[:, ::1] shift, doub
     cdef int item, b, r
     cdef floating *row
     cdef const floating *c
+    if shift.shape[0] != B or shift.shape[1] != m:
+        raise ValueError(f"shift must have shape ({B}, {m}), got {tuple(shift.shape)[:2]}")
     with nogil, parallel(num_threads=max(1, min(n_threads, B * n))):
         for item in prange(B * n, schedule="static"):
             b = item // n

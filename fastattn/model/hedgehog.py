@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..feature_maps import FeatureMap, Features
+from ..feature_maps import FeatureMap, Features, ReadOnlyAttributes
 
 
 def _real_array(value, name):
@@ -42,7 +42,7 @@ def _softmax(u):
     return e / e.sum(axis=-1, keepdims=True)
 
 
-class HedgehogFeatures(FeatureMap):
+class HedgehogFeatures(ReadOnlyAttributes, FeatureMap):
     """Hedgehog features ``φ(x) = [softmax(W x + b), softmax(−(W x + b))]``, one map per head.
 
     Parameters
@@ -51,7 +51,9 @@ class HedgehogFeatures(FeatureMap):
         ``W`` of each map; the leading dims ``...`` (for example heads, or
         layers × {query, key} × heads) broadcast against those of ``x``.
     bias : ndarray of shape (..., d_k), optional
-        ``b``; default 0.
+        ``b``; default 0.  Both are kept read-only, as attributes of the same
+        names that cannot be set again (the casts of each dtype are cached from
+        them): another map is another ``HedgehogFeatures``.
 
     Notes
     -----
@@ -104,6 +106,7 @@ class HedgehogFeatures(FeatureMap):
         bias.setflags(write=False)
         self.weight, self.bias = weight, bias
         self._cast = {}
+        self._freeze()
 
     @classmethod
     def identity(cls, d_k, heads=()):
