@@ -466,6 +466,22 @@ def test_an_interrupted_bench_names_its_results_file(tmp_path, capsys, monkeypat
     assert f"the points measured so far are in {out}" in capsys.readouterr().err
 
 
+def test_a_full_disk_is_said_with_the_results_file_not_a_traceback(tmp_path, capsys, monkeypatch):
+    import errno
+
+    from fastattn.bench import sweep
+
+    def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    out = tmp_path / "r.jsonl"
+    monkeypatch.setattr(sweep, "run_sweep", disk_full)
+    assert main(["bench", "--kind", "softmax", "--n", "8", "--backends", "reference",
+                 "--no-progress", "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("fastattn bench: No space left on device.")
+    assert f"{out} keeps the points written before it" in err and "Traceback" not in err
+
+
 def test_run_sweep_validates_arguments(tmp_path):
     with pytest.raises(TypeError, match="Point"):
         run_sweep([("softmax", "reference")], tmp_path / "x.jsonl", progress=None)

@@ -456,6 +456,17 @@ def test_cli_missing_results_file(tmp_path, capsys):
     assert "no results file" in capsys.readouterr().err
     assert main(["report", "--from", str(tmp_path)]) == 2
     assert f"{tmp_path} is a directory, not a results file" in capsys.readouterr().err
+    assert main(["report", "--from", "/dev/null"]) == 2   # there, but not a file
+    assert "/dev/null is not a regular file" in capsys.readouterr().err
+
+
+def test_cli_results_file_with_a_corrupt_line_says_what_to_do(tmp_path, capsys):
+    good = json.dumps({"schema": "fastattn.results/1", "record": "environment"})
+    path = tmp_path / "mid.jsonl"
+    path.write_text(f"{good}\n{{\"cut\n{good}\n", encoding="utf-8")
+    assert main(["report", "--from", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}:2 is corrupt" in err and "repair or remove that line" in err
 
 
 @pytest.mark.parametrize("source", ["--from", "--asv"])

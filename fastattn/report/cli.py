@@ -185,9 +185,13 @@ def _read_results(path):
         if Path(path).is_dir():
             raise ReportError(f"{path} is a directory, not a results file: give the .jsonl "
                               "file that fastattn bench or fastattn report wrote") from None
-        raise ReportError(f"no results file at {path}") from None
+        raise ReportError(f"no results file at {path}" if not Path(path).exists() else
+                          f"{path} is not a regular file (a device or a pipe): give the .jsonl "
+                          "file that fastattn bench or fastattn report wrote") from None
     except ResultsFileError as exc:
-        raise ReportError(f"refusing {path}: {exc}") from None
+        advice = ("; repair or remove that line, or give another results file"
+                  if "is corrupt" in str(exc) else "")
+        raise ReportError(f"refusing {path}: {exc}{advice}") from None
     if not records:
         raise ReportError(f"{path} holds no fastattn records (an empty results file)")
     return records
