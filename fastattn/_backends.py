@@ -235,7 +235,7 @@ def set_num_threads(n_threads):
         started with (``NUMBA_NUM_THREADS``, default the core count); larger
         values are clipped there.  In a process forked after a fast kernel
         ran in parallel the kernels run on one thread whatever the count
-        (see the README, "Processes and fork").
+        (see docs/kernels.md, "Processes and fork").
 
     Raises
     ------

@@ -280,7 +280,9 @@ class LinearAttentionState:
     a step of one token gives ``out = φ(q) S / (φ(q) · z + eps)`` with the
     token's own key included (Katharopoulos et al., "Transformers are RNNs",
     2020).  Stepping through a sequence token by token equals one causal
-    :func:`fastattn.linear_attention` pass.
+    :func:`fastattn.linear_attention` pass (with FAVOR+ when ``eps`` is 0, its
+    default: another ``eps`` is measured in each step's shifted frame, see
+    :class:`fastattn.FavorFeatures`).
 
     Parameters
     ----------
