@@ -104,7 +104,6 @@ def main(argv=None):
     """Entry point of the ``fastattn`` command; returns the exit code."""
     argv = sys.argv[1:] if argv is None else list(argv)
     command = argv[0] if argv and not argv[0].startswith("-") else "command"
-    args = None
     try:
         if command == "model":   # its options are the study's own (argparse's REMAINDER
             return _run_model(argparse.Namespace(args=argv[1:]))   # drops a leading --help)
@@ -119,13 +118,9 @@ def main(argv=None):
         # A command with a results file says where its points are before this.
         print(f"fastattn {command}: interrupted", file=sys.stderr)
         return 130
-    except OSError as exc:   # a full disk, a file that went away: said, not a traceback
+    except OSError as exc:   # a full disk while writing a report, say: one line, no traceback
         where = f": {exc.filename}" if exc.filename else ""
-        out = getattr(args, "out", None) if command == "bench" else None
-        kept = (f"{out} keeps the points written before it" if out else
-                "a results file keeps the points written before it")
-        print(f"fastattn {command}: {exc.strerror or exc}{where}. {kept.capitalize()} (a cut "
-              f"last line is dropped when it is read again)", file=sys.stderr)
+        print(f"fastattn {command}: {exc.strerror or exc}{where}", file=sys.stderr)
         return 1
 
 

@@ -353,15 +353,27 @@ def orthogonal_gaussian_features(d_k, num_features, rng):
 
 
 class ReadOnlyAttributes:
-    """A map whose attributes are fixed once it is made: its kernels' arrays are cached from
-    them (FAVOR+'s projections, Hedgehog's casts), so a new value would be ignored by some
-    calls and read against the wrong shapes by others.  A different map is a new object."""
+    """A map whose :attr:`read_only` attributes are fixed once it is made: its kernels' arrays
+    are cached from them (FAVOR+'s projections, Hedgehog's casts), so a new value would be
+    ignored by some calls and read against the wrong shapes by others.  Their arrays are
+    read-only too, in a copy or an unpickled map as well.  A different map is a new object."""
+
+    #: Names fixed by :meth:`_freeze` (a subclass's own attributes stay free).
+    read_only = ()
 
     def _freeze(self):
+        for name in self.read_only:
+            if isinstance(value := self.__dict__.get(name), np.ndarray):
+                value.setflags(write=False)
         object.__setattr__(self, "_frozen", True)
 
+    def __setstate__(self, state):   # pickle and deepcopy: the arrays come back writeable
+        self.__dict__.update(state)
+        if state.get("_frozen"):
+            self._freeze()
+
     def _check_unfrozen(self, name):
-        if self.__dict__.get("_frozen"):
+        if name in self.read_only and self.__dict__.get("_frozen"):
             raise AttributeError(f"{type(self).__name__}.{name} is read-only: a map is fixed "
                                  f"when it is made; make a new {type(self).__name__} instead")
 
@@ -435,15 +447,14 @@ class FavorFeatures(ReadOnlyAttributes, Favor):
     Attributes
     ----------
     omega : ndarray of shape (num_features, d_k), float64, read-only
-        The random projection ``ω``.
+        The random projection ``ω``.  It and the attributes below are fixed
+        once the map is made (setting one raises AttributeError): the
+        projections of each dtype are cached from them.  Another ``ω`` is
+        another ``FavorFeatures``.
     d_k, num_features : int
     state_shift : float
         ``c = max_r ‖ω_r‖² / 2``, the fixed reference frame of the linear
         attention state (see Notes).
-
-    These are fixed once the map is made (setting one raises AttributeError):
-    the projections of each dtype are cached from them.  Another ``ω`` is
-    another ``FavorFeatures``.
 
     Raises
     ------
@@ -521,6 +532,8 @@ class FavorFeatures(ReadOnlyAttributes, Favor):
     >>> fastattn.linear_attention(q, k, v, feature_map=favor).shape
     (64, 32)
     """
+
+    read_only = ("d_k", "num_features", "random_state", "omega", "state_shift", "_projections")
 
     def __init__(self, d_k, num_features=None, random_state=0):
         self.d_k = _positive_int(d_k, "d_k")
@@ -699,9 +712,7 @@ def register(fmap):
         raise ValueError(f"a registered feature map needs a name of its own, got {fmap.name!r}")
     if fmap.name in REGISTRY:
         raise ValueError(f"a feature map named {fmap.name!r} is registered already")
-    if fmap.elementwise not in _KERNEL_ELEMENTWISE:
-        raise ValueError(f"elementwise must be None or one the kernels apply "
-                         f"({', '.join(BUILTIN_ELEMENTWISE)}), got {fmap.elementwise!r}")
+    _check_elementwise(fmap)
     if fmap.elementwise is None and all(getattr(type(fmap), m) is getattr(FeatureMap, m)
                                        for m in ("numpy_features", "features", "bind")):
         raise ValueError(f"feature map {fmap.name!r} must implement numpy_features")
@@ -725,7 +736,16 @@ def unregister(name):
 
 #: The maps the compiled kernels apply elementwise, and fastattn's own maps.
 BUILTIN_ELEMENTWISE = ("elu", "relu")
-_KERNEL_ELEMENTWISE = (None,) + BUILTIN_ELEMENTWISE
+
+
+def _check_elementwise(fmap):
+    """ValueError unless ``fmap.elementwise`` is None or a map the kernels apply."""
+    if fmap.elementwise is not None and fmap.elementwise not in BUILTIN_ELEMENTWISE:
+        raise ValueError(f"feature map {type(fmap).__name__}: elementwise must be None or one "
+                         f"of the maps the kernels apply ({', '.join(BUILTIN_ELEMENTWISE)}), "
+                         f"got {fmap.elementwise!r}")
+
+
 BUILTIN_NAMES = ("elu", "relu", "favor", "taylor")
 for _fmap in (Elu(), Relu(), Favor(), Taylor()):
     register(_fmap)
@@ -758,8 +778,9 @@ def resolve(feature_map, d_k, d_k_of="q and k have"):
     Raises
     ------
     ValueError
-        An unknown name (listing the known ones), or a :class:`FavorFeatures`
-        built for another ``d_k``.
+        An unknown name (listing the known ones), a :class:`FavorFeatures`
+        built for another ``d_k``, or a map whose ``elementwise`` no kernel
+        applies.
     """
     if isinstance(feature_map, str):
         if feature_map in REGISTRY:
@@ -769,11 +790,7 @@ def resolve(feature_map, d_k, d_k_of="q and k have"):
                         f"{feature_map.__name__}: make one first, e.g. "
                         f"{feature_map.__name__}({d_k}) for d_k = {d_k}")
     elif isinstance(feature_map, FeatureMap):
-        # A map passed as it is, not registered (register checks this once).
-        if feature_map.elementwise not in _KERNEL_ELEMENTWISE:
-            raise ValueError(f"feature_map {feature_map!r}: elementwise must be None or one the "
-                             f"kernels apply ({', '.join(BUILTIN_ELEMENTWISE)}), got "
-                             f"{feature_map.elementwise!r}")
+        _check_elementwise(feature_map)   # a map passed as it is, not registered
         return feature_map.bind(d_k, d_k_of)
     elif callable(feature_map):
         return UserMap(feature_map)

@@ -473,13 +473,15 @@ def test_a_full_disk_is_said_with_the_results_file_not_a_traceback(tmp_path, cap
 
     def disk_full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
-    out = tmp_path / "r.jsonl"
+    (tmp_path / "Runs").mkdir()
+    out = tmp_path / "Runs" / "My Run.jsonl"   # named as given, capitals and all
     monkeypatch.setattr(sweep, "run_sweep", disk_full)
     assert main(["bench", "--kind", "softmax", "--n", "8", "--backends", "reference",
                  "--no-progress", "--out", str(out)]) == 1
     err = capsys.readouterr().err
-    assert err.startswith("fastattn bench: No space left on device.")
-    assert f"{out} keeps the points written before it" in err and "Traceback" not in err
+    assert "fastattn bench: No space left on device: the points written before it are in " \
+        f"{out}" in err and "Traceback" not in err
+    assert f"--out '{out}'" in err
 
 
 def test_run_sweep_validates_arguments(tmp_path):

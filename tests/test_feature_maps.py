@@ -7,7 +7,9 @@ by calling it.  The linear attention around the features is the explicit
 row-by-row sum of :func:`oracles.linear_oracle`'s definition.
 """
 
+import copy
 import math
+import pickle
 
 import numpy as np
 import pytest
@@ -991,6 +993,29 @@ def test_favor_features_refuse_a_new_attribute_and_keep_their_answer(attribute, 
                      before)
 
 
+@pytest.mark.parametrize("copy_of", [copy.copy, copy.deepcopy,
+                                     lambda f: pickle.loads(pickle.dumps(f))])
+def test_a_copied_or_unpickled_favor_map_stays_fixed(copy_of):
+    favor = copy_of(fastattn.FavorFeatures(8, num_features=16, random_state=3))
+    with pytest.raises(ValueError, match="read-only"):
+        favor.omega[:] = 0    # in place, which the cached projections would not see
+    with pytest.raises(AttributeError, match="read-only"):
+        favor.omega = np.zeros((16, 8))
+
+
+def test_a_subclass_of_favor_features_keeps_its_own_attributes_free():
+    class Tagged(fastattn.FavorFeatures):
+        def __init__(self, d_k):
+            super().__init__(d_k)
+            self.tag = "mine"
+
+    tagged = Tagged(8)
+    tagged.tag = "changed"
+    assert tagged.tag == "changed"
+    with pytest.raises(AttributeError, match="Tagged.omega is read-only"):
+        tagged.omega = None
+
+
 def test_an_unregistered_map_with_an_elementwise_no_kernel_applies_is_refused_by_name():
     class Sigmoid(fm.FeatureMap):
         name, elementwise = "sigmoid", "sigmoid"
@@ -1000,8 +1025,8 @@ def test_an_unregistered_map_with_an_elementwise_no_kernel_applies_is_refused_by
 
     q, k, v = make_qkv((6, 4))
     for backend in ("reference", *FAST_BACKENDS):
-        with pytest.raises(ValueError, match="elementwise must be None or one the kernels "
-                                             "apply .*got 'sigmoid'"):
+        with pytest.raises(ValueError, match="feature map Sigmoid: elementwise must be None or "
+                                             "one of the maps the kernels apply .*got 'sigmoid'"):
             fastattn.linear_attention(q, k, v, feature_map=Sigmoid(), backend=backend)
 
 

@@ -1,5 +1,6 @@
 """Hedgehog learned feature maps (fastattn.model.hedgehog): the map, its file, its fit."""
 
+import pickle
 import warnings
 
 import numpy as np
@@ -308,4 +309,9 @@ def test_hedgehog_features_refuse_a_new_attribute_and_keep_their_answer(attribut
     before = fastattn.linear_attention(q, k, v, feature_map=hh)
     with pytest.raises(AttributeError, match=f"HedgehogFeatures.{attribute} is read-only"):
         setattr(hh, attribute, np.zeros(3))
+    with pytest.raises(AttributeError, match=f"HedgehogFeatures.{attribute} is read-only"):
+        delattr(hh, attribute)
+    copied = pickle.loads(pickle.dumps(hh))
+    with pytest.raises(ValueError, match="read-only"):
+        getattr(copied, attribute)[...] = 0
     np.testing.assert_array_equal(fastattn.linear_attention(q, k, v, feature_map=hh), before)

@@ -451,6 +451,22 @@ def test_cli_quick_end_to_end(tmp_path, monkeypatch, capsys):
     assert len(read_records(html_path.with_suffix(".jsonl"))) == before
 
 
+def test_cli_full_disk_while_measuring_names_the_results_file(tmp_path, capsys, monkeypatch):
+    import errno
+
+    from fastattn.bench import sweep
+
+    def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(sweep, "run_sweep", disk_full)
+    out = tmp_path / "Full" / "R.html"
+    out.parent.mkdir()
+    assert main(["report", "--quick", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "No space left on device: the points written before it are in " in err
+    assert "continue with" in err and "--resume" in err and "Traceback" not in err
+
+
 def test_cli_missing_results_file(tmp_path, capsys):
     assert main(["report", "--from", str(tmp_path / "nope.jsonl")]) == 2
     assert "no results file" in capsys.readouterr().err

@@ -143,6 +143,8 @@ def favor_query_features(x, w, key_shift):
     B, n, _ = x.shape
     out = np.empty((B, n, w.shape[1]), x.dtype)
     key_shift = np.ascontiguousarray(key_shift, x.dtype)
+    if key_shift.shape != (B, w.shape[1]):   # the loop trusts it (no bounds checks)
+        raise ValueError(f"key_shift must have shape ({B}, {w.shape[1]}), got {key_shift.shape}")
     with launch(B * -(-n // FEATURE_BLOCK), x.size * w.shape[1]) as pick:
         pick(_favor_query_exponents)(x, w, key_shift, out)
     return out

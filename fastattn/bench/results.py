@@ -15,6 +15,10 @@ class ResultsFileError(ValueError):
     """A results file that is not fastattn's, is corrupt, or cannot be written."""
 
 
+class CorruptLineError(ResultsFileError):
+    """A line of a fastattn results file, not its last, cut short or overwritten."""
+
+
 def is_number(value):
     """True for an int or float, not a bool."""
     return isinstance(value, (int, float)) and not isinstance(value, bool)
@@ -75,7 +79,9 @@ def read_records(path):
     """All records of a results file, each checked (a last line cut short ignored)."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"no results file at {path}")
+        raise FileNotFoundError(f"no results file at {path}" if not path.exists() else
+                                f"{path} is not a regular file (a device or a pipe): give the "
+                                ".jsonl file that fastattn bench or fastattn report wrote")
     text = path.read_text(encoding="utf-8", errors="replace")
     lines = text.splitlines()
     records = []
@@ -90,7 +96,8 @@ def read_records(path):
             what = ("is not a fastattn results file" if not records else
                     "is corrupt: a line of this fastattn results file was cut short or "
                     "overwritten")
-            raise ResultsFileError(f"{path}:{number} {what} (not JSON: {exc.msg})") from None
+            error = CorruptLineError if records else ResultsFileError
+            raise error(f"{path}:{number} {what} (not JSON: {exc.msg})") from None
         except ValueError:  # JSON, but an int of more digits than Python converts (4300)
             raise ResultsFileError(f"{path}:{number} holds an integer of thousands of digits; "
                                    "no measurement is that large") from None

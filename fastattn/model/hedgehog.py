@@ -89,6 +89,7 @@ class HedgehogFeatures(ReadOnlyAttributes, FeatureMap):
 
     name = "hedgehog"
     check_features = False   # in (0, 1) by construction, from finite weights
+    read_only = ("weight", "bias", "_cast")
 
     def __init__(self, weight, bias=None):
         weight = _real_array(weight, "weight")

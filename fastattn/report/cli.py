@@ -181,16 +181,14 @@ def _read_results(path):
     """The records of the results file ``path``, refusing a missing, unsound or empty one."""
     try:
         records = res.read_records(path)
-    except FileNotFoundError:
+    except FileNotFoundError as exc:
         if Path(path).is_dir():
             raise ReportError(f"{path} is a directory, not a results file: give the .jsonl "
                               "file that fastattn bench or fastattn report wrote") from None
-        raise ReportError(f"no results file at {path}" if not Path(path).exists() else
-                          f"{path} is not a regular file (a device or a pipe): give the .jsonl "
-                          "file that fastattn bench or fastattn report wrote") from None
+        raise ReportError(str(exc)) from None
     except ResultsFileError as exc:
         advice = ("; repair or remove that line, or give another results file"
-                  if "is corrupt" in str(exc) else "")
+                  if isinstance(exc, res.CorruptLineError) else "")
         raise ReportError(f"refusing {path}: {exc}{advice}") from None
     if not records:
         raise ReportError(f"{path} holds no fastattn records (an empty results file)")
@@ -278,6 +276,9 @@ def _measure(args, results):
         print(f"\ninterrupted: the points measured so far are in {results}; continue with\n"
               f"  {resume}", file=sys.stderr)
         raise
+    except OSError as exc:   # a full disk while writing a point
+        raise ReportError(f"{exc.strerror or exc}: the points written before it are in "
+                          f"{results}; free space and continue with\n  {resume}") from None
 
 
 def _asv_records(args):
