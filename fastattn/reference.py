@@ -106,9 +106,10 @@ def taylor_features(x):
     d_k = x.shape[-1]
     a, b = np.triu_indices(d_k)
     weight = np.where(a == b, 1 / math.sqrt(2 * d_k), 1 / math.sqrt(d_k)).astype(x.dtype)
-    return np.concatenate(
-        [np.ones(x.shape[:-1] + (1,), x.dtype), x * x.dtype.type(d_k ** -0.25),
-         x[..., a] * x[..., b] * weight], axis=-1)
+    with np.errstate(over="ignore"):   # an inf feature sends a float32 call to float64
+        return np.concatenate(
+            [np.ones(x.shape[:-1] + (1,), x.dtype), x * x.dtype.type(d_k ** -0.25),
+             x[..., a] * x[..., b] * weight], axis=-1)
 
 
 def causal_mask(n_q, n_k):
@@ -252,8 +253,11 @@ def softmax_forward(q, k, v, causal, scale):
     Time ``O(B n_q n_k (d_k + d_v))``, memory ``O(B n_q n_k)``.
     """
     q, scale = _overflow.kernel_query(q, scale)
-    weights, visible = softmax_weights(q, k, causal, scale)
-    return _masked_matmul(weights, v, visible)
+    # Quiet, as the compiled backends: a float32 product that overflows here is computed
+    # again in float64 by the caller (fastattn._overflow.finite_softmax).
+    with np.errstate(over="ignore", invalid="ignore"):
+        weights, visible = softmax_weights(q, k, causal, scale)
+        return _masked_matmul(weights, v, visible)
 
 
 #: Bytes of scratch a reference call holds beyond its arrays (NumPy's ufunc buffers of

@@ -1,5 +1,7 @@
 """The public contract: dtypes, dispatch, thread control, the command line."""
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -179,3 +181,19 @@ def test_available_memory_is_the_systems_without_psutil():
     psutil = pytest.importorskip("psutil")
     want = psutil.virtual_memory().available
     assert abs(got - want) < 0.1 * want
+
+
+@pytest.mark.parametrize("call", [
+    lambda q, v: fastattn.softmax_attention(q, q, v, backend="reference"),
+    lambda q, v: fastattn.linear_attention(q, q, v, feature_map="taylor", backend="reference"),
+], ids=["softmax", "taylor"])
+def test_the_reference_is_quiet_about_a_float32_overflow_the_float64_call_repairs(call):
+    # q kᵀ of 1e40 (softmax) and q_a q_b of 1e40 (Taylor's features) overflow float32; the
+    # answer, computed again in float64, is finite, as on the compiled backends.
+    q = np.full((1, 4, 8), 1e20, np.float32)
+    v = np.arange(32, dtype=np.float32).reshape(1, 4, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = call(q, v)
+    wide = call(q.astype(np.float64), v.astype(np.float64))
+    np.testing.assert_allclose(out, wide, rtol=1e-6)
