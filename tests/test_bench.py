@@ -408,6 +408,17 @@ def test_a_first_call_that_stalls_does_not_use_up_the_warm_up(monkeypatch):
     assert made - 1 == pytest.approx(engine.TURN_WARMUP_S / 1e-3, abs=1)
 
 
+def test_bench_says_a_kind_prefixed_shape_overrides_kind(tmp_path, capsys):
+    argv = ["bench", "--kind", "softmax", "--shape", "linear:1x1x8x4", "--causal", "no",
+            "--backends", "reference", "--repeats", "1", "--no-memory", "--no-progress",
+            "--out", str(tmp_path / "k.jsonl")]
+    assert main(argv) == 0
+    assert "a --shape prefixed with its kind (linear:..., softmax:...) measures that kind " \
+        "whatever --kind says" in capsys.readouterr().err
+    records = [r for r in read_records(tmp_path / "k.jsonl") if r["record"] == "point"]
+    assert records and {r["attention"] for r in records} == {"linear"}
+
+
 def test_bench_says_which_options_its_points_ignore(tmp_path, capsys):
     argv = ["bench", "--kind", "softmax", "--regime", "decode", "--causal", "no",
             "--feature-map", "relu", "--n", "8", "--backends", "reference", "--repeats", "1",
@@ -415,7 +426,7 @@ def test_bench_says_which_options_its_points_ignore(tmp_path, capsys):
     assert main(argv) == 0
     err = capsys.readouterr().err
     assert "a decode point is causal" in err and "--causal no applies to the prefill" in err
-    assert "--kind softmax ignores it" in err
+    assert "--kind softmax ignores it" in err and "whatever --kind says" not in err
     records = [r for r in read_records(tmp_path / "notes.jsonl") if r["record"] == "point"]
     assert records and all(r["causal"] for r in records)
 

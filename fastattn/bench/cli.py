@@ -245,7 +245,10 @@ def _plan(args):
          "a decode point is causal (its query is the newest token); --causal no applies to the "
          "prefill points only"),
         (kinds == ("softmax",) and args.feature_map != ["elu"],
-         "--feature-map applies to linear attention; --kind softmax ignores it")) if given]
+         "--feature-map applies to linear attention; --kind softmax ignores it"),
+        (any(kind_of not in (None, *kinds) for *_, kind_of in shapes),
+         "a --shape prefixed with its kind (linear:..., softmax:...) measures that kind "
+         "whatever --kind says")) if given]
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
     return points, out, backends, baseline, absent
