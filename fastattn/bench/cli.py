@@ -281,7 +281,8 @@ def _run(args):
     except OSError as exc:   # a full disk while writing a point: said, with the file
         print(f"\nfastattn bench: {exc.strerror or exc}: the points written before it are in "
               f"{out} (a cut last line is dropped when it is read); to measure the rest, free "
-              f"space and run the same command with --out {shlex.quote(str(out))}", file=sys.stderr)
+              f"space and run the same command with --out {shlex.quote(str(out))}",
+              file=sys.stderr)
         return 1
     except KeyboardInterrupt as exc:   # Ctrl-C, or SIGTERM while measuring (Terminated)
         try:
