@@ -560,7 +560,6 @@ class FavorFeatures(ReadOnlyAttributes, Favor):
             + (f" or d_k (the default num_features grows as d_k ln d_k)"
                if num_features is None else ""))
         omega = orthogonal_gaussian_features(self.d_k, self.num_features, rng)
-        omega.setflags(write=False)
         self.omega = omega
         self.state_shift = float(np.max(np.sum(omega * omega, axis=1)) / 2)
         self._projections = {}
@@ -696,6 +695,14 @@ def _names_changed():
     ELEMENTWISE = tuple(name for name, fmap in REGISTRY.items() if fmap.elementwise)
 
 
+def _check_elementwise(fmap):
+    """ValueError unless ``fmap.elementwise`` is None or a map the kernels apply."""
+    if fmap.elementwise is not None and fmap.elementwise not in BUILTIN_ELEMENTWISE:
+        raise ValueError(f"feature map {type(fmap).__name__}: elementwise must be None or one "
+                         f"of the maps the kernels apply ({', '.join(BUILTIN_ELEMENTWISE)}), "
+                         f"got {fmap.elementwise!r}")
+
+
 def register(fmap):
     """Make the :class:`FeatureMap` ``fmap`` known by its ``name``; returns it.
 
@@ -736,16 +743,6 @@ def unregister(name):
 
 #: The maps the compiled kernels apply elementwise, and fastattn's own maps.
 BUILTIN_ELEMENTWISE = ("elu", "relu")
-
-
-def _check_elementwise(fmap):
-    """ValueError unless ``fmap.elementwise`` is None or a map the kernels apply."""
-    if fmap.elementwise is not None and fmap.elementwise not in BUILTIN_ELEMENTWISE:
-        raise ValueError(f"feature map {type(fmap).__name__}: elementwise must be None or one "
-                         f"of the maps the kernels apply ({', '.join(BUILTIN_ELEMENTWISE)}), "
-                         f"got {fmap.elementwise!r}")
-
-
 BUILTIN_NAMES = ("elu", "relu", "favor", "taylor")
 for _fmap in (Elu(), Relu(), Favor(), Taylor()):
     register(_fmap)

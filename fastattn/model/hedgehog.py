@@ -101,12 +101,10 @@ class HedgehogFeatures(ReadOnlyAttributes, FeatureMap):
                              f"{weight.shape}, got {bias.shape}")
         if not (np.isfinite(weight).all() and np.isfinite(bias).all()):
             raise ValueError("weight and bias must be finite")
-        # Read-only: the casts of each dtype are kept (_params), so a change in place
-        # would be ignored; a new map is HedgehogFeatures(new_weight, new_bias).
-        weight.setflags(write=False)
-        bias.setflags(write=False)
         self.weight, self.bias = weight, bias
         self._cast = {}
+        # Read-only, the arrays too: the casts of each dtype are kept (_params), so a change
+        # in place would be ignored; a new map is HedgehogFeatures(new_weight, new_bias).
         self._freeze()
 
     @classmethod
