@@ -5,6 +5,7 @@ the backends and ``backend="auto"`` in :mod:`fastattn._backends`, the feature
 maps of linear attention in :mod:`fastattn.feature_maps`.
 """
 
+import contextlib
 import math
 
 import numpy as np
@@ -115,7 +116,8 @@ def linear_attention(
     ``out_i = φ(q_i) S_i / (φ(q_i) · z_i + eps)`` with ``S_i = S0 + Σ_j φ(k_j)ᵀ v_j``
     and ``z_i = z0 + Σ_j φ(k_j)``, the sums over the keys query ``i`` sees (all
     of them, or ``j <= i + n_k - n_q`` when causal).  There is no scale.  Where
-    the denominator is exactly 0 (``relu`` with ``eps=0``) the row is 0.
+    the denominator is exactly 0 (``relu`` with ``eps=0``) the row is 0; where it
+    overflows, NaN (a float32 call is then computed in float64, see Notes).
 
     Parameters
     ----------
@@ -170,8 +172,8 @@ def linear_attention(
         ``k`` and ``v`` alone decide (a float64 state with float32 inputs is
         used in float32).  A non-finite entry is taken as given, in every
         backend alike: a NaN makes the rows that see it NaN, an inf in ``S``
-        makes them non-finite, and an inf in ``z`` makes them 0 (an
-        overflowing denominator, see Notes).
+        makes them non-finite, and an inf in ``z`` makes them NaN (an
+        infinite denominator, see Notes).
     return_state : bool, default False
         Also return the state after the last key of this call.  Running a
         sequence in pieces, passing each piece's state to the next, equals
@@ -227,15 +229,15 @@ def linear_attention(
     states, e.g. ``D = d_v`` above 255, run a head a thread instead).
 
     A float32 call whose output comes out non-finite (its numerator
-    ``φ(q) · S`` or its state overflows: ``q`` of 1e15 against ``v`` of
-    1e30) is computed again in float64 and rounded, on every backend and
-    for every map: the answer is float64's (inf only beyond 3.4e38).  The
-    ordinary call pays one pass over its output, ``O(n · d_v)``.
-    With ``"elu"`` and ``"relu"`` the features grow like the inputs, and in
-    float64 a row whose denominator ``φ(q) · z`` overflows is wrong: NaN
-    where its numerator overflows too (``inf / inf``), else 0 (about
-    ``1e153`` at ``d_k = 64``); in float32 a row whose denominator alone
-    overflows (``|q|``, ``|k|`` of about ``1e18``) is 0.  Rescale such
+    ``φ(q) · S``, its state or its denominator ``φ(q) · z`` overflows:
+    ``q`` of 1e15 against ``v`` of 1e30, or ``q`` and ``k`` of 1e20 against
+    ``v`` of 1e-6) is computed again in float64 and rounded, on every
+    backend and for every map: the answer is float64's (inf only beyond
+    3.4e38).  A row whose denominator overflows is NaN, never the finite
+    ``x / inf = 0``, so that it shows.  The ordinary call pays one pass over
+    its output, ``O(n · d_v)``.  With ``"elu"`` and ``"relu"`` the features
+    grow like the inputs, and in float64 a row whose denominator overflows
+    (inputs of about ``1e153`` at ``d_k = 64``) is that NaN.  Rescale such
     inputs first (relu attention does not change when ``q`` is scaled).
     A float32 call whose state products ``φ(k)ᵀ v`` may fall below float32's
     normal range (keys and values both near 1e-30; the bound, one pass over
@@ -382,17 +384,37 @@ def attention_weights(
         weights, _ = reference.softmax_weights(qq, kk, causal, scale)
     else:
         # FAVOR+ keys whose float32 norms may overflow: their features in float64, as in
-        # linear_attention (FeatureMap.features_may_overflow), the weights rounded.
+        # linear_attention (FeatureMap.features_may_overflow), the weights rounded.  So are
+        # float32 weights that come out non-finite from finite inputs (a product φ(q)·φ(k)
+        # or a row's sum past float32's range: NaN, never a 0 that looks like an answer),
+        # as linear_attention's output is.
         wide = qq.dtype == np.float32 and fmap.features_may_overflow(qq, kk)
-        if wide:
-            qq, kk = qq.astype(np.float64), kk.astype(np.float64)
-        feats = fmap.features(reference, qq, kk, batch_shape)
+        weights = _linear_weights(fmap, qq, kk, batch_shape, causal, eps, wide)
+        # Their sum, not isfinite's n_q x n_k bools: a row of weights sums to about 1 (a
+        # map's negative features aside: a sum that overflows only costs the float64 call).
+        if (qq.dtype == np.float32 and not wide and not np.isfinite(weights.sum())
+                and np.isfinite(qq).all() and np.isfinite(kk).all()):
+            reference.check_fits_in_memory(
+                reference.weights_bytes(math.prod(batch_shape), n_q, n_k, 8, causal, D),
+                f"attention_weights, for its {out_shape} weights computed again in float64 "
+                "(their float32 ones overflowed),", advice="rescale q and k")
+            weights = _linear_weights(fmap, qq, kk, batch_shape, causal, eps, True)
+    return weights.reshape(out_shape)
+
+
+def _linear_weights(fmap, q, k, batch_shape, causal, eps, wide):
+    """The reference's linear attention weights of ``(B, n, d_k)`` inputs under ``fmap``;
+    ``wide``: of float32 inputs, computed in float64 and rounded."""
+    if wide:
+        q, k = q.astype(np.float64), k.astype(np.float64)
+    feats = fmap.features(reference, q, k, batch_shape)
+    # Float32 weights that overflow are computed again in float64 by the caller: quiet.
+    with np.errstate(over="ignore", invalid="ignore") if q.dtype == np.float32 \
+            else contextlib.nullcontext():
         if feats is None:
-            weights = reference.linear_weights(qq, kk, fmap.elementwise, causal, eps)
+            weights = reference.linear_weights(q, k, fmap.elementwise, causal, eps)
         else:
             weights = reference.linear_weights(feats.q, feats.k, "identity", causal, eps)
             if causal and feats.key_shift is not None:
-                feature_maps.exact_causal_weights(fmap, feats, qq, kk, eps, weights)
-        if wide:
-            weights = weights.astype(np.float32)
-    return weights.reshape(out_shape)
+                feature_maps.exact_causal_weights(fmap, feats, q, k, eps, weights)
+    return weights.astype(np.float32) if wide else weights

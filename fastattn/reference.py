@@ -329,13 +329,17 @@ def linear_kernel_matrix(q, k, feature_map_name, causal):
 
 def _normalise(numerator, denominator):
     """``numerator / denominator``, ``numerator · 0`` where the denominator is exactly 0 (0,
-    or NaN for an inf), in place: ``numerator`` is a temporary of the caller's, and an
-    ``n_q x n_k`` one for the weights, which no second array of that size may join."""
+    or NaN for an inf), NaN where it overflowed (``x / inf`` would be a 0 that looks like an
+    answer), in place: ``numerator`` is a temporary of the caller's, and an ``n_q x n_k``
+    one for the weights, which no second array of that size may join."""
     zero = denominator == 0
     with np.errstate(invalid="ignore", divide="ignore"):
         np.divide(numerator, denominator, out=numerator, where=~zero)
         if zero.any():
             np.multiply(numerator, 0, out=numerator, where=zero)
+        overflowed = np.isinf(denominator)
+        if overflowed.any():
+            np.multiply(numerator, np.nan, out=numerator, where=overflowed)
     return numerator
 
 
@@ -350,7 +354,8 @@ def linear_forward(q, k, v, feature_map_name, causal, eps, S0=None, z0=None):
 
     ``S0 (B, d_k, d_v)`` and ``z0 (B, d_k)`` are the state of keys that came
     before (seen by every query), or None for none.  Where the denominator is
-    exactly 0 (``relu`` with no positive overlap and ``eps = 0``) the row is 0.
+    exactly 0 (``relu`` with no positive overlap and ``eps = 0``) the row is 0; where
+    it overflows, NaN.
     Causal, an ``n_q x n_k`` matrix that cannot fit is refused (MemoryError)
     before any work is done.
 

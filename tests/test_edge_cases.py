@@ -765,10 +765,10 @@ def test_causal_linear_state_across_pieces_equals_one_pass(backend, dtype, featu
 
 
 # ---------------------------------------------------------------------------
-# elu and relu features grow like the inputs: where both products overflow the
-# dtype the row is NaN in every backend (documented in linear_attention, Notes;
-# where only the denominator does, the row is 0, as in the reference).  In
-# float32 such a call is computed in float64 and rounded (issue 33, item 8).
+# elu and relu features grow like the inputs: where the denominator overflows the
+# dtype the row is NaN in every backend (documented in linear_attention, Notes),
+# never a finite x / inf.  In float32 such a call is computed in float64 and
+# rounded (issue 33, item 8).
 # ---------------------------------------------------------------------------
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
@@ -795,6 +795,92 @@ def test_linear_overflowing_features_give_nan_rows_in_float64_and_float64_answer
         feature_map=feature_map, backend="reference")
     assert big.dtype == np.float32 and np.isfinite(wide).all()
     assert_close(big, wide, dtype=np.float32)
+
+
+def _overflowing_denominator(dtype, scale, n=70, seed=68):
+    """q and k of about ``scale`` (every feature large), v of about 1e-6: φ(q)·z is past
+    the dtype's largest number (64 · scale² · n), φ(q)·S is not (a millionth of it).  In
+    float32 at 5e17 no one product φ(q_i)·φ(k_j) is (a causal diagonal forms them)."""
+    rng = np.random.default_rng(seed)
+    q, k = ((np.abs(rng.standard_normal((2, n, 64))) + 0.5) * scale for _ in range(2))
+    v = 1e-6 * rng.standard_normal((2, n, 16))
+    return tuple(x.astype(dtype) for x in (q, k, v))
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")   # the float64 reference overflows
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("feature_map", ["elu", "relu"])
+def test_a_float32_row_whose_denominator_alone_overflows_gets_the_float64_answer(
+        backend, feature_map, causal):
+    """The answer is a weighted average of values of 1e-6; x / inf gave 0 on every backend."""
+    q, k, v = _overflowing_denominator(np.float32, 5e17)
+    out = fastattn.linear_attention(q, k, v, causal=causal, feature_map=feature_map,
+                                    backend=backend)
+    want = fastattn.linear_attention(*(x.astype(np.float64) for x in (q, k, v)),
+                                     causal=causal, feature_map=feature_map,
+                                     backend="reference")
+    top = np.abs(want).max()
+    assert out.dtype == np.float32 and np.isfinite(want).all() and top > 1e-8
+    assert_close(out / np.float32(top), want / top, dtype=np.float32)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("feature_map", ["elu", "relu"])
+def test_a_float64_row_whose_denominator_overflows_is_nan_on_every_backend(backend,
+                                                                           feature_map):
+    """Non-causal every row's denominator overflows; causal the first rows' do not, and
+    those rows keep their answer, as the float64 reference gives it."""
+    q, k, v = _overflowing_denominator(np.float64, 1e153)
+    full = fastattn.linear_attention(q, k, v, feature_map=feature_map, backend=backend)
+    assert np.isnan(full).all()
+    causal = fastattn.linear_attention(q, k, v, causal=True, feature_map=feature_map,
+                                       backend=backend)
+    x = np.float64(1e-150)   # the same inputs, scaled into range: the rows that keep theirs
+    scaled = fastattn.linear_attention(q * x, k * x, v, causal=True, feature_map=feature_map,
+                                       backend="reference", eps=0)
+    overflowed = np.isnan(causal).all(axis=-1)
+    assert overflowed.any() and not overflowed.all()
+    assert np.isfinite(causal[~overflowed]).all()
+    assert_close(causal[~overflowed], scaled[~overflowed], dtype=np.float64)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("dtype,scale", [(np.float32, 1e20), (np.float64, 1e153)])
+def test_a_step_whose_denominator_overflows_is_the_float64_answer_or_nan(backend, dtype,
+                                                                         scale):
+    """One query and one key (each backend's recurrent step) after a state whose ``z``
+    is past the overflow: float32 gets float64's answer, float64 NaN; so does a
+    LinearAttentionState's step."""
+    q = np.full((3, 1, 64), scale, dtype)
+    v = np.full((3, 1, 16), 1e-6, dtype)
+    state = (np.zeros((3, 64, 16), dtype), np.full((3, 64), 100 * scale, dtype))
+    out = fastattn.linear_attention(q, q, v, initial_state=state, backend=backend)
+    generator = fastattn.LinearAttentionState((3,), 64, 16, dtype=dtype)
+    generator.step(*(np.repeat(a, 100, axis=1) for a in (q, q, 0 * v)), backend=backend)
+    np.testing.assert_allclose(generator.z, state[1], rtol=1e-6)   # and S = 0
+    stepped = generator.step(q, q, v, backend=backend)
+    if dtype == np.float64:
+        assert np.isnan(out).all() and np.isnan(stepped).all()
+        return
+    # φ(q)·S / φ(q)·z = (x · 1e-6) / (x · 101 x) = 1e-6 / 101 a column (x = q + 1 or q)
+    want = fastattn.linear_attention(*(a.astype(np.float64) for a in (q, q, v)),
+                                     initial_state=tuple(a.astype(np.float64) for a in state),
+                                     backend="reference")
+    np.testing.assert_allclose(want, 1e-6 / 101, rtol=1e-6)
+    np.testing.assert_allclose(out, want, rtol=1e-5)
+    np.testing.assert_allclose(stepped, want, rtol=1e-5)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_float32_linear_weights_whose_row_sums_overflow_are_float64s_rounded(causal):
+    """Each weight φ(q_i)·φ(k_j) fits float32, a row's sum of 70 of them does not."""
+    q, k, _ = _overflowing_denominator(np.float32, 5e17)
+    weights = fastattn.attention_weights(q, k, kind="linear", causal=causal)
+    want = fastattn.attention_weights(q.astype(np.float64), k.astype(np.float64),
+                                      kind="linear", causal=causal)
+    assert weights.dtype == np.float32
+    assert_close(weights, want.astype(np.float32), dtype=np.float32)
+    np.testing.assert_allclose(weights.sum(axis=-1), 1, rtol=1e-5)
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -44,7 +44,7 @@ import numpy as np
 cimport numpy as cnp
 from cython cimport floating
 from libc.limits cimport INT_MAX
-from libc.math cimport isfinite
+from libc.math cimport NAN, isfinite, isinf
 from libc.stdlib cimport free, malloc
 from cython.parallel cimport parallel, prange, threadid
 
@@ -596,8 +596,9 @@ cdef void _step(const floating *q, const floating *k, const floating *v,
             srow[c] = s0row[c] + fk * v[c]
             out[c] = out[c] + fq * srow[c]
     den = den + eps
-    # A zero denominator (relu with eps = 0) gives a zero row, as the reference.
-    fq = 1 / den if den != 0 else 0
+    # A zero denominator (relu with eps = 0) gives a zero row, an overflowed one a NaN
+    # row, as the reference (linear._scales).
+    fq = 0 if den == 0 else (<floating> NAN if isinf(den) else 1 / den)
     for c in range(d_v):
         out[c] = out[c] * fq
 

@@ -38,7 +38,7 @@ from fastattn._cython._aligned import aligned_empty
 from cython cimport floating
 from cython.parallel cimport parallel, prange, threadid
 
-from libc.math cimport log, sqrt
+from libc.math cimport NAN, isinf, log, sqrt
 from libc.string cimport memcpy, memset
 
 from fastattn._cython._blas cimport gemm
@@ -315,13 +315,14 @@ cdef inline void _mask_diagonal(floating *a, int lda, int rows, const int *seen,
 
 
 cdef inline void _scales(floating *den, int rows, floating eps) noexcept nogil:
-    """``den[r] = 1 / (den[r] + eps)`` in place, or 0 where that denominator
-    is exactly 0 (its row becomes ``row * 0``)."""
+    """``den[r] = 1 / (den[r] + eps)`` in place: 0 where that denominator is exactly 0
+    (its row becomes ``row * 0``), NaN where it overflowed (its row NaN, never a finite
+    ``row / inf`` that looks like an answer: a float32 call is then made again in float64)."""
     cdef int r
     cdef floating x
     for r in range(rows):
         x = den[r] + eps
-        den[r] = 1 / x if x != 0 else 0
+        den[r] = 0 if x == 0 else (<floating> NAN if isinf(x) else 1 / x)
 
 
 cdef inline void _scale_rows(floating *o, int rows, int d_v, const floating *scale) noexcept nogil:
@@ -861,7 +862,8 @@ def linear_attention_forward(q, k, v, feature_map, bint causal, double eps, S0=N
     causal : bool
         Bottom-right aligned mask (query ``i`` sees key ``j <= i + n_k - n_q``).
     eps : float
-        Added to the denominator; a row whose denominator is exactly 0 is 0.
+        Added to the denominator; a row whose denominator is exactly 0 is 0, one
+        whose denominator overflowed NaN.
     S0 : ndarray of shape (B, d_k, d_v), optional
         State of earlier keys (default zeros); read, never written.
     z0 : ndarray of shape (B, d_k), optional

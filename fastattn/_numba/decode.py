@@ -179,8 +179,9 @@ def split_key_softmax_forward(q, k, v, causal, scale, n_splits=None, n_k=None):
 
 
 @njit(**JIT_SERIAL)
-def _recurrent_step(q, k, v, relu, eps, S0, z0):
-    """``S = S0 + φ(k)ᵀ v``, ``z = z0 + φ(k)``, ``out = φ(q) S / (φ(q)·z + eps)`` per head."""
+def _recurrent_step(q, k, v, relu, eps, nan, S0, z0):
+    """``S = S0 + φ(k)ᵀ v``, ``z = z0 + φ(k)``, ``out = φ(q) S / (φ(q)·z + eps)`` per head
+    (``nan``: a NaN of the dtype, for an overflowed denominator)."""
     B, _, d_k = q.shape
     d_v = v.shape[2]
     zero = q.dtype.type(0)
@@ -211,8 +212,9 @@ def _recurrent_step(q, k, v, relu, eps, S0, z0):
                 S[b, a, c] = S0[b, a, c] + fk * v[b, 0, c]
                 out[b, 0, c] += fq * S[b, a, c]
         den += eps
-        # A zero denominator (relu with eps = 0) gives a zero row, as the reference.
-        r = 1 / den if den != zero else zero
+        # A zero denominator (relu with eps = 0) gives a zero row, an overflowed one a NaN
+        # row, as the reference (a NaN passed in: fast-math may fold one formed here).
+        r = zero if den == zero else (nan if np.isinf(den) else 1 / den)
         for c in range(d_v):
             out[b, 0, c] *= r
     return out, S, z
@@ -223,8 +225,8 @@ def recurrent_linear_step(q, k, v, feature_map, eps, S0=None, z0=None):
 
     ``S = S0 + φ(k)ᵀ v``, ``z = z0 + φ(k)``, ``out = φ(q) S / (φ(q)·z + eps)``
     (Katharopoulos et al., "Transformers are RNNs", 2020), 0 where the
-    denominator is exactly 0.  With one query and one key, causal and
-    non-causal attention are the same.
+    denominator is exactly 0, NaN where it overflowed.  With one query and one
+    key, causal and non-causal attention are the same.
 
     Parameters
     ----------
@@ -254,7 +256,8 @@ def recurrent_linear_step(q, k, v, feature_map, eps, S0=None, z0=None):
     if S0 is None:
         S0 = np.zeros((q.shape[0], q.shape[2], v.shape[2]), dtype=q.dtype)
         z0 = np.zeros((q.shape[0], q.shape[2]), dtype=q.dtype)
-    return _recurrent_step(q, k, v, feature_map == "relu", q.dtype.type(eps), S0, z0)
+    return _recurrent_step(q, k, v, feature_map == "relu", q.dtype.type(eps),
+                           q.dtype.type(np.nan), S0, z0)
 
 
 def linear_forward(q, k, v, feature_map, causal, eps, S0=None, z0=None):

@@ -265,10 +265,11 @@ def prefix_states(S0, z0, dS, dz):
 
 @njit(**JIT_PARALLEL)
 def chunk_outputs(q, k, v, bounds, first_chunk_segment, causal, code, consts, c, dS, dz):
-    """Pass 3: the output of every chunk of ``c`` queries, from the state before its keys."""
+    """Pass 3: the output of every chunk of ``c`` queries, from the state before its keys
+    (``consts``: ``(1, 0, eps, NaN)`` in the dtype)."""
     B, n_q, d_k = q.shape
     n_k, d_v = k.shape[1], v.shape[2]
-    one, zero, eps = consts[0], consts[1], consts[2]
+    one, zero, eps, nan = consts[0], consts[1], consts[2], consts[3]
     off = n_k - n_q
     nseg = bounds.shape[0] - 1
     nchunks = (n_q + c - 1) // c
@@ -328,7 +329,9 @@ def chunk_outputs(q, k, v, bounds, first_chunk_segment, causal, code, consts, c,
         for i in range(rows):
             d = den[i] + eps
             if d != zero:
-                r = one / d
+                # An overflowed denominator makes a NaN row, as the reference (a NaN read
+                # from consts: fast-math may fold one formed here).
+                r = nan if np.isinf(d) else one / d
                 for col in range(d_v):
                     out[b, i0 + i, col] = num[i, col] * r
             else:
@@ -369,7 +372,8 @@ def linear_forward(q, k, v, feature_map, causal, eps, S0=None, z0=None):
     causal : bool
         Bottom-right aligned mask (``j <= i + n_k - n_q``).
     eps : float
-        Added to the denominator; a row whose denominator is exactly 0 is 0.
+        Added to the denominator; a row whose denominator is exactly 0 is 0, one
+        whose denominator overflowed NaN.
     S0 : ndarray of shape (B, d_k, d_v), optional
         State of earlier keys, seen by every query (default zeros).
     z0 : ndarray of shape (B, d_k), optional
@@ -396,7 +400,7 @@ def linear_forward(q, k, v, feature_map, causal, eps, S0=None, z0=None):
     S0 = np.zeros((B, d_k, d_v), dtype) if S0 is None else S0
     z0 = np.zeros((B, d_k), dtype) if z0 is None else z0
     code = FEATURE_MAP_CODES[feature_map]
-    consts = np.array([1.0, 0.0, eps], dtype=dtype)
+    consts = np.array([1.0, 0.0, eps, np.nan], dtype=dtype)
     bounds, first = _segment_bounds(n_q, n_k, causal)
     # Causal: the quadratic part grows with the chunk; non-causal: larger
     # steps make larger (more efficient) gemms.
