@@ -239,6 +239,10 @@ def linear_attention(
     grow like the inputs, and in float64 a row whose denominator overflows
     (inputs of about ``1e153`` at ``d_k = 64``) is that NaN.  Rescale such
     inputs first (relu attention does not change when ``q`` is scaled).
+    With ``eps = 0`` a float32 row of zeros (a denominator or numerator
+    that underflowed: relu inputs near 1e-40) is computed again in float64
+    too; a product that underflows only partly loses digits (see
+    docs/numerics.md).
     A float32 call whose state products ``φ(k)ᵀ v`` may fall below float32's
     normal range (keys and values both near 1e-30; the bound, one pass over
     ``k`` and ``v``, is in :meth:`FeatureMap.state_may_underflow`) is also

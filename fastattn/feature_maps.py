@@ -201,9 +201,22 @@ class FeatureMap:
         with np.errstate(over="ignore", invalid="ignore") if module is reference \
                 else contextlib.nullcontext():
             result = self.forward_in_dtype(module, feats, q, k, v, causal, eps, S0, z0)
-        if getattr(module, "output_finite", _overflow.output_finite)(result[0]):
+        if getattr(module, "output_finite", _overflow.output_finite)(result[0]) \
+                and not self._may_be_lost(*result, eps):
             return result
         return self._forward_wide(module, feats, q, k, v, causal, eps, S0, z0)
+
+    def _may_be_lost(self, out, S, z, eps):
+        """Whether a finite float32 result may still be wrong where float64 is right: with no
+        queries, a state that overflowed (no output shows it); with ``eps = 0`` and an
+        elementwise map, a row of zeros (a denominator ``φ(q)·z`` or a numerator that
+        underflowed to 0: relu keys of 1e-40 against a query of 1e-20 gave 0 for values of
+        1e30).  A pass over ``out`` only for ``eps = 0`` (relu's rows with no overlap are 0 in
+        float64 too: time, not a different answer)."""
+        if out.shape[-2] == 0:
+            return not (np.isfinite(S).all() and np.isfinite(z).all())
+        return (eps == 0 and self.elementwise is not None and out.shape[-1] > 0
+                and not out.any(axis=-1).all())
 
     def _forward_wide(self, module, feats, q, k, v, causal, eps, S0, z0):
         """``(out, S, z)`` of float32 inputs computed in float64, then rounded to float32."""

@@ -871,6 +871,49 @@ def test_a_step_whose_denominator_overflows_is_the_float64_answer_or_nan(backend
     np.testing.assert_allclose(stepped, want, rtol=1e-5)
 
 
+@pytest.mark.parametrize("case", ["denominator", "numerator"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_a_float32_relu_row_that_underflows_to_zero_with_eps_0_gets_the_float64_answer(
+        backend, case, causal):
+    """Relu, eps = 0: keys of 1e-40 against queries of 1e-20 (φ(q)·z of 3e-60, 0 in float32)
+    and values of 1e30; or queries of 1e-40 against keys of 1e17 and values of 1e-30 (a
+    numerator of 2e-53).  Every backend gave rows of 0; the answer is the values."""
+    n = 5
+    q_x, k_x, v_x = (1e-20, 1e-40, 1e30) if case == "denominator" else (1e-40, 1e17, 1e-30)
+    rng = np.random.default_rng(69)
+    q, k = (x * (1 + rng.random((2, n, 3))) for x in (q_x, k_x))
+    v = v_x * (1 + rng.random((2, n, 2)))
+    q, k, v = (a.astype(np.float32) for a in (q, k, v))
+    out = fastattn.linear_attention(q, k, v, feature_map="relu", eps=0, causal=causal,
+                                    backend=backend)
+    want = fastattn.linear_attention(*(a.astype(np.float64) for a in (q, k, v)),
+                                     feature_map="relu", eps=0, causal=causal,
+                                     backend="reference")
+    assert (np.abs(want) > v_x / 2).all()                     # an average of the values
+    np.testing.assert_allclose(out, want, rtol=1e-5)
+
+
+def test_a_float32_row_of_relu_with_no_overlap_stays_zero_with_eps_0(backend):
+    """Computed again in float64 (a row of zeros), it is zeros there too."""
+    q = np.array([[[1.0, -1.0], [2.0, -3.0]]], np.float32)
+    k = np.array([[[-1.0, 2.0], [-2.0, 1.0]]], np.float32)
+    v = np.ones((1, 2, 3), np.float32)
+    out = fastattn.linear_attention(q, k, v, feature_map="relu", eps=0, backend=backend)
+    np.testing.assert_array_equal(out, np.zeros((1, 2, 3), np.float32))
+
+
+def test_with_no_queries_an_overflowed_float32_state_is_float64s_rounded(backend):
+    """φ(k)ᵀ v of 1e20 · ±1e19 overflows float32 a key, the sum over the two keys is 0; with
+    no output to show it, the state came back inf."""
+    k = np.full((1, 2, 4), 1e20, np.float32)
+    v = np.array([[[1e19], [-1e19]]], np.float32)
+    out, (S, z) = fastattn.linear_attention(np.zeros((1, 0, 4), np.float32), k, v,
+                                            return_state=True, backend=backend)
+    assert out.shape == (1, 0, 1) and S.dtype == np.float32
+    np.testing.assert_array_equal(S, np.zeros((1, 4, 1), np.float32))
+    np.testing.assert_allclose(z, np.full((1, 4), 2e20), rtol=1e-6)
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_float32_linear_weights_whose_row_sums_overflow_are_float64s_rounded(causal):
     """Each weight φ(q_i)·φ(k_j) fits float32, a row's sum of 70 of them does not."""
