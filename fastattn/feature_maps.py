@@ -178,14 +178,14 @@ class FeatureMap:
 
     def forward(self, module, feats, q, k, v, causal, eps, S0, z0):
         """``(out, S, z)``: :meth:`forward_in_dtype`, and a float32 call whose output comes
-        out non-finite, or whose state may underflow (:meth:`state_may_underflow`),
-        computed in float64, then rounded.
+        out non-finite, whose state may underflow (:meth:`state_may_underflow`) or whose
+        finite result may be lost (:meth:`_may_be_lost`), computed in float64, then rounded.
 
         A float32 numerator ``φ(q)·S`` (or ``S`` itself) overflows where the float64 one
         does not (``q`` of 1e15 against ``v`` of 1e30: the answer is 1e30), and the
         backends then differ (inf, NaN: the order of their sums).  Overflow is always
         visible in the output (an inf in ``S`` or in the numerator makes the row inf or
-        NaN), so the ordinary call pays one pass over its output,
+        NaN, an infinite denominator NaN), so the ordinary call pays one pass over its output,
         ``O(n · d_v)`` beside the kernel's ``O(n · D · d_v)``; only the rare call that
         comes out non-finite is computed again.  Float64 holds every product of float32
         numbers (up to 1e77 for two factors), so the float64 answer, rounded, is the
