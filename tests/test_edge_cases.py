@@ -903,8 +903,8 @@ def test_a_float32_row_of_relu_with_no_overlap_stays_zero_with_eps_0(backend):
 
 
 def test_with_no_queries_an_overflowed_float32_state_is_float64s_rounded(backend):
-    """φ(k)ᵀ v of 1e20 · ±1e19 overflows float32 a key, the sum over the two keys is 0; with
-    no output to show it, the state came back inf."""
+    """Each key's φ(k)ᵀ v (1e20 · ±1e19) overflows float32, their sum is 0; with no output
+    to show it, the state came back inf."""
     k = np.full((1, 2, 4), 1e20, np.float32)
     v = np.array([[[1e19], [-1e19]]], np.float32)
     out, (S, z) = fastattn.linear_attention(np.zeros((1, 0, 4), np.float32), k, v,
