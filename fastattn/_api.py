@@ -239,10 +239,12 @@ def linear_attention(
     grow like the inputs, and in float64 a row whose denominator overflows
     (inputs of about ``1e153`` at ``d_k = 64``) is that NaN.  Rescale such
     inputs first (relu attention does not change when ``q`` is scaled).
-    With ``eps = 0`` a float32 row of zeros (a denominator or numerator
-    that underflowed: relu inputs near 1e-40) is computed again in float64
-    too; a product that underflows only partly loses digits (see
-    docs/numerics.md).
+    With ``"elu"`` or ``"relu"`` and an ``eps`` below ``2**-23`` (``0``
+    included), a float32 call whose output has a row of zeros (a
+    denominator or numerator that underflowed: relu inputs near 1e-40) is
+    computed again in float64 too, the whole call; so is one with no queries
+    whose state is not finite.  An entry that underflows alone, or only
+    partly, is not caught (see docs/numerics.md).
     A float32 call whose state products ``φ(k)ᵀ v`` may fall below float32's
     normal range (keys and values both near 1e-30; the bound, one pass over
     ``k`` and ``v``, is in :meth:`FeatureMap.state_may_underflow`) is also
@@ -344,11 +346,17 @@ def attention_weights(
     MemoryError
         Before any work, when the ``n_q x n_k`` matrix (one array, normalised
         in place, and a 2-byte mask per entry when causal) with the features
-        does not fit in available memory.
+        does not fit in available memory; and before a float32 linear call's
+        weights are computed again in float64 (see :func:`linear_attention`,
+        Notes), when those do not.
 
     Notes
     -----
     Always computed by the NumPy reference: ``O(B · n_q · n_k)`` memory.
+    Float32 linear weights that come out non-finite, or with a row of zeros
+    that may be underflow, are computed again in float64 and rounded, as
+    :func:`linear_attention`'s output is, so that ``attention == weights @ v``
+    holds there too.
     """
     if kind not in ("softmax", "linear"):
         raise ValueError(f"kind must be 'softmax' or 'linear', got {kind!r}")
@@ -389,19 +397,23 @@ def attention_weights(
     else:
         # FAVOR+ keys whose float32 norms may overflow: their features in float64, as in
         # linear_attention (FeatureMap.features_may_overflow), the weights rounded.  So are
-        # float32 weights that come out non-finite from finite inputs (a product φ(q)·φ(k)
-        # or a row's sum past float32's range: NaN, never a 0 that looks like an answer),
-        # as linear_attention's output is.
+        # float32 weights that come out non-finite (a product φ(q)·φ(k) or a row's sum past
+        # float32's range: NaN, never a 0 that looks like an answer; a NaN or inf given
+        # reaches the same rows in float64, the others get their answer), or with a row of
+        # zeros that may be underflow (FeatureMap.zero_rows_may_be_lost), as
+        # linear_attention's output is: attention == weights @ v holds there too.
         wide = qq.dtype == np.float32 and fmap.features_may_overflow(qq, kk)
         weights = _linear_weights(fmap, qq, kk, batch_shape, causal, eps, wide)
         # Their sum, not isfinite's n_q x n_k bools: a row of weights sums to about 1 (a
         # map's negative features aside: a sum that overflows only costs the float64 call).
-        if (qq.dtype == np.float32 and not wide and not np.isfinite(weights.sum())
-                and np.isfinite(qq).all() and np.isfinite(kk).all()):
+        if qq.dtype == np.float32 and not wide and (
+                not np.isfinite(weights.sum()) or fmap.zero_rows_may_be_lost(weights, eps)):
+            del weights   # the float64 weights and their float32 copy in its place
             reference.check_fits_in_memory(
-                reference.weights_bytes(math.prod(batch_shape), n_q, n_k, 8, causal, D),
+                reference.weights_bytes(math.prod(batch_shape), n_q, n_k, 8, causal, D)
+                + math.prod(out_shape) * 4,
                 f"attention_weights, for its {out_shape} weights computed again in float64 "
-                "(their float32 ones overflowed),", advice="rescale q and k")
+                "(their float32 ones overflowed or underflowed),", advice="rescale q and k")
             weights = _linear_weights(fmap, qq, kk, batch_shape, causal, eps, True)
     return weights.reshape(out_shape)
 

@@ -54,9 +54,14 @@ DEFAULT_EPS = 1e-6
 #: the kernels would apply any eps in the shifted frame (see :class:`FavorFeatures`).
 FAVOR_EPS = 0.0
 #: Keys and values (the first of each head) from which elu+1's float32 underflow check
-#: first bounds every product (``FeatureMap._clearly_above``); the full check reads them all
-#: only when that bound does not clear.
+#: bounds every product when the first row alone does not clear the bound
+#: (``FeatureMap._clearly_above``); the full check reads them all only when neither does.
 _BOUND_ROWS = 16
+
+#: A float32 linear call with an eps below this (float32's machine epsilon, 2⁻²³) may have
+#: lost a row to underflow: a numerator below 2⁻¹⁴⁹ is 0, and divided by such an eps it
+#: could have been a normal number (:meth:`FeatureMap.zero_rows_may_be_lost`).
+_SMALL_EPS = 2.0 ** -23
 
 
 def _bound_clears(k_low, smallest_v, n_k):
@@ -216,16 +221,23 @@ class FeatureMap:
         return self._forward_wide(module, feats, q, k, v, causal, eps, S0, z0)
 
     def _may_be_lost(self, out, S, z, eps):
-        """Whether a finite float32 result may still be wrong where float64 is right: with no
-        queries, a state that overflowed (no output shows it); with ``eps = 0`` and an
-        elementwise map, a row of zeros (a denominator ``φ(q)·z`` or a numerator that
-        underflowed to 0: relu keys of 1e-40 against a query of 1e-20 gave 0 for values of
-        1e30).  A pass over ``out`` only for ``eps = 0`` (relu's rows with no overlap are 0 in
-        float64 too: time, not a different answer)."""
-        if out.shape[-2] == 0:
+        """Whether a finite float32 result may still be wrong where float64 is right: with an
+        empty output, a state that overflowed (no output shows it); else
+        :meth:`zero_rows_may_be_lost`."""
+        if out.size == 0:
             return not (np.isfinite(S).all() and np.isfinite(z).all())
-        return (eps == 0 and self.elementwise is not None and out.shape[-1] > 0
-                and not out.any(axis=-1).all())
+        return self.zero_rows_may_be_lost(out, eps)
+
+    def zero_rows_may_be_lost(self, rows, eps):
+        """Whether float32 ``rows`` (an output or weights, ``(..., n_q, n)``) of an elementwise
+        map hold a row of zeros that float64 may not: with ``eps`` below ``_SMALL_EPS``, a
+        denominator that underflowed to 0 (relu keys of 1e-40 against a query of 1e-20 gave 0
+        for values of 1e30) or a numerator that did (queries of 1e-40 against values of
+        1e-30).  One pass over ``rows``, only for such an ``eps``.  Rows that are 0 in
+        float64 too (relu rows with no overlap, causal rows that see no key, values of 0) say
+        the same: the caller's float64 call costs time, not a different answer."""
+        return (self.elementwise is not None and eps < _SMALL_EPS and rows.shape[-1] > 0
+                and not rows.any(axis=-1).all())
 
     def _forward_wide(self, module, feats, q, k, v, causal, eps, S0, z0):
         """``(out, S, z)`` of float32 inputs computed in float64, then rounded to float32."""
@@ -268,16 +280,17 @@ class FeatureMap:
 
     @staticmethod
     def _clearly_above(k, v):
-        """True when elu+1's every product is clearly above the bound, from two scalars
-        read off the first key and value of each head, or when those do not clear it (a
-        value of 0 there), off the first ``_BOUND_ROWS``: a column's largest over those
-        rows is at most its largest over all, and φ is positive and increasing, so φ of
-        the smallest such key column maximum is below every feature's largest, and the
-        smallest such column maximum of ``|v|`` below every column's (a NaN says nothing:
-        False).  ``O(d)`` work a head, where the full check reads ``k`` and ``v`` whole (a
-        fifth of a float32 call of 8 x 16384 x 64 went to it).  The first row alone, as
-        NumPy's reduction over rows costs about 1 µs a row of 48 heads of 32: the 16 rows
-        took 42 µs, 5 % of a 2-thread call at (4, 12, 512, 32), its other thread idle."""
+        """True when elu+1's every product is clearly above the bound, from the first key
+        and value of each head, or, when those do not clear it (a value of 0, a very
+        negative key, a tiny value), from the first ``_BOUND_ROWS``: a column's largest
+        over those rows is at most its largest over all, and φ is positive and increasing,
+        so φ of the smallest such key column maximum is below every feature's largest, and
+        the smallest such column maximum of ``|v|`` below every column's (a NaN says
+        nothing: False; :func:`_bound_clears`).  ``O(d)`` work a head, where the full check
+        reads ``k`` and ``v`` whole (a fifth of a float32 call of 8 x 16384 x 64 went to
+        it).  The first row first because NumPy's reduction over rows costs time by the
+        row: the 16 rows of 48 heads of 32 took 42 µs, 5 % of a 2-thread call at
+        (4, 12, 512, 32), its other thread idle; the first row 4 µs."""
         n_k = k.shape[-2]
         # Over one row a column's largest is the row: no reduction over rows.
         if _bound_clears(float(k[..., 0, :].min()), float(np.abs(v[..., 0, :]).min()), n_k):

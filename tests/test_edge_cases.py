@@ -828,20 +828,30 @@ def test_a_float32_row_whose_denominator_alone_overflows_gets_the_float64_answer
 @pytest.mark.parametrize("feature_map", ["elu", "relu"])
 def test_a_float64_row_whose_denominator_overflows_is_nan_on_every_backend(backend,
                                                                            feature_map):
-    """Non-causal every row's denominator overflows; causal the first rows' do not, and
-    those rows keep their answer, as the float64 reference gives it."""
+    """Non-causal every row's denominator overflows.  Causal, at a scale where about half of
+    the rows' do: NaN exactly in the rows whose denominator is past the largest float64, and
+    the others keep their answer.  At these magnitudes
+    elu+1 and relu are the inputs themselves (x + 1 == x), so the answer is that of the
+    scaled inputs with the identity as features, formed here."""
     q, k, v = _overflowing_denominator(np.float64, 1e153)
     full = fastattn.linear_attention(q, k, v, feature_map=feature_map, backend=backend)
     assert np.isnan(full).all()
-    causal = fastattn.linear_attention(q, k, v, causal=True, feature_map=feature_map,
-                                       backend=backend)
-    x = np.float64(1e-150)   # the same inputs, scaled into range: the rows that keep theirs
-    scaled = fastattn.linear_attention(q * x, k * x, v, causal=True, feature_map=feature_map,
-                                       backend="reference", eps=0)
-    overflowed = np.isnan(causal).all(axis=-1)
-    assert overflowed.any() and not overflowed.all()
-    assert np.isfinite(causal[~overflowed]).all()
-    assert_close(causal[~overflowed], scaled[~overflowed], dtype=np.float64)
+    q, k, v = _overflowing_denominator(np.float64, 1.0)
+    weights = np.tril(q @ k.transpose(0, 2, 1))           # (2, 70, 70), positive below
+    den = weights.sum(axis=-1)
+    # A scale at which about half of the rows overflow (a row's denominator grows with the
+    # keys it sees, and with its query), none within 1e-6 of the largest float64.
+    x = np.sqrt(np.finfo(np.float64).max / np.median(den))
+    out = fastattn.linear_attention(q * x, k * x, v, causal=True, feature_map=feature_map,
+                                    backend=backend)
+    past = den * x * x / np.finfo(np.float64).max
+    assert (np.abs(past - 1) > 1e-6).all()
+    overflowed = past > 1
+    assert 0.3 < overflowed.mean() < 0.7
+    np.testing.assert_array_equal(np.isnan(out).all(axis=-1), overflowed)
+    assert np.isfinite(out[~overflowed]).all()
+    want = (weights @ v) / den[..., None]
+    np.testing.assert_allclose(out[~overflowed], want[~overflowed], rtol=1e-9)
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
@@ -871,25 +881,33 @@ def test_a_step_whose_denominator_overflows_is_the_float64_answer_or_nan(backend
     np.testing.assert_allclose(stepped, want, rtol=1e-5)
 
 
-@pytest.mark.parametrize("case", ["denominator", "numerator"])
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_a_float32_relu_row_that_underflows_to_zero_with_eps_0_gets_the_float64_answer(
-        backend, case, causal):
-    """Relu, eps = 0: keys of 1e-40 against queries of 1e-20 (φ(q)·z of 3e-60, 0 in float32)
-    and values of 1e30; or queries of 1e-40 against keys of 1e17 and values of 1e-30 (a
-    numerator of 2e-53).  Every backend gave rows of 0; the answer is the values."""
-    n = 5
+def _underflowing_rows(case, n=5, seed=69):
+    """Relu inputs whose float32 rows underflow to 0: keys of 1e-40 against queries of 1e-20
+    (φ(q)·z of 3e-60) and values of 1e30; or queries of 1e-40 against keys of 1e17 and values
+    of 1e-30 (a numerator of 2e-53)."""
     q_x, k_x, v_x = (1e-20, 1e-40, 1e30) if case == "denominator" else (1e-40, 1e17, 1e-30)
-    rng = np.random.default_rng(69)
+    rng = np.random.default_rng(seed)
     q, k = (x * (1 + rng.random((2, n, 3))) for x in (q_x, k_x))
     v = v_x * (1 + rng.random((2, n, 2)))
-    q, k, v = (a.astype(np.float32) for a in (q, k, v))
-    out = fastattn.linear_attention(q, k, v, feature_map="relu", eps=0, causal=causal,
+    return tuple(a.astype(np.float32) for a in (q, k, v)), v_x
+
+
+@pytest.mark.parametrize("eps", [0.0, 1e-60, 1e-30])   # 1e-60 is 0 in float32
+@pytest.mark.parametrize("case", ["denominator", "numerator"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_a_float32_relu_row_that_underflows_to_zero_with_a_tiny_eps_gets_the_float64_answer(
+        backend, case, causal, eps):
+    """Every backend gave rows of 0 (eps of 0 and 1e-60 both cases, 1e-30 the numerator);
+    with eps = 0 the answer is an average of the values."""
+    (q, k, v), v_x = _underflowing_rows(case)
+    out = fastattn.linear_attention(q, k, v, feature_map="relu", eps=eps, causal=causal,
                                     backend=backend)
     want = fastattn.linear_attention(*(a.astype(np.float64) for a in (q, k, v)),
-                                     feature_map="relu", eps=0, causal=causal,
+                                     feature_map="relu", eps=eps, causal=causal,
                                      backend="reference")
-    assert (np.abs(want) > v_x / 2).all()                     # an average of the values
+    assert (want != 0).all()
+    if eps == 0:
+        assert (np.abs(want) > v_x / 2).all()
     np.testing.assert_allclose(out, want, rtol=1e-5)
 
 
@@ -902,13 +920,14 @@ def test_a_float32_row_of_relu_with_no_overlap_stays_zero_with_eps_0(backend):
     np.testing.assert_array_equal(out, np.zeros((1, 2, 3), np.float32))
 
 
-def test_with_no_queries_an_overflowed_float32_state_is_float64s_rounded(backend):
+def test_with_no_queries_an_overflowed_float32_state_is_float64s_rounded():
     """Each key's φ(k)ᵀ v (1e20 · ±1e19) overflows float32, their sum is 0; with no output
-    to show it, the state came back inf."""
+    to show it, the state came back inf.  (With no queries every backend runs the
+    reference, fastattn._api.)"""
     k = np.full((1, 2, 4), 1e20, np.float32)
     v = np.array([[[1e19], [-1e19]]], np.float32)
     out, (S, z) = fastattn.linear_attention(np.zeros((1, 0, 4), np.float32), k, v,
-                                            return_state=True, backend=backend)
+                                            return_state=True)
     assert out.shape == (1, 0, 1) and S.dtype == np.float32
     np.testing.assert_array_equal(S, np.zeros((1, 4, 1), np.float32))
     np.testing.assert_allclose(z, np.full((1, 4), 2e20), rtol=1e-6)
@@ -924,6 +943,31 @@ def test_float32_linear_weights_whose_row_sums_overflow_are_float64s_rounded(cau
     assert weights.dtype == np.float32
     assert_close(weights, want.astype(np.float32), dtype=np.float32)
     np.testing.assert_allclose(weights.sum(axis=-1), 1, rtol=1e-5)
+
+
+def test_float32_linear_weights_keep_the_other_heads_answers_beside_a_given_nan():
+    q, k, _ = _overflowing_denominator(np.float32, 5e17)
+    q[1, 0, 0] = np.nan
+    weights = fastattn.attention_weights(q, k, kind="linear")
+    want = fastattn.attention_weights(q[:1].astype(np.float64), k[:1].astype(np.float64),
+                                      kind="linear")
+    assert_close(weights[:1], want.astype(np.float32), dtype=np.float32)
+    assert np.isnan(weights[1, 0]).all() and np.isfinite(weights[1, 1:]).all()
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_float32_relu_weights_that_underflow_to_zero_with_eps_0_are_float64s(causal):
+    """attention == weights @ v holds where linear_attention repairs the row."""
+    (q, k, v), _ = _underflowing_rows("denominator")
+    weights = fastattn.attention_weights(q, k, kind="linear", feature_map="relu", eps=0,
+                                         causal=causal)
+    want = fastattn.attention_weights(q.astype(np.float64), k.astype(np.float64),
+                                      kind="linear", feature_map="relu", eps=0, causal=causal)
+    assert weights.dtype == np.float32
+    np.testing.assert_allclose(weights.sum(axis=-1), 1, rtol=1e-6)
+    np.testing.assert_allclose(weights, want, rtol=1e-5)
+    out = fastattn.linear_attention(q, k, v, feature_map="relu", eps=0, causal=causal)
+    np.testing.assert_allclose(out, weights @ v, rtol=1e-5)
 
 
 @pytest.mark.parametrize("causal", [False, True])

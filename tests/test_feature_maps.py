@@ -975,6 +975,22 @@ def test_elus_quick_underflow_check_agrees_with_the_full_one(monkeypatch):
     assert seen == {True, False}   # both answers were exercised
 
 
+def test_elus_quick_underflow_bound_clears_from_the_first_row_or_the_first_sixteen():
+    """A NaN in rows 1-15 would stop the sixteen-row bound: the first row clears alone.  A
+    value of 0 in the first row stops the first-row bound: the sixteen rows clear it."""
+    from fastattn.feature_maps import _BOUND_ROWS, Elu
+    rng = np.random.default_rng(5)
+    k, v = (rng.standard_normal((3, 4 * _BOUND_ROWS, 8)).astype(np.float32) for _ in range(2))
+    nan_after_first = k.copy()
+    nan_after_first[:, 1:_BOUND_ROWS, 0] = np.nan
+    assert Elu._clearly_above(nan_after_first, v)
+    zero_first = v.copy()
+    zero_first[1, 0, 3] = 0
+    assert Elu._clearly_above(k, zero_first)
+    zero_first[1, :_BOUND_ROWS, 3] = 0   # neither bound clears: the full check decides
+    assert not Elu._clearly_above(k, zero_first)
+
+
 # --- a map is fixed once made: its kernels' arrays are cached from its attributes ----------
 @pytest.mark.parametrize("attribute, value", [
     ("omega", np.ones((5, 8))), ("omega", np.ones((1, 1))), ("num_features", 32),

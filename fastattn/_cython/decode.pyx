@@ -597,7 +597,7 @@ cdef void _step(const floating *q, const floating *k, const floating *v,
             out[c] = out[c] + fq * srow[c]
     den = den + eps
     # A zero denominator (relu with eps = 0) gives a zero row, an overflowed one a NaN
-    # row, as the reference (linear._scales).
+    # row, as the reference and linear._scales do.
     fq = 0 if den == 0 else (<floating> NAN if isinf(den) else 1 / den)
     for c in range(d_v):
         out[c] = out[c] * fq

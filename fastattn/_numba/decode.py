@@ -213,7 +213,7 @@ def _recurrent_step(q, k, v, relu, eps, nan, S0, z0):
                 out[b, 0, c] += fq * S[b, a, c]
         den += eps
         # A zero denominator (relu with eps = 0) gives a zero row, an overflowed one a NaN
-        # row, as the reference (a NaN passed in: fast-math may fold one formed here).
+        # row, as the reference (a NaN passed in, as linear.chunk_outputs reads one).
         r = zero if den == zero else (nan if np.isinf(den) else 1 / den)
         for c in range(d_v):
             out[b, 0, c] *= r

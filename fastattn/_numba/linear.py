@@ -330,7 +330,7 @@ def chunk_outputs(q, k, v, bounds, first_chunk_segment, causal, code, consts, c,
             d = den[i] + eps
             if d != zero:
                 # An overflowed denominator makes a NaN row, as the reference (a NaN read
-                # from consts: fast-math may fold one formed here).
+                # from consts: `d - d` formed here came out 0 under the fast-math flags).
                 r = nan if np.isinf(d) else one / d
                 for col in range(d_v):
                     out[b, i0 + i, col] = num[i, col] * r
