@@ -242,8 +242,8 @@ def linear_attention(
     With ``"elu"`` or ``"relu"`` and an ``eps`` below ``2**-23`` (``0``
     included), a float32 call whose output has a row of zeros (a
     denominator or numerator that underflowed: relu inputs near 1e-40) is
-    computed again in float64 too, the whole call; so is one with no queries
-    whose state is not finite.  An entry that underflows alone, or only
+    computed again in float64 too, the whole call; so is one with an empty
+    output (no queries, or ``d_v = 0``) whose state is not finite.  An entry that underflows alone, or only
     partly, is not caught (see docs/numerics.md).
     A float32 call whose state products ``φ(k)ᵀ v`` may fall below float32's
     normal range (keys and values both near 1e-30; the bound, one pass over
