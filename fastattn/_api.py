@@ -243,8 +243,9 @@ def linear_attention(
     included), a float32 call whose output has a row of zeros (a
     denominator or numerator that underflowed: relu inputs near 1e-40) is
     computed again in float64 too, the whole call; so is one with an empty
-    output (no queries, or ``d_v = 0``) whose state is not finite.  An entry that underflows alone, or only
-    partly, is not caught (see docs/numerics.md).
+    output (no queries, or ``d_v = 0``) whose state is not finite.  An
+    entry that underflows alone, or only partly, is not caught (see
+    docs/numerics.md).
     A float32 call whose state products ``φ(k)ᵀ v`` may fall below float32's
     normal range (keys and values both near 1e-30; the bound, one pass over
     ``k`` and ``v``, is in :meth:`FeatureMap.state_may_underflow`) is also
