@@ -229,14 +229,14 @@ class FeatureMap:
         return self.zero_rows_may_be_lost(out, eps)
 
     def zero_rows_may_be_lost(self, rows, eps):
-        """Whether float32 ``rows`` (an output or weights, ``(..., n_q, n)``) of an elementwise
-        map hold a row of zeros that float64 may not: with ``eps`` below ``_SMALL_EPS``, a
-        denominator that underflowed to 0 (relu keys of 1e-40 against a query of 1e-20 gave 0
-        for values of 1e30) or a numerator that did (queries of 1e-40 against values of
-        1e-30).  One pass over ``rows``, only for such an ``eps``.  Rows that are 0 in
+        """Whether float32 ``rows`` (an output or weights, ``(..., n_q, n)``, not empty) of an
+        elementwise map hold a row of zeros that float64 may not: with ``eps`` below
+        ``_SMALL_EPS``, a denominator that underflowed to 0 (relu keys of 1e-40 against a
+        query of 1e-20 gave 0 for values of 1e30) or a numerator that did (queries of 1e-40
+        against values of 1e-30).  One pass over ``rows``, only for such an ``eps``.  Rows that are 0 in
         float64 too (relu rows with no overlap, causal rows that see no key, values of 0) say
         the same: the caller's float64 call costs time, not a different answer."""
-        return (self.elementwise is not None and eps < _SMALL_EPS and rows.shape[-1] > 0
+        return (self.elementwise is not None and eps < _SMALL_EPS
                 and not rows.any(axis=-1).all())
 
     def _forward_wide(self, module, feats, q, k, v, causal, eps, S0, z0):

@@ -21,6 +21,7 @@
 #   SSE2 one, picked at load time (glibc ifunc), so the build stays portable.
 #   FASTATTN_NO_CLONES turns it off.
 from cython cimport floating
+from libc.math cimport NAN, isinf
 
 cdef extern from *:
     """
@@ -195,6 +196,14 @@ cdef extern from *:
     int fastattn_all_finite_d(const double *x, long n) nogil
     void fastattn_feature_map_f(const float *x, long n, float *out, int relu) nogil
     void fastattn_feature_map_d(const double *x, long n, double *out, int relu) nogil
+
+
+cdef inline floating row_scale(floating den) noexcept nogil:
+    """Linear attention's row scale ``1 / den``: 0 where ``den`` is exactly 0 (relu with
+    ``eps = 0``: the row becomes ``row * 0``), NaN where it overflowed (the row NaN, never a
+    finite ``row / inf`` that looks like an answer: a float32 call is then made again in
+    float64), as the reference's ``_normalise``."""
+    return 0 if den == 0 else (<floating> NAN if isinf(den) else 1 / den)
 
 
 cdef inline floating fexp(floating x) noexcept nogil:

@@ -44,7 +44,7 @@ import numpy as np
 cimport numpy as cnp
 from cython cimport floating
 from libc.limits cimport INT_MAX
-from libc.math cimport NAN, isfinite, isinf
+from libc.math cimport isfinite
 from libc.stdlib cimport free, malloc
 from cython.parallel cimport parallel, prange, threadid
 
@@ -54,7 +54,7 @@ from fastattn._cython._microkernel cimport (
     fastattn_microkernel_isa, simd_rows, query_scores, query_values, query_attend,
 )
 from fastattn._cython._online cimport online_softmax_row
-from fastattn._cython._vmath cimport feature_map, fexp
+from fastattn._cython._vmath cimport feature_map, fexp, row_scale
 
 cnp.import_array()
 
@@ -595,10 +595,7 @@ cdef void _step(const floating *q, const floating *k, const floating *v,
         for c in range(d_v):
             srow[c] = s0row[c] + fk * v[c]
             out[c] = out[c] + fq * srow[c]
-    den = den + eps
-    # A zero denominator (relu with eps = 0) gives a zero row, an overflowed one a NaN
-    # row, as the reference and linear._scales do.
-    fq = 0 if den == 0 else (<floating> NAN if isinf(den) else 1 / den)
+    fq = row_scale(den + eps)   # 0 for a zero denominator, NaN for one that overflowed
     for c in range(d_v):
         out[c] = out[c] * fq
 

@@ -38,7 +38,7 @@ from fastattn._cython._aligned import aligned_empty
 from cython cimport floating
 from cython.parallel cimport parallel, prange, threadid
 
-from libc.math cimport NAN, isinf, log, sqrt
+from libc.math cimport log, sqrt
 from libc.string cimport memcpy, memset
 
 from fastattn._cython._blas cimport gemm
@@ -46,7 +46,7 @@ from fastattn._cython._microkernel cimport (
     products_isa,
     FASTATTN_MICROKERNEL, simd_rows, pack_keys, query_scores, scores,
 )
-from fastattn._cython._vmath cimport all_finite, exp_sum, row_max
+from fastattn._cython._vmath cimport all_finite, exp_sum, row_max, row_scale
 from fastattn._cython._vmath cimport feature_map as _feature_map
 
 #: Rows per chunk: the width of the causal diagonal term and of the buffers.
@@ -315,14 +315,11 @@ cdef inline void _mask_diagonal(floating *a, int lda, int rows, const int *seen,
 
 
 cdef inline void _scales(floating *den, int rows, floating eps) noexcept nogil:
-    """``den[r] = 1 / (den[r] + eps)`` in place: 0 where that denominator is exactly 0
-    (its row becomes ``row * 0``), NaN where it overflowed (its row NaN, never a finite
-    ``row / inf`` that looks like an answer: a float32 call is then made again in float64)."""
+    """``den[r] = 1 / (den[r] + eps)`` in place, as :func:`row_scale` gives it (0 for a
+    denominator of exactly 0, NaN for one that overflowed)."""
     cdef int r
-    cdef floating x
     for r in range(rows):
-        x = den[r] + eps
-        den[r] = 0 if x == 0 else (<floating> NAN if isinf(x) else 1 / x)
+        den[r] = row_scale(den[r] + eps)
 
 
 cdef inline void _scale_rows(floating *o, int rows, int d_v, const floating *scale) noexcept nogil:

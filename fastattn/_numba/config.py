@@ -10,9 +10,10 @@ functions.  It deliberately leaves out ``nnan`` and ``ninf``: masks produce
 "no inf/NaN" may fold the very comparisons that handle them.
 
 Numba's disk cache keys a kernel on its own source file only: after editing a
-module a kernel uses (this one, ``_exp``, ``_online``), delete the kernels'
-caches (``*.nbi``/``*.nbc`` under ``fastattn/_numba/__pycache__``, or under
-``NUMBA_CACHE_DIR``) or they keep the old code.
+module a kernel uses (this one, ``_exp``, ``_online``, ``linear.row_scale``),
+delete the kernels' caches (``*.nbi``/``*.nbc`` under
+``fastattn/_numba/__pycache__``, or under ``NUMBA_CACHE_DIR``) or they keep the
+old code.
 """
 
 import numba

@@ -32,6 +32,7 @@ from .._overflow import kernel_query
 from .._policy import split_count
 from .config import JIT_PARALLEL, JIT_SERIAL, SPLIT_KEYS_BLOCK_K
 from ._exp import fast_exp_nonpositive
+from .linear import row_scale
 from ._online import online_softmax_block
 from ._threads import get_num_threads, launch
 
@@ -211,10 +212,7 @@ def _recurrent_step(q, k, v, relu, eps, nan, S0, z0):
             for c in range(d_v):
                 S[b, a, c] = S0[b, a, c] + fk * v[b, 0, c]
                 out[b, 0, c] += fq * S[b, a, c]
-        den += eps
-        # A zero denominator (relu with eps = 0) gives a zero row, an overflowed one a NaN
-        # row, as the reference (a NaN passed in, as linear.chunk_outputs reads one).
-        r = zero if den == zero else (nan if np.isinf(den) else 1 / den)
+        r = row_scale(den + eps, 1, zero, nan)   # 1 / den in float64, as it always was
         for c in range(d_v):
             out[b, 0, c] *= r
     return out, S, z

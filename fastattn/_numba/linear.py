@@ -46,6 +46,18 @@ FEATURE_BLOCK = 128
 
 
 @njit(**JIT_SERIAL)
+def row_scale(d, one, zero, nan):
+    """Linear attention's row scale ``one / d``: ``zero`` where the denominator ``d`` is
+    exactly 0 (relu with eps = 0: the row becomes ``row * 0``), ``nan`` where it overflowed
+    (the row NaN, never a finite ``row / inf`` that looks like an answer), as the
+    reference's ``_normalise``.  The NaN is passed in: a ``d - d`` formed here came out 0
+    under the kernels' fast-math flags."""
+    if d == zero:
+        return zero
+    return nan if np.isinf(d) else one / d
+
+
+@njit(**JIT_SERIAL)
 def _feature_map(x, out, code, one, zero):
     """``out = φ(x)`` for a 2-D block: ``elu(x) + 1`` (code 0), ``max(x, 0)``
     (code 1) or ``x`` (code 2, features computed beforehand).
@@ -327,16 +339,9 @@ def chunk_outputs(q, k, v, bounds, first_chunk_segment, causal, code, consts, c,
                             for col in range(d_v):
                                 num[i, col] += a * vc[j, col]
         for i in range(rows):
-            d = den[i] + eps
-            if d != zero:
-                # An overflowed denominator makes a NaN row, as the reference (a NaN read
-                # from consts: `d - d` formed here came out 0 under the fast-math flags).
-                r = nan if np.isinf(d) else one / d
-                for col in range(d_v):
-                    out[b, i0 + i, col] = num[i, col] * r
-            else:
-                for col in range(d_v):
-                    out[b, i0 + i, col] = num[i, col] * zero
+            r = row_scale(den[i] + eps, one, zero, nan)
+            for col in range(d_v):
+                out[b, i0 + i, col] = num[i, col] * r
     return out
 
 
